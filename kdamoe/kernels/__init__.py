@@ -1,0 +1,6 @@
+"""Triton kernels for kdamoe (optional fast path).
+
+Imports only torch and triton, so the package works on an image with an older transformers.
+Each kernel family is a sub-package: ``kda`` (chunked / recurrent Kimi Delta Attention) and
+``moe`` (Quantile-Balanced routing and grouped-GEMM SiTU-GLU experts).
+"""
