@@ -1,0 +1,92 @@
+"""Float64 naive recurrence for Kimi Delta Attention (KDA), the ground truth of the kernel tests.
+
+Source: Kimi Linear report §3, Eq. 1 (gated delta rule with a per-channel decay; Yang et al.,
+"Gated Delta Networks"). Per head, with state ``S ∈ R^{K×V}``::
+
+    S_t = (I − β_t k_t k_tᵀ) · Diag(exp(g_t)) · S_{t−1} + β_t k_t v_tᵀ
+    o_t = S_tᵀ (scale · q_t)
+
+Written as a plain per-token loop with the explicit ``K×K`` transition matrix, so that it shares no
+algebra with the chunked kernels it checks. Everything is computed in float64.
+"""
+
+import torch
+
+
+def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                        cu_seqlens=None):
+    """Reference KDA by explicit recurrence, in float64.
+
+    Args:
+        q, k: ``[B, T, H, K]`` queries / keys (any float dtype; used as given, no L2 norm).
+        v: ``[B, T, H, V]`` values.
+        g: ``[B, T, H, K]`` per-channel log decay (``exp(g)`` is the decay; normally in ``[lb, 0]``).
+        beta: ``[B, T, H]`` delta-rule step size.
+        scale: query scale; ``None`` means ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]`` state before the first token of each sequence, or None (zeros).
+        output_final_state: also return the state after the last token of each sequence.
+        cu_seqlens: int ``[N+1]`` cumulative sequence lengths (FlashAttention convention; needs B == 1).
+            Each sequence starts from its own initial state.
+
+    Returns:
+        ``(o, final_state)``: ``o`` ``[B, T, H, V]`` float64, ``final_state`` ``[N, H, K, V]`` float64
+        or None.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if scale is None:
+        scale = K ** -0.5
+    q, k, v, g, beta = (x.detach().to(torch.float64) for x in (q, k, v, g, beta))
+    if cu_seqlens is None:
+        # every batch row is one sequence
+        segments = [(b, 0, T) for b in range(B)]
+    else:
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs B == 1, got B={B}")
+        bounds = [int(x) for x in cu_seqlens.tolist()]
+        segments = [(0, bounds[n], bounds[n + 1]) for n in range(len(bounds) - 1)]
+    N = len(segments)
+    o = torch.zeros(B, T, H, V, dtype=torch.float64, device=q.device)
+    final = torch.zeros(N, H, K, V, dtype=torch.float64, device=q.device)
+    eye = torch.eye(K, dtype=torch.float64, device=q.device)
+    for n, (b, start, end) in enumerate(segments):
+        for h in range(H):
+            if initial_state is not None:
+                S = initial_state[n, h].detach().to(torch.float64).clone()
+            else:
+                S = torch.zeros(K, V, dtype=torch.float64, device=q.device)
+            for t in range(start, end):
+                kt = k[b, t, h]
+                bt = beta[b, t, h]
+                # explicit transition (I − β k kᵀ) · Diag(exp g)
+                transition = (eye - bt * torch.outer(kt, kt)) @ torch.diag(torch.exp(g[b, t, h]))
+                S = transition @ S + bt * torch.outer(kt, v[b, t, h])
+                o[b, t, h] = S.T @ (scale * q[b, t, h])
+            final[n, h] = S
+    return o, (final if output_final_state else None)
+
+
+def kda_gate_reference(f, A_log, dt_bias, lower_bound=-5.0):
+    """Lower-bounded KDA gate in float64: ``g = lb · sigmoid(exp(A_log) · (f + dt_bias))``.
+
+    Args:
+        f: ``[B, T, H, K]`` raw gate input.
+        A_log: ``[H]`` or None (None means a factor of 1).
+        dt_bias: ``[H*K]`` or None (zeros).
+        lower_bound: ``lb < 0``.
+
+    Returns:
+        ``g`` ``[B, T, H, K]`` float64 in ``[lb, 0]``.
+    """
+    B, T, H, K = f.shape
+    x = f.to(torch.float64)
+    if dt_bias is not None:
+        x = x + dt_bias.to(torch.float64).view(H, K)
+    if A_log is not None:
+        x = x * torch.exp(A_log.to(torch.float64)).view(H, 1)
+    return lower_bound * torch.sigmoid(x)
+
+
+def l2norm_reference(x, eps=1e-6):
+    """``x * rsqrt(sum(x²) + eps)`` over the last dimension, in the input's dtype."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
