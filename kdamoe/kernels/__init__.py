@@ -4,3 +4,5 @@ Imports only torch and triton, so the package works on an image with an older tr
 Each kernel family is a sub-package: ``kda`` (chunked / recurrent Kimi Delta Attention) and
 ``moe`` (Quantile-Balanced routing and grouped-GEMM SiTU-GLU experts).
 """
+
+from .moe import moe_experts, moe_route  # noqa: E402,F401

@@ -1,0 +1,226 @@
+"""Routed experts as grouped GEMMs with a fused GLU epilogue: public ``moe_experts`` and its autograd."""
+
+import math
+
+import torch
+import triton
+
+from ..utils import is_interpreter
+from .activation import ACTIVATIONS
+from .grouped_gemm import _combine_kernel, _gate_up_fwd_kernel, _rows_gemm_kernel, _wgrad_kernel
+from .permute import expert_permutation, tile_offsets
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _block_m(num_rows: int, num_experts: int) -> int:
+    if is_interpreter():
+        return 16
+    return 128 if num_rows >= 192 * num_experts else 64
+
+
+def _prec(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _log2(n):
+    return max(1, math.ceil(math.log2(max(n, 2)))) + 1
+
+
+def _check_device(*tensors):
+    dev = tensors[0].device
+    for t in tensors:
+        if t.device != dev:
+            raise ValueError(f"moe_experts: all tensors must be on one device, got {t.device} and {dev}")
+    if dev.type != "cuda" and not is_interpreter():
+        raise ValueError(f"moe_experts: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got device {dev}")
+
+
+def _validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moe_experts: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    for name, t in (("hidden_states", hidden_states), ("top_k_index", top_k_index), ("top_k_weights", top_k_weights),
+                    ("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"moe_experts: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden_states.dim() != 2:
+        raise ValueError(f"moe_experts: hidden_states must be [N, hidden], got shape {tuple(hidden_states.shape)}")
+    if hidden_states.dtype not in _FLOATS:
+        raise ValueError(f"moe_experts: hidden_states dtype must be float16/bfloat16/float32, got {hidden_states.dtype}")
+    n, hid = hidden_states.shape
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != n:
+        raise ValueError(f"moe_experts: top_k_index must be [N={n}, k], got shape {tuple(top_k_index.shape)}")
+    if top_k_index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"moe_experts: top_k_index dtype must be int32 or int64, got {top_k_index.dtype}")
+    k = top_k_index.shape[1]
+    if k < 1 or k > 64:
+        raise ValueError(f"moe_experts: top_k must be in [1, 64], got {k}")
+    if tuple(top_k_weights.shape) != (n, k):
+        raise ValueError(f"moe_experts: top_k_weights must be [N, k] = {(n, k)}, got {tuple(top_k_weights.shape)}")
+    if top_k_weights.dtype not in _FLOATS:
+        raise ValueError(f"moe_experts: top_k_weights must be a float tensor, got {top_k_weights.dtype}")
+    if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != hid or gate_up_proj.shape[1] % 2:
+        raise ValueError(f"moe_experts: gate_up_proj must be [E, 2I, hidden={hid}], got {tuple(gate_up_proj.shape)}")
+    e, two_i, _ = gate_up_proj.shape
+    inter = two_i // 2
+    if tuple(down_proj.shape) != (e, hid, inter):
+        raise ValueError(f"moe_experts: down_proj must be [E, hidden, I] = {(e, hid, inter)}, "
+                         f"got {tuple(down_proj.shape)}")
+    if gate_up_proj.dtype != hidden_states.dtype or down_proj.dtype != hidden_states.dtype:
+        raise ValueError(f"moe_experts: gate_up_proj ({gate_up_proj.dtype}) and down_proj ({down_proj.dtype}) must "
+                         f"have the dtype of hidden_states ({hidden_states.dtype})")
+    if e < 1 or inter < 1 or hid < 1:
+        raise ValueError(f"moe_experts: empty expert weights {tuple(gate_up_proj.shape)}")
+    _check_device(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    if n > 0:
+        bad = ((top_k_index < 0) | (top_k_index > e)).any()
+        if bool(bad):
+            raise ValueError(f"moe_experts: top_k_index values must lie in [0, num_experts={e}] "
+                             f"(== {e} means skipped), got min {int(top_k_index.min())} max {int(top_k_index.max())}")
+
+
+class _Plan:
+    """Permutation and tile schedule shared by forward and backward."""
+
+    def __init__(self, top_k_index, num_experts):
+        self.n, self.k = top_k_index.shape
+        self.m = self.n * self.k
+        self.e = num_experts
+        self.order, counts, self.row_offs = expert_permutation(top_k_index, num_experts)
+        self.bm = _block_m(self.m, num_experts)
+        self.tile_offs = tile_offsets(counts, self.bm)
+        self.max_tiles = triton.cdiv(self.m, self.bm) + num_experts
+        self.log2e = _log2(num_experts)
+
+
+def _rows_gemm(plan, a, b, out, w, h, dw, n_out, k_dim, stride_am, stride_be, stride_bk, stride_bn,
+               gather_a, scale, epilogue, act, betas, prec):
+    grid = lambda meta: (plan.max_tiles * triton.cdiv(n_out, meta["BN"]),)  # noqa: E731
+    _rows_gemm_kernel[grid](
+        a, b, plan.order, plan.tile_offs, plan.row_offs, out, w, h, dw,
+        plan.e, n_out, k_dim, plan.k, stride_am, stride_be, stride_bk, stride_bn, betas[0], betas[1],
+        GATHER_A=gather_a, SCALE=scale, EPILOGUE=epilogue, ACT=act, LOG2_E=plan.log2e, PREC=prec, BM=plan.bm,
+    )
+
+
+def _wgrad(plan, a, b, w, out, p, q, stride_am, stride_bm, gather_a, gather_b, scale_a, prec):
+    grid = lambda meta: (plan.e * triton.cdiv(p, meta["BP"]) * triton.cdiv(q, meta["BQ"]),)  # noqa: E731
+    _wgrad_kernel[grid](
+        a, b, plan.order, plan.row_offs, w, out, plan.e, p, q, plan.k, stride_am, stride_bm,
+        GATHER_A=gather_a, GATHER_B=gather_b, SCALE_A=scale_a, PREC=prec,
+    )
+
+
+def _combine(y, top_k_index, out, num_experts):
+    n, hid = out.shape
+    bt, bl = (16, 16) if is_interpreter() else (16, 256)
+    grid = (triton.cdiv(n, bt), triton.cdiv(hid, bl))
+    _combine_kernel[grid](y, top_k_index, out, n, hid, num_experts, TOPK=top_k_index.shape[1], BT=bt, BL=bl,
+                          num_warps=4)
+
+
+class MoEExpertsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act, beta1, beta2):
+        x = hidden_states.contiguous()
+        idx = top_k_index.contiguous()
+        w = top_k_weights.contiguous()
+        w1 = gate_up_proj.contiguous()
+        w2 = down_proj.contiguous()
+        n, hid = x.shape
+        e, two_i, _ = w1.shape
+        inter = two_i // 2
+        plan = _Plan(idx, e)
+        dt = x.dtype
+        prec = _prec(dt)
+        save_h = torch.is_grad_enabled() or any(ctx.needs_input_grad)
+        g = torch.empty(plan.m, inter, device=x.device, dtype=dt)
+        h = torch.empty(plan.m if save_h else 1, two_i, device=x.device, dtype=dt)
+        grid = lambda meta: (plan.max_tiles * triton.cdiv(inter, meta["BN"]),)  # noqa: E731
+        _gate_up_fwd_kernel[grid](
+            x, w1, plan.order, plan.tile_offs, plan.row_offs, g, h, e, inter, hid, plan.k, beta1, beta2,
+            ACT=act, SAVE_H=save_h, LOG2_E=plan.log2e, PREC=prec, BM=plan.bm,
+        )
+        y = torch.empty(plan.m, hid, device=x.device, dtype=dt)
+        dummy = torch.zeros(1, device=x.device, dtype=torch.float32)
+        _rows_gemm(plan, g, w2, y, w, dummy, dummy, hid, inter, inter, hid * inter, 1, inter,
+                   gather_a=False, scale=True, epilogue=0, act=act, betas=(beta1, beta2), prec=prec)
+        out = torch.empty(n, hid, device=x.device, dtype=dt)
+        _combine(y, idx, out, e)
+        ctx.save_for_backward(x, idx, w, w1, w2, g, h)
+        ctx.plan = plan
+        ctx.act = act
+        ctx.betas = (beta1, beta2)
+        ctx.w_dtype = top_k_weights.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, idx, w, w1, w2, g, h = ctx.saved_tensors
+        plan = ctx.plan
+        n, hid = x.shape
+        e, two_i, _ = w1.shape
+        inter = two_i // 2
+        dt = x.dtype
+        prec = _prec(dt)
+        dout = dout.to(dt).contiguous()
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        need_w1, need_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        dummy = torch.zeros(1, device=x.device, dtype=torch.float32)
+        # ∂h (sorted rows) and ∂w (per flat slot) from ∂out @ W2 with the GLU derivative in the epilogue
+        dw = torch.zeros(plan.m, device=x.device, dtype=torch.float32)
+        dh = torch.empty(plan.m, two_i, device=x.device, dtype=dt)
+        _rows_gemm(plan, dout, w2, dh, w, h, dw, inter, hid, hid, hid * inter, inter, 1,
+                   gather_a=True, scale=False, epilogue=1, act=ctx.act, betas=ctx.betas, prec=prec)
+        dx = dw1 = dw2 = None
+        if need_x:
+            y = torch.empty(plan.m, hid, device=x.device, dtype=dt)
+            _rows_gemm(plan, dh, w1, y, w, dummy, dummy, hid, two_i, two_i, two_i * hid, hid, 1,
+                       gather_a=False, scale=False, epilogue=0, act=ctx.act, betas=ctx.betas, prec=prec)
+            dx = torch.empty(n, hid, device=x.device, dtype=dt)
+            _combine(y, idx, dx, e)
+        if need_w1:
+            dw1 = torch.empty_like(w1)
+            _wgrad(plan, dh, x, w, dw1, two_i, hid, two_i, hid, gather_a=False, gather_b=True, scale_a=False,
+                   prec=prec)
+        if need_w2:
+            dw2 = torch.empty_like(w2)
+            _wgrad(plan, dout, g, w, dw2, hid, inter, hid, inter, gather_a=True, gather_b=False, scale_a=True,
+                   prec=prec)
+        dweights = dw.view(n, plan.k).to(ctx.w_dtype) if need_w else None
+        return dx, None, dweights, dw1, dw2, None, None, None
+
+
+def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation="situ",
+                situ_beta=4.0, situ_linear_beta=25.0):
+    """Routed experts with the weighted combine: ``out[t] = Σ_j w[t,j] · E_{idx[t,j]}(x[t])``.
+
+    ``E_e(x) = down_proj[e] @ GLU(gate_up_proj[e, :I] @ x, gate_up_proj[e, I:] @ x)`` with
+    SiTU-GLU ``GLU(a, b) = [β1·tanh(a/β1)·σ(a)] ⊙ [β2·tanh(b/β2)]`` (Kimi K3 report §2.3; β1 = ``situ_beta``,
+    β2 = ``situ_linear_beta``) or SwiGLU ``silu(a)·b`` (``activation="silu"``). Expert layout follows
+    transformers / LatentMoE (arXiv:2601.18089): the experts act on the latent width ℓ.
+
+    Args:
+        hidden_states: [N, ℓ] float16 / bfloat16 / float32 (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+        top_k_index: [N, k] int32/int64 expert ids in [0, E]; ``E`` (== num_experts) marks a slot owned by
+            another rank (expert parallelism): it contributes nothing and gets zero weight gradient.
+        top_k_weights: [N, k] float routing weights (any float dtype; its gradient has the same dtype).
+        gate_up_proj: [E, 2I, ℓ], dtype of ``hidden_states``: gate rows ``[:I]`` then up rows ``[I:]``.
+        down_proj: [E, ℓ, I], dtype of ``hidden_states``.
+        activation: ``"situ"`` or ``"silu"``.
+        situ_beta, situ_linear_beta: β1, β2 of SiTU-GLU (ignored for ``"silu"``).
+
+    Returns:
+        [N, ℓ] in the dtype of ``hidden_states``. Differentiable w.r.t. ``hidden_states``, ``top_k_weights``,
+        ``gate_up_proj`` and ``down_proj`` (GEMMs accumulate in float32; the activation is evaluated in float32).
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices, activation, or index values outside [0, E] (the last check
+            synchronises with the device once per call).
+    """
+    _validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+    if hidden_states.shape[0] == 0:
+        return hidden_states.new_zeros(hidden_states.shape) + 0.0 * top_k_weights.sum() \
+            + 0.0 * gate_up_proj.sum() + 0.0 * down_proj.sum()
+    return MoEExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                    ACTIVATIONS[activation], float(situ_beta), float(situ_linear_beta))

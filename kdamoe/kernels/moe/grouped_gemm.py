@@ -1,0 +1,239 @@
+"""Grouped GEMM kernels for routed experts (rows grouped by expert, see ``permute.py``).
+
+Row ``r`` of the sorted order is one (token, slot) pair ``flat = order[r]`` (``flat = t·k + j``) routed to
+expert ``e``; experts own the contiguous row ranges ``row_offs[e] : row_offs[e+1]``. A row tile of
+``BM`` rows never straddles two experts: ``tile_offs[e] = Σ_{e'<e} ceil(count_e'/BM)`` and each program
+finds its expert by binary search over ``tile_offs`` (no host synchronisation, zero-token experts own
+zero tiles). Tokens are gathered by index inside the A-operand loads, so no permuted copy of the
+activations is ever written.
+
+Kernels (per expert e, W1 = gate_up_proj[e] [2I, ℓ], W2 = down_proj[e] [ℓ, I]):
+  gate_up_fwd : h = x[tok] @ W1ᵀ, g = GLU(h[:, :I], h[:, I:])           (activation in the epilogue)
+  rows_gemm   : C = A[rows] @ B_e with three epilogues
+                  STORE  — scale by the routing weight (optional) and store at row ``flat``
+                           (forward down projection with the weighted combine, backward ∂x per slot)
+                  DGLU   — ∂g = w·(∂out[tok] @ W2); ∂w += Σ_i (∂out[tok] @ W2)_i g_i; ∂h = GLU'(h)·∂g
+  wgrad       : ∂W_e = Σ_{r∈e} A[r]ᵀ B[r]   (K loop over the expert's rows)
+  combine     : out[t] = Σ_{j: index[t,j] < E} Y[t·k + j]
+Sources: LatentMoE (arXiv:2601.18089) for the expert layout; Kimi K3 report §2.3 for SiTU-GLU.
+"""
+
+import triton
+import triton.language as tl
+
+from ..utils import autotune, is_interpreter
+from .activation import glu_backward, glu_forward
+
+
+def _cfgs(gpu):
+    if is_interpreter():
+        return [triton.Config({"BN": 16, "BK": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config(c, num_warps=w, num_stages=s) for c, w, s in gpu]
+
+
+@triton.jit
+def _locate_tile(tile, tile_offs_ptr, row_offs_ptr, E, LOG2_E: tl.constexpr, BM: tl.constexpr):
+    # largest e with tile_offs[e] <= tile  (invariant: tile_offs[lo] <= tile < tile_offs[hi])
+    lo = tile * 0
+    hi = lo + E
+    for _ in tl.static_range(LOG2_E):
+        mid = (lo + hi) // 2
+        v = tl.load(tile_offs_ptr + mid)
+        go = v <= tile
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    e = lo
+    row_start = tl.load(row_offs_ptr + e) + (tile - tl.load(tile_offs_ptr + e)) * BM
+    row_end = tl.load(row_offs_ptr + e + 1)
+    return e, row_start, row_end
+
+
+# ----------------------------------------------------------------------------------------------
+# forward: gate/up projection with the GLU activation in the epilogue
+# ----------------------------------------------------------------------------------------------
+@autotune(
+    configs=_cfgs([({"BN": 128, "BK": 64}, 8, 4), ({"BN": 64, "BK": 64}, 4, 4), ({"BN": 128, "BK": 64}, 8, 3)]),
+    key=["I", "L", "BM"],
+)
+@triton.jit
+def _gate_up_fwd_kernel(
+    x_ptr, w_ptr, order_ptr, tile_offs_ptr, row_offs_ptr, g_ptr, h_ptr,
+    E, I, L, TOPK, beta1, beta2,
+    ACT: tl.constexpr, SAVE_H: tl.constexpr, LOG2_E: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(I, BN)
+    tile = pid // num_n
+    pid_n = pid % num_n
+    if tile < tl.load(tile_offs_ptr + E):
+        e, row_start, row_end = _locate_tile(tile, tile_offs_ptr, row_offs_ptr, E, LOG2_E, BM)
+        rows = row_start + tl.arange(0, BM)
+        rmask = rows < row_end
+        flat = tl.load(order_ptr + rows, mask=rmask, other=0)
+        tok = (flat // TOPK).to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        nmask = offs_n < I
+        offs_k = tl.arange(0, BK)
+        a_ptrs = x_ptr + tok[:, None] * L + offs_k[None, :]
+        bg_ptrs = w_ptr + e.to(tl.int64) * (2 * I * L) + offs_n[None, :].to(tl.int64) * L + offs_k[:, None]
+        bu_ptrs = bg_ptrs + I * L
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, L, BK):
+            kmask = (k0 + offs_k) < L
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            bg = tl.load(bg_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            bu = tl.load(bu_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            acc_g = tl.dot(a, bg, acc_g, input_precision=PREC)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=PREC)
+            a_ptrs += BK
+            bg_ptrs += BK
+            bu_ptrs += BK
+        g = glu_forward(acc_g, acc_u, ACT, beta1, beta2)
+        omask = rmask[:, None] & nmask[None, :]
+        rows64 = rows.to(tl.int64)
+        tl.store(g_ptr + rows64[:, None] * I + offs_n[None, :], g.to(g_ptr.dtype.element_ty), mask=omask)
+        if SAVE_H:
+            h_ptrs = h_ptr + rows64[:, None] * (2 * I) + offs_n[None, :]
+            tl.store(h_ptrs, acc_g.to(h_ptr.dtype.element_ty), mask=omask)
+            tl.store(h_ptrs + I, acc_u.to(h_ptr.dtype.element_ty), mask=omask)
+
+
+# ----------------------------------------------------------------------------------------------
+# C = A[rows] @ B_e with a STORE (0) or DGLU (1) epilogue
+# ----------------------------------------------------------------------------------------------
+@autotune(
+    configs=_cfgs([({"BN": 128, "BK": 64}, 8, 4), ({"BN": 128, "BK": 32}, 4, 4), ({"BN": 64, "BK": 64}, 4, 4)]),
+    key=["N_OUT", "K_DIM", "BM", "EPILOGUE"],
+    reset_to_zero=["dw_ptr"],
+)
+@triton.jit
+def _rows_gemm_kernel(
+    a_ptr, b_ptr, order_ptr, tile_offs_ptr, row_offs_ptr, out_ptr, w_ptr,
+    h_ptr, dw_ptr,
+    E, N_OUT, K_DIM, TOPK, stride_am, stride_be, stride_bk, stride_bn, beta1, beta2,
+    GATHER_A: tl.constexpr, SCALE: tl.constexpr, EPILOGUE: tl.constexpr, ACT: tl.constexpr,
+    LOG2_E: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N_OUT, BN)
+    tile = pid // num_n
+    pid_n = pid % num_n
+    if tile < tl.load(tile_offs_ptr + E):
+        e, row_start, row_end = _locate_tile(tile, tile_offs_ptr, row_offs_ptr, E, LOG2_E, BM)
+        rows = row_start + tl.arange(0, BM)
+        rmask = rows < row_end
+        flat = tl.load(order_ptr + rows, mask=rmask, other=0)
+        if GATHER_A:
+            src = (flat // TOPK).to(tl.int64)
+        else:
+            src = rows.to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        nmask = offs_n < N_OUT
+        offs_k = tl.arange(0, BK)
+        a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = (b_ptr + e.to(tl.int64) * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+                  + offs_k[:, None].to(tl.int64) * stride_bk)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K_DIM, BK):
+            kmask = (k0 + offs_k) < K_DIM
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+            a_ptrs += BK
+            b_ptrs += BK * stride_bk
+        omask = rmask[:, None] & nmask[None, :]
+        if EPILOGUE == 0:
+            if SCALE:
+                wv = tl.load(w_ptr + flat, mask=rmask, other=0.0).to(tl.float32)
+                acc = acc * wv[:, None]
+            out_ptrs = out_ptr + flat.to(tl.int64)[:, None] * N_OUT + offs_n[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+        else:
+            # acc = ∂out[tok] @ W2_e  (unweighted); N_OUT = I
+            rows64 = rows.to(tl.int64)
+            h_ptrs = h_ptr + rows64[:, None] * (2 * N_OUT) + offs_n[None, :]
+            ha = tl.load(h_ptrs, mask=omask, other=0.0).to(tl.float32)
+            hb = tl.load(h_ptrs + N_OUT, mask=omask, other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + flat, mask=rmask, other=0.0).to(tl.float32)
+            g, da, db = glu_backward(ha, hb, acc * wv[:, None], ACT, beta1, beta2)
+            tl.atomic_add(dw_ptr + flat, tl.sum(acc * g, axis=1), mask=rmask)
+            dh_ptrs = out_ptr + rows64[:, None] * (2 * N_OUT) + offs_n[None, :]
+            tl.store(dh_ptrs, da.to(out_ptr.dtype.element_ty), mask=omask)
+            tl.store(dh_ptrs + N_OUT, db.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+# ----------------------------------------------------------------------------------------------
+# weight gradients: out[e, p, q] = Σ_{r ∈ rows of e} s_r · A[srcA(r), p] · B[srcB(r), q]
+# ----------------------------------------------------------------------------------------------
+@autotune(
+    configs=_cfgs([({"BP": 128, "BQ": 128, "BK": 64}, 8, 3), ({"BP": 128, "BQ": 64, "BK": 64}, 4, 4),
+                   ({"BP": 64, "BQ": 128, "BK": 64}, 4, 4)]) if not is_interpreter()
+    else [triton.Config({"BP": 16, "BQ": 16, "BK": 16}, num_warps=4, num_stages=1)],
+    key=["P", "Q", "TOPK"],
+)
+@triton.jit
+def _wgrad_kernel(
+    a_ptr, b_ptr, order_ptr, row_offs_ptr, w_ptr, out_ptr,
+    E, P, Q, TOPK, stride_am, stride_bm,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, SCALE_A: tl.constexpr, PREC: tl.constexpr,
+    BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_p = tl.cdiv(P, BP)
+    num_q = tl.cdiv(Q, BQ)
+    e = pid // (num_p * num_q)
+    rem = pid % (num_p * num_q)
+    pid_p = rem // num_q
+    pid_q = rem % num_q
+    row_start = tl.load(row_offs_ptr + e)
+    row_end = tl.load(row_offs_ptr + e + 1)
+    offs_p = pid_p * BP + tl.arange(0, BP)
+    offs_q = pid_q * BQ + tl.arange(0, BQ)
+    pmask = offs_p < P
+    qmask = offs_q < Q
+    acc = tl.zeros((BP, BQ), dtype=tl.float32)
+    for r0 in range(row_start, row_end, BK):
+        rows = r0 + tl.arange(0, BK)
+        rmask = rows < row_end
+        flat = tl.load(order_ptr + rows, mask=rmask, other=0)
+        if GATHER_A:
+            sa = (flat // TOPK).to(tl.int64)
+        else:
+            sa = rows.to(tl.int64)
+        if GATHER_B:
+            sb = (flat // TOPK).to(tl.int64)
+        else:
+            sb = rows.to(tl.int64)
+        a = tl.load(a_ptr + sa[None, :] * stride_am + offs_p[:, None], mask=rmask[None, :] & pmask[:, None], other=0.0)
+        if SCALE_A:
+            wv = tl.load(w_ptr + flat, mask=rmask, other=0.0).to(tl.float32)
+            a = (a.to(tl.float32) * wv[None, :]).to(a_ptr.dtype.element_ty)
+        b = tl.load(b_ptr + sb[:, None] * stride_bm + offs_q[None, :], mask=rmask[:, None] & qmask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+    out_ptrs = out_ptr + e.to(tl.int64) * P * Q + offs_p[:, None].to(tl.int64) * Q + offs_q[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & qmask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# combine: out[t] = Σ_j [index[t, j] < E] · Y[t·k + j]
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _combine_kernel(y_ptr, idx_ptr, out_ptr, N, L, E, TOPK: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr):
+    pid_t = tl.program_id(0)
+    pid_l = tl.program_id(1)
+    offs_t = pid_t * BT + tl.arange(0, BT)
+    offs_l = pid_l * BL + tl.arange(0, BL)
+    tmask = offs_t < N
+    lmask = offs_l < L
+    acc = tl.zeros((BT, BL), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        flat = offs_t.to(tl.int64) * TOPK + j
+        ex = tl.load(idx_ptr + flat, mask=tmask, other=E)
+        valid = tmask & (ex < E)
+        y = tl.load(y_ptr + flat[:, None] * L + offs_l[None, :], mask=valid[:, None] & lmask[None, :], other=0.0)
+        acc += y.to(tl.float32)
+    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * L + offs_l[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=tmask[:, None] & lmask[None, :])

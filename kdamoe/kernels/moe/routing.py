@@ -1,0 +1,204 @@
+"""Sigmoid Top-(k+1) routing with Quantile-Balancing statistics in one pass: ``moe_route``.
+
+Per token i (Kimi K3 report §2.3; DESIGN.md §1.3, §6; DeepSeek-V3 loss-free balancing for the biased
+selection):
+
+    s_ij = σ(logit_ij)                          (float32)
+    T_i ∪ {c_i} = Top-(k+1)_j (s_ij + b_j)       k dispatched experts T_i, cut-off expert c_i
+    p_ij = c · s_ij / Σ_{r∈T_i} s_ir             gate weights from the UNBIASED scores (c = routed_scaling_factor)
+    α_i = s_{i c_i} + b_{c_i}                    the (k+1)-th biased score
+    r_ij = α_i − s_ij                            QB statistic: expert j is picked when b_j > r_ij
+
+QB histogram: ``num_bins`` uniform bins per expert over ``[min(b) − 1, max(b) + 1]``; bin
+``clamp(floor((r − lo) / width), 0, num_bins − 1)`` evaluated in float64 on the float32 ``r`` — the same
+formula as ``kdamoe.quantile_balancing.qb_histogram``, so both give the same counts for the same ``r``.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import is_interpreter
+from .permute import expert_permutation
+
+QB_NUM_BINS = 1024
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, mask_ptr, idx_ptr, w_ptr, alpha_ptr, hist_ptr, range_ptr,
+    N, E, stride_ln, scaling,
+    TOPK: tl.constexpr, KP: tl.constexpr, HAS_MASK: tl.constexpr, HIST: tl.constexpr, NUM_BINS: tl.constexpr,
+    BT: tl.constexpr, EP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_t = pid * BT + tl.arange(0, BT)
+    offs_e = tl.arange(0, EP)
+    tmask = offs_t < N
+    emask = offs_e < E
+    m2 = tmask[:, None] & emask[None, :]
+    x = tl.load(logits_ptr + offs_t.to(tl.int64)[:, None] * stride_ln + offs_e[None, :], mask=m2, other=0.0)
+    s = 1.0 / (1.0 + tl.exp(-x.to(tl.float32)))
+    b = tl.load(bias_ptr + offs_e, mask=emask, other=0.0)
+    work = tl.where(emask[None, :], s + b[None, :], float("-inf"))
+    cols = tl.arange(0, KP)
+    sel_idx = tl.zeros((BT, KP), dtype=tl.int32)
+    sel_s = tl.zeros((BT, KP), dtype=tl.float32)
+    alpha = tl.zeros((BT,), dtype=tl.float32)
+    for j in tl.static_range(TOPK + 1):
+        mx = tl.max(work, axis=1)
+        am = tl.min(tl.where(work == mx[:, None], offs_e[None, :], EP), axis=1)  # lowest index on ties
+        hit = offs_e[None, :] == am[:, None]
+        if j < TOPK:
+            sj = tl.sum(tl.where(hit, s, 0.0), axis=1)
+            sel_idx = tl.where(cols[None, :] == j, am[:, None], sel_idx)
+            sel_s = tl.where(cols[None, :] == j, sj[:, None], sel_s)
+            work = tl.where(hit, float("-inf"), work)
+        else:
+            alpha = mx
+    wts = scaling * sel_s / tl.sum(sel_s, axis=1)[:, None]
+    kmask = tmask[:, None] & (cols[None, :] < TOPK)
+    out_off = offs_t.to(tl.int64)[:, None] * TOPK + cols[None, :]
+    tl.store(idx_ptr + out_off, sel_idx.to(idx_ptr.dtype.element_ty), mask=kmask)
+    tl.store(w_ptr + out_off, wts, mask=kmask)
+    tl.store(alpha_ptr + offs_t, alpha, mask=tmask)
+    if HIST:
+        valid = m2
+        if HAS_MASK:
+            tok_ok = tl.load(mask_ptr + offs_t, mask=tmask, other=0) != 0
+            valid = valid & tok_ok[:, None]
+        lo = tl.load(range_ptr)
+        width = tl.load(range_ptr + 1)
+        r = (alpha[:, None] - s).to(tl.float64)
+        pos = (r - lo) / width
+        pos = tl.minimum(tl.maximum(pos, 0.0), NUM_BINS - 1.0)  # ≥ 0, so truncation == floor
+        bins = pos.to(tl.int32)
+        ones = tl.full((BT, EP), 1, dtype=tl.int32)
+        tl.atomic_add(hist_ptr + offs_e[None, :] * NUM_BINS + bins, ones, mask=valid)
+
+
+class MoERouting(NamedTuple):
+    """Output of :func:`moe_route` (N tokens, E experts, k = top_k)."""
+
+    top_k_index: torch.Tensor  # [N, k] int64, dispatched experts by descending biased score
+    top_k_weights: torch.Tensor  # [N, k] float32, normalised unbiased scores (differentiable)
+    alpha: torch.Tensor  # [N] float32, (k+1)-th biased score
+    histogram: Optional[torch.Tensor]  # [E, num_bins] int32 QB counts of r = α − s (None if not asked)
+    order: torch.Tensor  # [N·k] int32, flat slots t·k + j grouped by expert (stable)
+    expert_offsets: torch.Tensor  # [E+1] int32, expert e owns order[expert_offsets[e]:expert_offsets[e+1]]
+    tokens_per_expert: torch.Tensor  # [E] int32 load
+
+
+def qb_histogram_range(bias: torch.Tensor, num_bins: int = QB_NUM_BINS) -> torch.Tensor:
+    """``[lo, width]`` float64 on ``bias``'s device: lo = min(b) − 1, width = (max(b) + 1 − lo) / num_bins."""
+    lo = bias.min().double() - 1.0
+    hi = bias.max().double() + 1.0
+    return torch.stack([lo, (hi - lo) / num_bins])
+
+
+class _RouteFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, bias, top_k, scaling, token_mask, histogram, num_bins):
+        n, e = logits.shape
+        x = logits.contiguous()
+        idx = torch.empty(n, top_k, device=x.device, dtype=torch.int64)
+        w = torch.empty(n, top_k, device=x.device, dtype=torch.float32)
+        alpha = torch.empty(n, device=x.device, dtype=torch.float32)
+        hist_on = histogram is not None
+        rng = qb_histogram_range(bias, num_bins) if hist_on else torch.zeros(2, device=x.device, dtype=torch.float64)
+        hist = histogram if hist_on else torch.zeros(1, device=x.device, dtype=torch.int32)
+        mask = token_mask.contiguous() if token_mask is not None else alpha
+        ep = triton.next_power_of_2(e)
+        bt = 4 if is_interpreter() else max(1, min(16, 4096 // ep))
+        _route_kernel[(triton.cdiv(n, bt),)](
+            x, bias.contiguous(), mask, idx, w, alpha, hist, rng, n, e, x.stride(0), float(scaling),
+            TOPK=top_k, KP=triton.next_power_of_2(top_k), HAS_MASK=token_mask is not None, HIST=hist_on,
+            NUM_BINS=num_bins, BT=bt, EP=ep, num_warps=4 if ep <= 256 else 8,
+        )
+        ctx.save_for_backward(x, idx)
+        ctx.scaling = scaling
+        ctx.mark_non_differentiable(idx, alpha)
+        return idx, w, alpha
+
+    @staticmethod
+    def backward(ctx, _didx, dw, _dalpha):
+        # p_j = c·s_j/S, S = Σ_{r∈T} s_r  ⇒  ∂L/∂s_m = (c/S)(∂L/∂p_m − Σ_j ∂L/∂p_j · s_j/S);  ∂s/∂logit = s(1 − s)
+        x, idx = ctx.saved_tensors
+        s = torch.sigmoid(x.gather(1, idx).float())
+        ssum = s.sum(-1, keepdim=True)
+        dw = dw.float()
+        ds = ctx.scaling / ssum * (dw - (dw * s).sum(-1, keepdim=True) / ssum)
+        dlogits = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+        dlogits.scatter_(1, idx, ds * s * (1.0 - s))
+        return dlogits.to(x.dtype), None, None, None, None, None, None
+
+
+def moe_route(router_logits, e_score_correction_bias, top_k, routed_scaling_factor=1.0, token_mask=None,
+              compute_histogram=False, histogram=None, num_bins=QB_NUM_BINS):
+    """Sigmoid router with balancing bias, Top-(k+1) selection, QB histogram and expert permutation.
+
+    Args:
+        router_logits: [N, E] raw router logits, any float dtype (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+        e_score_correction_bias: [E] float32 balancing bias ``b`` (selection only; no gradient).
+        top_k: k dispatched experts per token, ``1 <= k < E`` (QB needs the (k+1)-th score), at most 64.
+        routed_scaling_factor: c in ``p_j = c · s_j / Σ_T s``.
+        token_mask: optional [N] (bool or int); tokens with 0 are routed but left out of the histogram
+            (padding).
+        compute_histogram: gather the QB counts of ``r_ij = α_i − s_ij``.
+        histogram: optional [E, num_bins] int32 tensor to accumulate into (implies ``compute_histogram``);
+            lets micro-batches add up until the next bias update.
+        num_bins: bins per expert over ``[min(b) − 1, max(b) + 1]`` (default 1024).
+
+    Returns:
+        :class:`MoERouting`. ``top_k_weights`` carries the gradient to ``router_logits`` (the selection
+        itself is not differentiable); ``histogram`` is int32 counts (pass ``.double()`` to
+        ``kdamoe.quantile_balancing.quantile_from_histogram`` and its all-reduce).
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices, or ``top_k`` outside ``[1, E − 1]``.
+    """
+    if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2:
+        raise ValueError(f"moe_route: router_logits must be a 2-D tensor [N, E], got "
+                         f"{getattr(router_logits, 'shape', type(router_logits).__name__)}")
+    if not router_logits.dtype.is_floating_point:
+        raise ValueError(f"moe_route: router_logits must be a float tensor, got {router_logits.dtype}")
+    n, e = router_logits.shape
+    if not isinstance(e_score_correction_bias, torch.Tensor) or tuple(e_score_correction_bias.shape) != (e,):
+        raise ValueError(f"moe_route: e_score_correction_bias must be [E={e}], got "
+                         f"{getattr(e_score_correction_bias, 'shape', None)}")
+    if e_score_correction_bias.dtype != torch.float32:
+        raise ValueError(f"moe_route: e_score_correction_bias must be float32, got {e_score_correction_bias.dtype}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k < e or top_k > 64:
+        raise ValueError(f"moe_route: top_k must be an int with 1 <= top_k < num_experts={e} (and <= 64), "
+                         f"got {top_k!r}")
+    if e > 4096:
+        raise ValueError(f"moe_route: at most 4096 experts supported, got {e}")
+    if num_bins < 1:
+        raise ValueError(f"moe_route: num_bins must be positive, got {num_bins}")
+    tensors = [router_logits, e_score_correction_bias]
+    if token_mask is not None:
+        if not isinstance(token_mask, torch.Tensor) or tuple(token_mask.shape) != (n,):
+            raise ValueError(f"moe_route: token_mask must be [N={n}], got {getattr(token_mask, 'shape', None)}")
+        tensors.append(token_mask)
+    if histogram is not None:
+        if (not isinstance(histogram, torch.Tensor) or tuple(histogram.shape) != (e, num_bins)
+                or histogram.dtype != torch.int32 or not histogram.is_contiguous()):
+            raise ValueError(f"moe_route: histogram must be a contiguous int32 [E={e}, {num_bins}] tensor, got "
+                             f"{getattr(histogram, 'dtype', None)} {getattr(histogram, 'shape', None)}")
+        tensors.append(histogram)
+    dev = router_logits.device
+    for t in tensors:
+        if t.device != dev:
+            raise ValueError(f"moe_route: all tensors must be on one device, got {t.device} and {dev}")
+    if dev.type != "cuda" and not is_interpreter():
+        raise ValueError(f"moe_route: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got device {dev}")
+    if compute_histogram and histogram is None:
+        histogram = torch.zeros(e, num_bins, device=dev, dtype=torch.int32)
+    if token_mask is not None and token_mask.dtype == torch.bool:
+        token_mask = token_mask.to(torch.int32)
+    idx, w, alpha = _RouteFunction.apply(router_logits, e_score_correction_bias.detach(), top_k,
+                                         float(routed_scaling_factor), token_mask, histogram, num_bins)
+    order, counts, offs = expert_permutation(idx, e)
+    return MoERouting(idx, w, alpha, histogram, order, offs, counts)
