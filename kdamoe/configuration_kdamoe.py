@@ -1,0 +1,255 @@
+"""Configuration of the KDA + MLA + Stable LatentMoE hybrid (model_type ``"kda_moe"``)."""
+
+import math
+
+from transformers.configuration_utils import PreTrainedConfig
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+ROUTER_BIAS_UPDATES = ("quantile", "sign", "none")
+HIDDEN_ACTS = ("situ", "silu")
+KERNEL_BACKENDS = ("auto", "triton", "torch")
+
+
+class KDAMoEConfig(PreTrainedConfig):
+    r"""
+    Configuration for [`KDAMoEModel`] / [`KDAMoEForCausalLM`]. The defaults give a small model that
+    trains on a CPU; the architecture is described in DESIGN.md §1 (Kimi Linear report; Kimi K3 report
+    §2.3; LatentMoE, arXiv:2601.18089; Attention Residuals, arXiv:2603.15031).
+
+    Args:
+        vocab_size (`int`, defaults to 4096): number of token ids.
+        hidden_size (`int`, defaults to 256): width `d` of the residual stream.
+        num_hidden_layers (`int`, defaults to 4): number of decoder layers.
+        layer_types (`list[str]`, *optional*): per layer, `"linear_attention"` (KDA) or
+            `"full_attention"` (MLA with no positional encoding). Default: every 4th layer is full
+            attention (3:1 KDA:MLA), counting from 1.
+        num_attention_heads (`int`, defaults to 4): MLA heads.
+        kv_lora_rank (`int`, defaults to 128): width of the MLA latent `c = RMSNorm(W_dkv x)`.
+        q_lora_rank (`int`, *optional*): rank of the MLA query (`None`: `q = W_q x`).
+        qk_head_dim (`int`, *optional*): MLA query/key head dim; `None` → `hidden_size // num_attention_heads`.
+        v_head_dim (`int`, *optional*): MLA value head dim; `None` → `qk_head_dim`.
+        kda_num_heads (`int`, defaults to 4): KDA heads.
+        kda_head_dim (`int`, *optional*): KDA key = value head dim; `None` → `hidden_size // kda_num_heads`.
+        kda_short_conv_kernel_size (`int`, defaults to 4): width of the depthwise causal conv on q, k, v.
+        kda_lower_bound (`float`, defaults to -5.0): `g_min` of the gate `g = g_min·σ(·) ∈ [g_min, 0)`.
+            Must satisfy `-5 ≤ kda_lower_bound < 0`: the chunked kernels anchor 16-token sub-chunks, so
+            the largest gate exponent is `15·|g_min|` and has to stay well below `ln(FLT_MAX) ≈ 88.7`
+            (15·5 = 75); a non-negative bound would not decay at all.
+        kda_chunk_size (`int`, defaults to 32): chunk length of the pure-PyTorch chunked KDA path.
+        num_experts (`int`, defaults to 16): routed experts per MoE layer.
+        num_experts_per_tok (`int`, defaults to 2): experts per token `k`; Quantile Balancing reads the
+            (k+1)-th score, so `k < num_experts`.
+        num_shared_experts (`int`, defaults to 1): always-on experts at full width.
+        moe_intermediate_size (`int`, defaults to 256): intermediate width `I` of each expert.
+        moe_latent_size (`int`, *optional*, defaults to 128): latent width `ℓ` the routed experts run in;
+            `None` → plain MoE at full width (then `routed_scaling_factor` scales the routed sum).
+        first_k_dense_replace (`int`, defaults to 1): the first `k` layers use a dense MLP instead of MoE.
+        intermediate_size (`int`, defaults to 512): width of the dense MLP.
+        routed_scaling_factor (`float`, defaults to 1.0): multiplies the gate weights (only without latent).
+        router_bias_update (`str`, defaults to `"quantile"`): `"quantile"` (Quantile Balancing), `"sign"`
+            (DeepSeek-V3 loss-free rule `b_j += u·sign(mean − load_j)`) or `"none"`.
+        router_bias_update_rate (`float`, defaults to 1e-3): `u` of the `"sign"` rule.
+        qb_num_bins (`int`, defaults to 1024): histogram bins per expert for the QB quantile.
+        hidden_act (`str`, defaults to `"situ"`): `"situ"` (SiTU-GLU) or `"silu"` (SwiGLU), for routed,
+            shared and dense MLPs alike.
+        situ_beta (`float`, defaults to 4.0): `β1`, soft cap of the gated SiTU branch.
+        situ_linear_beta (`float`, defaults to 25.0): `β2`, soft cap of the linear branch.
+        attnres_num_blocks (`int`, defaults to 2): number `N` of Block Attention Residual blocks over the
+            layers (block size `ceil(L/N)` layers); `0` → the standard residual stream.
+        rms_norm_eps (`float`, defaults to 1e-6): epsilon of every RMSNorm.
+        max_position_embeddings (`int`, defaults to 4096): longest context the model is meant for (NoPE:
+            no table depends on it; generation utilities and TRL's tool loop read it).
+        initializer_range (`float`, defaults to 0.02): std of the normal weight init.
+        tie_word_embeddings (`bool`, defaults to False): share input embeddings and LM head.
+        output_router_logits (`bool`, defaults to False): return per-layer router logits.
+        router_aux_loss_coef (`float`, defaults to 0.0): weight of the optional softmax load-balancing
+            aux loss (keep 0 with Quantile Balancing).
+        kernel_backend (`str`, defaults to `"auto"`): `"auto"` (Triton on CUDA when `kdamoe.kernels`
+            imports, else PyTorch), `"triton"` or `"torch"`.
+        use_cache (`bool`, defaults to True): return the cache from forward.
+
+    Raises:
+        ValueError: naming the field, for a bad `layer_types`, `num_experts_per_tok`, `kda_lower_bound`,
+            SiTU betas, `attnres_num_blocks`, head sizes or enum values.
+    """
+
+    model_type = "kda_moe"
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
+    # Expert parallelism plan read by transformers' DistributedConfig (DESIGN.md §5).
+    base_model_ep_plan = {
+        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "layers.*.mlp.experts.down_proj": "grouped_gemm",
+        "layers.*.mlp.experts": "ep_dispatch_experts",
+    }
+
+    def __init__(
+        self,
+        vocab_size=4096,
+        hidden_size=256,
+        num_hidden_layers=4,
+        layer_types=None,
+        num_attention_heads=4,
+        kv_lora_rank=128,
+        q_lora_rank=None,
+        qk_head_dim=None,
+        v_head_dim=None,
+        kda_num_heads=4,
+        kda_head_dim=None,
+        kda_short_conv_kernel_size=4,
+        kda_lower_bound=-5.0,
+        kda_chunk_size=32,
+        num_experts=16,
+        num_experts_per_tok=2,
+        num_shared_experts=1,
+        moe_intermediate_size=256,
+        moe_latent_size=128,
+        first_k_dense_replace=1,
+        intermediate_size=512,
+        routed_scaling_factor=1.0,
+        router_bias_update="quantile",
+        router_bias_update_rate=1e-3,
+        qb_num_bins=1024,
+        hidden_act="situ",
+        situ_beta=4.0,
+        situ_linear_beta=25.0,
+        attnres_num_blocks=2,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        output_router_logits=False,
+        router_aux_loss_coef=0.0,
+        kernel_backend="auto",
+        use_cache=True,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        if layer_types is None:
+            layer_types = [
+                "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_hidden_layers)
+            ]
+        self.layer_types = list(layer_types)
+        self.num_attention_heads = num_attention_heads
+        self.kv_lora_rank = kv_lora_rank
+        self.q_lora_rank = q_lora_rank
+        self.qk_head_dim = qk_head_dim if qk_head_dim is not None else _divide(hidden_size, num_attention_heads, "num_attention_heads")
+        self.v_head_dim = v_head_dim if v_head_dim is not None else self.qk_head_dim
+        self.kda_num_heads = kda_num_heads
+        self.kda_head_dim = kda_head_dim if kda_head_dim is not None else _divide(hidden_size, kda_num_heads, "kda_num_heads")
+        self.kda_short_conv_kernel_size = kda_short_conv_kernel_size
+        self.kda_lower_bound = float(kda_lower_bound)
+        self.kda_chunk_size = kda_chunk_size
+        self.num_experts = num_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.num_shared_experts = num_shared_experts
+        self.moe_intermediate_size = moe_intermediate_size
+        self.moe_latent_size = moe_latent_size
+        self.first_k_dense_replace = first_k_dense_replace
+        self.intermediate_size = intermediate_size
+        self.routed_scaling_factor = routed_scaling_factor
+        self.router_bias_update = router_bias_update
+        self.router_bias_update_rate = router_bias_update_rate
+        self.qb_num_bins = qb_num_bins
+        self.hidden_act = hidden_act
+        self.situ_beta = float(situ_beta)
+        self.situ_linear_beta = float(situ_linear_beta)
+        self.attnres_num_blocks = attnres_num_blocks
+        self.rms_norm_eps = rms_norm_eps
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.output_router_logits = output_router_logits
+        self.router_aux_loss_coef = router_aux_loss_coef
+        self.kernel_backend = kernel_backend
+        self.use_cache = use_cache
+        # Names transformers' attention utilities look for (MLA expands K/V per head: no grouping).
+        self.num_key_value_heads = num_attention_heads
+        self.head_dim = self.qk_head_dim
+        self.pad_token_id = pad_token_id
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.tie_word_embeddings = tie_word_embeddings
+        super().__init__(**kwargs)
+        self.validate_kdamoe()
+
+    @property
+    def num_sparse_layers(self) -> int:
+        """Number of decoder layers whose MLP is a routed MoE."""
+        return max(0, self.num_hidden_layers - self.first_k_dense_replace)
+
+    @property
+    def attnres_block_size(self) -> int:
+        """Layers per Block AttnRes block, `ceil(L / N)`; 0 when AttnRes is off."""
+        if self.attnres_num_blocks == 0:
+            return 0
+        return math.ceil(self.num_hidden_layers / self.attnres_num_blocks)
+
+    def validate_kdamoe(self):
+        """Check the fields; raises ValueError naming the bad one."""
+        positive = (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+            "qk_head_dim", "v_head_dim", "kda_num_heads", "kda_head_dim", "kda_short_conv_kernel_size",
+            "kda_chunk_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "intermediate_size", "qb_num_bins", "max_position_embeddings",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+        for name in ("q_lora_rank", "moe_latent_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"`{name}` must be None or a positive integer, got {value!r}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"`layer_types` has {len(self.layer_types)} entries but `num_hidden_layers` is {self.num_hidden_layers}"
+            )
+        for i, layer_type in enumerate(self.layer_types):
+            if layer_type not in LAYER_TYPES:
+                raise ValueError(f"`layer_types[{i}]` is {layer_type!r}; expected one of {LAYER_TYPES}")
+        if self.num_experts_per_tok >= self.num_experts:
+            raise ValueError(
+                f"`num_experts_per_tok` ({self.num_experts_per_tok}) must be smaller than `num_experts` "
+                f"({self.num_experts}): Quantile Balancing reads the (k+1)-th routing score"
+            )
+        if self.num_shared_experts < 0:
+            raise ValueError(f"`num_shared_experts` must be >= 0, got {self.num_shared_experts}")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ValueError(
+                f"`first_k_dense_replace` must be in [0, num_hidden_layers={self.num_hidden_layers}], "
+                f"got {self.first_k_dense_replace}"
+            )
+        if not -5.0 <= self.kda_lower_bound < 0.0:
+            raise ValueError(
+                f"`kda_lower_bound` must satisfy -5 <= kda_lower_bound < 0, got {self.kda_lower_bound}: with "
+                "16-token sub-chunks the largest gate exponent is 15*|lower_bound|, which must stay well below "
+                "ln(FLT_MAX) ~= 88.7"
+            )
+        for name in ("situ_beta", "situ_linear_beta"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"`{name}` must be positive, got {getattr(self, name)}")
+        if not isinstance(self.attnres_num_blocks, int) or not 0 <= self.attnres_num_blocks <= self.num_hidden_layers:
+            raise ValueError(
+                f"`attnres_num_blocks` must be an integer in [0, num_hidden_layers={self.num_hidden_layers}] "
+                f"(blocks group whole layers), got {self.attnres_num_blocks!r}"
+            )
+        if self.router_bias_update not in ROUTER_BIAS_UPDATES:
+            raise ValueError(f"`router_bias_update` is {self.router_bias_update!r}; expected one of {ROUTER_BIAS_UPDATES}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"`hidden_act` is {self.hidden_act!r}; expected one of {HIDDEN_ACTS}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"`kernel_backend` is {self.kernel_backend!r}; expected one of {KERNEL_BACKENDS}")
+
+
+def _divide(total: int, parts: int, parts_name: str) -> int:
+    """`total // parts`, raising when the head count does not divide the width."""
+    if not isinstance(parts, int) or parts <= 0 or total % parts != 0:
+        raise ValueError(f"`hidden_size` ({total}) is not divisible by `{parts_name}` ({parts}); give the head dim explicitly")
+    return total // parts
+
+
+__all__ = ["KDAMoEConfig"]

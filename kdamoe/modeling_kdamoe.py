@@ -1,0 +1,789 @@
+"""PyTorch KDAMoE: Kimi Delta Attention + MLA (NoPE) + Quantile-Balanced Stable LatentMoE + Block AttnRes.
+
+Reads top to bottom in the order data flows: norms and MLPs, the two token mixers (KDA, MLA), the
+router and MoE block, Block Attention Residuals, the decoder layer, then the model classes.
+Formulas and their sources are in DESIGN.md §1 and in the flat modules this file imports
+(``kda_torch``, ``moe_torch``, ``quantile_balancing``). Which kernels run is decided in
+``kernel_dispatch`` alone.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    MoeCausalLMOutputWithPast,
+    MoeModelOutputWithPast,
+    SequenceClassifierOutputWithPast,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.models.llama.modeling_llama import eager_attention_forward
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+from transformers.utils import logging
+
+from . import kernel_dispatch
+from .configuration_kdamoe import KDAMoEConfig
+from .kda_torch import causal_conv1d_torch, kda_gate
+from .moe_torch import GLUActivation
+from .quantile_balancing import (
+    all_reduce_sum,
+    histogram_range,
+    qb_histogram,
+    quantile_balancing_update,
+    sign_update,
+)
+
+logger = logging.get_logger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Norms and dense MLPs
+# ----------------------------------------------------------------------------------------------------
+class KDAMoERMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in float32 (Zhang & Sennrich 2019)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class KDAMoEGatedRMSNorm(KDAMoERMSNorm):
+    """Per-head RMSNorm of the KDA output times a sigmoid output gate: ``RMSNorm(o) ⊙ σ(gate)``."""
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = super().forward(hidden_states)
+        return (normed.float() * torch.sigmoid(gate.float())).to(hidden_states.dtype)
+
+
+class KDAMoEMLP(nn.Module):
+    """Dense gated MLP ``down(act(gate(x), up(x)))`` with SiTU-GLU or SwiGLU (dense layers, shared experts)."""
+
+    def __init__(self, config: KDAMoEConfig, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act_fn = GLUActivation(config.hidden_act, config.situ_beta, config.situ_linear_beta)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Packed sequences: where a row restarts (TRL padding-free / our packed pretraining batches)
+# ----------------------------------------------------------------------------------------------------
+def packed_sequence_info(position_ids: torch.Tensor) -> dict:
+    """Sequence layout of a packed ``[B, T]`` batch whose ``position_ids`` restart at 0 per document.
+
+    Returns a dict with ``seq_idx [B, T]`` (global sequence id per token), ``cu_seqlens [N+1]`` int32
+    over the flattened ``B*T`` tokens, and ``first_seq [B]`` / ``last_seq [B]`` (each row's first and last
+    sequence id), used to seed and read back per-row recurrent states.
+    """
+    B, T = position_ids.shape
+    starts = position_ids == 0
+    starts[:, 0] = True
+    seq_idx = starts.flatten().long().cumsum(0).view(B, T) - 1
+    lengths = torch.bincount(seq_idx.flatten())
+    cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    return {"seq_idx": seq_idx, "cu_seqlens": cu_seqlens, "first_seq": seq_idx[:, 0], "last_seq": seq_idx[:, -1]}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Token mixer 1: Kimi Delta Attention with the lower-bounded gate
+# ----------------------------------------------------------------------------------------------------
+class KDAMoEDeltaAttention(nn.Module):
+    """KDA layer (Kimi Linear report §3; DESIGN.md §1.1).
+
+    ``q, k = L2Norm(SiLU(ShortConv(W x)))``, ``v = SiLU(ShortConv(W x))`` (one fused depthwise conv over
+    q|k|v), ``β = σ(W_β x)``, ``g = g_min·σ(exp(A_log)·(W_f2 W_f1 x + dt_bias))`` and output
+    ``W_o(RMSNorm_head(o) ⊙ σ(W_g2 W_g1 x))``. Padded positions (``attention_mask == 0``) are zeroed
+    before the conv and get ``g = 0, β = 0``, so they leave the recurrent state exactly unchanged.
+    """
+
+    def __init__(self, config: KDAMoEConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.kda_num_heads
+        self.head_dim = config.kda_head_dim
+        self.lower_bound = config.kda_lower_bound
+        self.conv_kernel_size = config.kda_short_conv_kernel_size
+        width = self.num_heads * self.head_dim
+        d = config.hidden_size
+
+        self.q_proj = nn.Linear(d, width, bias=False)
+        self.k_proj = nn.Linear(d, width, bias=False)
+        self.v_proj = nn.Linear(d, width, bias=False)
+        self.conv1d = nn.Conv1d(3 * width, 3 * width, self.conv_kernel_size, groups=3 * width, bias=False)
+        self.f_a_proj = nn.Linear(d, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, width, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(width))
+        self.A_log = None  # optional per-head scale of the gate (DESIGN.md §6: None by default)
+        self.b_proj = nn.Linear(d, self.num_heads, bias=False)
+        self.g_a_proj = nn.Linear(d, self.head_dim, bias=False)
+        self.g_b_proj = nn.Linear(self.head_dim, width, bias=True)
+        self.o_norm = KDAMoEGatedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(width, d, bias=False)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        packed: dict | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = hidden_states.shape
+        H, K = self.num_heads, self.head_dim
+        if attention_mask is not None:
+            hidden_states = hidden_states * attention_mask[..., None].to(hidden_states.dtype)
+
+        conv_state = recurrent_state = None
+        if cache is not None:
+            conv_state = cache.get_conv_state(self.layer_idx)
+            recurrent_state = cache.get_recurrent_state(self.layer_idx)
+
+        mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
+        seq_idx = packed["seq_idx"] if packed is not None else None
+        mixed, new_conv_state = causal_conv1d_torch(mixed, self.conv1d.weight.squeeze(1), conv_state, seq_idx)
+        q, k, v = (x.view(B, T, H, K) for x in mixed.chunk(3, dim=-1))
+
+        g = kda_gate(self.f_b_proj(self.f_a_proj(hidden_states)).view(B, T, H, K), self.dt_bias, self.lower_bound, self.A_log)
+        beta = torch.sigmoid(self.b_proj(hidden_states).float())
+        if attention_mask is not None:
+            keep = attention_mask.to(torch.float32)
+            g, beta = g * keep[..., None, None], beta * keep[..., None]
+
+        backend = self.config.kernel_backend
+        kwargs = dict(output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
+        if packed is not None:
+            o, final_state = self._packed(q, k, v, g, beta, recurrent_state, packed, **kwargs)
+        elif T == 1 and recurrent_state is not None:
+            op = kernel_dispatch.recurrent_kda(backend, q.device)
+            o, final_state = op(q, k, v, g, beta, initial_state=recurrent_state, **kwargs)
+        else:
+            op = kernel_dispatch.chunk_kda(backend, q.device)
+            o, final_state = op(q, k, v, g, beta, initial_state=recurrent_state, **kwargs)
+
+        if cache is not None:
+            cache.update_conv_state(new_conv_state, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+            cache.update_recurrent_state(final_state.float(), self.layer_idx)
+
+        gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(B, T, H, K)
+        o = self.o_norm(o, gate).reshape(B, T, H * K)
+        return self.o_proj(o)
+
+    def _packed(self, q, k, v, g, beta, recurrent_state, packed, **kwargs):
+        """Run every packed document as its own sequence (``cu_seqlens`` over the flattened batch)."""
+        B, T, H, K = q.shape
+        cu_seqlens = packed["cu_seqlens"]
+        initial_state = None
+        if recurrent_state is not None:
+            # A cached row state continues only the row's first document; the others start from zero.
+            initial_state = recurrent_state.new_zeros(cu_seqlens.numel() - 1, *recurrent_state.shape[1:])
+            initial_state[packed["first_seq"]] = recurrent_state
+        op = kernel_dispatch.chunk_kda(self.config.kernel_backend, q.device)
+        flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
+        o, final_state = op(*flat, initial_state=initial_state, cu_seqlens=cu_seqlens, **kwargs)
+        if final_state is not None:
+            final_state = final_state[packed["last_seq"]]
+        return o.view(B, T, H, -1), final_state
+
+
+# ----------------------------------------------------------------------------------------------------
+# Token mixer 2: multi-head latent attention with no positional encoding
+# ----------------------------------------------------------------------------------------------------
+class KDAMoEAttention(nn.Module):
+    """MLA with NoPE (DeepSeek-V2 §2.1 without the decoupled RoPE; Kimi Linear report).
+
+    ``q = W_q x`` (or ``W_qb RMSNorm(W_qa x)``), latent ``c = RMSNorm(W_dkv x)`` of width
+    ``kv_lora_rank``, per head ``k = W_uk c``, ``v = W_uv c`` (fused as ``kv_b_proj``), causal softmax
+    attention scaled by ``qk_head_dim^-1/2`` through transformers' attention interface (eager, sdpa).
+    Keys/values are cached per head in the ``DynamicCache``.
+    """
+
+    def __init__(self, config: KDAMoEConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.qk_head_dim = config.qk_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.num_key_value_groups = 1
+        self.scaling = self.qk_head_dim**-0.5
+        self.is_causal = True
+        self.attention_dropout = 0.0
+        d = config.hidden_size
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, self.num_heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = KDAMoERMSNorm(config.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj = nn.Linear(d, config.kv_lora_rank, bias=False)
+        self.kv_a_layernorm = KDAMoERMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.qk_head_dim + self.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, d, bias=False)
+
+    def forward(self, hidden_states, attention_mask=None, cache: Cache | None = None, **kwargs) -> torch.Tensor:
+        B, T, _ = hidden_states.shape
+        if self.config.q_lora_rank is None:
+            q = self.q_proj(hidden_states)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q = q.view(B, T, self.num_heads, self.qk_head_dim).transpose(1, 2)
+        latent = self.kv_a_layernorm(self.kv_a_proj(hidden_states))
+        kv = self.kv_b_proj(latent).view(B, T, self.num_heads, self.qk_head_dim + self.v_head_dim).transpose(1, 2)
+        k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+
+        attention_interface: Callable = eager_attention_forward
+        if self.config._attn_implementation != "eager":
+            attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        out, _ = attention_interface(self, q, k, v, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs)
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.v_head_dim))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stable LatentMoE: sigmoid router with a balancing bias, latent experts, shared experts
+# ----------------------------------------------------------------------------------------------------
+def _inside_backward() -> bool:
+    """True while autograd runs a backward pass (activation-checkpoint recomputation happens there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class KDAMoETopkRouter(nn.Module):
+    """Sigmoid router with a selection-only bias, Top-(k+1) and the Quantile Balancing statistics.
+
+    ``s = σ(W_r x)``, ``T = TopK(s + b, k)``, ``p_j = s_j / Σ_{r∈T} s_r``; ``α_i`` is the (k+1)-th biased
+    score. ``e_score_correction_bias`` (the bias ``b``) is a saved buffer that is never trained; it
+    changes only in :meth:`update_bias`. The statistics are plain tensors (not buffers) so they are
+    neither saved nor broadcast by DDP.
+    """
+
+    def __init__(self, config: KDAMoEConfig):
+        super().__init__()
+        self.config = config
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_experts
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        self.scaling = config.routed_scaling_factor if config.moe_latent_size is None else 1.0
+        self.reset_statistics()
+
+    def reset_statistics(self):
+        """Forget the tokens counted since the last bias update."""
+        self.qb_counts = None  # [E, qb_num_bins] float64 histogram of r = α − s
+        self.tokens_per_expert = None  # [E] float64
+
+    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None):
+        """Route ``hidden_states [N, d]``; ``token_mask [N]`` (bool) excludes padding from the statistics.
+
+        Returns ``(router_logits [N, E] float32, top_k_index [N, k] int64, top_k_weights [N, k] float32)``.
+        """
+        with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+            router_logits = F.linear(hidden_states.float(), self.weight.float())
+        scores = torch.sigmoid(router_logits)
+        biased = scores.detach() + self.e_score_correction_bias
+        top_values, top_index = biased.topk(self.top_k + 1, dim=-1)
+        top_k_index = top_index[:, : self.top_k]
+        top_k_weights = scores.gather(1, top_k_index)
+        top_k_weights = top_k_weights / top_k_weights.sum(-1, keepdim=True) * self.scaling
+        if self.training and torch.is_grad_enabled() and not _inside_backward():
+            self._record(scores.detach(), top_values[:, self.top_k], top_k_index, token_mask)
+        return router_logits, top_k_index, top_k_weights
+
+    @torch.no_grad()
+    def _record(self, scores, alpha, top_k_index, token_mask):
+        if token_mask is not None:
+            scores, alpha, top_k_index = scores[token_mask], alpha[token_mask], top_k_index[token_mask]
+        if self.qb_counts is None:
+            self.qb_counts = torch.zeros(self.num_experts, self.config.qb_num_bins, dtype=torch.float64, device=scores.device)
+            self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float64, device=scores.device)
+        self.tokens_per_expert += torch.bincount(top_k_index.flatten(), minlength=self.num_experts).double()
+        if self.config.router_bias_update == "quantile":
+            lo, hi = histogram_range(self.e_score_correction_bias)
+            self.qb_counts += qb_histogram(alpha[:, None] - scores, lo, hi, self.config.qb_num_bins)
+
+    def expert_load(self) -> torch.Tensor:
+        """``[E]`` float32 tokens routed to each expert since the last update (zeros if none)."""
+        if self.tokens_per_expert is None:
+            return torch.zeros(self.num_experts, device=self.e_score_correction_bias.device)
+        return self.tokens_per_expert.float()
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """Apply the configured bias rule to the statistics gathered since the last call, then reset them.
+
+        Counts are summed over data-parallel ranks first, so every rank computes the same bias.
+        """
+        rule = self.config.router_bias_update
+        if self.tokens_per_expert is not None and rule != "none":
+            load = all_reduce_sum(self.tokens_per_expert.clone())
+            bias = self.e_score_correction_bias
+            if rule == "quantile":
+                lo, hi = histogram_range(bias)
+                counts = all_reduce_sum(self.qb_counts.clone())
+                if counts.sum() > 0:
+                    bias.copy_(quantile_balancing_update(counts, lo, hi, self.top_k).to(bias.dtype))
+            elif load.sum() > 0:
+                bias.copy_(sign_update(bias, load, self.config.router_bias_update_rate))
+        self.reset_statistics()
+
+
+class KDAMoEExperts(nn.Module):
+    """Routed experts as fused 3-D weights (transformers' layout), run in the latent width ``ℓ``.
+
+    ``gate_up_proj [E, 2I, ℓ]`` (gate rows first, then up rows), ``down_proj [E, ℓ, I]``;
+    ``forward(hidden_states [N, ℓ], top_k_index [N, k], top_k_weights [N, k]) -> [N, ℓ]``; index
+    ``== num_experts`` is skipped (tokens owned by another expert-parallel rank).
+    """
+
+    def __init__(self, config: KDAMoEConfig, in_features: int):
+        super().__init__()
+        self.config = config
+        self.num_experts = config.num_experts
+        self.intermediate_dim = config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, in_features))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, in_features, self.intermediate_dim))
+        self.act_fn = GLUActivation(config.hidden_act, config.situ_beta, config.situ_linear_beta)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        op = kernel_dispatch.moe_experts(self.config.kernel_backend, hidden_states.device)
+        return op(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn)
+
+
+class KDAMoESparseMoeBlock(nn.Module):
+    """Stable LatentMoE (LatentMoE arXiv:2601.18089; Kimi K3 report §2.3; DESIGN.md §1.3, §6).
+
+    ``y = shared(x) + W_up RMSNorm(Σ_{j∈T} p_j E_j(W_down x))``; router, ``W_down`` and shared experts
+    all read the pre-normed ``x``. With ``moe_latent_size=None`` the experts run at full width and
+    ``y = shared(x) + Σ p_j E_j(x)`` (``p`` scaled by ``routed_scaling_factor``).
+    """
+
+    def __init__(self, config: KDAMoEConfig):
+        super().__init__()
+        d, latent = config.hidden_size, config.moe_latent_size
+        self.gate = KDAMoETopkRouter(config)
+        self.experts = KDAMoEExperts(config, latent if latent is not None else d)
+        if latent is not None:
+            self.latent_down_proj = nn.Linear(d, latent, bias=False)
+            self.latent_norm = KDAMoERMSNorm(latent, eps=config.rms_norm_eps)
+            self.latent_up_proj = nn.Linear(latent, d, bias=False)
+        self.shared_experts = None
+        if config.num_shared_experts > 0:
+            self.shared_experts = KDAMoEMLP(config, d, config.moe_intermediate_size * config.num_shared_experts)
+
+    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None):
+        B, T, d = hidden_states.shape
+        x = hidden_states.reshape(-1, d)
+        router_logits, top_k_index, top_k_weights = self.gate(x, token_mask)
+        if hasattr(self, "latent_down_proj"):
+            routed = self.experts(self.latent_down_proj(x), top_k_index, top_k_weights)
+            routed = self.latent_up_proj(self.latent_norm(routed))
+        else:
+            routed = self.experts(x, top_k_index, top_k_weights)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(x)
+        return routed.view(B, T, d), router_logits
+
+
+# ----------------------------------------------------------------------------------------------------
+# Block Attention Residuals
+# ----------------------------------------------------------------------------------------------------
+class KDAMoEBlockAttnRes(nn.Module):
+    """Softmax-over-depth mix of residual sources (Attention Residuals, arXiv:2603.15031, Block AttnRes).
+
+    ``h = Σ_i softmax_i(w · RMSNorm(v_i)) v_i`` with a zero-initialised pseudo-query ``w`` (so training
+    starts from the uniform average) and its own key RMSNorm.
+    """
+
+    def __init__(self, config: KDAMoEConfig):
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(config.hidden_size))
+        self.key_norm = KDAMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, sources: torch.Tensor) -> torch.Tensor:
+        """``sources [S, B, T, d]`` → mixed ``[B, T, d]`` (softmax in float32)."""
+        logits = (self.key_norm(sources).float() * self.query.float()).sum(-1)  # [S, B, T]
+        weights = logits.softmax(dim=0).to(sources.dtype)
+        return (weights.unsqueeze(-1) * sources).sum(0)
+
+
+def _sources(block_states: torch.Tensor, partial: torch.Tensor | None) -> torch.Tensor:
+    """Finished block sums plus the current partial sum (if any sublayer of the block has run)."""
+    return block_states if partial is None else torch.cat([block_states, partial.unsqueeze(0)], 0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decoder layer
+# ----------------------------------------------------------------------------------------------------
+class KDAMoEDecoderLayer(GradientCheckpointingLayer):
+    """Token mixer (KDA or MLA) then MLP (dense or MoE), each with its pre-norm.
+
+    Standard residual stream (``attnres_num_blocks == 0``): ``forward(hidden_states)`` returns the
+    updated stream. Block AttnRes: ``forward(partial, block_states)`` mixes each sublayer's input over
+    the sources and returns the updated partial block sum.
+    """
+
+    def __init__(self, config: KDAMoEConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.self_attn = KDAMoEDeltaAttention(config, layer_idx)
+        else:
+            self.self_attn = KDAMoEAttention(config, layer_idx)
+        self.is_sparse = layer_idx >= config.first_k_dense_replace
+        if self.is_sparse:
+            self.mlp = KDAMoESparseMoeBlock(config)
+        else:
+            self.mlp = KDAMoEMLP(config, config.hidden_size, config.intermediate_size)
+        self.input_layernorm = KDAMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = KDAMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.use_attnres = config.attnres_num_blocks > 0
+        if self.use_attnres:
+            self.attn_res = KDAMoEBlockAttnRes(config)
+            self.mlp_res = KDAMoEBlockAttnRes(config)
+
+    def _mix(self, hidden_states, attention_mask, cache, packed, token_mask, position_ids, **kwargs):
+        if self.layer_type == "linear_attention":
+            return self.self_attn(hidden_states, attention_mask["linear_attention"], cache, packed)
+        return self.self_attn(hidden_states, attention_mask["full_attention"], cache, position_ids=position_ids, **kwargs)
+
+    def _mlp(self, hidden_states, token_mask):
+        if self.is_sparse:
+            return self.mlp(hidden_states, token_mask)
+        return self.mlp(hidden_states), None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor | None,
+        block_states: torch.Tensor | None = None,
+        attention_mask: dict | None = None,
+        cache: Cache | None = None,
+        packed: dict | None = None,
+        token_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs,
+    ):
+        attention_mask = attention_mask or {"linear_attention": None, "full_attention": None}
+        if not self.use_attnres:
+            residual = hidden_states
+            mixed = self._mix(self.input_layernorm(hidden_states), attention_mask, cache, packed, token_mask, position_ids, **kwargs)
+            hidden_states = residual + mixed
+            out, router_logits = self._mlp(self.post_attention_layernorm(hidden_states), token_mask)
+            return hidden_states + out, router_logits
+
+        partial = hidden_states
+        h = self.attn_res(_sources(block_states, partial))
+        mixed = self._mix(self.input_layernorm(h), attention_mask, cache, packed, token_mask, position_ids, **kwargs)
+        partial = mixed if partial is None else partial + mixed
+        h = self.mlp_res(_sources(block_states, partial))
+        out, router_logits = self._mlp(self.post_attention_layernorm(h), token_mask)
+        return partial + out, router_logits
+
+
+# ----------------------------------------------------------------------------------------------------
+# Pretrained model, backbone, heads
+# ----------------------------------------------------------------------------------------------------
+class KDAMoEPreTrainedModel(PreTrainedModel):
+    """Weight init, Quantile Balancing lifecycle and transformers plumbing shared by all heads."""
+
+    config_class = KDAMoEConfig
+    config: KDAMoEConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KDAMoEDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _is_stateful = True
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias", "dt_bias"]
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, KDAMoEDeltaAttention):
+            init.copy_(module.dt_bias, _dt_bias_init(module.dt_bias, self.config.kda_lower_bound))
+        elif isinstance(module, KDAMoEExperts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, KDAMoETopkRouter):
+            init.normal_(module.weight, mean=0.0, std=std)
+            init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, KDAMoEBlockAttnRes):
+            init.zeros_(module.query)
+            init.ones_(module.key_norm.weight)
+        elif isinstance(module, KDAMoERMSNorm):
+            init.ones_(module.weight)
+
+    def _routers(self) -> list[KDAMoETopkRouter]:
+        return [m for m in self.modules() if isinstance(m, KDAMoETopkRouter)]
+
+    def expert_load(self) -> torch.Tensor:
+        """``[num_sparse_layers, num_experts]`` float32 tokens routed per expert since the last update.
+
+        Counted in training forwards only (training mode, grad enabled, padding excluded, never twice
+        under activation checkpointing); this rank's counts (not summed across ranks).
+        """
+        routers = self._routers()
+        if not routers:
+            return torch.zeros(0, self.config.num_experts)
+        return torch.stack([r.expert_load() for r in routers])
+
+    def update_router_biases(self) -> None:
+        """Apply ``config.router_bias_update`` once: call after each optimizer step (not per forward).
+
+        Uses everything counted since the previous call (so gradient accumulation is handled), sums the
+        statistics across data-parallel ranks, updates every router's ``e_score_correction_bias`` and
+        resets the counts. Eval / inference forwards never count, so they never move the biases.
+        """
+        for router in self._routers():
+            router.update_bias()
+
+
+def _dt_bias_init(dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
+    """``dt_bias`` so that at zero input ``exp(g)`` is log-uniform over [0.9, 0.999] (DESIGN.md §6).
+
+    ``g = lower_bound · σ(dt_bias)`` ⇒ ``dt_bias = logit(g / lower_bound)`` with ``g ~ U[ln 0.9, ln 0.999]``.
+    """
+    g = torch.empty(dt_bias.shape, dtype=torch.float32).uniform_(math.log(0.9), math.log(0.999))
+    return torch.logit(g / lower_bound).to(dt_bias.device, dt_bias.dtype)
+
+
+class KDAMoEModel(KDAMoEPreTrainedModel):
+    """The decoder stack: embeddings, layers, (final AttnRes mix), final norm."""
+
+    def __init__(self, config: KDAMoEConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList([KDAMoEDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        if config.attnres_num_blocks > 0:
+            self.final_res = KDAMoEBlockAttnRes(config)
+        self.norm = KDAMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        past_key_values: Cache | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> MoeModelOutputWithPast:
+        """Run the stack. Inputs ``input_ids [B, T]`` (or ``inputs_embeds [B, T, d]``), optional 2-D
+        ``attention_mask [B, past+T]`` (1 = token, 0 = padding) and ``position_ids [B, T]`` (restarts at 0
+        mark packed documents when no mask is given). Returns ``last_hidden_state [B, T, d]``, the
+        ``cache`` and, when asked, ``router_logits`` (tuple of ``[B·T, E]`` float32, one per MoE layer).
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Specify exactly one of `input_ids` or `inputs_embeds`")
+        cache = cache if cache is not None else past_key_values
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            use_cache = False
+        output_router_logits = (
+            output_router_logits if output_router_logits is not None else self.config.output_router_logits
+        )
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        B, T, _ = inputs_embeds.shape
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if not use_cache:
+            cache = None
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(past, past + T, device=inputs_embeds.device).unsqueeze(0).expand(B, T)
+
+        mask_kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache)
+        masks = {
+            "full_attention": create_causal_mask(**mask_kwargs, position_ids=position_ids),
+            "linear_attention": create_recurrent_attention_mask(**mask_kwargs),
+        }
+        packed = None
+        if attention_mask is None and T > 1 and bool((position_ids[:, 1:] == 0).any()):
+            packed = packed_sequence_info(position_ids)
+        token_mask = None
+        if attention_mask is not None and attention_mask.dim() == 2:
+            token_mask = attention_mask[:, -T:].reshape(-1).bool()
+
+        layer_kwargs = dict(attention_mask=masks, cache=cache, packed=packed, token_mask=token_mask, position_ids=position_ids)
+        all_router_logits = []
+        if self.config.attnres_num_blocks == 0:
+            hidden_states = inputs_embeds
+            for layer in self.layers:
+                hidden_states, router_logits = layer(hidden_states, None, **layer_kwargs)
+                all_router_logits.append(router_logits)
+        else:
+            blocks, partial = [inputs_embeds], None
+            block_size = self.config.attnres_block_size
+            for i, layer in enumerate(self.layers):
+                partial, router_logits = layer(partial, torch.stack(blocks), **layer_kwargs)
+                all_router_logits.append(router_logits)
+                if (i + 1) % block_size == 0 or i == len(self.layers) - 1:
+                    blocks.append(partial)
+                    partial = None
+            hidden_states = self.final_res(torch.stack(blocks))
+
+        hidden_states = self.norm(hidden_states)
+        router_logits = tuple(r for r in all_router_logits if r is not None) if output_router_logits else None
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache, router_logits=router_logits)
+
+
+class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
+    """KDAMoE with a language-modelling head; ``MoeCausalLMOutputWithPast`` out, ``generate()`` ready."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: KDAMoEConfig):
+        super().__init__(config)
+        self.model = KDAMoEModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Cache | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> MoeCausalLMOutputWithPast:
+        """Causal LM forward. ``labels [B, T]`` (−100 = ignore) are shifted inside, as in every transformers
+        CausalLM. ``logits_to_keep``: an int keeps the last n positions (0 = all), a tensor selects them.
+        With ``output_router_logits`` and ``router_aux_loss_coef > 0``, the softmax load-balancing aux
+        loss (Switch Transformer) is added to the loss.
+        """
+        output_router_logits = (
+            output_router_logits if output_router_logits is not None else self.config.output_router_logits
+        )
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_router_logits=output_router_logits,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+
+        loss = aux_loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        if output_router_logits and outputs.router_logits:
+            aux_loss = load_balancing_loss_func(
+                outputs.router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
+            )
+            if loss is not None and self.config.router_aux_loss_coef > 0:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+        return MoeCausalLMOutputWithPast(
+            loss=loss, aux_loss=aux_loss, logits=logits, cache=outputs.cache, router_logits=outputs.router_logits
+        )
+
+
+class KDAMoEForSequenceClassification(KDAMoEPreTrainedModel):
+    """KDAMoE with a linear ``score`` head read at each row's last non-padding token (reward / value models)."""
+
+    def __init__(self, config: KDAMoEConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = KDAMoEModel(config)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        past_key_values: Cache | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutputWithPast:
+        """Scores ``[B, num_labels]`` at the last token that is not padding (by ``attention_mask``, else by
+        ``pad_token_id``, else the last position); loss by ``config.problem_type`` as in transformers."""
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values, inputs_embeds=inputs_embeds,
+            use_cache=use_cache, **kwargs,
+        )
+        logits = self.score(outputs.last_hidden_state)  # [B, T, labels]
+        B, T = logits.shape[:2]
+        if attention_mask is not None and attention_mask.dim() == 2:
+            positions = torch.arange(T, device=logits.device)
+            last = (attention_mask[:, -T:].to(logits.device).bool() * positions).argmax(-1)
+        elif input_ids is not None and self.config.pad_token_id is not None:
+            non_pad = (input_ids != self.config.pad_token_id).int() * torch.arange(T, device=logits.device)
+            last = non_pad.argmax(-1)
+        else:
+            last = torch.full((B,), T - 1, device=logits.device)
+        pooled = logits[torch.arange(B, device=logits.device), last]
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled, config=self.config)
+        return SequenceClassifierOutputWithPast(loss=loss, logits=pooled, cache=outputs.cache)
+
+
+__all__ = [
+    "KDAMoEPreTrainedModel",
+    "KDAMoEModel",
+    "KDAMoEForCausalLM",
+    "KDAMoEForSequenceClassification",
+]
