@@ -1,7 +1,5 @@
 """Routed experts as grouped GEMMs with a fused GLU epilogue: public ``moe_experts`` and its autograd."""
 
-import math
-
 import torch
 import triton
 
@@ -21,10 +19,6 @@ def _block_m(num_rows: int, num_experts: int) -> int:
 
 def _prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _log2(n):
-    return max(1, math.ceil(math.log2(max(n, 2)))) + 1
 
 
 def _check_device(*tensors):
@@ -90,16 +84,17 @@ class _Plan:
         self.bm = _block_m(self.m, num_experts)
         self.tile_offs = tile_offsets(counts, self.bm)
         self.max_tiles = triton.cdiv(self.m, self.bm) + num_experts
-        self.log2e = _log2(num_experts)
+        tiles = torch.arange(self.max_tiles, device=top_k_index.device, dtype=torch.int32)
+        self.tile_expert = torch.searchsorted(self.tile_offs[1:], tiles, right=True).to(torch.int32)
 
 
 def _rows_gemm(plan, a, b, out, w, h, dw, n_out, k_dim, stride_am, stride_be, stride_bk, stride_bn,
                gather_a, scale, epilogue, act, betas, prec):
     grid = lambda meta: (plan.max_tiles * triton.cdiv(n_out, meta["BN"]),)  # noqa: E731
     _rows_gemm_kernel[grid](
-        a, b, plan.order, plan.tile_offs, plan.row_offs, out, w, h, dw,
+        a, b, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, out, w, h, dw,
         plan.e, n_out, k_dim, plan.k, stride_am, stride_be, stride_bk, stride_bn, betas[0], betas[1],
-        GATHER_A=gather_a, SCALE=scale, EPILOGUE=epilogue, ACT=act, LOG2_E=plan.log2e, PREC=prec, BM=plan.bm,
+        GATHER_A=gather_a, SCALE=scale, EPILOGUE=epilogue, ACT=act, PREC=prec, BM=plan.bm,
     )
 
 
@@ -138,8 +133,8 @@ class MoEExpertsFunction(torch.autograd.Function):
         h = torch.empty(plan.m if save_h else 1, two_i, device=x.device, dtype=dt)
         grid = lambda meta: (plan.max_tiles * triton.cdiv(inter, meta["BN"]),)  # noqa: E731
         _gate_up_fwd_kernel[grid](
-            x, w1, plan.order, plan.tile_offs, plan.row_offs, g, h, e, inter, hid, plan.k, beta1, beta2,
-            ACT=act, SAVE_H=save_h, LOG2_E=plan.log2e, PREC=prec, BM=plan.bm,
+            x, w1, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, g, h, e, inter, hid, plan.k, beta1, beta2,
+            ACT=act, SAVE_H=save_h, PREC=prec, BM=plan.bm,
         )
         y = torch.empty(plan.m, hid, device=x.device, dtype=dt)
         dummy = torch.zeros(1, device=x.device, dtype=torch.float32)

@@ -3,7 +3,7 @@
 Row ``r`` of the sorted order is one (token, slot) pair ``flat = order[r]`` (``flat = t·k + j``) routed to
 expert ``e``; experts own the contiguous row ranges ``row_offs[e] : row_offs[e+1]``. A row tile of
 ``BM`` rows never straddles two experts: ``tile_offs[e] = Σ_{e'<e} ceil(count_e'/BM)`` and each program
-finds its expert by binary search over ``tile_offs`` (no host synchronisation, zero-token experts own
+reads its expert from ``tile_expert`` (a searchsorted over ``tile_offs``) (no host synchronisation, zero-token experts own
 zero tiles). Tokens are gathered by index inside the A-operand loads, so no permuted copy of the
 activations is ever written.
 
@@ -32,17 +32,9 @@ def _cfgs(gpu):
 
 
 @triton.jit
-def _locate_tile(tile, tile_offs_ptr, row_offs_ptr, E, LOG2_E: tl.constexpr, BM: tl.constexpr):
-    # largest e with tile_offs[e] <= tile  (invariant: tile_offs[lo] <= tile < tile_offs[hi])
-    lo = tile * 0
-    hi = lo + E
-    for _ in tl.static_range(LOG2_E):
-        mid = (lo + hi) // 2
-        v = tl.load(tile_offs_ptr + mid)
-        go = v <= tile
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid)
-    e = lo
+def _locate_tile(tile, tile_expert_ptr, tile_offs_ptr, row_offs_ptr, BM: tl.constexpr):
+    # tile_expert[tile] = e with tile_offs[e] <= tile < tile_offs[e+1] (E past the last tile)
+    e = tl.load(tile_expert_ptr + tile)
     row_start = tl.load(row_offs_ptr + e) + (tile - tl.load(tile_offs_ptr + e)) * BM
     row_end = tl.load(row_offs_ptr + e + 1)
     return e, row_start, row_end
@@ -57,17 +49,17 @@ def _locate_tile(tile, tile_offs_ptr, row_offs_ptr, E, LOG2_E: tl.constexpr, BM:
 )
 @triton.jit
 def _gate_up_fwd_kernel(
-    x_ptr, w_ptr, order_ptr, tile_offs_ptr, row_offs_ptr, g_ptr, h_ptr,
+    x_ptr, w_ptr, order_ptr, tile_expert_ptr, tile_offs_ptr, row_offs_ptr, g_ptr, h_ptr,
     E, I, L, TOPK, beta1, beta2,
-    ACT: tl.constexpr, SAVE_H: tl.constexpr, LOG2_E: tl.constexpr, PREC: tl.constexpr,
+    ACT: tl.constexpr, SAVE_H: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(I, BN)
     tile = pid // num_n
     pid_n = pid % num_n
-    if tile < tl.load(tile_offs_ptr + E):
-        e, row_start, row_end = _locate_tile(tile, tile_offs_ptr, row_offs_ptr, E, LOG2_E, BM)
+    e, row_start, row_end = _locate_tile(tile, tile_expert_ptr, tile_offs_ptr, row_offs_ptr, BM)
+    if e < E:
         rows = row_start + tl.arange(0, BM)
         rmask = rows < row_end
         flat = tl.load(order_ptr + rows, mask=rmask, other=0)
@@ -110,19 +102,19 @@ def _gate_up_fwd_kernel(
 )
 @triton.jit
 def _rows_gemm_kernel(
-    a_ptr, b_ptr, order_ptr, tile_offs_ptr, row_offs_ptr, out_ptr, w_ptr,
+    a_ptr, b_ptr, order_ptr, tile_expert_ptr, tile_offs_ptr, row_offs_ptr, out_ptr, w_ptr,
     h_ptr, dw_ptr,
     E, N_OUT, K_DIM, TOPK, stride_am, stride_be, stride_bk, stride_bn, beta1, beta2,
     GATHER_A: tl.constexpr, SCALE: tl.constexpr, EPILOGUE: tl.constexpr, ACT: tl.constexpr,
-    LOG2_E: tl.constexpr, PREC: tl.constexpr,
+    PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N_OUT, BN)
     tile = pid // num_n
     pid_n = pid % num_n
-    if tile < tl.load(tile_offs_ptr + E):
-        e, row_start, row_end = _locate_tile(tile, tile_offs_ptr, row_offs_ptr, E, LOG2_E, BM)
+    e, row_start, row_end = _locate_tile(tile, tile_expert_ptr, tile_offs_ptr, row_offs_ptr, BM)
+    if e < E:
         rows = row_start + tl.arange(0, BM)
         rmask = rows < row_end
         flat = tl.load(order_ptr + rows, mask=rmask, other=0)
