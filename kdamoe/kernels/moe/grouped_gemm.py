@@ -121,7 +121,7 @@ def _rows_gemm_kernel(
         if GATHER_A:
             src = (flat // TOPK).to(tl.int64)
         else:
-            src = rows.to(tl.int64)
+            src = tl.where(rmask, rows, 0).to(tl.int64)  # tail rows of the last tile may lie past M
         offs_n = pid_n * BN + tl.arange(0, BN)
         nmask = offs_n < N_OUT
         offs_k = tl.arange(0, BK)
