@@ -7,7 +7,8 @@ Source: Kimi Linear report §3, Eq. 1 (gated delta rule with a per-channel decay
     o_t = S_tᵀ (scale · q_t)
 
 Written as a plain per-token loop with the explicit ``K×K`` transition matrix, so that it shares no
-algebra with the chunked kernels it checks. Everything is computed in float64.
+algebra with the chunked kernels it checks. Everything is computed in float64 and is differentiable
+(autograd gives the reference gradients).
 """
 
 import torch
@@ -36,7 +37,7 @@ def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
     V = v.shape[-1]
     if scale is None:
         scale = K ** -0.5
-    q, k, v, g, beta = (x.detach().to(torch.float64) for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (x.to(torch.float64) for x in (q, k, v, g, beta))
     if cu_seqlens is None:
         # every batch row is one sequence
         segments = [(b, 0, T) for b in range(B)]
@@ -52,7 +53,7 @@ def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
     for n, (b, start, end) in enumerate(segments):
         for h in range(H):
             if initial_state is not None:
-                S = initial_state[n, h].detach().to(torch.float64).clone()
+                S = initial_state[n, h].to(torch.float64)
             else:
                 S = torch.zeros(K, V, dtype=torch.float64, device=q.device)
             for t in range(start, end):
