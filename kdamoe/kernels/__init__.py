@@ -6,3 +6,4 @@ Each kernel family is a sub-package: ``kda`` (chunked / recurrent Kimi Delta Att
 """
 
 from .moe import moe_experts, moe_route  # noqa: E402,F401
+from .kda import chunk_kda, fused_recurrent_kda  # noqa: E402,F401

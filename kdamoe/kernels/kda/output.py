@@ -1,0 +1,76 @@
+"""Output stage of chunked KDA and its first backward step (both chunk-parallel).
+
+    o  = (scale · q ⊙ Γ) h[c] + A_qk δ                (forward; A_qk already holds scale and the causal mask)
+    dδ_local = A_qkᵀ dO                                (backward; the state pass adds kg dS)
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .prepare import BT, chunk_bounds
+
+OUT_BV = 64
+
+
+@triton.jit
+def _output_fwd_kernel(qn, G, h, vnew, Aqk, o, chunk_idx, cu_seqlens, scale,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0, eos = chunk_bounds(chunk_idx, cu_seqlens, i_c, BT)
+    rows = t0 + tl.arange(0, BT)
+    mrow = rows < eos
+    tok = (rows * H + i_h).to(tl.int64)
+    ck = tl.arange(0, K)
+    cv = i_v * BV + tl.arange(0, BV)
+    ct = tl.arange(0, BT)
+    dt = vnew.dtype.element_ty
+    koff = tok[:, None] * K + ck[None, :]
+    b_q = tl.load(qn + koff, mask=mrow[:, None], other=0.).to(tl.float32)
+    b_G = tl.load(G + koff, mask=mrow[:, None], other=0.)
+    b_qg = tl.where(mrow[:, None], b_q * tl.exp(b_G) * scale, 0.)
+    b_h = tl.load(h + (i_c * H + i_h).to(tl.int64) * K * V + ck[:, None] * V + cv[None, :])
+    b_A = tl.load(Aqk + tok[:, None] * BT + ct[None, :], mask=mrow[:, None] & (ct[None, :] <= tl.arange(0, BT)[:, None]),
+                  other=0.)
+    b_d = tl.load(vnew + tok[:, None] * V + cv[None, :], mask=mrow[:, None], other=0.)
+    b_o = tl.dot(b_qg.to(dt), b_h) + tl.dot(b_A.to(dt), b_d)
+    tl.store(o + tok[:, None] * V + cv[None, :], b_o.to(o.dtype.element_ty), mask=mrow[:, None])
+
+
+def output_fwd(qn, G, h, vnew, Aqk, scale, chunk_idx, cu_seqlens, NC):
+    _, T, H, K = qn.shape
+    V = vnew.shape[-1]
+    o = torch.empty_like(vnew)
+    BV = min(OUT_BV, V)
+    if NC > 0:
+        _output_fwd_kernel[(NC, H, V // BV)](qn, G, h, vnew, Aqk, o, chunk_idx, cu_seqlens, float(scale),
+                                              H=H, K=K, V=V, BT=BT, BV=BV, num_warps=4)
+    return o
+
+
+@triton.jit
+def _dv_local_kernel(Aqk, do, dvl, chunk_idx, cu_seqlens,
+                     H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0, eos = chunk_bounds(chunk_idx, cu_seqlens, i_c, BT)
+    rows = t0 + tl.arange(0, BT)
+    mrow = rows < eos
+    tok = (rows * H + i_h).to(tl.int64)
+    cv = i_v * BV + tl.arange(0, BV)
+    ct = tl.arange(0, BT)
+    b_A = tl.load(Aqk + tok[:, None] * BT + ct[None, :], mask=mrow[:, None] & (ct[None, :] <= tl.arange(0, BT)[:, None]),
+                  other=0.)
+    b_do = tl.load(do + tok[:, None] * V + cv[None, :], mask=mrow[:, None], other=0.)
+    b_dv = tl.dot(tl.trans(b_A.to(b_do.dtype)), b_do)
+    tl.store(dvl + tok[:, None] * V + cv[None, :], b_dv, mask=mrow[:, None])
+
+
+def dv_local(Aqk, do, chunk_idx, cu_seqlens, NC):
+    """``A_qkᵀ dO`` per chunk, float32 ``[1, T, H, V]``."""
+    _, T, H, V = do.shape
+    dvl = torch.empty(do.shape, dtype=torch.float32, device=do.device)
+    BV = min(OUT_BV, V)
+    if NC > 0:
+        _dv_local_kernel[(NC, H, V // BV)](Aqk, do, dvl, chunk_idx, cu_seqlens, H=H, V=V, BT=BT, BV=BV,
+                                            num_warps=4)
+    return dvl

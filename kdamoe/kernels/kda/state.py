@@ -1,0 +1,131 @@
+"""Inter-chunk state passes of chunked KDA (the only sequential stages).
+
+Forward, per sequence and head, over its chunks in order (S is the state at the chunk start, float32):
+
+    h[c] = S;   δ = u − w S;   S ← exp(G_last) ⊙_rows S + kgᵀ δ
+
+Backward, over the chunks in reverse, with dS the gradient of the chunk's *end* state:
+
+    dh[c] = dS;   dδ = Aqkᵀ dO + kg dS;   dS ← exp(G_last) ⊙_rows dS + (scale·q⊙Γ)ᵀ dO − wᵀ dδ
+
+The state stays in float32 registers; the matrix products take input-dtype operands (tensor cores).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .prepare import BT
+
+# value-block width and warps of the sequential passes (V // BV · N · H programs run at once)
+STATE_BV = 64
+STATE_WARPS = 4
+
+
+@triton.jit
+def _state_fwd_kernel(w, u, kg, G, h, vnew, h0, ht, cu_seqlens, chunk_offsets,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                      HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens + i_n)
+    eos = tl.load(cu_seqlens + i_n + 1)
+    c0 = tl.load(chunk_offsets + i_n)
+    ck = tl.arange(0, K)
+    cv = i_v * BV + tl.arange(0, BV)
+    soff = ck[:, None] * V + cv[None, :]
+    if HAS_H0:
+        S = tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + soff)
+    else:
+        S = tl.zeros([K, BV], dtype=tl.float32)
+    dt = w.dtype.element_ty
+    NT = tl.cdiv(eos - bos, BT)
+    for i_t in range(NT):
+        t0 = bos + i_t * BT
+        tl.store(h + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + soff, S.to(h.dtype.element_ty))
+        rows = t0 + tl.arange(0, BT)
+        mrow = rows < eos
+        tok = (rows * H + i_h).to(tl.int64)
+        b_w = tl.load(w + tok[:, None] * K + ck[None, :], mask=mrow[:, None], other=0.)
+        b_u = tl.load(u + tok[:, None] * V + cv[None, :], mask=mrow[:, None], other=0.).to(tl.float32)
+        d = b_u - tl.dot(b_w, S.to(dt))
+        tl.store(vnew + tok[:, None] * V + cv[None, :], d.to(vnew.dtype.element_ty), mask=mrow[:, None])
+        last = (tl.minimum(t0 + BT, eos) - 1) * H + i_h
+        glast = tl.load(G + last.to(tl.int64) * K + ck)
+        b_kg = tl.load(kg + tok[:, None] * K + ck[None, :], mask=mrow[:, None], other=0.)
+        S = S * tl.exp(glast)[:, None] + tl.dot(tl.trans(b_kg), d.to(dt))
+    if STORE_FINAL:
+        tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + soff, S)
+
+
+def state_fwd(w, u, kg, G, h0, cu_seqlens, chunk_offsets, NC, N, output_final_state):
+    """Returns ``(h, vnew, ht)``: h ``[NC, H, K, V]`` chunk-start states (input dtype), vnew = δ like u,
+    ht ``[N, H, K, V]`` float32 or None."""
+    _, T, H, K = w.shape
+    V = u.shape[-1]
+    h = torch.empty(NC, H, K, V, dtype=w.dtype, device=w.device)
+    vnew = torch.empty_like(u)
+    ht = torch.empty(N, H, K, V, dtype=torch.float32, device=w.device) if output_final_state else None
+    BV = min(STATE_BV, V)
+    _state_fwd_kernel[(V // BV, N * H)](w, u, kg, G, h, vnew, h0, ht, cu_seqlens, chunk_offsets, H=H, K=K, V=V,
+                                        BT=BT, BV=BV, HAS_H0=h0 is not None, STORE_FINAL=output_final_state,
+                                        num_warps=STATE_WARPS)
+    return h, vnew, ht
+
+
+@triton.jit
+def _state_bwd_kernel(qn, G, w, kg, do, dvl, dh, dvnew, dht, dh0, cu_seqlens, chunk_offsets, scale,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                      HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens + i_n)
+    eos = tl.load(cu_seqlens + i_n + 1)
+    c0 = tl.load(chunk_offsets + i_n)
+    ck = tl.arange(0, K)
+    cv = i_v * BV + tl.arange(0, BV)
+    soff = ck[:, None] * V + cv[None, :]
+    if HAS_DHT:
+        dS = tl.load(dht + (i_n * H + i_h).to(tl.int64) * K * V + soff)
+    else:
+        dS = tl.zeros([K, BV], dtype=tl.float32)
+    dt = w.dtype.element_ty
+    NT = tl.cdiv(eos - bos, BT)
+    for j in range(NT):
+        i_t = NT - 1 - j
+        t0 = bos + i_t * BT
+        tl.store(dh + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + soff, dS.to(dh.dtype.element_ty))
+        rows = t0 + tl.arange(0, BT)
+        mrow = rows < eos
+        tok = (rows * H + i_h).to(tl.int64)
+        koff = tok[:, None] * K + ck[None, :]
+        voff = tok[:, None] * V + cv[None, :]
+        b_kg = tl.load(kg + koff, mask=mrow[:, None], other=0.)
+        dd = tl.load(dvl + voff, mask=mrow[:, None], other=0.) + tl.dot(b_kg, dS.to(dt))
+        tl.store(dvnew + voff, dd.to(dvnew.dtype.element_ty), mask=mrow[:, None])
+        b_G = tl.load(G + koff, mask=mrow[:, None], other=0.)
+        b_q = tl.load(qn + koff, mask=mrow[:, None], other=0.).to(tl.float32)
+        b_qg = tl.where(mrow[:, None], b_q * tl.exp(b_G) * scale, 0.)
+        b_do = tl.load(do + voff, mask=mrow[:, None], other=0.)
+        b_w = tl.load(w + koff, mask=mrow[:, None], other=0.)
+        last = (tl.minimum(t0 + BT, eos) - 1) * H + i_h
+        glast = tl.load(G + last.to(tl.int64) * K + ck)
+        dS = dS * tl.exp(glast)[:, None] + tl.dot(tl.trans(b_qg.to(dt)), b_do) \
+            - tl.dot(tl.trans(b_w), dd.to(dt))
+    if HAS_H0:
+        tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + soff, dS)
+
+
+def state_bwd(qn, G, w, kg, do, dvl, dht, scale, cu_seqlens, chunk_offsets, NC, N, need_dh0):
+    """Returns ``(dh, dvnew, dh0)``: dh ``[NC, H, K, V]`` gradients of the chunk-end states (input dtype),
+    dvnew = dδ ``[1, T, H, V]``, dh0 ``[N, H, K, V]`` float32 or None."""
+    _, T, H, K = w.shape
+    V = do.shape[-1]
+    dh = torch.empty(NC, H, K, V, dtype=w.dtype, device=w.device)
+    dvnew = torch.empty_like(do)
+    dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=w.device) if need_dh0 else None
+    BV = min(STATE_BV, V)
+    _state_bwd_kernel[(V // BV, N * H)](qn, G, w, kg, do, dvl, dh, dvnew, dht, dh0, cu_seqlens, chunk_offsets,
+                                        float(scale), H=H, K=K, V=V, BT=BT, BV=BV, HAS_DHT=dht is not None,
+                                        HAS_H0=need_dh0, num_warps=STATE_WARPS)
+    return dh, dvnew, dh0
