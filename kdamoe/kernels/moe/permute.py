@@ -15,13 +15,12 @@ def expert_permutation(top_k_index: torch.Tensor, num_experts: int):
     Returns ``(order [N·k] int32, counts [E] int32, row_offs [E+1] int32)``.
     """
     flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True).to(torch.int32)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
-    counts.index_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int32))
-    counts = counts[:num_experts]
-    row_offs = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
-    torch.cumsum(counts, 0, out=row_offs[1:])
-    return order, counts, row_offs
+    sorted_ids, order = torch.sort(flat, stable=True)
+    # offsets by binary search in the sorted ids: no atomics (heavily contended for small E), no host sync
+    bounds = torch.arange(num_experts + 1, device=flat.device, dtype=sorted_ids.dtype)
+    row_offs = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
+    counts = row_offs[1:] - row_offs[:-1]
+    return order.to(torch.int32), counts, row_offs
 
 
 def tile_offsets(counts: torch.Tensor, block_m: int) -> torch.Tensor:
