@@ -173,8 +173,9 @@ class KDAMoEConfig(PreTrainedConfig):
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.tie_word_embeddings = tie_word_embeddings
-        super().__init__(**kwargs)
+        # Our checks first: they name the field and say why (transformers' own come after).
         self.validate_kdamoe()
+        super().__init__(**kwargs)
 
     @property
     def num_sparse_layers(self) -> int:

@@ -37,6 +37,7 @@ from .quantile_balancing import (
     histogram_range,
     qb_histogram,
     quantile_balancing_update,
+    selection_margins,
     sign_update,
 )
 
@@ -269,8 +270,9 @@ def _inside_backward() -> bool:
 class KDAMoETopkRouter(nn.Module):
     """Sigmoid router with a selection-only bias, Top-(k+1) and the Quantile Balancing statistics.
 
-    ``s = σ(W_r x)``, ``T = TopK(s + b, k)``, ``p_j = s_j / Σ_{r∈T} s_r``; ``α_i`` is the (k+1)-th biased
-    score. ``e_score_correction_bias`` (the bias ``b``) is a saved buffer that is never trained; it
+    ``s = σ(W_r x)``, ``T = TopK(s + b, k)``, ``p_j = s_j / Σ_{r∈T} s_r``; the Top-(k+1) biased scores give
+    the selection margins QB histograms (see ``quantile_balancing.selection_margins``).
+    ``e_score_correction_bias`` (the bias ``b``) is a saved buffer that is never trained; it
     changes only in :meth:`update_bias`. The statistics are plain tensors (not buffers) so they are
     neither saved nor broadcast by DDP.
     """
@@ -304,20 +306,21 @@ class KDAMoETopkRouter(nn.Module):
         top_k_weights = scores.gather(1, top_k_index)
         top_k_weights = top_k_weights / top_k_weights.sum(-1, keepdim=True) * self.scaling
         if self.training and torch.is_grad_enabled() and not _inside_backward():
-            self._record(scores.detach(), top_values[:, self.top_k], top_k_index, token_mask)
+            self._record(scores.detach(), top_values, top_k_index, token_mask)
         return router_logits, top_k_index, top_k_weights
 
     @torch.no_grad()
-    def _record(self, scores, alpha, top_k_index, token_mask):
+    def _record(self, scores, top_values, top_k_index, token_mask):
         if token_mask is not None:
-            scores, alpha, top_k_index = scores[token_mask], alpha[token_mask], top_k_index[token_mask]
+            scores, top_values, top_k_index = scores[token_mask], top_values[token_mask], top_k_index[token_mask]
         if self.qb_counts is None:
             self.qb_counts = torch.zeros(self.num_experts, self.config.qb_num_bins, dtype=torch.float64, device=scores.device)
             self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float64, device=scores.device)
         self.tokens_per_expert += torch.bincount(top_k_index.flatten(), minlength=self.num_experts).double()
         if self.config.router_bias_update == "quantile":
             lo, hi = histogram_range(self.e_score_correction_bias)
-            self.qb_counts += qb_histogram(alpha[:, None] - scores, lo, hi, self.config.qb_num_bins)
+            r = selection_margins(scores, top_values, top_k_index)
+            self.qb_counts += qb_histogram(r, lo, hi, self.config.qb_num_bins)
 
     def expert_load(self) -> torch.Tensor:
         """``[E]`` float32 tokens routed to each expert since the last update (zeros if none)."""

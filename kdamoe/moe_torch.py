@@ -14,11 +14,13 @@ from torch import nn
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
-    """SiTU-GLU of the gate branch ``gate`` and the linear branch ``up`` (same shape; computed in float32).
+    """SiTU-GLU of the gate branch ``gate`` and the linear branch ``up`` (same shape).
 
-    Returns a tensor of ``gate``'s dtype and shape, with ``|out| < beta · linear_beta``.
+    Computed in float32 (float64 for float64 inputs); returns ``gate``'s dtype and shape, with
+    ``|out| ≤ beta · linear_beta`` (strictly below until tanh rounds to 1).
     """
-    a, b = gate.float(), up.float()
+    compute = torch.promote_types(gate.dtype, torch.float32)
+    a, b = gate.to(compute), up.to(compute)
     out = beta * torch.tanh(a / beta) * torch.sigmoid(a) * (linear_beta * torch.tanh(b / linear_beta))
     return out.to(gate.dtype)
 

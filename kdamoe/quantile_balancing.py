@@ -1,11 +1,20 @@
 """Router-bias balancing without an auxiliary loss: Quantile Balancing and the sign rule.
 
 Quantile Balancing (Kimi K3 report §2.3; DESIGN.md §1.3 and §6). With sigmoid scores ``s``, bias ``b``
-and Top-(k+1) of ``s + b``, let ``α_i`` be token i's (k+1)-th biased score. Expert j is picked for
-token i roughly when ``s_ij + b_j > α_i``, i.e. when ``b_j > r_ij := α_i − s_ij``. Setting ``b_j`` to
-the ``k/E`` quantile of ``r_{:,j}`` therefore gives every expert a ``k/E`` share of the tokens:
+and Top-(k+1) of ``s + b``, expert j is picked for token i when ``b_j > r_ij := τ_ij − s_ij``, where the
+threshold ``τ_ij`` is what j has to beat with the other biases held fixed. Setting ``b_j`` to the
+``k/E`` quantile of ``r_{:,j}`` therefore gives every expert a ``k/E`` share of the tokens:
 
     b̂_j = quantile_{k/E}(r_{:,j}),     b ← b̂ − mean(b̂)
+
+DESIGN.md §1.3 takes ``τ_ij = α_i``, the (k+1)-th biased score, for every expert. That is exact for the
+k selected experts (they stay while they beat the (k+1)-th) but not for the others: an unselected
+expert enters only by beating the k-th biased score, which is ≥ α_i. With ``α_i`` everywhere the
+(k+1)-th expert sits exactly at ``r = b_j``, so an under-loaded expert's quantile falls inside its own
+point mass and its bias creeps up by about one histogram bin per update: on a skewed 16-expert router
+(tests/test_moe.py) max/mean load stalled near 1.2 after 20 updates. We use the k-th biased score as
+``τ`` for unselected experts (both scores come from the same Top-(k+1)); the fixed point is the same
+(``b_j > r_ij`` ⇔ j is selected) and the load reaches the sampling-noise floor in a few updates.
 
 The quantile is read off a per-expert histogram (fixed size, summable across ranks with one
 all-reduce): ``num_bins`` uniform bins over ``[min(b) − 1, max(b) + 1]`` — the whole range ``r`` can
@@ -17,6 +26,24 @@ The sign rule is DeepSeek-V3's loss-free balancing (arXiv:2412.19437 §2.1.2):
 
 import torch
 import torch.distributed as dist
+
+
+def selection_margins(scores: torch.Tensor, top_values: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+    """``r_ij = τ_ij − s_ij``: how large ``b_j`` must be for expert j to be picked for token i.
+
+    Args:
+        scores: ``[N, E]`` unbiased sigmoid scores ``s``.
+        top_values: ``[N, k+1]`` Top-(k+1) biased scores ``s + b`` in descending order.
+        top_k_index: ``[N, k]`` the selected experts.
+
+    Returns:
+        ``[N, E]`` margins; ``τ`` is the (k+1)-th biased score for selected experts and the k-th for the
+        rest (module docstring). Every value lies in ``(min(b) − 1, max(b) + 1)``.
+    """
+    k = top_k_index.shape[1]
+    selected = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top_k_index, True)
+    threshold = torch.where(selected, top_values[:, k : k + 1], top_values[:, k - 1 : k])
+    return threshold - scores
 
 
 def histogram_range(bias: torch.Tensor) -> tuple[float, float]:
