@@ -47,21 +47,21 @@ def _interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def chunk_kda(backend: str, device: torch.device):
+def chunk_kda_op(backend: str, device: torch.device):
     """Chunked KDA op (training / prefill) with fla's ``chunk_kda`` signature."""
     if _use_triton(backend, device, "chunk_kda"):
         return _triton_kernels().chunk_kda
     return chunk_kda_torch
 
 
-def recurrent_kda(backend: str, device: torch.device):
+def recurrent_kda_op(backend: str, device: torch.device):
     """Recurrent KDA op (decoding) with fla's ``fused_recurrent_kda`` signature."""
     if _use_triton(backend, device, "fused_recurrent_kda"):
         return _triton_kernels().fused_recurrent_kda
     return recurrent_kda_torch
 
 
-def moe_experts(backend: str, device: torch.device):
+def moe_experts_op(backend: str, device: torch.device):
     """Experts op ``fn(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act)``.
 
     ``act`` is the experts module's activation (with ``hidden_act``, ``beta`` and ``linear_beta``

@@ -28,8 +28,8 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from transformers.utils import logging
 
-from . import kernel_dispatch
 from .configuration_kdamoe import KDAMoEConfig
+from .kernel_dispatch import chunk_kda_op, moe_experts_op, recurrent_kda_op
 from .kda_torch import causal_conv1d_torch, kda_gate
 from .moe_torch import GLUActivation
 from .quantile_balancing import (
@@ -173,10 +173,10 @@ class KDAMoEDeltaAttention(nn.Module):
         if packed is not None:
             o, final_state = self._packed(q, k, v, g, beta, recurrent_state, packed, **kwargs)
         elif T == 1 and recurrent_state is not None:
-            op = kernel_dispatch.recurrent_kda(backend, q.device)
+            op = recurrent_kda_op(backend, q.device)
             o, final_state = op(q, k, v, g, beta, initial_state=recurrent_state, **kwargs)
         else:
-            op = kernel_dispatch.chunk_kda(backend, q.device)
+            op = chunk_kda_op(backend, q.device)
             o, final_state = op(q, k, v, g, beta, initial_state=recurrent_state, **kwargs)
 
         if cache is not None:
@@ -196,7 +196,7 @@ class KDAMoEDeltaAttention(nn.Module):
             # A cached row state continues only the row's first document; the others start from zero.
             initial_state = recurrent_state.new_zeros(cu_seqlens.numel() - 1, *recurrent_state.shape[1:])
             initial_state[packed["first_seq"]] = recurrent_state
-        op = kernel_dispatch.chunk_kda(self.config.kernel_backend, q.device)
+        op = chunk_kda_op(self.config.kernel_backend, q.device)
         flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
         o, final_state = op(*flat, initial_state=initial_state, cu_seqlens=cu_seqlens, **kwargs)
         if final_state is not None:
@@ -366,7 +366,7 @@ class KDAMoEExperts(nn.Module):
         self.act_fn = GLUActivation(config.hidden_act, config.situ_beta, config.situ_linear_beta)
 
     def forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
-        op = kernel_dispatch.moe_experts(self.config.kernel_backend, hidden_states.device)
+        op = moe_experts_op(self.config.kernel_backend, hidden_states.device)
         return op(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn)
 
 

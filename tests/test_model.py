@@ -1,0 +1,197 @@
+"""KDAMoEForCausalLM end to end on CPU: cache, generation, packing, padding, checkpointing, remote code."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, DynamicCache
+
+from kdamoe import KDAMoEForCausalLM, KDAMoEForSequenceClassification
+from tests.helpers import tiny_config
+
+
+def _model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    model = KDAMoEForCausalLM(tiny_config(**overrides))
+    with torch.no_grad():  # non-trivial balancing biases, so they matter in every comparison
+        for router in model._routers():
+            router.e_score_correction_bias.copy_(0.05 * torch.randn(router.num_experts))
+    return model.eval()
+
+
+def _ids(seed, B, T, vocab=97):
+    return torch.randint(3, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("attnres_num_blocks", [0, 2])
+def test_incremental_decode_equals_full_forward(attnres_num_blocks):
+    model = _model(attnres_num_blocks=attnres_num_blocks)
+    ids = _ids(1, B=2, T=40)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        out = model(ids[:, :23], use_cache=True)  # prefill spans chunk boundaries (chunk 16)
+        cache, pieces = out.cache, [out.logits]
+        assert isinstance(cache, DynamicCache)
+        for t in range(23, 33):  # single-token decode steps
+            out = model(ids[:, t : t + 1], cache=cache, use_cache=True)
+            cache, pieces = out.cache, pieces + [out.logits]
+        out = model(ids[:, 33:], cache=cache, use_cache=True)  # multi-token continuation
+        pieces.append(out.logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_sequences_equal_sequences_run_alone():
+    model = _model()
+    docs = [_ids(s, 1, n) for s, n in ((2, 13), (3, 20), (4, 7))]
+    ids = torch.cat(docs, 1)
+    position_ids = torch.cat([torch.arange(d.shape[1]) for d in docs]).unsqueeze(0)
+    with torch.no_grad():
+        packed = model(ids, position_ids=position_ids, use_cache=False).logits
+        alone = torch.cat([model(d, use_cache=False).logits for d in docs], 1)
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
+
+
+def test_left_padding_gives_the_unpadded_logits():
+    model = _model()
+    short, long = _ids(5, 1, 9), _ids(6, 1, 15)
+    pad = torch.zeros(1, 6, dtype=torch.long)
+    ids = torch.cat([torch.cat([pad, short], 1), long])
+    mask = torch.cat([torch.cat([torch.zeros(1, 6), torch.ones(1, 9)], 1), torch.ones(1, 15)]).long()
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask, use_cache=False).logits
+        alone_short = model(short, use_cache=False).logits
+        alone_long = model(long, use_cache=False).logits
+    torch.testing.assert_close(batched[0, 6:], alone_short[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(batched[1], alone_long[0], rtol=1e-4, atol=1e-4)
+
+
+def test_batched_left_padded_generation_matches_single_prompts():
+    model = _model()
+    prompts = [_ids(7, 1, 5), _ids(8, 1, 11)]
+    ids = torch.cat([torch.cat([torch.zeros(1, 6, dtype=torch.long), prompts[0]], 1), prompts[1]])
+    mask = (torch.arange(11) >= torch.tensor([[6], [0]])).long()
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    for row, prompt in enumerate(prompts):
+        single = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(batched[row, -8:], single[0, -8:])
+    torch.manual_seed(0)
+    sampled = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=20, pad_token_id=0)
+    assert sampled.shape == (2, 19)
+
+
+def test_training_step_counts_real_tokens_once_even_with_gradient_checkpointing():
+    ids = _ids(9, B=2, T=24)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    grads, loads = [], []
+    for checkpointing in (False, True):
+        model = _model(seed=1).train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        out = model(ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+        loads.append(model.expert_load())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+    n_sparse = tiny_config().num_sparse_layers
+    real = int(mask.sum())
+    assert loads[1].shape == (n_sparse, 8)
+    assert torch.equal(loads[0], loads[1])
+    assert torch.all(loads[1].sum(-1) == real * 2)
+
+
+def test_eval_and_generation_never_move_router_biases():
+    model = _model()
+    before = [r.e_score_correction_bias.clone() for r in model._routers()]
+    model.generate(_ids(10, 1, 6), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    model.update_router_biases()
+    after = [r.e_score_correction_bias for r in model._routers()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert model.expert_load().sum() == 0
+
+
+def test_router_logits_logits_to_keep_and_aux_loss():
+    model = _model(router_aux_loss_coef=0.01)
+    ids = _ids(11, B=2, T=10)
+    out = model(ids, output_router_logits=True, logits_to_keep=3, use_cache=False)
+    assert out.logits.shape == (2, 3, 97)
+    assert isinstance(out.router_logits, tuple) and len(out.router_logits) == tiny_config().num_sparse_layers
+    assert out.router_logits[0].shape == (20, 8)
+    assert out.aux_loss is not None and float(out.aux_loss) > 0
+    with_aux = model(ids, labels=ids, output_router_logits=True, use_cache=False)
+    without = model(ids, labels=ids, output_router_logits=False, use_cache=False)
+    torch.testing.assert_close(with_aux.loss, without.loss + 0.01 * with_aux.aux_loss)
+    full = model(ids, use_cache=False).logits
+    torch.testing.assert_close(out.logits, full[:, -3:])
+
+
+def test_backbone_contract_for_trl_fused_head():
+    model = _model()
+    backbone = getattr(model, model.base_model_prefix)
+    out = backbone(input_ids=_ids(12, 1, 6), use_cache=False, output_router_logits=True)
+    assert out.last_hidden_state.shape == (1, 6, 32)
+    assert isinstance(out.router_logits, tuple)
+    assert model.get_output_embeddings() is model.lm_head
+
+
+def test_sequence_classification_reads_last_real_token():
+    torch.manual_seed(0)
+    model = KDAMoEForSequenceClassification(tiny_config(num_labels=1)).eval()
+    ids = _ids(13, 1, 8)
+    padded = torch.cat([ids, torch.zeros(1, 3, dtype=torch.long)], 1)
+    mask = torch.cat([torch.ones(1, 8), torch.zeros(1, 3)], 1).long()
+    with torch.no_grad():
+        score = model(ids).logits
+        score_padded = model(padded, attention_mask=mask).logits
+    assert score.shape == (1, 1)
+    torch.testing.assert_close(score, score_padded, rtol=1e-5, atol=1e-5)
+    out = model(ids, labels=torch.tensor([0.5]))
+    assert out.loss is not None and out.loss.requires_grad
+
+
+REMOTE_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path = [p for p in sys.path if p not in ("", ".", {repo!r})]
+    try:
+        import kdamoe
+        raise SystemExit("kdamoe must not be importable here")
+    except ImportError:
+        pass
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained({folder!r}, trust_remote_code=True).eval()
+    ids = torch.load({ids!r})
+    with torch.no_grad():
+        torch.save(model(ids, use_cache=False).logits, {out!r})
+    print(type(model).__module__)
+    """
+)
+
+
+def test_remote_code_round_trip_in_a_fresh_process(tmp_path):
+    model = _model()
+    folder = tmp_path / "ckpt"
+    model.save_pretrained(folder)
+    files = sorted(os.listdir(folder))
+    assert "model.safetensors" in files and not any(f.endswith(".bin") for f in files)
+    for code in ("configuration_kdamoe.py", "modeling_kdamoe.py", "kda_torch.py", "moe_torch.py", "quantile_balancing.py", "kernel_dispatch.py"):
+        assert code in files, files
+    ids = _ids(14, 2, 12)
+    torch.save(ids, tmp_path / "ids.pt")
+    script = REMOTE_SCRIPT.format(repo=os.getcwd(), folder=str(folder), ids=str(tmp_path / "ids.pt"), out=str(tmp_path / "out.pt"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "transformers_modules" in result.stdout
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+    assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
+    # In-process Auto classes (registered by `import kdamoe`) load it too, biases included.
+    again = AutoModelForCausalLM.from_pretrained(folder)
+    for a, b in zip(model._routers(), again._routers()):
+        assert torch.equal(a.e_score_correction_bias, b.e_score_correction_bias)
+    assert isinstance(AutoModelForSequenceClassification.from_config(model.config), KDAMoEForSequenceClassification)
