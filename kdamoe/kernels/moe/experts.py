@@ -83,7 +83,18 @@ class _Plan:
         self.order, counts, self.row_offs = expert_permutation(top_k_index, num_experts)
         self.bm = _block_m(self.m, num_experts)
         self.tile_offs = tile_offsets(counts, self.bm)
-        self.max_tiles = triton.cdiv(self.m, self.bm) + num_experts
+        if is_interpreter():
+            # the CPU interpreter pays milliseconds per program: launch the exact tile count (+1 to keep the
+            # early-exit path tested) and give the weight-gradient kernels only the experts with rows plus
+            # two empty ones (the others' zero gradients come from torch.zeros)
+            self.max_tiles = int(self.tile_offs[-1]) + 1
+            empty = torch.nonzero(counts == 0).flatten()[:2]
+            self.wgrad_experts = torch.sort(torch.cat([torch.nonzero(counts > 0).flatten(), empty])).values
+            self.wgrad_experts = self.wgrad_experts.to(torch.int32)
+        else:
+            # upper bound Σ_e ceil(c_e/BM) <= ceil(M/BM) + E without a host sync; extra programs exit at once
+            self.max_tiles = triton.cdiv(self.m, self.bm) + num_experts
+            self.wgrad_experts = torch.arange(num_experts, device=top_k_index.device, dtype=torch.int32)
         tiles = torch.arange(self.max_tiles, device=top_k_index.device, dtype=torch.int32)
         self.tile_expert = torch.searchsorted(self.tile_offs[1:], tiles, right=True).to(torch.int32)
 
@@ -99,9 +110,10 @@ def _rows_gemm(plan, a, b, out, w, h, dw, n_out, k_dim, stride_am, stride_be, st
 
 
 def _wgrad(plan, a, b, w, out, p, q, stride_am, stride_bm, gather_a, gather_b, scale_a, prec):
-    grid = lambda meta: (plan.e * triton.cdiv(p, meta["BP"]) * triton.cdiv(q, meta["BQ"]),)  # noqa: E731
+    n_exp = plan.wgrad_experts.numel()
+    grid = lambda meta: (n_exp * triton.cdiv(p, meta["BP"]) * triton.cdiv(q, meta["BQ"]),)  # noqa: E731
     _wgrad_kernel[grid](
-        a, b, plan.order, plan.row_offs, w, out, plan.e, p, q, plan.k, stride_am, stride_bm,
+        a, b, plan.order, plan.row_offs, plan.wgrad_experts, w, out, plan.e, p, q, plan.k, stride_am, stride_bm,
         GATHER_A=gather_a, GATHER_B=gather_b, SCALE_A=scale_a, PREC=prec,
     )
 
@@ -175,11 +187,11 @@ class MoEExpertsFunction(torch.autograd.Function):
             dx = torch.empty(n, hid, device=x.device, dtype=dt)
             _combine(y, idx, dx, e)
         if need_w1:
-            dw1 = torch.empty_like(w1)
+            dw1 = torch.zeros_like(w1) if is_interpreter() else torch.empty_like(w1)
             _wgrad(plan, dh, x, w, dw1, two_i, hid, two_i, hid, gather_a=False, gather_b=True, scale_a=False,
                    prec=prec)
         if need_w2:
-            dw2 = torch.empty_like(w2)
+            dw2 = torch.zeros_like(w2) if is_interpreter() else torch.empty_like(w2)
             _wgrad(plan, dout, g, w, dw2, hid, inter, hid, inter, gather_a=True, gather_b=False, scale_a=True,
                    prec=prec)
         dweights = dw.view(n, plan.k).to(ctx.w_dtype) if need_w else None

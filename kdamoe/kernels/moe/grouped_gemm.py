@@ -13,7 +13,7 @@ Kernels (per expert e, W1 = gate_up_proj[e] [2I, ℓ], W2 = down_proj[e] [ℓ, I
                   STORE  — scale by the routing weight (optional) and store at row ``flat``
                            (forward down projection with the weighted combine, backward ∂x per slot)
                   DGLU   — ∂g = w·(∂out[tok] @ W2); ∂w += Σ_i (∂out[tok] @ W2)_i g_i; ∂h = GLU'(h)·∂g
-  wgrad       : ∂W_e = Σ_{r∈e} A[r]ᵀ B[r]   (K loop over the expert's rows)
+  wgrad       : ∂W_e = Σ_{r∈e} A[r]ᵀ B[r]   (K loop over the expert's rows; experts from a list)
   combine     : out[t] = Σ_{j: index[t,j] < E} Y[t·k + j]
 Sources: LatentMoE (arXiv:2601.18089) for the expert layout; Kimi K3 report §2.3 for SiTU-GLU.
 """
@@ -31,15 +31,6 @@ def _cfgs(gpu):
     return [triton.Config(c, num_warps=w, num_stages=s) for c, w, s in gpu]
 
 
-@triton.jit
-def _locate_tile(tile, tile_expert_ptr, tile_offs_ptr, row_offs_ptr, BM: tl.constexpr):
-    # tile_expert[tile] = e with tile_offs[e] <= tile < tile_offs[e+1] (E past the last tile)
-    e = tl.load(tile_expert_ptr + tile)
-    row_start = tl.load(row_offs_ptr + e) + (tile - tl.load(tile_offs_ptr + e)) * BM
-    row_end = tl.load(row_offs_ptr + e + 1)
-    return e, row_start, row_end
-
-
 # ----------------------------------------------------------------------------------------------
 # forward: gate/up projection with the GLU activation in the epilogue
 # ----------------------------------------------------------------------------------------------
@@ -55,11 +46,15 @@ def _gate_up_fwd_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    num_n = tl.cdiv(I, BN)
+    num_n = (I + BN - 1) // BN
     tile = pid // num_n
     pid_n = pid % num_n
-    e, row_start, row_end = _locate_tile(tile, tile_expert_ptr, tile_offs_ptr, row_offs_ptr, BM)
+    # tile_expert[tile] = e with tile_offs[e] <= tile < tile_offs[e+1] (E past the last tile); written inline
+    # because a nested jit call costs milliseconds per program under the CPU interpreter
+    e = tl.load(tile_expert_ptr + tile)
     if e < E:
+        row_start = tl.load(row_offs_ptr + e) + (tile - tl.load(tile_offs_ptr + e)) * BM
+        row_end = tl.load(row_offs_ptr + e + 1)
         rows = row_start + tl.arange(0, BM)
         rmask = rows < row_end
         flat = tl.load(order_ptr + rows, mask=rmask, other=0)
@@ -110,11 +105,15 @@ def _rows_gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    num_n = tl.cdiv(N_OUT, BN)
+    num_n = (N_OUT + BN - 1) // BN
     tile = pid // num_n
     pid_n = pid % num_n
-    e, row_start, row_end = _locate_tile(tile, tile_expert_ptr, tile_offs_ptr, row_offs_ptr, BM)
+    # tile_expert[tile] = e with tile_offs[e] <= tile < tile_offs[e+1] (E past the last tile); written inline
+    # because a nested jit call costs milliseconds per program under the CPU interpreter
+    e = tl.load(tile_expert_ptr + tile)
     if e < E:
+        row_start = tl.load(row_offs_ptr + e) + (tile - tl.load(tile_offs_ptr + e)) * BM
+        row_end = tl.load(row_offs_ptr + e + 1)
         rows = row_start + tl.arange(0, BM)
         rmask = rows < row_end
         flat = tl.load(order_ptr + rows, mask=rmask, other=0)
@@ -168,15 +167,15 @@ def _rows_gemm_kernel(
 )
 @triton.jit
 def _wgrad_kernel(
-    a_ptr, b_ptr, order_ptr, row_offs_ptr, w_ptr, out_ptr,
+    a_ptr, b_ptr, order_ptr, row_offs_ptr, experts_ptr, w_ptr, out_ptr,
     E, P, Q, TOPK, stride_am, stride_bm,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, SCALE_A: tl.constexpr, PREC: tl.constexpr,
     BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    num_p = tl.cdiv(P, BP)
-    num_q = tl.cdiv(Q, BQ)
-    e = pid // (num_p * num_q)
+    num_p = (P + BP - 1) // BP
+    num_q = (Q + BQ - 1) // BQ
+    e = tl.load(experts_ptr + pid // (num_p * num_q))
     rem = pid % (num_p * num_q)
     pid_p = rem // num_q
     pid_q = rem % num_q

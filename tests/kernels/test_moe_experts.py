@@ -1,0 +1,136 @@
+"""moe_experts (Triton, interpreter on CPU) against the float64 loop reference: outputs and all gradients."""
+
+import pytest
+import torch
+from moe_reference import moe_experts_ref
+
+from kdamoe.kernels import moe_experts
+from kdamoe.kernels.moe.permute import expert_permutation
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def make_case(n, hid, inter, e, k, seed, drop=0.0, skew=None, absent=(), scale=1.0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, hid, generator=g) * scale
+    w1 = torch.randn(e, 2 * inter, hid, generator=g) * hid ** -0.5
+    w2 = torch.randn(e, hid, inter, generator=g) * inter ** -0.5
+    probs = torch.ones(e) if skew is None else skew
+    probs = probs.clone()
+    for a in absent:
+        probs[a] = 0.0
+    idx = torch.stack([torch.multinomial(probs, k, replacement=False, generator=g) for _ in range(n)])
+    if drop:
+        idx[torch.rand(idx.shape, generator=g) < drop] = e
+    w = torch.rand(n, k, generator=g) + 0.1
+    return [t.to(dtype) for t in (x, w, w1, w2)], idx
+
+
+def check(n, hid, inter, e, k, seed, activation="situ", tol=2e-5, **kw):
+    (x, w, w1, w2), idx = make_case(n, hid, inter, e, k, seed, **kw)
+    ps = [t.clone().requires_grad_() for t in (x, w, w1, w2)]
+    out = moe_experts(ps[0], idx, ps[1], ps[2], ps[3], activation=activation)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 7)).to(out.dtype)
+    out.backward(dout)
+    qs = [t.detach().double().requires_grad_() for t in (x, w, w1, w2)]
+    ref = moe_experts_ref(qs[0], idx, qs[1], qs[2], qs[3], activation=activation)
+    ref.backward(dout.double())
+    assert out.dtype == x.dtype and out.shape == (n, hid)
+    assert ref.norm() > 0
+    errs = {"out": rel(out, ref)}
+    for name, p, q in zip(["d_hidden", "d_weights", "d_gate_up", "d_down"], ps, qs):
+        assert p.grad is not None and p.grad.dtype == p.dtype and q.grad.norm() > 0
+        errs[name] = rel(p.grad, q.grad)
+    assert all(v < tol for v in errs.values()), errs
+    return idx, ps
+
+
+@pytest.mark.parametrize("activation", ["situ", "silu"])
+def test_experts_basic_with_skipped_slots_and_empty_expert(activation):
+    idx, ps = check(40, 32, 32, 6, 3, seed=1, activation=activation, drop=0.15, absent=(2,))
+    assert (idx == 6).any() and not (idx == 2).any()
+    # expert 2 got no tokens: its weight gradients are exactly zero (and match the reference)
+    assert ps[2].grad[2].abs().max() == 0 and ps[3].grad[2].abs().max() == 0
+    # skipped slots get no weight gradient
+    assert (ps[1].grad[idx == 6] == 0).all()
+
+
+def test_experts_very_uneven_loads():
+    skew = torch.tensor([40.0, 1.0, 0.5, 0.02, 0.02, 6.0, 0.0, 0.0, 3.0, 0.01, 0.0, 0.5, 0.0, 0.0, 2.0, 0.0])
+    idx, _ = check(72, 32, 16, 16, 2, seed=2, skew=skew)
+    _, counts, _ = expert_permutation(idx, 16)
+    assert counts.max() >= 40 and (counts == 0).sum() >= 6  # several 16-row tiles for one expert, many empty
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(-2x) = inf is how tanh saturates
+def test_experts_saturating_situ():
+    # large pre-activations: both tanh caps of SiTU-GLU are active (|a| >> 4, |b| ~ 25)
+    check(24, 16, 16, 4, 2, seed=3, scale=40.0, tol=5e-5)
+
+
+def test_experts_many_experts_top16():
+    idx, _ = check(4, 16, 16, 1000, 16, seed=4, drop=0.05)
+    assert idx.unique().numel() > 40 and idx.max() >= 900
+
+
+def test_experts_odd_widths_int32_index_noncontiguous():
+    (x, w, w1, w2), idx = make_case(20, 24, 20, 5, 2, seed=5)
+    x_nc = torch.cat([x, torch.zeros_like(x)], 1)[:, :24]  # non-contiguous view
+    assert not x_nc.is_contiguous()
+    ps = [t.clone().requires_grad_() for t in (w, w1, w2)]
+    out = moe_experts(x_nc, idx.int(), ps[0], ps[1], ps[2], activation="situ")
+    ref = moe_experts_ref(x, idx, w, w1, w2)
+    assert rel(out, ref) < 2e-5
+
+
+def test_experts_float16():
+    (x, w, w1, w2), idx = make_case(32, 32, 16, 4, 2, seed=6, dtype=torch.float16)
+    ps = [t.clone().requires_grad_() for t in (x, w, w1, w2)]
+    out = moe_experts(*ps[:1], idx, *ps[1:])
+    out.float().sum().backward()
+    qs = [t.detach().double().requires_grad_() for t in (x, w, w1, w2)]
+    ref = moe_experts_ref(qs[0], idx, qs[1], qs[2], qs[3])
+    ref.sum().backward()
+    assert out.dtype == torch.float16
+    assert rel(out, ref) < 5e-3
+    for p, q in zip(ps, qs):
+        assert rel(p.grad, q.grad) < 1e-2
+
+
+def test_experts_all_slots_skipped_gives_zero():
+    (x, w, w1, w2), idx = make_case(8, 16, 16, 3, 2, seed=7)
+    idx[:] = 3
+    out = moe_experts(x, idx, w, w1, w2)
+    assert out.shape == x.shape and out.abs().max() == 0
+
+
+def test_experts_errors():
+    (x, w, w1, w2), idx = make_case(8, 16, 16, 3, 2, seed=8)
+    with pytest.raises(ValueError, match="activation"):
+        moe_experts(x, idx, w, w1, w2, activation="relu")
+    with pytest.raises(ValueError, match="hidden_states"):
+        moe_experts(x[None], idx, w, w1, w2)
+    with pytest.raises(ValueError, match="hidden_states dtype"):
+        moe_experts(x.double(), idx, w, w1.double(), w2.double())
+    with pytest.raises(ValueError, match="top_k_index"):
+        moe_experts(x, idx[:4], w, w1, w2)
+    with pytest.raises(ValueError, match="top_k_index dtype"):
+        moe_experts(x, idx.float(), w, w1, w2)
+    with pytest.raises(ValueError, match="top_k_weights"):
+        moe_experts(x, idx, w[:, :1], w1, w2)
+    with pytest.raises(ValueError, match="gate_up_proj"):
+        moe_experts(x, idx, w, w1[:, :, :8], w2)
+    with pytest.raises(ValueError, match="gate_up_proj"):
+        moe_experts(x, idx, w, w1[:, :31], w2)
+    with pytest.raises(ValueError, match="down_proj"):
+        moe_experts(x, idx, w, w1, w2[:, :, :8])
+    with pytest.raises(ValueError, match="dtype of hidden_states"):
+        moe_experts(x, idx, w, w1.half(), w2)
+    with pytest.raises(ValueError, match=r"\[0, num_experts=3\]"):
+        moe_experts(x, idx.clamp(max=2) + torch.tensor([[0, 2]]), w, w1, w2)  # value 4 > E
+    with pytest.raises(ValueError, match=r"\[0, num_experts=3\]"):
+        moe_experts(x, idx - 3, w, w1, w2)
+    with pytest.raises(ValueError, match="one device"):
+        moe_experts(x, idx.to("meta"), w, w1, w2)
