@@ -195,3 +195,17 @@ def test_remote_code_round_trip_in_a_fresh_process(tmp_path):
     for a, b in zip(model._routers(), again._routers()):
         assert torch.equal(a.e_score_correction_bias, b.e_score_correction_bias)
     assert isinstance(AutoModelForSequenceClassification.from_config(model.config), KDAMoEForSequenceClassification)
+
+
+def test_eager_and_sdpa_attention_agree():
+    ids = _ids(15, 2, 14)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    logits = {}
+    for impl in ("eager", "sdpa"):
+        model = _model(attn_implementation=impl)
+        assert model.config._attn_implementation == impl
+        with torch.no_grad():
+            logits[impl] = model(ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(logits["eager"][0], logits["sdpa"][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits["eager"][1, 4:], logits["sdpa"][1, 4:], rtol=1e-5, atol=1e-5)
