@@ -32,7 +32,7 @@ def test_incremental_decode_equals_full_forward(attnres_num_blocks):
     ids = _ids(1, B=2, T=40)
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
-        out = model(ids[:, :23], use_cache=True)  # prefill spans chunk boundaries (chunk 16)
+        out = model(ids[:, :23], use_cache=True)  # the full forward spans two torch chunks (32)
         cache, pieces = out.cache, [out.logits]
         assert isinstance(cache, DynamicCache)
         for t in range(23, 33):  # single-token decode steps
