@@ -111,7 +111,7 @@ class _RouteFunction(torch.autograd.Function):
         hist = histogram if hist_on else torch.zeros(1, device=x.device, dtype=torch.int32)
         mask = token_mask.contiguous() if token_mask is not None else alpha
         ep = triton.next_power_of_2(e)
-        bt = 4 if is_interpreter() else max(1, min(16, 4096 // ep))
+        bt = max(4, min(32, 1024 // ep)) if is_interpreter() else max(1, min(16, 4096 // ep))
         _route_kernel[(triton.cdiv(n, bt),)](
             x, bias.contiguous(), mask, idx, w, alpha, hist, rng, n, e, x.stride(0), float(scaling),
             TOPK=top_k, KP=triton.next_power_of_2(top_k), HAS_MASK=token_mask is not None, HIST=hist_on,
