@@ -146,7 +146,10 @@ def profile(name, n, hid, inter, e, k):
     with tprof(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    tab = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=48)
+    try:
+        tab = prof.key_averages().table(sort_by="device_time_total", row_limit=14, max_name_column_width=48)
+    except Exception:  # older key name
+        tab = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=48)
     log(f"profile {name} (one fwd+bwd):")
     log(tab)
 
