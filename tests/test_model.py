@@ -156,6 +156,7 @@ REMOTE_SCRIPT = textwrap.dedent(
     """
     import sys, torch
     sys.path = [p for p in sys.path if p not in ("", ".", {repo!r})]
+    sys.modules["kdamoe"] = None  # block the package even where it is pip-installed (editable or not)
     try:
         import kdamoe
         raise SystemExit("kdamoe must not be importable here")
