@@ -106,6 +106,15 @@ def test_experts_all_slots_skipped_gives_zero():
     assert out.shape == x.shape and out.abs().max() == 0
 
 
+def test_experts_no_tokens():
+    (x, w, w1, w2), idx = make_case(3, 16, 16, 3, 2, seed=9)
+    ps = [t[:0].clone().requires_grad_() if i < 2 else t.clone().requires_grad_() for i, t in enumerate((x, w, w1, w2))]
+    out = moe_experts(ps[0], idx[:0], ps[1], ps[2], ps[3])
+    assert out.shape == (0, 16) and out.dtype == x.dtype
+    out.sum().backward()
+    assert ps[2].grad.shape == w1.shape and ps[2].grad.abs().max() == 0
+
+
 def test_experts_errors():
     (x, w, w1, w2), idx = make_case(8, 16, 16, 3, 2, seed=8)
     with pytest.raises(ValueError, match="activation"):

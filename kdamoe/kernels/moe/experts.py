@@ -226,8 +226,8 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
             synchronises with the device once per call).
     """
     _validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
-    if hidden_states.shape[0] == 0:
-        return hidden_states.new_zeros(hidden_states.shape) + 0.0 * top_k_weights.sum() \
-            + 0.0 * gate_up_proj.sum() + 0.0 * down_proj.sum()
+    if hidden_states.shape[0] == 0:  # no tokens: an empty output that still connects every input to the graph
+        zero = (top_k_weights.sum() * 0).to(hidden_states.dtype) + gate_up_proj.sum() * 0 + down_proj.sum() * 0
+        return hidden_states * 0 + zero
     return MoEExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                                     ACTIVATIONS[activation], float(situ_beta), float(situ_linear_beta))
