@@ -24,13 +24,17 @@ class RouterBiasUpdateCallback(TrainerCallback):
     """Calls ``model.update_router_biases()`` after every optimizer step.
 
     ``on_step_end`` fires once per optimizer step, after all gradient-accumulation micro-batches, so the
-    statistics of every micro-batch enter one update. Before the update it reads the expert load and
-    adds ``expert_load/max_over_mean`` (worst layer) and ``expert_load/max_over_mean/layer_{i}`` to the
-    next logged metrics, and warns when the worst layer passes ``warn_threshold``.
+    statistics of every micro-batch enter one update. Before the update it reads the expert load,
+    appends the per-MoE-layer max/mean load to ``self.history``, warns when the worst layer passes
+    ``warn_threshold``, and adds ``expert_load/max_over_mean`` (worst layer) and
+    ``expert_load/max_over_mean/layer_{i}`` (i = decoder layer index) to the ``logs`` of the next
+    ``on_log`` — seen by the console printer and by reporters that run after this callback (the
+    Trainer calls ``report_to`` integrations first, so they do not see them).
     """
 
     def __init__(self, warn_threshold: float = 2.0):
         self.warn_threshold = warn_threshold
+        self.history: list[list[float]] = []
         self._imbalance = None
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -38,6 +42,7 @@ class RouterBiasUpdateCallback(TrainerCallback):
         load = kdamoe_model.expert_load()
         if load.numel() and float(load.sum()) > 0:
             self._imbalance = (load.max(-1).values / load.mean(-1).clamp(min=1e-9)).tolist()
+            self.history.append(self._imbalance)
             worst = max(self._imbalance)
             if worst > self.warn_threshold:
                 import warnings
@@ -49,8 +54,9 @@ class RouterBiasUpdateCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is not None and self._imbalance:
             logs["expert_load/max_over_mean"] = max(self._imbalance)
+            first_sparse = find_kdamoe_model(kwargs["model"]).config.first_k_dense_replace if "model" in kwargs else 0
             for i, value in enumerate(self._imbalance):
-                logs[f"expert_load/max_over_mean/layer_{i}"] = value
+                logs[f"expert_load/max_over_mean/layer_{first_sparse + i}"] = value
         return control
 
 
