@@ -99,6 +99,18 @@ def test_experts_float16():
         assert rel(p.grad, q.grad) < 1e-2
 
 
+def test_experts_under_autocast_float32_weights():
+    (x, w, w1, w2), idx = make_case(16, 32, 16, 4, 2, seed=10)
+    ps = [t.clone().requires_grad_() for t in (x, w, w1, w2)]
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = moe_experts(*ps[:1], idx, *ps[1:])
+    assert out.dtype == torch.float16
+    out.float().sum().backward()
+    ref = moe_experts_ref(x, idx, w, w1, w2)
+    assert rel(out, ref) < 5e-3
+    assert ps[2].grad.dtype == torch.float32 and ps[2].grad.abs().max() > 0
+
+
 def test_experts_all_slots_skipped_gives_zero():
     (x, w, w1, w2), idx = make_case(8, 16, 16, 3, 2, seed=7)
     idx[:] = 3

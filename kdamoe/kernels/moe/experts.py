@@ -221,10 +221,20 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
         [N, ℓ] in the dtype of ``hidden_states``. Differentiable w.r.t. ``hidden_states``, ``top_k_weights``,
         ``gate_up_proj`` and ``down_proj`` (GEMMs accumulate in float32; the activation is evaluated in float32).
 
+    Under ``torch.autocast`` the float inputs are cast to the autocast dtype first (float32 weights then get
+    float32 gradients); otherwise all three float tensors must share one dtype.
+
     Raises:
         ValueError: bad shapes, dtypes, devices, activation, or index values outside [0, E] (the last check
             synchronises with the device once per call).
     """
+    if isinstance(hidden_states, torch.Tensor) and torch.is_autocast_enabled(hidden_states.device.type):
+        # mixed precision (e.g. float32 master weights under bf16 autocast): compute in the autocast dtype, as
+        # F.linear would; the casts are differentiable, so float32 weights receive float32 gradients
+        amp = torch.get_autocast_dtype(hidden_states.device.type)
+        hidden_states, gate_up_proj, down_proj = (
+            t.to(amp) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+            for t in (hidden_states, gate_up_proj, down_proj))
     _validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
     if hidden_states.shape[0] == 0:  # no tokens: an empty output that still connects every input to the graph
         zero = (top_k_weights.sum() * 0).to(hidden_states.dtype) + gate_up_proj.sum() * 0 + down_proj.sum() * 0
