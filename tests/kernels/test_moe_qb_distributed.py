@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kdamoe.kernels import moe_route
-from kdamoe.quantile_balancing import all_reduce_sum, histogram_range, quantile_balancing_update, quantile_from_histogram
+from kdamoe.quantile_balancing import (all_reduce_sum, histogram_range, quantile_balancing_update,
+                                       quantile_from_histogram)
 
 N, E, K, WORLD = 300, 12, 2, 2
 

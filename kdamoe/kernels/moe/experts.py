@@ -40,7 +40,8 @@ def _validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj
     if hidden_states.dim() != 2:
         raise ValueError(f"moe_experts: hidden_states must be [N, hidden], got shape {tuple(hidden_states.shape)}")
     if hidden_states.dtype not in _FLOATS:
-        raise ValueError(f"moe_experts: hidden_states dtype must be float16/bfloat16/float32, got {hidden_states.dtype}")
+        raise ValueError(f"moe_experts: hidden_states dtype must be float16/bfloat16/float32, "
+                         f"got {hidden_states.dtype}")
     n, hid = hidden_states.shape
     if top_k_index.dim() != 2 or top_k_index.shape[0] != n:
         raise ValueError(f"moe_experts: top_k_index must be [N={n}, k], got shape {tuple(top_k_index.shape)}")
@@ -145,7 +146,8 @@ class MoEExpertsFunction(torch.autograd.Function):
         h = torch.empty(plan.m if save_h else 1, two_i, device=x.device, dtype=dt)
         grid = lambda meta: (plan.max_tiles * triton.cdiv(inter, meta["BN"]),)  # noqa: E731
         _gate_up_fwd_kernel[grid](
-            x, w1, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, g, h, e, inter, hid, plan.k, beta1, beta2,
+            x, w1, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, g, h, e, inter, hid, plan.k,
+            beta1, beta2,
             ACT=act, SAVE_H=save_h, PREC=prec, BM=plan.bm,
         )
         y = torch.empty(plan.m, hid, device=x.device, dtype=dt)
@@ -203,9 +205,9 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     """Routed experts with the weighted combine: ``out[t] = Σ_j w[t,j] · E_{idx[t,j]}(x[t])``.
 
     ``E_e(x) = down_proj[e] @ GLU(gate_up_proj[e, :I] @ x, gate_up_proj[e, I:] @ x)`` with
-    SiTU-GLU ``GLU(a, b) = [β1·tanh(a/β1)·σ(a)] ⊙ [β2·tanh(b/β2)]`` (Kimi K3 report §2.3; β1 = ``situ_beta``,
-    β2 = ``situ_linear_beta``) or SwiGLU ``silu(a)·b`` (``activation="silu"``). Expert layout follows
-    transformers / LatentMoE (arXiv:2601.18089): the experts act on the latent width ℓ.
+    SiTU-GLU ``GLU(a, b) = [β1·tanh(a/β1)·σ(a)] ⊙ [β2·tanh(b/β2)]`` (Kimi K3 report §2.3;
+    β1 = ``situ_beta``, β2 = ``situ_linear_beta``) or SwiGLU ``silu(a)·b`` (``activation="silu"``).
+    Expert layout follows transformers / LatentMoE (arXiv:2601.18089): the experts act on the latent width ℓ.
 
     Args:
         hidden_states: [N, ℓ] float16 / bfloat16 / float32 (CUDA, or CPU under ``TRITON_INTERPRET=1``).

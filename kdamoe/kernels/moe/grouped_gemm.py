@@ -3,8 +3,8 @@
 Row ``r`` of the sorted order is one (token, slot) pair ``flat = order[r]`` (``flat = t·k + j``) routed to
 expert ``e``; experts own the contiguous row ranges ``row_offs[e] : row_offs[e+1]``. A row tile of
 ``BM`` rows never straddles two experts: ``tile_offs[e] = Σ_{e'<e} ceil(count_e'/BM)`` and each program
-reads its expert from ``tile_expert`` (a searchsorted over ``tile_offs``) (no host synchronisation, zero-token experts own
-zero tiles). Tokens are gathered by index inside the A-operand loads, so no permuted copy of the
+reads its expert from ``tile_expert`` (a searchsorted over ``tile_offs``; no host synchronisation,
+zero-token experts own zero tiles). Tokens are gathered by index inside the A-operand loads, so no permuted copy of the
 activations is ever written.
 
 Kernels (per expert e, W1 = gate_up_proj[e] [2I, ℓ], W2 = down_proj[e] [ℓ, I]):

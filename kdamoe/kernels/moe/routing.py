@@ -124,7 +124,8 @@ class _RouteFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _didx, dw, _dalpha):
-        # p_j = c·s_j/S, S = Σ_{r∈T} s_r  ⇒  ∂L/∂s_m = (c/S)(∂L/∂p_m − Σ_j ∂L/∂p_j · s_j/S);  ∂s/∂logit = s(1 − s)
+        # p_j = c·s_j/S, S = Σ_{r∈T} s_r  ⇒  ∂L/∂s_m = (c/S)(∂L/∂p_m − Σ_j ∂L/∂p_j · s_j/S)
+        # and ∂s/∂logit = s(1 − s)
         x, idx = ctx.saved_tensors
         s = torch.sigmoid(x.gather(1, idx).float())
         ssum = s.sum(-1, keepdim=True)
