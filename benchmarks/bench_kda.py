@@ -153,6 +153,8 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--pytest", action="store_true", help="first run tests/kernels/test_kda_*.py on the GPU")
+    ap.add_argument("--check-fla", action="store_true", help="also measure fla's error against the reference")
+    ap.add_argument("--stage-budget-s", type=float, default=420.0, help="skip --stages if more time has passed")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     kernels_without_model_registry()
@@ -178,15 +180,20 @@ def main():
             traceback.print_exc()
     rows, errors = [], []
 
-    # ---- 1. correctness ----
-    if not args.skip_check:
-        for T in [int(x) for x in args.check_lengths.split(",") if x]:
-            t = time.time()
-            r = correctness(T, 2, 128, chunk_kda, fla_chunk, dev)
-            errors.append(r)
-            print("check T", T, json.dumps({k: v for k, v in r.items() if k in ("ours", "fla")}), f"{time.time()-t:.1f}s",
-                  flush=True)
-    torch.backends.cuda.matmul.allow_tf32 = False
+    t_start = time.time()
+    check_lengths = [] if args.skip_check else [int(x) for x in args.check_lengths.split(",") if x]
+
+    def check(T):
+        t = time.time()
+        r = correctness(T, 2, 128, chunk_kda, fla_chunk if args.check_fla else None, dev)
+        errors.append(r)
+        print("check T", T, json.dumps({k: v for k, v in r.items() if k in ("ours", "fla")}), f"{time.time()-t:.1f}s",
+              flush=True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    # ---- 1. correctness at the first length (the rest after the timings, so a late stop keeps the timings) ----
+    if check_lengths:
+        check(check_lengths[0])
 
     # ---- 2. timings ----
     H, D = 16, 128
@@ -254,9 +261,14 @@ def main():
                      "flop": 6 * Bd * H * D * D, "bytes": 2 * Bd * H * D * D * 4})
         print(rows[-1], flush=True)
 
+    write(args.out, rows, errors, {}, fla_ver)
+    for T in check_lengths[1:]:
+        check(T)
+        write(args.out, rows, errors, {}, fla_ver)
+
     # ---- 3. stage breakdown ----
     stages = {}
-    if args.stages:
+    if args.stages and time.time() - t_start < args.stage_budget_s:
         stages = stage_times(32768, H, D, dev)
         print("stages (ms):", json.dumps(stages), flush=True)
 

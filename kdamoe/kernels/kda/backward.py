@@ -22,12 +22,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils import autotune
 from .prepare import BT, BS, chunk_bounds
 from .intra import _tile, _row, _store_tile
 
-WY_BV = 64
+# Shared memory of the wy stage is dominated by staging dot operands (about 80 KB for the value loop and
+# 100 KB in all on triton 3.7 with input-dtype operands below); no loads are pipelined (num_stages=1).
+_WY_CONFIGS = [triton.Config({'BV': 64}, num_warps=8, num_stages=1), triton.Config({'BV': 32}, num_warps=4, num_stages=1),
+               triton.Config({'BV': 64}, num_warps=4, num_stages=1)]
 
 
+@autotune(configs=_WY_CONFIGS, key=['H', 'K', 'V'])
 @triton.jit
 def _bwd_wy_kernel(qn, kn, v, G, beta, Mb, h, dh, vnew, dvnew, do, dAqk, dAkk, dqd, dkd, dGd, dbd, dgl, dv,
                    chunk_idx, cu_seqlens, scale,
@@ -57,27 +62,30 @@ def _bwd_wy_kernel(qn, kn, v, G, beta, Mb, h, dh, vnew, dvnew, do, dAqk, dAkk, d
     dMv = tl.zeros([BT, BT], dtype=tl.float32)
     db = tl.zeros([BT], dtype=tl.float32)
     hbase = (i_c * H + i_h).to(tl.int64) * K * V
-    for i_v in range(V // BV):
+    # M in the input dtype for the value-side products (tensor cores; the bf16 rounding of M costs ~2e-3)
+    b_Mh = b_M.to(dt)
+    for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
+        mv = cv < V
+        mtv = m2 & mv[None, :]
         voff = tok[:, None] * V + cv[None, :]
-        b_h = tl.load(h + hbase + ck[:, None] * V + cv[None, :])
-        b_dh = tl.load(dh + hbase + ck[:, None] * V + cv[None, :])
-        b_d = tl.load(vnew + voff, mask=m2, other=0.)
-        b_dd = tl.load(dvnew + voff, mask=m2, other=0.)
-        b_do = tl.load(do + voff, mask=m2, other=0.)
-        b_v = tl.load(v + voff, mask=m2, other=0.).to(tl.float32)
+        b_h = tl.load(h + hbase + ck[:, None] * V + cv[None, :], mask=mv[None, :], other=0.)
+        b_dh = tl.load(dh + hbase + ck[:, None] * V + cv[None, :], mask=mv[None, :], other=0.)
+        b_d = tl.load(vnew + voff, mask=mtv, other=0.)
+        b_dd = tl.load(dvnew + voff, mask=mtv, other=0.)
+        b_do = tl.load(do + voff, mask=mtv, other=0.)
+        b_v = tl.load(v + voff, mask=mtv, other=0.).to(tl.float32)
         dqg += tl.dot(b_do, tl.trans(b_h))
         dw -= tl.dot(b_dd, tl.trans(b_h))
         dkg += tl.dot(b_d, tl.trans(b_dh))
         dglh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
         dAq += tl.dot(b_do, tl.trans(b_d))
-        b_ddf = b_dd.to(tl.float32)
-        dMv += tl.dot(b_ddf, tl.trans(b_v * b_b[:, None]))
-        dbv = tl.dot(tl.trans(b_M), b_ddf)
-        tl.store(dv + voff, (dbv * b_b[:, None]).to(dv.dtype.element_ty), mask=m2)
+        dMv += tl.dot(b_dd, tl.trans((b_v * b_b[:, None]).to(dt)))
+        dbv = tl.dot(tl.trans(b_Mh), b_dd)
+        tl.store(dv + voff, (dbv * b_b[:, None]).to(dv.dtype.element_ty), mask=mtv)
         db += tl.sum(dbv * b_v, 1)
-    dM = dMv + tl.dot(dw, tl.trans(bkg))
-    dbkg = tl.dot(tl.trans(b_M), dw)
+    dM = dMv + tl.dot(dw.to(dt), tl.trans(bkg.to(dt)))
+    dbkg = tl.dot(tl.trans(b_Mh), dw.to(dt))
     dA = -tl.dot(tl.dot(tl.trans(b_M), dM), tl.trans(b_M))
     dA = tl.where(ct[:, None] > ct[None, :], dA, 0.)
     dAq = tl.where(ct[:, None] >= ct[None, :], dAq, 0.)
@@ -114,11 +122,9 @@ def bwd_wy(qn, kn, v, G, beta, M, h, dh, vnew, dvnew, do, scale, chunk_idx, cu_s
     dbd = torch.empty(T, H, **f32)
     dgl = torch.empty(max(NC, 1), H, K, **f32)
     dv = torch.empty_like(v)
-    BV = min(WY_BV, V)
     if NC > 0:
         _bwd_wy_kernel[(NC, H)](qn, kn, v, G, beta, M, h, dh, vnew, dvnew, do, dAqk, dAkk, dqd, dkd, dGd, dbd,
-                                dgl, dv, chunk_idx, cu_seqlens, float(scale), H=H, K=K, V=V, BT=BT, BV=BV,
-                                num_warps=8)
+                                dgl, dv, chunk_idx, cu_seqlens, float(scale), H=H, K=K, V=V, BT=BT)
     return dAqk, dAkk, dqd, dkd, dGd, dbd, dgl, dv
 
 

@@ -15,13 +15,20 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils import autotune
 from .prepare import BT
 
-# value-block width and warps of the sequential passes (V // BV · N · H programs run at once)
-STATE_BV = 64
-STATE_WARPS = 4
+# Value-block width, warps and pipeline depth of the sequential passes (cdiv(V, BV) · N · H programs run at
+# once). The first config is the interpreter's. The backward pass loads six tiles per step: with 3 pipeline
+# stages it needs 240 KB of shared memory on triton 3.6 (the H200 has 227 KB); the autotuner skips configs
+# that do not fit.
+_FWD_CONFIGS = [triton.Config({'BV': 32}, num_warps=4, num_stages=2), triton.Config({'BV': 64}, num_warps=4, num_stages=2),
+                triton.Config({'BV': 32}, num_warps=2, num_stages=3), triton.Config({'BV': 64}, num_warps=8, num_stages=2)]
+_BWD_CONFIGS = [triton.Config({'BV': 32}, num_warps=4, num_stages=2), triton.Config({'BV': 64}, num_warps=4, num_stages=2),
+                triton.Config({'BV': 32}, num_warps=4, num_stages=1), triton.Config({'BV': 64}, num_warps=8, num_stages=1)]
 
 
+@autotune(configs=_FWD_CONFIGS, key=['H', 'K', 'V'])
 @triton.jit
 def _state_fwd_kernel(w, u, kg, G, h, vnew, h0, ht, cu_seqlens, chunk_offsets,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
@@ -33,29 +40,30 @@ def _state_fwd_kernel(w, u, kg, G, h, vnew, h0, ht, cu_seqlens, chunk_offsets,
     c0 = tl.load(chunk_offsets + i_n)
     ck = tl.arange(0, K)
     cv = i_v * BV + tl.arange(0, BV)
+    mv = cv < V
     soff = ck[:, None] * V + cv[None, :]
     if HAS_H0:
-        S = tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + soff)
+        S = tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + soff, mask=mv[None, :], other=0.)
     else:
         S = tl.zeros([K, BV], dtype=tl.float32)
     dt = w.dtype.element_ty
     NT = tl.cdiv(eos - bos, BT)
     for i_t in range(NT):
         t0 = bos + i_t * BT
-        tl.store(h + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + soff, S.to(h.dtype.element_ty))
+        tl.store(h + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + soff, S.to(h.dtype.element_ty), mask=mv[None, :])
         rows = t0 + tl.arange(0, BT)
         mrow = rows < eos
         tok = (rows * H + i_h).to(tl.int64)
         b_w = tl.load(w + tok[:, None] * K + ck[None, :], mask=mrow[:, None], other=0.)
-        b_u = tl.load(u + tok[:, None] * V + cv[None, :], mask=mrow[:, None], other=0.).to(tl.float32)
+        b_u = tl.load(u + tok[:, None] * V + cv[None, :], mask=mrow[:, None] & mv[None, :], other=0.).to(tl.float32)
         d = b_u - tl.dot(b_w, S.to(dt))
-        tl.store(vnew + tok[:, None] * V + cv[None, :], d.to(vnew.dtype.element_ty), mask=mrow[:, None])
+        tl.store(vnew + tok[:, None] * V + cv[None, :], d.to(vnew.dtype.element_ty), mask=mrow[:, None] & mv[None, :])
         last = (tl.minimum(t0 + BT, eos) - 1) * H + i_h
         glast = tl.load(G + last.to(tl.int64) * K + ck)
         b_kg = tl.load(kg + tok[:, None] * K + ck[None, :], mask=mrow[:, None], other=0.)
         S = S * tl.exp(glast)[:, None] + tl.dot(tl.trans(b_kg), d.to(dt))
     if STORE_FINAL:
-        tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + soff, S)
+        tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + soff, S, mask=mv[None, :])
 
 
 def state_fwd(w, u, kg, G, h0, cu_seqlens, chunk_offsets, NC, N, output_final_state):
@@ -66,13 +74,13 @@ def state_fwd(w, u, kg, G, h0, cu_seqlens, chunk_offsets, NC, N, output_final_st
     h = torch.empty(NC, H, K, V, dtype=w.dtype, device=w.device)
     vnew = torch.empty_like(u)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=w.device) if output_final_state else None
-    BV = min(STATE_BV, V)
-    _state_fwd_kernel[(V // BV, N * H)](w, u, kg, G, h, vnew, h0, ht, cu_seqlens, chunk_offsets, H=H, K=K, V=V,
-                                        BT=BT, BV=BV, HAS_H0=h0 is not None, STORE_FINAL=output_final_state,
-                                        num_warps=STATE_WARPS)
+    grid = lambda meta: (triton.cdiv(V, meta['BV']), N * H)
+    _state_fwd_kernel[grid](w, u, kg, G, h, vnew, h0, ht, cu_seqlens, chunk_offsets, H=H, K=K, V=V, BT=BT,
+                            HAS_H0=h0 is not None, STORE_FINAL=output_final_state)
     return h, vnew, ht
 
 
+@autotune(configs=_BWD_CONFIGS, key=['H', 'K', 'V'])
 @triton.jit
 def _state_bwd_kernel(qn, G, w, kg, do, dvl, dh, dvnew, dht, dh0, cu_seqlens, chunk_offsets, scale,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
@@ -84,9 +92,10 @@ def _state_bwd_kernel(qn, G, w, kg, do, dvl, dh, dvnew, dht, dh0, cu_seqlens, ch
     c0 = tl.load(chunk_offsets + i_n)
     ck = tl.arange(0, K)
     cv = i_v * BV + tl.arange(0, BV)
+    mv = cv < V
     soff = ck[:, None] * V + cv[None, :]
     if HAS_DHT:
-        dS = tl.load(dht + (i_n * H + i_h).to(tl.int64) * K * V + soff)
+        dS = tl.load(dht + (i_n * H + i_h).to(tl.int64) * K * V + soff, mask=mv[None, :], other=0.)
     else:
         dS = tl.zeros([K, BV], dtype=tl.float32)
     dt = w.dtype.element_ty
@@ -94,26 +103,27 @@ def _state_bwd_kernel(qn, G, w, kg, do, dvl, dh, dvnew, dht, dh0, cu_seqlens, ch
     for j in range(NT):
         i_t = NT - 1 - j
         t0 = bos + i_t * BT
-        tl.store(dh + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + soff, dS.to(dh.dtype.element_ty))
+        tl.store(dh + ((c0 + i_t) * H + i_h).to(tl.int64) * K * V + soff, dS.to(dh.dtype.element_ty), mask=mv[None, :])
         rows = t0 + tl.arange(0, BT)
         mrow = rows < eos
         tok = (rows * H + i_h).to(tl.int64)
         koff = tok[:, None] * K + ck[None, :]
         voff = tok[:, None] * V + cv[None, :]
         b_kg = tl.load(kg + koff, mask=mrow[:, None], other=0.)
-        dd = tl.load(dvl + voff, mask=mrow[:, None], other=0.) + tl.dot(b_kg, dS.to(dt))
-        tl.store(dvnew + voff, dd.to(dvnew.dtype.element_ty), mask=mrow[:, None])
+        mtv = mrow[:, None] & mv[None, :]
+        dd = tl.load(dvl + voff, mask=mtv, other=0.) + tl.dot(b_kg, dS.to(dt))
+        tl.store(dvnew + voff, dd.to(dvnew.dtype.element_ty), mask=mtv)
         b_G = tl.load(G + koff, mask=mrow[:, None], other=0.)
         b_q = tl.load(qn + koff, mask=mrow[:, None], other=0.).to(tl.float32)
         b_qg = tl.where(mrow[:, None], b_q * tl.exp(b_G) * scale, 0.)
-        b_do = tl.load(do + voff, mask=mrow[:, None], other=0.)
+        b_do = tl.load(do + voff, mask=mtv, other=0.)
         b_w = tl.load(w + koff, mask=mrow[:, None], other=0.)
         last = (tl.minimum(t0 + BT, eos) - 1) * H + i_h
         glast = tl.load(G + last.to(tl.int64) * K + ck)
         dS = dS * tl.exp(glast)[:, None] + tl.dot(tl.trans(b_qg.to(dt)), b_do) \
             - tl.dot(tl.trans(b_w), dd.to(dt))
     if HAS_H0:
-        tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + soff, dS)
+        tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + soff, dS, mask=mv[None, :])
 
 
 def state_bwd(qn, G, w, kg, do, dvl, dht, scale, cu_seqlens, chunk_offsets, NC, N, need_dh0):
@@ -124,8 +134,7 @@ def state_bwd(qn, G, w, kg, do, dvl, dht, scale, cu_seqlens, chunk_offsets, NC, 
     dh = torch.empty(NC, H, K, V, dtype=w.dtype, device=w.device)
     dvnew = torch.empty_like(do)
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=w.device) if need_dh0 else None
-    BV = min(STATE_BV, V)
-    _state_bwd_kernel[(V // BV, N * H)](qn, G, w, kg, do, dvl, dh, dvnew, dht, dh0, cu_seqlens, chunk_offsets,
-                                        float(scale), H=H, K=K, V=V, BT=BT, BV=BV, HAS_DHT=dht is not None,
-                                        HAS_H0=need_dh0, num_warps=STATE_WARPS)
+    grid = lambda meta: (triton.cdiv(V, meta['BV']), N * H)
+    _state_bwd_kernel[grid](qn, G, w, kg, do, dvl, dh, dvnew, dht, dh0, cu_seqlens, chunk_offsets, float(scale),
+                            H=H, K=K, V=V, BT=BT, HAS_DHT=dht is not None, HAS_H0=need_dh0)
     return dh, dvnew, dh0
