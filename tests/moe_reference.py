@@ -47,3 +47,12 @@ def histogram_ref(r, lo, hi, num_bins=1024):
     for j in range(e):
         out[j] = torch.bincount(b[:, j], minlength=num_bins)
     return out
+
+
+def margins_ref(s, bias, sel, top_k):
+    """QB statistic r = τ − s in float64: τ = (k+1)-th biased score for the selected experts ``sel``,
+    the k-th biased score for the others (what each expert has to beat to be picked)."""
+    biased = s.double() + bias.double()
+    top = torch.topk(biased, top_k + 1, dim=-1).values
+    selected = torch.zeros_like(biased, dtype=torch.bool).scatter_(1, sel, True)
+    return torch.where(selected, top[:, top_k : top_k + 1], top[:, top_k - 1 : top_k]) - s.double()

@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
-from moe_reference import histogram_ref, moe_route_ref
+from moe_reference import histogram_ref, margins_ref, moe_route_ref
 
 from kdamoe.kernels import moe_route
-from kdamoe.quantile_balancing import histogram_range, qb_histogram, quantile_from_histogram
+from kdamoe.quantile_balancing import histogram_range, qb_histogram, quantile_from_histogram, selection_margins
 
 
 def inputs(n, e, seed, dtype=torch.float32, bias_scale=0.3):
@@ -38,11 +38,12 @@ def test_route_matches_bruteforce(n, e, k, dtype, seed):
     lo, hi = histogram_range(bias)
     hist = out.histogram.long()
     assert hist.shape == (e, 1024) and hist.sum() == n * e
-    r64 = alpha[:, None] - s
+    r64 = margins_ref(s, bias, sel, k)
     diff = (hist - histogram_ref(r64, lo, hi)).abs().sum().item()
     assert diff <= 2 * near_edge(r64, lo, hi)
     # same counts as the pure-PyTorch QB module on the float32 r of the same routing
-    r32 = out.alpha[:, None] - torch.sigmoid(logits.float())
+    s32 = torch.sigmoid(logits.float())
+    r32 = selection_margins(s32, (s32 + bias).topk(k + 1, dim=-1).values, out.top_k_index)
     diff = (out.histogram.double() - qb_histogram(r32, lo, hi, 1024)).abs().sum().item()
     assert diff <= 2 * near_edge(r32, lo, hi, tol=1e-6)
 
@@ -55,7 +56,7 @@ def test_route_histogram_mask_and_accumulate():
     assert out.histogram is hist
     sel, w, alpha, s = moe_route_ref(logits, bias, 3)
     lo, hi = histogram_range(bias)
-    r = (alpha[:, None] - s)[mask]
+    r = margins_ref(s, bias, sel, 3)[mask]
     assert hist.sum() == mask.sum() * 16 and 0 < mask.sum() < 40
     assert (hist.long() - histogram_ref(r, lo, hi)).abs().sum() <= 2 * near_edge(r, lo, hi)
     before = hist.clone()
@@ -109,8 +110,8 @@ def test_route_quantile_from_kernel_histogram():
     lo, hi = histogram_range(bias)
     q = k / e
     est = quantile_from_histogram(out.histogram.double(), lo, hi, q)
-    _, _, alpha, s = moe_route_ref(logits, bias, k)
-    exact = exact_quantile(alpha[:, None] - s, q)
+    sel, _, _, s = moe_route_ref(logits, bias, k)
+    exact = exact_quantile(margins_ref(s, bias, sel, k), q)
     width = (hi - lo) / 1024
     assert (est - exact).abs().max() <= width + 1e-6
 

@@ -7,7 +7,11 @@ selection):
     T_i ∪ {c_i} = Top-(k+1)_j (s_ij + b_j)       k dispatched experts T_i, cut-off expert c_i
     p_ij = c · s_ij / Σ_{r∈T_i} s_ir             gate weights from the UNBIASED scores (c = routed_scaling_factor)
     α_i = s_{i c_i} + b_{c_i}                    the (k+1)-th biased score
-    r_ij = α_i − s_ij                            QB statistic: expert j is picked when b_j > r_ij
+    κ_i                                          the k-th biased score
+    r_ij = τ_ij − s_ij,  τ_ij = α_i if j ∈ T_i else κ_i
+                                                 QB statistic: expert j is picked when b_j > r_ij
+
+(``kdamoe.quantile_balancing.selection_margins`` explains why unselected experts use κ.)
 
 QB histogram: ``num_bins`` uniform bins per expert over ``[min(b) − 1, max(b) + 1]``; bin
 ``clamp(floor((r − lo) / width), 0, num_bins − 1)`` evaluated in float64 on the float32 ``r`` — the same
@@ -47,6 +51,8 @@ def _route_kernel(
     sel_idx = tl.zeros((BT, KP), dtype=tl.int32)
     sel_s = tl.zeros((BT, KP), dtype=tl.float32)
     alpha = tl.zeros((BT,), dtype=tl.float32)
+    kth = tl.zeros((BT,), dtype=tl.float32)
+    picked = tl.zeros((BT, EP), dtype=tl.int32)
     for j in tl.static_range(TOPK + 1):
         mx = tl.max(work, axis=1)
         am = tl.min(tl.where(work == mx[:, None], offs_e[None, :], EP), axis=1)  # lowest index on ties
@@ -55,7 +61,10 @@ def _route_kernel(
             sj = tl.sum(tl.where(hit, s, 0.0), axis=1)
             sel_idx = tl.where(cols[None, :] == j, am[:, None], sel_idx)
             sel_s = tl.where(cols[None, :] == j, sj[:, None], sel_s)
+            picked = tl.where(hit, 1, picked)
             work = tl.where(hit, float("-inf"), work)
+            if j == TOPK - 1:
+                kth = mx
         else:
             alpha = mx
     wts = scaling * sel_s / tl.sum(sel_s, axis=1)[:, None]
@@ -71,7 +80,7 @@ def _route_kernel(
             valid = valid & tok_ok[:, None]
         lo = tl.load(range_ptr)
         width = tl.load(range_ptr + 1)
-        r = (alpha[:, None] - s).to(tl.float64)
+        r = (tl.where(picked != 0, alpha[:, None], kth[:, None]) - s).to(tl.float64)
         pos = (r - lo) / width
         pos = tl.minimum(tl.maximum(pos, 0.0), NUM_BINS - 1.0)  # ≥ 0, so truncation == floor
         bins = pos.to(tl.int32)
@@ -85,7 +94,7 @@ class MoERouting(NamedTuple):
     top_k_index: torch.Tensor  # [N, k] int64, dispatched experts by descending biased score
     top_k_weights: torch.Tensor  # [N, k] float32, normalised unbiased scores (differentiable)
     alpha: torch.Tensor  # [N] float32, (k+1)-th biased score
-    histogram: Optional[torch.Tensor]  # [E, num_bins] int32 QB counts of r = α − s (None if not asked)
+    histogram: Optional[torch.Tensor]  # [E, num_bins] int32 QB counts of r = τ − s (None if not asked)
     order: torch.Tensor  # [N·k] int32, flat slots t·k + j grouped by expert (stable)
     expert_offsets: torch.Tensor  # [E+1] int32, expert e owns order[expert_offsets[e]:expert_offsets[e+1]]
     tokens_per_expert: torch.Tensor  # [E] int32 load
@@ -147,7 +156,7 @@ def moe_route(router_logits, e_score_correction_bias, top_k, routed_scaling_fact
         routed_scaling_factor: c in ``p_j = c · s_j / Σ_T s``.
         token_mask: optional [N] (bool or int); tokens with 0 are routed but left out of the histogram
             (padding).
-        compute_histogram: gather the QB counts of ``r_ij = α_i − s_ij``.
+        compute_histogram: gather the QB counts of ``r_ij = τ_ij − s_ij`` (module docstring).
         histogram: optional [E, num_bins] int32 tensor to accumulate into (implies ``compute_histogram``);
             lets micro-batches add up until the next bias update.
         num_bins: bins per expert over ``[min(b) − 1, max(b) + 1]`` (default 1024).
