@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kdamoe.kernels import moe_route
+from moe_reference import margins_ref
 from kdamoe.quantile_balancing import (all_reduce_sum, histogram_range, quantile_balancing_update,
                                        quantile_from_histogram)
 
@@ -41,13 +42,13 @@ def _worker(rank, port):
         lo, hi = histogram_range(b)
         q = K / E
         est = quantile_from_histogram(counts, lo, hi, q)
-        # exact: the ceil(q·n)-th smallest pooled r = α − s (float64 brute force, padded tokens left out)
+        # exact: the ceil(q·n)-th smallest pooled margin r = τ − s (float64 brute force, padding left out)
         rs = []
         for r in range(WORLD):
             lg, m = rank_inputs(r)
             s = torch.sigmoid(lg.double())
-            alpha = torch.topk(s + b.double(), K + 1, dim=-1).values[:, K]
-            rs.append((alpha[:, None] - s)[m])
+            sel = torch.topk(s + b.double(), K, dim=-1).indices
+            rs.append(margins_ref(s, b, sel, K)[m])
         pooled = torch.cat(rs)
         kth = max(1, math.ceil(q * pooled.shape[0] - 1e-9))
         exact = torch.sort(pooled, dim=0).values[kth - 1]
