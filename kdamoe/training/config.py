@@ -1,0 +1,244 @@
+"""The pretraining job's configuration: one dataclass tree, loaded from YAML.
+
+``load_config(path, overrides)`` reads a YAML file (a path, or the name of a file shipped in
+``kdamoe/configs/``), applies ``dotted.key=value`` overrides (values parsed as YAML; list items by
+index, e.g. ``train.stages.0.steps=10``) and validates every field. Any problem raises
+``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = "cpu_default.yaml"
+
+
+@dataclass
+class StageConfig:
+    """One context-length stage: its own row length, batch, step count and warmup + cosine LR schedule."""
+
+    name: str
+    seq_len: int  # tokens per row
+    batch_size: int  # rows per micro-batch per process
+    steps: int  # optimizer steps
+    lr: float  # peak learning rate
+    warmup_steps: int = 0
+
+
+@dataclass
+class DataConfig:
+    """Where documents come from and how validation is held out."""
+
+    source: str = "shakespeare"  # shakespeare | files | hf
+    path: str = "data/shakespeare"  # shakespeare: folder written by scripts/fetch_corpus.py
+    files: list[str] = field(default_factory=list)  # files: .txt/.md/.jsonl files or folders
+    hf_name: str | None = None  # hf: dataset name on the Hub, or a local dataset path
+    hf_config: str | None = None
+    hf_split: str = "train"
+    text_field: str = "text"
+    max_documents: int | None = None
+    val_documents: list[str] = field(default_factory=list)  # names held out; empty → val_fraction
+    val_fraction: float = 0.05
+
+
+@dataclass
+class TokenizerConfig:
+    """Byte-level BPE trained on the training split, unless ``path`` names a saved tokenizer."""
+
+    vocab_size: int = 4096
+    min_frequency: int = 2
+    path: str | None = None
+
+
+@dataclass
+class TrainConfig:
+    """Optimizer, schedule and loop settings shared by all stages."""
+
+    stages: list[StageConfig] = field(default_factory=list)
+    grad_accum_steps: int = 1
+    weight_decay: float = 0.1
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "auto"  # auto (bf16 on a GPU that has it, else fp32) | no | bf16
+    checkpoint_every: int = 0  # optimizer steps; 0: only at the end of each stage
+    keep_checkpoints: int = 2  # newest checkpoints kept per run (stage ends are always kept)
+    log_every: int = 10  # optimizer steps between TensorBoard scalar writes
+    num_threads: int | None = None  # torch CPU threads; None leaves torch's default
+
+
+@dataclass
+class EvalConfig:
+    """Validation: rows of ``seq_len`` tokens from the held-out documents, at most ``max_rows`` of them."""
+
+    seq_len: int = 512
+    max_rows: int = 64
+    batch_size: int = 8
+    bigram_discount: float = 0.75
+
+
+@dataclass
+class MonitorConfig:
+    """Expert-load monitoring."""
+
+    load_imbalance_threshold: float = 4.0  # warn when max/mean tokens per expert passes this
+    histogram_every: int = 25  # optimizer steps between expert-load histograms
+
+
+@dataclass
+class GenerateConfig:
+    """Samples printed at the end of the run."""
+
+    prompts: list[str] = field(default_factory=lambda: ["ROMEO.\n"])
+    max_new_tokens: int = 60
+    do_sample: bool = True
+    temperature: float = 0.8
+    top_k: int = 40
+
+
+@dataclass
+class RunConfig:
+    """Everything one ``kdamoe-train`` run needs. ``model`` holds ``KDAMoEConfig`` keyword arguments;
+    ``vocab_size`` and the special token ids are filled in from the tokenizer."""
+
+    output_dir: str = "outputs/run"
+    seed: int = 0
+    model: dict[str, Any] = field(default_factory=dict)
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+
+    def validate(self) -> "RunConfig":
+        """Check value ranges; raises ``ValueError`` naming the first bad field. Returns ``self``."""
+        def need(ok: bool, name: str, why: str):
+            if not ok:
+                raise ValueError(f"config field {name}: {why}")
+
+        need(self.data.source in {"shakespeare", "files", "hf"}, "data.source", "must be shakespeare, files or hf")
+        need(self.data.source != "files" or bool(self.data.files), "data.files", "must list files when source is files")
+        need(self.data.source != "hf" or bool(self.data.hf_name), "data.hf_name", "must be set when source is hf")
+        need(0.0 < self.data.val_fraction < 1.0, "data.val_fraction", "must lie in (0, 1)")
+        need(self.tokenizer.vocab_size >= 266, "tokenizer.vocab_size", "must be at least 266")
+        t = self.train
+        need(len(t.stages) > 0, "train.stages", "needs at least one stage")
+        for i, s in enumerate(t.stages):
+            p = f"train.stages[{i}]"
+            need(s.seq_len >= 2, f"{p}.seq_len", "must be at least 2")
+            need(s.batch_size >= 1, f"{p}.batch_size", "must be at least 1")
+            need(s.steps >= 1, f"{p}.steps", "must be at least 1")
+            need(s.lr > 0, f"{p}.lr", "must be positive")
+            need(0 <= s.warmup_steps <= s.steps, f"{p}.warmup_steps", "must lie in [0, steps]")
+        need(len({s.name for s in t.stages}) == len(t.stages), "train.stages", "stage names must be unique")
+        need(t.grad_accum_steps >= 1, "train.grad_accum_steps", "must be at least 1")
+        need(len(t.adam_betas) == 2 and all(0 <= b < 1 for b in t.adam_betas), "train.adam_betas", "two values in [0, 1)")
+        need(t.max_grad_norm > 0, "train.max_grad_norm", "must be positive")
+        need(t.mixed_precision in {"auto", "no", "bf16"}, "train.mixed_precision", "must be auto, no or bf16")
+        need(t.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
+        need(t.keep_checkpoints >= 1, "train.keep_checkpoints", "must be at least 1")
+        need(t.log_every >= 1, "train.log_every", "must be at least 1")
+        need(self.eval.seq_len >= 2, "eval.seq_len", "must be at least 2")
+        need(self.eval.max_rows >= 1, "eval.max_rows", "must be at least 1")
+        need(self.eval.batch_size >= 1, "eval.batch_size", "must be at least 1")
+        need(0 < self.eval.bigram_discount < 1, "eval.bigram_discount", "must lie in (0, 1)")
+        need(self.monitor.load_imbalance_threshold > 1, "monitor.load_imbalance_threshold", "must exceed 1")
+        need(self.monitor.histogram_every >= 1, "monitor.histogram_every", "must be at least 1")
+        need(self.generate.max_new_tokens >= 1, "generate.max_new_tokens", "must be at least 1")
+        return self
+
+
+def _build(tp, value, name: str):
+    """Turn YAML data into the annotated type ``tp``, checking it; ``name`` is the dotted field path."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ValueError(f"config field {name or '<root>'}: expected a mapping, got {value!r}")
+        hints = typing.get_type_hints(tp)
+        known = {f.name for f in dataclasses.fields(tp)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"config field {name + '.' if name else ''}{unknown[0]}: unknown field")
+        kwargs = {k: _build(hints[k], v, f"{name}.{k}" if name else k) for k, v in value.items()}
+        missing = [f.name for f in dataclasses.fields(tp) if f.name not in kwargs
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"config field {name + '.' if name else ''}{missing[0]}: required")
+        return tp(**kwargs)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        return _build(next(a for a in args if a is not type(None)), value, name)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"config field {name}: expected a list, got {value!r}")
+        return [_build(args[0], v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"config field {name}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            return float(value)  # YAML reads 3e-4 as a string
+        except ValueError:
+            pass
+    if tp is Any or (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
+        return value
+    raise ValueError(f"config field {name}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+
+
+def _apply_override(data: dict, assignment: str) -> None:
+    if "=" not in assignment:
+        raise ValueError(f"override {assignment!r}: expected key=value")
+    key, raw = assignment.split("=", 1)
+    parts, node = key.strip().split("."), data
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ValueError(f"override {key}: no list item {part}")
+            part = int(part)
+        elif not isinstance(node, dict):
+            raise ValueError(f"override {key}: {'.'.join(parts[:i])} is not a mapping")
+        if last:
+            node[part] = yaml.safe_load(raw)
+        else:
+            if isinstance(node, dict) and part not in node:
+                node[part] = {}
+            node = node[part]
+
+
+def resolve_config_path(path: str | Path | None) -> Path:
+    """A config path as given, else the file of that name shipped in ``kdamoe/configs/``; ``None`` → the CPU default.
+
+    Raises:
+        ValueError: neither exists.
+    """
+    if path is None:
+        return CONFIG_DIR / DEFAULT_CONFIG
+    p = Path(path)
+    for candidate in (p, CONFIG_DIR / p, CONFIG_DIR / f"{p}.yaml"):
+        if candidate.is_file():
+            return candidate
+    raise ValueError(f"config {path}: no such file (shipped configs: {sorted(f.name for f in CONFIG_DIR.glob('*.yaml'))})")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read, override and validate a run configuration (see module docstring)."""
+    data = yaml.safe_load(resolve_config_path(path).read_text()) or {}
+    for assignment in overrides or []:
+        _apply_override(data, assignment)
+    return _build(RunConfig, data, "").validate()
+
+
+def config_to_dict(cfg: RunConfig) -> dict:
+    """Plain-data form of a config (for YAML dumps and TensorBoard)."""
+    return dataclasses.asdict(cfg)

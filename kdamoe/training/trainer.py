@@ -1,0 +1,294 @@
+"""The pretraining job: data → tokenizer → model → staged training → export → reload → samples.
+
+``run(cfg)`` is the whole job; ``train_stage`` is the loop of one context-length stage. Each stage
+builds its own packed rows, data loader and warmup + cosine schedule; the model and the AdamW state
+carry over from the stage before. Checkpoints are ``accelerator.save_state`` folders under
+``<output_dir>/checkpoints/`` and hold everything a resumed run needs (model with its router biases,
+optimizer, RNG, gradient-accumulation step, and :class:`TrainProgress`: stage, step, data position,
+the stage's LR scheduler state and the expert-load totals).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from transformers import get_cosine_schedule_with_warmup
+
+from .config import RunConfig, StageConfig, config_to_dict
+from .corpus import load_corpus
+from .data import pack_documents, stage_loader, tokenize_documents
+from .evaluate import BigramBaseline, evaluate_lm
+from .export import export_model, print_samples, reload_model
+from .monitoring import TrainingMonitor
+from .tokenizer import token_byte_lengths, train_tokenizer
+
+logger = logging.getLogger(__name__)
+# accelerate warns on every save_state that the tied LM head is stored once; that is intended here.
+logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
+
+
+@dataclass
+class TrainProgress:
+    """Where the run stands; saved in every checkpoint (``accelerator.register_for_checkpointing``)."""
+
+    stage: int = 0  # index of the stage in progress
+    step: int = 0  # optimizer steps done in that stage; micro-batches consumed = step · grad_accum_steps
+    global_step: int = 0  # optimizer steps over all stages
+    tokens: int = 0  # training tokens consumed over all stages (all processes)
+    scheduler: dict | None = None  # state of the stage's LR scheduler
+    losses: list = field(default_factory=list)  # [global_step, loss] of every optimizer step so far
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+@dataclass
+class PreparedData:
+    """Tokenizer, tokenized training documents and packed validation rows."""
+
+    tokenizer: object
+    train_docs: list[list[int]]
+    val_rows: dict[str, torch.Tensor]
+    byte_lengths: list[int]
+
+
+def prepare_data(cfg: RunConfig, out_dir: Path) -> PreparedData:
+    """Load the corpus, split it, get the tokenizer (trained on the training split, saved to
+    ``out_dir/tokenizer`` and reused from there on resume) and tokenize both splits."""
+    from transformers import AutoTokenizer
+
+    train_docs, val_docs = load_corpus(cfg.data, cfg.seed)
+    tok_dir = out_dir / "tokenizer"
+    if cfg.tokenizer.path:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer.path)
+    elif (tok_dir / "tokenizer.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    else:
+        tokenizer = train_tokenizer((d.text for d in train_docs), cfg.tokenizer.vocab_size, cfg.tokenizer.min_frequency)
+        tokenizer.save_pretrained(tok_dir)
+    ids = dict(bos_id=tokenizer.bos_token_id, eos_id=tokenizer.eos_token_id)
+    train_tokens = tokenize_documents(tokenizer, [d.text for d in train_docs], **ids)
+    val_tokens = tokenize_documents(tokenizer, [d.text for d in val_docs], **ids)
+    val_rows = pack_documents(val_tokens, cfg.eval.seq_len, tokenizer.pad_token_id)
+    val_rows = {k: v[: cfg.eval.max_rows] for k, v in val_rows.items()}
+    return PreparedData(tokenizer, train_tokens, val_rows, token_byte_lengths(tokenizer))
+
+
+def build_model(cfg: RunConfig, tokenizer):
+    """A freshly initialised ``KDAMoEForCausalLM`` from ``cfg.model`` plus the tokenizer's vocabulary and ids."""
+    from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
+
+    longest = max([s.seq_len for s in cfg.train.stages] + [cfg.eval.seq_len])
+    kwargs = {"max_position_embeddings": longest, **cfg.model}
+    kwargs.update(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return KDAMoEForCausalLM(KDAMoEConfig(**kwargs))
+
+
+def make_optimizer(model, cfg: RunConfig) -> torch.optim.AdamW:
+    """AdamW; matrices (dim ≥ 2) decay, norms, biases, gates and AttnRes queries do not."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    t = cfg.train
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.stages[0].lr, betas=tuple(t.adam_betas), eps=t.adam_eps)
+
+
+def make_scheduler(optimizer, stage: StageConfig):
+    """Warmup + cosine from the stage's own peak LR (the optimizer's moments carry over)."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] = stage.lr
+    return get_cosine_schedule_with_warmup(optimizer, stage.warmup_steps, stage.steps)
+
+
+def checkpoint_dir(out_dir: Path, progress: TrainProgress) -> Path:
+    return out_dir / "checkpoints" / f"stage{progress.stage}-step{progress.step:06d}"
+
+
+def find_checkpoint(out_dir: Path) -> Path | None:
+    """The newest complete checkpoint under ``out_dir/checkpoints`` (by stage, then step), or None."""
+    found = []
+    for p in (out_dir / "checkpoints").glob("stage*-step*"):
+        meta = p / "progress.json"
+        if meta.exists():
+            m = json.loads(meta.read_text())
+            found.append((m["stage"], m["step"], p))
+    return max(found)[2] if found else None
+
+
+def save_checkpoint(accelerator, progress: TrainProgress, scheduler, out_dir: Path, cfg: RunConfig, stage_end: bool) -> Path:
+    """``accelerator.save_state`` into ``checkpoints/stage<i>-step<n>``; ``progress.json`` is written last,
+    so a folder without it (a run killed while saving) is never resumed from. Older mid-stage
+    checkpoints beyond ``train.keep_checkpoints`` are deleted; stage ends are kept."""
+    progress.scheduler = scheduler.state_dict()
+    path = checkpoint_dir(out_dir, progress)
+    accelerator.save_state(str(path))
+    if accelerator.is_main_process:
+        meta = {"stage": progress.stage, "step": progress.step, "global_step": progress.global_step, "stage_end": stage_end}
+        (path / "progress.json").write_text(json.dumps(meta))
+        mids = sorted((p for p in path.parent.glob("stage*-step*") if (p / "progress.json").exists()
+                       and not json.loads((p / "progress.json").read_text())["stage_end"]), key=lambda p: p.name)
+        for old in mids[: max(0, len(mids) - cfg.train.keep_checkpoints)]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, data: PreparedData, progress: TrainProgress,
+                monitor: TrainingMonitor, cfg: RunConfig, out_dir: Path, resume_from: Path | None,
+                stop_at: int | None) -> bool:
+    """Run one stage to its last step (or until ``progress.global_step == stop_at``). Returns False if stopped early."""
+    t = cfg.train
+    rows = pack_documents(data.train_docs, stage.seq_len, data.tokenizer.pad_token_id, drop_last=True)
+    loader = accelerator.prepare(stage_loader(rows, stage.batch_size, stage.steps * t.grad_accum_steps,
+                                              cfg.seed + index, accelerator.num_processes))
+    scheduler = make_scheduler(optimizer, stage)
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        scheduler.load_state_dict(progress.scheduler)
+    raw_model = accelerator.unwrap_model(model)
+    monitor.start_stage(stage.name, stage.steps, progress.step)
+    batches = accelerator.skip_first_batches(loader, progress.step * t.grad_accum_steps)
+    step_loss, step_tokens, t0 = 0.0, 0, time.perf_counter()
+    model.train()
+    for batch in batches:
+        if progress.global_step == stop_at:
+            return False
+        with accelerator.accumulate(model):
+            loss = model(**batch, use_cache=False).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad()
+        step_loss += loss.item() / t.grad_accum_steps
+        step_tokens += batch["input_ids"].numel() * accelerator.num_processes
+        if not accelerator.sync_gradients:
+            continue
+        scheduler.step()
+        load = raw_model.expert_load()  # read before the update resets the counts
+        raw_model.update_router_biases()
+        progress.step, progress.global_step = progress.step + 1, progress.global_step + 1
+        progress.tokens += step_tokens
+        progress.losses.append([progress.global_step, step_loss])
+        write = progress.global_step % t.log_every == 0 or progress.step == stage.steps
+        elapsed = time.perf_counter() - t0
+        monitor.log_step(progress.global_step, {"loss": step_loss, "lr": scheduler.get_last_lr()[0],
+                                                "grad_norm": float(grad_norm), "tokens_per_s": step_tokens / elapsed,
+                                                "seq_len": stage.seq_len}, write)
+        monitor.log_expert_load(progress.global_step, load, write)
+        if progress.step == stage.steps or (t.checkpoint_every and progress.step % t.checkpoint_every == 0):
+            save_checkpoint(accelerator, progress, scheduler, out_dir, cfg, stage_end=progress.step == stage.steps)
+        step_loss, step_tokens, t0 = 0.0, 0, time.perf_counter()
+    return True
+
+
+def _say(accelerator, text: str) -> None:
+    accelerator.print(text)
+    logger.info(text)
+
+
+def _metrics_line(name: str, m: dict) -> str:
+    return f"  {name:<28} loss {m['loss']:.4f}  ppl {m['ppl']:10.2f}  bpb {m['bpb']:.4f}  ({m['tokens']} tokens)"
+
+
+def run(cfg: RunConfig, resume: bool = True, stop_after_steps: int | None = None) -> dict:
+    """Run the whole job (see module docstring) and return a summary dict.
+
+    Args:
+        cfg: validated run configuration.
+        resume: continue from the newest checkpoint in ``cfg.output_dir`` if there is one.
+        stop_after_steps: stop once this many optimizer steps (over all stages) are done, as if the
+            run were killed there (no export); a later call with ``resume=True`` continues.
+    Returns:
+        ``{"losses": [[global_step, loss], ...] of all steps so far, "finished": bool, "before"/"after"/
+        "reloaded"/"bigram": metric dicts (when finished), "final_dir", "seconds"}``.
+    """
+    start = time.perf_counter()
+    out_dir = Path(cfg.output_dir)
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    use_bf16 = cfg.train.mixed_precision == "bf16" or (
+        cfg.train.mixed_precision == "auto" and torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no",
+                              gradient_accumulation_steps=cfg.train.grad_accum_steps)
+    set_seed(cfg.seed)
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    accelerator.wait_for_everyone()
+
+    data = prepare_data(cfg, out_dir)
+    set_seed(cfg.seed)
+    model = build_model(cfg, data.tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    _say(accelerator, f"model: {n_params / 1e6:.2f} M parameters, {len(data.train_docs)} training documents "
+                      f"({sum(map(len, data.train_docs))} tokens), device {accelerator.device}")
+    evaluate = lambda m: evaluate_lm(m, data.val_rows, data.byte_lengths, cfg.eval.batch_size, accelerator.device,
+                                     torch.bfloat16 if use_bf16 else None)
+
+    checkpoint = find_checkpoint(out_dir) if resume else None
+    summary = {"seconds": 0.0, "finished": False}
+    if checkpoint is None and accelerator.is_main_process:
+        summary["bigram"] = BigramBaseline(len(data.tokenizer), cfg.eval.bigram_discount).fit(data.train_docs).evaluate(
+            data.val_rows, data.byte_lengths)
+        summary["before"] = evaluate(model.to(accelerator.device))
+        (out_dir / "baselines.json").write_text(json.dumps({k: summary[k] for k in ("bigram", "before")}))
+    optimizer = make_optimizer(model, cfg)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    progress = TrainProgress()
+    monitor = TrainingMonitor(out_dir / "tensorboard", cfg.monitor.load_imbalance_threshold,
+                              cfg.monitor.histogram_every, enabled=accelerator.is_main_process)
+    accelerator.register_for_checkpointing(progress, monitor)
+    resume_stage = json.loads((checkpoint / "progress.json").read_text())["stage"] if checkpoint else 0
+    if checkpoint is not None:
+        _say(accelerator, f"resuming from {checkpoint}")
+
+    for index, stage in enumerate(cfg.train.stages):
+        if index < resume_stage:
+            continue
+        if index > progress.stage:  # a new stage starts from step 0 with the carried model and optimizer
+            progress.stage, progress.step = index, 0
+        finished = train_stage(accelerator, model, optimizer, index, stage, data, progress, monitor, cfg, out_dir,
+                               checkpoint if index == resume_stage else None, stop_after_steps)
+        if not finished:
+            monitor.close()
+            return {**summary, "losses": progress.losses, "seconds": time.perf_counter() - start}
+
+    summary.update(losses=progress.losses, finished=True, tokens=progress.tokens)
+    monitor.close(out_dir / "expert_load.png")
+    if accelerator.is_main_process:
+        summary.update(json.loads((out_dir / "baselines.json").read_text()))
+        summary["after"] = evaluate(accelerator.unwrap_model(model))
+        final_dir = export_model(accelerator.unwrap_model(model), data.tokenizer, cfg, summary, out_dir / "final")
+        reloaded = reload_model(final_dir, accelerator.device)
+        summary["reloaded"] = evaluate(reloaded)
+        summary["final_dir"] = str(final_dir)
+        summary["seconds"] = time.perf_counter() - start
+        report = ["validation (held-out documents):",
+                  _metrics_line("untrained model", summary["before"]),
+                  _metrics_line("token bigram baseline", summary["bigram"]),
+                  _metrics_line("trained model", summary["after"]),
+                  _metrics_line("trained, reloaded from final/", summary["reloaded"]),
+                  f"  perplexity reduction vs untrained: {summary['before']['ppl'] / summary['after']['ppl']:.1f}x; "
+                  f"beats bigram: {summary['after']['bpb'] < summary['bigram']['bpb']}"]
+        _say(accelerator, "\n".join(report))
+        print_samples(reloaded, data.tokenizer, cfg.generate, accelerator.device)
+        (out_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=2))
+        _say(accelerator, f"done in {summary['seconds']:.0f} s; model folder: {final_dir}")
+    accelerator.wait_for_everyone()
+    return summary

@@ -1,0 +1,45 @@
+"""Run configuration: shipped files load, overrides apply, bad values name their field."""
+
+import pytest
+
+from kdamoe.training.config import CONFIG_DIR, load_config, resolve_config_path
+
+
+@pytest.mark.parametrize("name", ["cpu_default.yaml", "gpu_h200.yaml"])
+def test_shipped_configs_load(name):
+    cfg = load_config(name)
+    assert cfg.train.stages and cfg.model
+    lengths = [s.seq_len for s in cfg.train.stages]
+    assert lengths == sorted(lengths) and len(set(lengths)) == len(lengths)  # a growing context schedule
+
+
+def test_default_and_overrides():
+    assert resolve_config_path(None) == CONFIG_DIR / "cpu_default.yaml"
+    cfg = load_config(None, ["train.stages.1.steps=7", "model.hidden_size=64", "seed=3", "train.stages.0.lr=1e-4"])
+    assert cfg.train.stages[1].steps == 7 and cfg.model["hidden_size"] == 64 and cfg.seed == 3
+    assert cfg.train.stages[0].lr == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("train.stages.0.seq_len=1", "train.stages[0].seq_len"),
+    ("train.stages.0.warmup_steps=100000", "train.stages[0].warmup_steps"),
+    ("train.grad_accum_steps=0", "train.grad_accum_steps"),
+    ("data.source=web", "data.source"),
+    ("train.mixed_precision=fp8", "train.mixed_precision"),
+    ("train.bogus=1", "train.bogus"),
+    ("eval.seq_len=abc", "eval.seq_len"),
+    ("monitor.load_imbalance_threshold=0.5", "monitor.load_imbalance_threshold"),
+    ("train.stages=[]", "train.stages"),
+])
+def test_bad_values_name_the_field(override, field):
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        load_config(None, [override])
+
+
+def test_missing_file_and_bad_override():
+    with pytest.raises(ValueError, match="no such file"):
+        load_config("nope.yaml")
+    with pytest.raises(ValueError, match="key=value"):
+        load_config(None, ["train.stages"])
+    with pytest.raises(ValueError, match="no list item"):
+        load_config(None, ["train.stages.9.steps=1"])

@@ -1,0 +1,105 @@
+"""End to end on a tiny model: staged training, bitwise resume on CPU, the exported folder, monitoring output."""
+
+import json
+import random
+
+import pytest
+import torch
+import yaml
+
+from kdamoe.training import load_config, run
+
+WORDS = ("to be or not that is the question whether tis nobler in mind suffer slings and arrows of outrageous "
+         "fortune take arms against a sea troubles by opposing end them die sleep no more").split()
+
+
+def _write_corpus(folder):
+    rng = random.Random(0)
+    folder.mkdir()
+    for i in range(6):
+        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(4, 12))) for _ in range(40)]
+        (folder / f"doc{i}.txt").write_text("\n".join(lines))
+
+
+def _config(tmp_path, out, **train):
+    corpus = tmp_path / "corpus"
+    if not corpus.exists():
+        _write_corpus(corpus)
+    data = {
+        "output_dir": str(tmp_path / out),
+        "seed": 1,
+        "model": dict(hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                      num_attention_heads=2, kv_lora_rank=16, kda_num_heads=2, kda_chunk_size=16, num_experts=4,
+                      num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32, moe_latent_size=16,
+                      first_k_dense_replace=0, intermediate_size=64, attnres_num_blocks=2, kernel_backend="torch"),
+        "data": {"source": "files", "files": [str(corpus)], "val_documents": ["doc5"]},
+        "tokenizer": {"vocab_size": 300},
+        "train": {"stages": [
+            {"name": "short", "seq_len": 16, "batch_size": 2, "steps": 3, "lr": 3e-3, "warmup_steps": 1},
+            {"name": "long", "seq_len": 32, "batch_size": 2, "steps": 4, "lr": 2e-3, "warmup_steps": 1}],
+            "grad_accum_steps": 2, "checkpoint_every": 2, "log_every": 1, **train},
+        "eval": {"seq_len": 32, "max_rows": 2, "batch_size": 2},
+        "monitor": {"histogram_every": 1},
+        "generate": {"prompts": ["to be"], "max_new_tokens": 4},
+    }
+    path = tmp_path / f"{out}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_config(path)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("run")
+    summary = run(_config(tmp_path, "full"), resume=False)
+    return tmp_path, summary
+
+
+@pytest.mark.parametrize("stop_after", [3, 5])  # at a stage boundary; mid-stage, two steps to go (LR schedule state matters)
+def test_resume_reproduces_losses_bitwise(uninterrupted, stop_after):
+    tmp_path, full = uninterrupted
+    assert full["finished"] and [s for s, _ in full["losses"]] == list(range(1, 8))
+
+    cfg = _config(tmp_path, f"killed{stop_after}")
+    first = run(cfg, resume=False, stop_after_steps=stop_after)
+    assert not first["finished"] and len(first["losses"]) == stop_after
+    resumed = run(_config(tmp_path, f"killed{stop_after}"), resume=True)  # fresh objects, from disk
+    assert resumed["finished"]
+    assert resumed["losses"] == full["losses"]  # exact float equality, every step
+    assert resumed["after"] == full["after"]
+
+
+def test_outputs_of_a_finished_run(uninterrupted):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import AutoTokenizer
+
+    from kdamoe.training.export import reload_model
+
+    tmp_path, full = uninterrupted
+    out = tmp_path / "full"
+    final = out / "final"
+    config = json.loads((final / "config.json").read_text())
+    assert config["model_type"] == "kda_moe" and "AutoModelForCausalLM" in config["auto_map"]
+    for name in ["model.safetensors", "generation_config.json", "modeling_kdamoe.py", "tokenizer.json",
+                 "tokenizer_config.json", "README.md"]:
+        assert (final / name).exists(), name
+    card = (final / "README.md").read_text()
+    assert "custom_code" in card and f"{full['after']['ppl']:.2f}" in card
+    assert (out / "expert_load.png").stat().st_size > 1000
+
+    # the reloaded folder scores what the trained model scored, and the stage-end checkpoints are kept
+    assert full["reloaded"] == full["after"]
+    assert {p.name for p in (out / "checkpoints").iterdir()} >= {"stage0-step000003", "stage1-step000004"}
+    model = reload_model(final)
+    tok = AutoTokenizer.from_pretrained(final)
+    assert model.config.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    biases = [v for k, v in model.state_dict().items() if k.endswith("e_score_correction_bias")]
+    assert len(biases) == 2 and all(torch.count_nonzero(b) > 0 for b in biases)  # QB biases moved and were saved
+
+    acc = EventAccumulator(str(out / "tensorboard")).Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s",
+            "expert_load/max_over_mean/layer0", "expert_load/max_over_mean/layer1"} <= tags
+    assert "expert_load/tokens_per_expert/layer1" in acc.Tags()["histograms"]
+    lr = {e.step: e.value for e in acc.Scalars("train/lr")}
+    assert lr[3] == pytest.approx(0.0, abs=1e-12)  # stage 1's cosine ends at 0 ...
+    assert lr[4] == pytest.approx(2e-3)  # ... and stage 2 restarts from its own peak (warmup 1)
