@@ -16,6 +16,14 @@ Stage ``intra`` (pairwise terms, 16×16 blocks on tensor cores with the first-ro
 the forward): gradients of q, k, β, G through A_qk and A_kk; then dg = reverse in-chunk cumsum of dG
 plus dG_last; then the L2-norm and gate backward. Outputs the final dq, dk, dβ, dg (or df) and
 per-chunk partial sums for dt_bias and A_log.
+
+Precision of the pairwise products: each pair (i, j) adds +x to dG_i (row-anchored product) and −x to
+dG_j (column-anchored product); in exact arithmetic these cancel inside the reverse cumsum except across
+the pair's span. With tf32 operands the two copies of x are rounded differently and the mismatch
+accumulates over the chunk: measured on the H200, bf16 df error 1.1e-2 and dt_bias 7e-2 (other gradients
+3–4e-3); reproduced on the CPU by rounding dot operands to tf32 (df 9.3e-3, everything else 4e-4) and
+traced to this stage alone. The intra stage therefore uses ``tf32x3`` products (float32-accurate on
+tensor cores); with exact products the CPU emulation gives df 3.6e-4.
 """
 
 import torch
@@ -132,7 +140,8 @@ def bwd_wy(qn, kn, v, G, beta, M, h, dh, vnew, dvnew, do, scale, chunk_idx, cu_s
 def _bwd_intra_kernel(qn, kn, G, beta, dAqk, dAkk, dqd, dkd, dGd, dbd, dgl, rq, rk, f, A_log, dt_bias,
                       dq, dk, dg, dbeta, ddtb_part, dA_part, chunk_idx, cu_seqlens, scale, lower_bound,
                       H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-                      USE_L2: tl.constexpr, GATE_IN: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+                      USE_L2: tl.constexpr, GATE_IN: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      PREC: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(chunk_idx, cu_seqlens, i_c, BT)
     ar = tl.arange(0, BS)
@@ -169,8 +178,8 @@ def _bwd_intra_kernel(qn, kn, G, beta, dAqk, dAkk, dqd, dkd, dGd, dbd, dgl, rq, 
             eJ = tl.where(mJ[:, None], tl.exp(gc[None, :] - _tile(G, rJ, mJ, i_h, H, K)), 0.)
             kc = _tile(kn, rJ, mJ, i_h, H, K) * eJ
             boff = (rI[:, None] * H + i_h).to(tl.int64) * BT + J * BS + ar[None, :]
-            accq += tl.dot(tl.load(dAqk + boff, mask=mI[:, None], other=0.), kc)
-            accr += tl.dot(tl.load(dAkk + boff, mask=mI[:, None], other=0.), kc)
+            accq += tl.dot(tl.load(dAqk + boff, mask=mI[:, None], other=0.), kc, input_precision=PREC)
+            accr += tl.dot(tl.load(dAkk + boff, mask=mI[:, None], other=0.), kc, input_precision=PREC)
         dq_row = accq * eI * scale
         R = accr * eI
         # block I as columns against rows of blocks J2 ≥ I (same anchor: every such row is at or after it)
@@ -183,8 +192,8 @@ def _bwd_intra_kernel(qn, kn, G, beta, dAqk, dAkk, dqd, dkd, dGd, dbd, dgl, rq, 
             boff2 = (r2[:, None] * H + i_h).to(tl.int64) * BT + I * BS + ar[None, :]
             dq2 = tl.load(dAqk + boff2, mask=m2[:, None], other=0.)
             da2 = tl.load(dAkk + boff2, mask=m2[:, None], other=0.) * b2[:, None]
-            accc += tl.dot(tl.trans(dq2), _tile(qn, r2, m2, i_h, H, K) * e2 * scale)
-            accc += tl.dot(tl.trans(da2), _tile(kn, r2, m2, i_h, H, K) * e2)
+            accc += tl.dot(tl.trans(dq2), _tile(qn, r2, m2, i_h, H, K) * e2 * scale, input_precision=PREC)
+            accc += tl.dot(tl.trans(da2), _tile(kn, r2, m2, i_h, H, K) * e2, input_precision=PREC)
         dk_col = accc * tl.where(mI[:, None], tl.exp(gc[None, :] - b_G), 0.)
         dk_row = R * b_b[:, None]
         b_dq = _tile(dqd, rI, mI, i_h, H, K) + dq_row
@@ -234,7 +243,7 @@ def bwd_intra(qn, kn, G, beta, dAqk, dAkk, dqd, dkd, dGd, dbd, dgl, rq, rk, f, A
         _bwd_intra_kernel[(NC, H)](qn, kn, G, beta, dAqk, dAkk, dqd, dkd, dGd, dbd, dgl, rq, rk, f, A_log, dt_bias,
                                    dq, dk, dg, dbeta, ddtb, dAl, chunk_idx, cu_seqlens, float(scale),
                                    float(lower_bound), H=H, K=K, BT=BT, BS=BS, USE_L2=use_l2, GATE_IN=gate_in,
-                                   HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, num_warps=4)
+                                   HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, PREC="tf32x3", num_warps=4)
     if gate_in and NC == 0:
         ddtb.zero_()
         dAl.zero_()
