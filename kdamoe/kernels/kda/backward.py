@@ -38,6 +38,8 @@ from .intra import _tile, _row, _store_tile
 # 100 KB in all on triton 3.7 with input-dtype operands below); no loads are pipelined (num_stages=1).
 _WY_CONFIGS = [triton.Config({'BV': 64}, num_warps=8, num_stages=1), triton.Config({'BV': 32}, num_warps=4, num_stages=1),
                triton.Config({'BV': 64}, num_warps=4, num_stages=1)]
+# the intra gradient stage spills ~0.9 KB per thread with 4 warps, ~0.1 KB with 8 (ptxas, sm_90)
+_BWD_INTRA_CONFIGS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8)]
 
 
 @autotune(configs=_WY_CONFIGS, key=['H', 'K', 'V'])
@@ -136,6 +138,7 @@ def bwd_wy(qn, kn, v, G, beta, M, h, dh, vnew, dvnew, do, scale, chunk_idx, cu_s
     return dAqk, dAkk, dqd, dkd, dGd, dbd, dgl, dv
 
 
+@autotune(configs=_BWD_INTRA_CONFIGS, key=['H', 'K', 'USE_L2', 'GATE_IN'])
 @triton.jit
 def _bwd_intra_kernel(qn, kn, G, beta, dAqk, dAkk, dqd, dkd, dGd, dbd, dgl, rq, rk, f, A_log, dt_bias,
                       dq, dk, dg, dbeta, ddtb_part, dA_part, chunk_idx, cu_seqlens, scale, lower_bound,
@@ -243,7 +246,7 @@ def bwd_intra(qn, kn, G, beta, dAqk, dAkk, dqd, dkd, dGd, dbd, dgl, rq, rk, f, A
         _bwd_intra_kernel[(NC, H)](qn, kn, G, beta, dAqk, dAkk, dqd, dkd, dGd, dbd, dgl, rq, rk, f, A_log, dt_bias,
                                    dq, dk, dg, dbeta, ddtb, dAl, chunk_idx, cu_seqlens, float(scale),
                                    float(lower_bound), H=H, K=K, BT=BT, BS=BS, USE_L2=use_l2, GATE_IN=gate_in,
-                                   HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, PREC="tf32x3", num_warps=4)
+                                   HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, PREC="tf32x3")
     if gate_in and NC == 0:
         ddtb.zero_()
         dAl.zero_()

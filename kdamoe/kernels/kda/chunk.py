@@ -145,11 +145,25 @@ def validate_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_
     return N
 
 
+_CU_CACHE = {}
+
+
+def _uniform_cu(B, T, device):
+    """``[0, T, 2T, …, BT]`` int32, cached: building it costs two kernel launches, noticeable per decode step."""
+    key = (B, T, str(device))
+    cu = _CU_CACHE.get(key)
+    if cu is None:
+        if len(_CU_CACHE) > 256:
+            _CU_CACHE.clear()
+        cu = _CU_CACHE[key] = torch.arange(B + 1, dtype=torch.int32, device=device) * T
+    return cu
+
+
 def pack(q, k, v, g, beta, cu_seqlens):
     """Flatten [B, T, ...] to the packed [1, B·T, ...] layout; returns the tensors and (cu_seqlens, uniform_len)."""
     B, T = q.shape[:2]
     if cu_seqlens is None:
-        cu = torch.arange(B + 1, dtype=torch.int32, device=q.device) * T
+        cu = _uniform_cu(B, T, q.device)
         uniform = T
     else:
         cu = cu_seqlens.to(torch.int32)

@@ -12,8 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils import autotune
+
 BT = 64  # chunk length (tokens); 4 sub-chunks of 16
 BS = 16  # sub-chunk length
+
+# [64, K] float32 tiles: 4 warps spill on sm_90, 8 do not (ptxas); the autotuner picks.
+_PREP_CONFIGS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8)]
 
 
 def chunk_table(cu_seqlens: torch.Tensor, total_tokens: int, uniform_len: int = None):
@@ -58,6 +63,7 @@ def chunk_bounds(chunk_idx, cu_seqlens, i_c, BT: tl.constexpr):
     return bos + i_t * BT, eos
 
 
+@autotune(configs=_PREP_CONFIGS, key=['H', 'K', 'USE_L2', 'GATE_IN'])
 @triton.jit
 def _prepare_fwd_kernel(q, k, g, qn, kn, rq, rk, G, A_log, dt_bias, chunk_idx, cu_seqlens, lower_bound,
                         H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, USE_L2: tl.constexpr,
@@ -107,5 +113,5 @@ def prepare_fwd(q, k, g, A_log, dt_bias, lower_bound, chunk_idx, cu_seqlens, NC,
         _prepare_fwd_kernel[(NC, H)](
             q, k, g, qn, kn, rq, rk, G, A_log, dt_bias, chunk_idx, cu_seqlens, float(lower_bound),
             H=H, K=K, BT=BT, USE_L2=use_l2, GATE_IN=gate_in, HAS_A=A_log is not None,
-            HAS_BIAS=dt_bias is not None, num_warps=4)
+            HAS_BIAS=dt_bias is not None)
     return qn, kn, rq, rk, G

@@ -25,7 +25,7 @@ from .prepare import BT
 _FWD_CONFIGS = [triton.Config({'BV': 32}, num_warps=4, num_stages=2), triton.Config({'BV': 64}, num_warps=4, num_stages=2),
                 triton.Config({'BV': 32}, num_warps=2, num_stages=3), triton.Config({'BV': 64}, num_warps=8, num_stages=2)]
 _BWD_CONFIGS = [triton.Config({'BV': 32}, num_warps=4, num_stages=2), triton.Config({'BV': 64}, num_warps=4, num_stages=2),
-                triton.Config({'BV': 32}, num_warps=4, num_stages=1), triton.Config({'BV': 64}, num_warps=8, num_stages=1)]
+                triton.Config({'BV': 32}, num_warps=8, num_stages=2), triton.Config({'BV': 64}, num_warps=8, num_stages=1)]
 
 
 @autotune(configs=_FWD_CONFIGS, key=['H', 'K', 'V'])
