@@ -101,5 +101,6 @@ def test_outputs_of_a_finished_run(uninterrupted):
             "expert_load/max_over_mean/layer0", "expert_load/max_over_mean/layer1"} <= tags
     assert "expert_load/tokens_per_expert/layer1" in acc.Tags()["histograms"]
     lr = {e.step: e.value for e in acc.Scalars("train/lr")}
-    assert lr[3] == pytest.approx(0.0, abs=1e-12)  # stage 1's cosine ends at 0 ...
-    assert lr[4] == pytest.approx(2e-3)  # ... and stage 2 restarts from its own peak (warmup 1)
+    # each stage: one warmup step from 0, then its own peak and cosine decay
+    assert [lr[1], lr[2], lr[3]] == pytest.approx([0.0, 3e-3, 1.5e-3])
+    assert [lr[4], lr[5]] == pytest.approx([0.0, 2e-3])

@@ -79,7 +79,7 @@ def prepare_data(cfg: RunConfig, out_dir: Path) -> PreparedData:
         tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     else:
         tokenizer = train_tokenizer((d.text for d in train_docs), cfg.tokenizer.vocab_size, cfg.tokenizer.min_frequency)
-        tokenizer.save_pretrained(tok_dir)
+        tokenizer.save_pretrained(tok_dir)  # reused on resume: the token ids must not change
     ids = dict(bos_id=tokenizer.bos_token_id, eos_id=tokenizer.eos_token_id)
     train_tokens = tokenize_documents(tokenizer, [d.text for d in train_docs], **ids)
     val_tokens = tokenize_documents(tokenizer, [d.text for d in val_docs], **ids)
@@ -179,6 +179,7 @@ def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, d
         step_tokens += batch["input_ids"].numel() * accelerator.num_processes
         if not accelerator.sync_gradients:
             continue
+        lr = scheduler.get_last_lr()[0]  # the rate this step used
         scheduler.step()
         load = raw_model.expert_load()  # read before the update resets the counts
         raw_model.update_router_biases()
@@ -187,7 +188,7 @@ def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, d
         progress.losses.append([progress.global_step, step_loss])
         write = progress.global_step % t.log_every == 0 or progress.step == stage.steps
         elapsed = time.perf_counter() - t0
-        monitor.log_step(progress.global_step, {"loss": step_loss, "lr": scheduler.get_last_lr()[0],
+        monitor.log_step(progress.global_step, {"loss": step_loss, "lr": lr,
                                                 "grad_norm": float(grad_norm), "tokens_per_s": step_tokens / elapsed,
                                                 "seq_len": stage.seq_len}, write)
         monitor.log_expert_load(progress.global_step, load, write)
@@ -232,7 +233,8 @@ def run(cfg: RunConfig, resume: bool = True, stop_after_steps: int | None = None
         (out_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     accelerator.wait_for_everyone()
 
-    data = prepare_data(cfg, out_dir)
+    with accelerator.main_process_first():  # the main process trains and saves the tokenizer, the others load it
+        data = prepare_data(cfg, out_dir)
     set_seed(cfg.seed)
     model = build_model(cfg, data.tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
