@@ -35,6 +35,8 @@ class KDAMoEConfig(PreTrainedConfig):
             Must satisfy `-5 ≤ kda_lower_bound < 0`: the chunked kernels anchor 16-token sub-chunks, so
             the largest gate exponent is `15·|g_min|` and has to stay well below `ln(FLT_MAX) ≈ 88.7`
             (15·5 = 75); a non-negative bound would not decay at all.
+        kda_chunk_size (`int`, defaults to 32): chunk length of the pure-PyTorch chunked KDA path (memory
+            `O(T·chunk·K)` per head; 16 is faster on small CPU models). The Triton kernels use their own.
         num_experts (`int`, defaults to 16): routed experts per MoE layer.
         num_experts_per_tok (`int`, defaults to 2): experts per token `k`; Quantile Balancing reads the
             (k+1)-th score, so `k < num_experts`.
@@ -96,6 +98,7 @@ class KDAMoEConfig(PreTrainedConfig):
         kda_head_dim=None,
         kda_short_conv_kernel_size=4,
         kda_lower_bound=-5.0,
+        kda_chunk_size=32,
         num_experts=16,
         num_experts_per_tok=2,
         num_shared_experts=1,
@@ -141,6 +144,7 @@ class KDAMoEConfig(PreTrainedConfig):
         self.kda_head_dim = kda_head_dim if kda_head_dim is not None else _divide(hidden_size, kda_num_heads, "kda_num_heads")
         self.kda_short_conv_kernel_size = kda_short_conv_kernel_size
         self.kda_lower_bound = float(kda_lower_bound)
+        self.kda_chunk_size = kda_chunk_size
         self.num_experts = num_experts
         self.num_experts_per_tok = num_experts_per_tok
         self.num_shared_experts = num_shared_experts
@@ -191,7 +195,7 @@ class KDAMoEConfig(PreTrainedConfig):
         positive = (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
             "qk_head_dim", "v_head_dim", "kda_num_heads", "kda_head_dim", "kda_short_conv_kernel_size",
-            "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "kda_chunk_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
             "intermediate_size", "qb_num_bins", "max_position_embeddings",
         )
         for name in positive:

@@ -47,11 +47,14 @@ def _interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def chunk_kda_op(backend: str, device: torch.device):
-    """Chunked KDA op (training / prefill) with fla's ``chunk_kda`` signature."""
+def chunk_kda_op(backend: str, device: torch.device, chunk_size: int = 32):
+    """Chunked KDA op (training / prefill) with fla's ``chunk_kda`` signature.
+
+    ``chunk_size`` applies to the PyTorch path only (the Triton kernels use their own).
+    """
     if _use_triton(backend, device, "chunk_kda"):
         return _triton_kernels().chunk_kda
-    return chunk_kda_torch
+    return functools.partial(chunk_kda_torch, chunk_size=chunk_size)
 
 
 def recurrent_kda_op(backend: str, device: torch.device):

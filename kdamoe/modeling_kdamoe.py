@@ -176,7 +176,7 @@ class KDAMoEDeltaAttention(nn.Module):
             op = recurrent_kda_op(backend, q.device)
             o, final_state = op(q, k, v, g, beta, initial_state=recurrent_state, **kwargs)
         else:
-            op = chunk_kda_op(backend, q.device)
+            op = chunk_kda_op(backend, q.device, self.config.kda_chunk_size)
             o, final_state = op(q, k, v, g, beta, initial_state=recurrent_state, **kwargs)
 
         if cache is not None:
@@ -196,7 +196,7 @@ class KDAMoEDeltaAttention(nn.Module):
             # A cached row state continues only the row's first document; the others start from zero.
             initial_state = recurrent_state.new_zeros(cu_seqlens.numel() - 1, *recurrent_state.shape[1:])
             initial_state[packed["first_seq"]] = recurrent_state
-        op = chunk_kda_op(self.config.kernel_backend, q.device)
+        op = chunk_kda_op(self.config.kernel_backend, q.device, self.config.kda_chunk_size)
         flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
         o, final_state = op(*flat, initial_state=initial_state, cu_seqlens=cu_seqlens, **kwargs)
         if final_state is not None:

@@ -19,6 +19,7 @@ def tiny_config(**overrides) -> KDAMoEConfig:
         moe_latent_size=16,
         intermediate_size=32,
         attnres_num_blocks=2,
+        kda_chunk_size=16,
         kernel_backend="torch",
         pad_token_id=0,
         bos_token_id=1,
