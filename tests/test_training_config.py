@@ -43,3 +43,14 @@ def test_missing_file_and_bad_override():
         load_config(None, ["train.stages"])
     with pytest.raises(ValueError, match="no list item"):
         load_config(None, ["train.stages.9.steps=1"])
+
+
+@pytest.mark.parametrize("name", ["cpu_default.yaml", "gpu_h200.yaml"])
+def test_shipped_model_sections_are_valid_kdamoe_configs(name):
+    from kdamoe import KDAMoEConfig
+
+    cfg = load_config(name)
+    model_cfg = KDAMoEConfig(**cfg.model, vocab_size=cfg.tokenizer.vocab_size)
+    assert model_cfg.num_experts_per_tok < model_cfg.num_experts
+    for key, value in cfg.model.items():
+        assert getattr(model_cfg, key) == value, key

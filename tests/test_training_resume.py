@@ -104,3 +104,23 @@ def test_outputs_of_a_finished_run(uninterrupted):
     # each stage: one warmup step from 0, then its own peak and cosine decay
     assert [lr[1], lr[2], lr[3]] == pytest.approx([0.0, 3e-3, 1.5e-3])
     assert [lr[4], lr[5]] == pytest.approx([0.0, 2e-3])
+
+
+def test_cli_entry_points(uninterrupted, capsys):
+    from kdamoe.cli import generate_main, train_main
+
+    tmp_path, _ = uninterrupted
+    cfg_path = tmp_path / "full.yaml"
+    assert train_main(["--config", str(cfg_path), "--output-dir", str(tmp_path / "cli"), "--no-resume",
+                       "--stop-after", "1", "--set", "train.checkpoint_every=1"]) == 0
+    assert (tmp_path / "cli" / "checkpoints" / "stage0-step000001" / "progress.json").exists()
+    capsys.readouterr()
+
+    assert generate_main(["--model", str(tmp_path / "full" / "final"), "--prompt", "to be", "--greedy",
+                          "--max-new-tokens", "5", "--device", "cpu"]) == 0
+    streamed = capsys.readouterr().out
+    assert streamed.startswith("to be") and len(streamed) > len("to be")
+
+    with pytest.raises(SystemExit):  # a bad field is a usage error naming it
+        train_main(["--config", str(cfg_path), "--set", "train.stages.0.lr=-1"])
+    assert "train.stages[0].lr" in capsys.readouterr().err
