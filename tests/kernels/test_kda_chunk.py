@@ -30,7 +30,8 @@ def rel(a, b):
     return ((a - b.cpu()).norm() / b.norm()).item()
 
 
-def make_inputs(B, T, seed, N=None, dtype=torch.float32, gate_in=False, normalize_k=True):
+def make_inputs(B, T, seed, N=None, dtype=torch.float32, gate_in=False, normalize_k=True, dims=None):
+    H, K, V = dims if dims is not None else (globals()["H"], globals()["K"], globals()["V"])
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen)
     q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V)
@@ -101,6 +102,13 @@ def assert_close(out, ref, names, tol):
 def test_chunk_matches_reference(B, T, seed):
     x = make_inputs(B, T, seed)
     out, ref, names = run_both(x)
+    assert_close(out, ref, names, TOL)
+
+
+def test_chunk_wide_keys_narrow_values():
+    """K = 64 takes the key-sliced path of the intra stage; V = 16 is narrower than the value blocks."""
+    x = make_inputs(1, 40, 14, gate_in=True, dims=(1, 64, 16))
+    out, ref, names = run_both(x, gate_in=True, l2=True)
     assert_close(out, ref, names, TOL)
 
 
