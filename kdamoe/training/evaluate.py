@@ -59,7 +59,8 @@ def evaluate_lm(model, rows: dict[str, torch.Tensor], byte_lengths: list[int], b
     for i in range(0, rows["input_ids"].shape[0], batch_size):
         batch = {k: v[i:i + batch_size] for k, v in rows.items()}
         with amp:
-            logits = model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device)).logits
+            logits = model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
+                           use_cache=False).logits
         _, target, valid = _targets(batch)
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).cpu()
         picked = logp.gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)
