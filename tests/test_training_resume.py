@@ -106,6 +106,24 @@ def test_outputs_of_a_finished_run(uninterrupted):
     assert [lr[4], lr[5]] == pytest.approx([0.0, 2e-3])
 
 
+def test_resume_refuses_a_changed_config_and_fresh_start_clears(uninterrupted, tmp_path):
+    from kdamoe.training.trainer import check_same_run, clear_run
+
+    tmp, _ = uninterrupted
+    changed = _config(tmp, "full")
+    changed.train.stages[1].lr = 1e-3
+    with pytest.raises(ValueError, match="train.stages differs"):
+        check_same_run(tmp / "full", changed)
+    check_same_run(tmp / "full", _config(tmp, "full"))  # same config: fine
+
+    (tmp_path / "checkpoints" / "stage0-step000001").mkdir(parents=True)
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "mine.txt").write_text("kept")
+    clear_run(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
+
+
 def test_cli_entry_points(uninterrupted, capsys):
     from kdamoe.cli import generate_main, train_main
 

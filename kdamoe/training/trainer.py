@@ -130,6 +130,38 @@ def find_checkpoint(out_dir: Path) -> Path | None:
     return max(found)[2] if found else None
 
 
+RUN_ARTIFACTS = ["checkpoints", "tokenizer", "tensorboard", "final", "baselines.json", "summary.json", "expert_load.png"]
+# Fields that decide what a resumed run computes; the rest (logging, output) may change between runs.
+RESUME_KEYS = ["seed", "model", "data", "tokenizer", "train.stages", "train.grad_accum_steps", "train.weight_decay",
+               "train.adam_betas", "train.adam_eps", "train.max_grad_norm", "train.mixed_precision"]
+
+
+def clear_run(out_dir: Path) -> None:
+    """Remove what an earlier run left in ``out_dir`` (a fresh start must not reuse its tokenizer or checkpoints)."""
+    for name in RUN_ARTIFACTS:
+        path = out_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def check_same_run(out_dir: Path, cfg: RunConfig) -> None:
+    """Raise ``ValueError`` naming the first field in :data:`RESUME_KEYS` where ``cfg`` differs from the
+    configuration the checkpoints in ``out_dir`` were made with."""
+    saved_path = out_dir / "config.yaml"
+    if not saved_path.exists():
+        return
+    saved, current = yaml.safe_load(saved_path.read_text()), config_to_dict(cfg)
+    for key in RESUME_KEYS:
+        a, b = saved, current
+        for part in key.split("."):
+            a, b = (a or {}).get(part), (b or {}).get(part)
+        if a != b:
+            raise ValueError(f"config field {key} differs from the run whose checkpoints are in {out_dir} "
+                             f"({a!r} there, {b!r} now): pass --no-resume or another --output-dir")
+
+
 def save_checkpoint(accelerator, progress: TrainProgress, scheduler, out_dir: Path, cfg: RunConfig, stage_end: bool) -> Path:
     """``accelerator.save_state`` into ``checkpoints/stage<i>-step<n>``; ``progress.json`` is written last,
     so a folder without it (a run killed while saving) is never resumed from. Older mid-stage
@@ -228,7 +260,12 @@ def run(cfg: RunConfig, resume: bool = True, stop_after_steps: int | None = None
     accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no",
                               gradient_accumulation_steps=cfg.train.grad_accum_steps)
     set_seed(cfg.seed)
+    checkpoint = find_checkpoint(out_dir) if resume else None
+    if checkpoint is not None:
+        check_same_run(out_dir, cfg)
     if accelerator.is_main_process:
+        if checkpoint is None:
+            clear_run(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     accelerator.wait_for_everyone()
@@ -243,7 +280,6 @@ def run(cfg: RunConfig, resume: bool = True, stop_after_steps: int | None = None
     evaluate = lambda m: evaluate_lm(m, data.val_rows, data.byte_lengths, cfg.eval.batch_size, accelerator.device,
                                      torch.bfloat16 if use_bf16 else None)
 
-    checkpoint = find_checkpoint(out_dir) if resume else None
     summary = {"seconds": 0.0, "finished": False}
     if checkpoint is None and accelerator.is_main_process:
         summary["bigram"] = BigramBaseline(len(data.tokenizer), cfg.eval.bigram_discount).fit(data.train_docs).evaluate(
