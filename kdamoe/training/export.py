@@ -43,7 +43,8 @@ def export_model(model, tokenizer, cfg, summary: dict, folder: str | Path) -> Pa
     card_data = ModelCardData(language="en", license="apache-2.0", library_name="transformers",
                               pipeline_tag="text-generation", tags=["kda_moe", "linear-attention", "moe", "custom_code"])
     values = dict(
-        model_id=folder.name, num_parameters=f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M",
+        model_id=f"kdamoe-{Path(cfg.output_dir).name}",
+        num_parameters=f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M",
         hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers, layer_types=", ".join(c.layer_types),
         num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok, vocab_size=c.vocab_size,
         data_source=cfg.data.source, stages=cfg.train.stages, tokens=summary.get("tokens", "n/a"),
@@ -51,7 +52,7 @@ def export_model(model, tokenizer, cfg, summary: dict, folder: str | Path) -> Pa
     )
     template = model_card_template()
     card = (ModelCard.from_template(card_data, template_path=str(template), **values) if template
-            else ModelCard.from_template(card_data, model_id=folder.name))
+            else ModelCard.from_template(card_data, model_id=values["model_id"]))
     card.save(folder / "README.md")
     return folder
 
