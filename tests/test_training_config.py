@@ -15,8 +15,8 @@ def test_shipped_configs_load(name):
 
 def test_default_and_overrides():
     assert resolve_config_path(None) == CONFIG_DIR / "cpu_default.yaml"
-    cfg = load_config(None, ["train.stages.1.steps=7", "model.hidden_size=64", "seed=3", "train.stages.0.lr=1e-4"])
-    assert cfg.train.stages[1].steps == 7 and cfg.model["hidden_size"] == 64 and cfg.seed == 3
+    cfg = load_config(None, ["train.stages.1.steps=17", "model.hidden_size=64", "seed=3", "train.stages.0.lr=1e-4"])
+    assert cfg.train.stages[1].steps == 17 and cfg.model["hidden_size"] == 64 and cfg.seed == 3
     assert cfg.train.stages[0].lr == pytest.approx(1e-4)
 
 
