@@ -134,15 +134,14 @@ def chunk_kda_torch(
     # state untouched and produces nothing, so the padding is exact.
     C = chunk_size
     bounds = _sequence_bounds(B, T, cu_seqlens)
-    src, dst, chunk_seq, seq_last_chunk = [], [], [], []
+    src, dst, first_chunk, num_chunks = [], [], [], []
     offset = 0
-    for n, (start, end) in enumerate(bounds):
-        num_chunks = math.ceil((end - start) / C)
+    for start, end in bounds:
         src.append(torch.arange(start, end))
         dst.append(torch.arange(offset, offset + end - start))
-        chunk_seq += [n] * num_chunks
-        offset += num_chunks * C
-        seq_last_chunk.append(len(chunk_seq) - 1 if num_chunks else -1)
+        first_chunk.append(offset // C)
+        num_chunks.append(math.ceil((end - start) / C))
+        offset += num_chunks[-1] * C
     src = torch.cat(src).to(q.device)
     dst = torch.cat(dst).to(q.device)
 
@@ -151,25 +150,35 @@ def chunk_kda_torch(
         return padded.view(-1, C, *x.shape[1:]).transpose(1, 2)  # [NC, H, C, ...]
 
     qc, kc, vc, gc, bc = map(to_chunks, (q, k, v, g, beta))
-    u, w, A_qk, q_decay, k_decay, decay_last = _intra_chunk(qc, kc, vc, gc, bc)
+    intra = _intra_chunk(qc, kc, vc, gc, bc)
 
-    # Inter-chunk pass: the only sequential part, one small matmul pair per chunk.
+    # Inter-chunk pass, the only sequential part: step j advances the j-th chunk of every sequence that
+    # has one, all at once. Sequences are sorted by chunk count so the active ones are a prefix.
     N = len(bounds)
+    seq_order = sorted(range(N), key=lambda n: -num_chunks[n])
+    active = [sum(1 for n in seq_order if num_chunks[n] > j) for j in range(max(num_chunks, default=0))]
+    chunk_perm = torch.tensor(
+        [first_chunk[n] + j for j, m in enumerate(active) for n in seq_order[:m]], dtype=torch.long, device=q.device
+    )
+    # One gather and one split per tensor: cheap in backward (no per-chunk full-size zero gradients).
+    u, w, A_qk, q_decay, k_decay, decay_last = (x.index_select(0, chunk_perm).split(active) for x in intra)
     state0 = q.new_zeros(N, H, K, V) if initial_state is None else initial_state.to(dtype)
-    outputs, finals = [], list(state0.unbind(0))
-    state = None
-    for c, n in enumerate(chunk_seq):
-        if c == 0 or chunk_seq[c - 1] != n:
-            state = state0[n]
-        delta = u[c] - w[c] @ state  # [H, C, V]
-        outputs.append(q_decay[c] @ state + A_qk[c] @ delta)
-        state = decay_last[c].unsqueeze(-1) * state + k_decay[c].transpose(-1, -2) @ delta
-        if c == seq_last_chunk[n]:
-            finals[n] = state
-    o_chunks = torch.stack(outputs) if outputs else q.new_zeros(0, H, C, V)
+    seq_perm = torch.tensor(seq_order, dtype=torch.long, device=q.device)
+    state = state0.index_select(0, seq_perm)
+    outputs = []
+    for j, m in enumerate(active):
+        s = state[:m]
+        delta = u[j] - w[j] @ s  # [m, H, C, V]
+        outputs.append(q_decay[j] @ s + A_qk[j] @ delta)
+        s = decay_last[j].unsqueeze(-1) * s + k_decay[j].transpose(-1, -2) @ delta
+        state = torch.cat([s, state[m:]]) if m < N else s
+    o_perm = torch.cat(outputs) if outputs else q.new_zeros(0, H, C, V)
+    o_chunks = torch.empty_like(o_perm).index_copy(0, chunk_perm, o_perm)
     o_flat = o_chunks.transpose(1, 2).reshape(offset, H, V)
     o = o_flat.new_zeros(B * T, H, V).index_copy(0, src, o_flat.index_select(0, dst))
-    final_state = torch.stack(finals).to(dtype) if output_final_state else None
+    final_state = None
+    if output_final_state:  # sequences never active keep their initial state
+        final_state = torch.empty_like(state).index_copy(0, seq_perm, state).to(dtype)
     return o.view(B, T, H, V).to(out_dtype), final_state
 
 
