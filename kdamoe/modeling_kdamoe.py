@@ -535,6 +535,25 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         elif isinstance(module, KDAMoERMSNorm):
             init.ones_(module.weight)
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained``, with ``auto_map`` naming every KDAMoE head.
+
+        transformers writes only the saved class's entry; listing all of them lets a folder saved from
+        the causal LM load as ``AutoModel`` or ``AutoModelForSequenceClassification`` (reward / value
+        models) with ``trust_remote_code=True``.
+        """
+        auto_map = dict(getattr(self.config, "auto_map", None) or {})
+        auto_map.update(
+            {
+                "AutoConfig": "configuration_kdamoe.KDAMoEConfig",
+                "AutoModel": "modeling_kdamoe.KDAMoEModel",
+                "AutoModelForCausalLM": "modeling_kdamoe.KDAMoEForCausalLM",
+                "AutoModelForSequenceClassification": "modeling_kdamoe.KDAMoEForSequenceClassification",
+            }
+        )
+        self.config.auto_map = auto_map
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     def _routers(self) -> list[KDAMoETopkRouter]:
         return [m for m in self.modules() if isinstance(m, KDAMoETopkRouter)]
 
@@ -598,6 +617,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_router_logits: bool | None = None,
+        output_hidden_states: bool | None = None,
         past_key_values: Cache | None = None,
         return_dict: bool | None = None,
         **kwargs,
@@ -605,7 +625,10 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         """Run the stack. Inputs ``input_ids [B, T]`` (or ``inputs_embeds [B, T, d]``), optional 2-D
         ``attention_mask [B, past+T]`` (1 = token, 0 = padding) and ``position_ids [B, T]`` (restarts at 0
         mark packed documents when no mask is given). Returns ``last_hidden_state [B, T, d]``, the
-        ``cache`` and, when asked, ``router_logits`` (tuple of ``[B·T, E]`` float32, one per MoE layer).
+        ``cache`` and, when asked, ``router_logits`` (tuple of ``[B·T, E]`` float32, one per MoE layer)
+        and ``hidden_states`` (``L + 1`` tensors ``[B, T, d]``: the embeddings, the residual stream after
+        each layer — with Block AttnRes the sum of the embeddings and every sublayer output so far —
+        and, last, the final normed state equal to ``last_hidden_state``).
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Specify exactly one of `input_ids` or `inputs_embeds`")
@@ -615,6 +638,9 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
             use_cache = False
         output_router_logits = (
             output_router_logits if output_router_logits is not None else self.config.output_router_logits
+        )
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -640,18 +666,21 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
             token_mask = attention_mask[:, -T:].reshape(-1).bool()
 
         layer_kwargs = dict(attention_mask=masks, cache=cache, packed=packed, token_mask=token_mask, position_ids=position_ids)
-        all_router_logits = []
+        all_router_logits, all_hidden_states = [], [inputs_embeds]
         if self.config.attnres_num_blocks == 0:
             hidden_states = inputs_embeds
             for layer in self.layers:
                 hidden_states, router_logits = layer(hidden_states, None, **layer_kwargs)
                 all_router_logits.append(router_logits)
+                all_hidden_states.append(hidden_states)
         else:
             blocks, partial = [inputs_embeds], None
             block_size = self.config.attnres_block_size
             for i, layer in enumerate(self.layers):
                 partial, router_logits = layer(partial, torch.stack(blocks), **layer_kwargs)
                 all_router_logits.append(router_logits)
+                if output_hidden_states:
+                    all_hidden_states.append(sum(blocks) + partial)
                 if (i + 1) % block_size == 0 or i == len(self.layers) - 1:
                     blocks.append(partial)
                     partial = None
@@ -659,7 +688,12 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
 
         hidden_states = self.norm(hidden_states)
         router_logits = tuple(r for r in all_router_logits if r is not None) if output_router_logits else None
-        return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache, router_logits=router_logits)
+        hidden_states_out = None
+        if output_hidden_states:
+            hidden_states_out = tuple(all_hidden_states[:-1]) + (hidden_states,)
+        return MoeModelOutputWithPast(
+            last_hidden_state=hidden_states, cache=cache, router_logits=router_logits, hidden_states=hidden_states_out
+        )
 
 
 class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
@@ -727,7 +761,8 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
             if loss is not None and self.config.router_aux_loss_coef > 0:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
         return MoeCausalLMOutputWithPast(
-            loss=loss, aux_loss=aux_loss, logits=logits, cache=outputs.cache, router_logits=outputs.router_logits
+            loss=loss, aux_loss=aux_loss, logits=logits, cache=outputs.cache,
+            hidden_states=outputs.hidden_states, router_logits=outputs.router_logits,
         )
 
 
@@ -781,7 +816,9 @@ class KDAMoEForSequenceClassification(KDAMoEPreTrainedModel):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled, config=self.config)
-        return SequenceClassifierOutputWithPast(loss=loss, logits=pooled, cache=outputs.cache)
+        return SequenceClassifierOutputWithPast(
+            loss=loss, logits=pooled, cache=outputs.cache, hidden_states=outputs.hidden_states
+        )
 
 
 __all__ = [

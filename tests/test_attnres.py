@@ -47,10 +47,12 @@ def _reference_logits(model, ids):
     return model.lm_head(backbone.norm(_mix_reference(backbone.final_res, blocks)))
 
 
-def _standard_logits(model, ids):
+def _standard_logits(model, ids, streams=None):
     backbone = model.model
     h = backbone.embed_tokens(ids)
     for layer in backbone.layers:
+        if streams is not None:
+            streams.append(h)
         h = h + _sublayers(layer, h)
         h = h + _mlp(layer, h)
     return model.lm_head(backbone.norm(h))
@@ -82,8 +84,35 @@ def test_zero_blocks_is_the_standard_residual_stream():
     model = KDAMoEForCausalLM(tiny_config(attnres_num_blocks=0)).eval()
     assert not any(isinstance(m, KDAMoEBlockAttnRes) for m in model.modules())
     ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    streams = []
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, use_cache=False).logits, _standard_logits(model, ids), rtol=1e-5, atol=1e-5)
+        out = model(ids, use_cache=False, output_hidden_states=True)
+        torch.testing.assert_close(out.logits, _standard_logits(model, ids, streams), rtol=1e-5, atol=1e-5)
+    # hidden_states: embeddings, the stream after each layer, and (last) the final normed state.
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    for got, want in zip(out.hidden_states[:-1], streams):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.hidden_states[-1], model.model(ids, use_cache=False).last_hidden_state)
+
+
+def test_hidden_states_with_block_attnres_are_the_summed_stream():
+    torch.manual_seed(1)
+    model = KDAMoEForCausalLM(tiny_config(num_hidden_layers=3, attnres_num_blocks=3)).eval()
+    ids = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(4))
+    backbone, total, expected = model.model, None, []
+    with torch.no_grad():
+        out = model(ids, use_cache=False, output_hidden_states=True)
+        # With one layer per block the sources before layer i are [emb, out_0, ..., out_{i-1}].
+        sources = [backbone.embed_tokens(ids)]
+        for layer in backbone.layers:
+            expected.append(sum(sources))
+            h = _mix_reference(layer.attn_res, sources)
+            partial = _sublayers(layer, h)
+            partial = partial + _mlp(layer, _mix_reference(layer.mlp_res, sources + [partial]))
+            sources.append(partial)
+    assert len(out.hidden_states) == 4
+    for got, want in zip(out.hidden_states[:-1], expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_every_pseudo_query_receives_gradient():

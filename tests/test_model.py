@@ -168,6 +168,10 @@ REMOTE_SCRIPT = textwrap.dedent(
     with torch.no_grad():
         torch.save(model(ids, use_cache=False).logits, {out!r})
     print(type(model).__module__)
+    from transformers import AutoModel, AutoModelForSequenceClassification
+    backbone = AutoModel.from_pretrained({folder!r}, trust_remote_code=True)
+    scorer = AutoModelForSequenceClassification.from_pretrained({folder!r}, trust_remote_code=True, num_labels=1)
+    print(type(backbone).__name__, type(scorer).__name__)
     """
 )
 
@@ -188,6 +192,7 @@ def test_remote_code_round_trip_in_a_fresh_process(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "transformers_modules" in result.stdout
+    assert "KDAMoEModel KDAMoEForSequenceClassification" in result.stdout  # auto_map names every head
     with torch.no_grad():
         expected = model(ids, use_cache=False).logits
     assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
