@@ -54,3 +54,8 @@ def test_shipped_model_sections_are_valid_kdamoe_configs(name):
     assert model_cfg.num_experts_per_tok < model_cfg.num_experts
     for key, value in cfg.model.items():
         assert getattr(model_cfg, key) == value, key
+
+
+def test_bad_model_section_fails_at_config_time():
+    with pytest.raises(ValueError, match="config field model: `kda_lower_bound`"):
+        load_config(None, ["model.kda_lower_bound=-7"])

@@ -78,6 +78,7 @@ def test_outputs_of_a_finished_run(uninterrupted):
     out = tmp_path / "full"
     final = out / "final"
     config = json.loads((final / "config.json").read_text())
+    assert config["kernel_backend"] == "auto"  # trained with torch forced, shipped to pick its own
     assert config["model_type"] == "kda_moe" and "AutoModelForCausalLM" in config["auto_map"]
     for name in ["model.safetensors", "generation_config.json", "modeling_kdamoe.py", "tokenizer.json",
                  "tokenizer_config.json", "README.md"]:

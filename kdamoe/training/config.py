@@ -153,6 +153,13 @@ class RunConfig:
         need(self.monitor.load_imbalance_threshold > 1, "monitor.load_imbalance_threshold", "must exceed 1")
         need(self.monitor.histogram_every >= 1, "monitor.histogram_every", "must be at least 1")
         need(self.generate.max_new_tokens >= 1, "generate.max_new_tokens", "must be at least 1")
+        # The model section is KDAMoEConfig's own: check it now, not after the corpus and tokenizer work.
+        from kdamoe import KDAMoEConfig
+
+        try:
+            KDAMoEConfig(**{**self.model, "vocab_size": self.tokenizer.vocab_size})
+        except ValueError as err:
+            raise ValueError(f"config field model: {err}") from err
         return self
 
 

@@ -37,7 +37,12 @@ def export_model(model, tokenizer, cfg, summary: dict, folder: str | Path) -> Pa
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         do_sample=g.do_sample, temperature=g.temperature, top_k=g.top_k, max_new_tokens=g.max_new_tokens)
-    model.save_pretrained(folder)
+    # The run may have forced a backend (e.g. torch on a CPU); the shipped model picks its own.
+    trained_backend, model.config.kernel_backend = model.config.kernel_backend, "auto"
+    try:
+        model.save_pretrained(folder)
+    finally:
+        model.config.kernel_backend = trained_backend
     tokenizer.save_pretrained(folder)
     c = model.config
     card_data = ModelCardData(language="en", license="apache-2.0", library_name="transformers",
