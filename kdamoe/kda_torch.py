@@ -77,6 +77,20 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
         )
 
 
+def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    """Validate, L2-normalise q/k if asked, scale q and flatten to ``[B*T, H, ...]`` in the compute dtype.
+
+    Returns ``(dtype, q, k, v, g, beta)``; the compute dtype is float64 for float64 inputs, else float32.
+    """
+    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    q, k, v, g, beta = (x.to(dtype).flatten(0, 1) for x in (q, k, v, g, beta))
+    return dtype, q * scale, k, v, g, beta
+
+
 def _sequence_bounds(B: int, T: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int]]:
     """(start, end) of every sequence in the flattened ``[B*T]`` token axis."""
     if cu_seqlens is None:
@@ -119,16 +133,9 @@ def chunk_kda_torch(
     Raises:
         ValueError: for inconsistent shapes or a bad ``cu_seqlens``.
     """
-    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
-    V = v.shape[-1]
-    out_dtype = v.dtype
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scale = K**-0.5 if scale is None else scale
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    q, k, v, g, beta = (x.to(dtype).flatten(0, 1) for x in (q, k, v, g, beta))  # [B*T, H, ...]
-    q = q * scale
+    V, out_dtype = v.shape[-1], v.dtype
+    dtype, q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
     # Lay every sequence out in whole chunks; padded slots have g = β = k = v = q = 0, which leaves the
     # state untouched and produces nothing, so the padding is exact.
@@ -225,15 +232,9 @@ def recurrent_kda_torch(
     steps, meant for ``T = 1`` decoding. Each step applies
     ``S ← Diag(exp(g_t)) S;  S ← S + β_t k_t (v_t − Sᵀ k_t)ᵀ;  o_t = Sᵀ (scale·q_t)``.
     """
-    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
-    V = v.shape[-1]
-    out_dtype = v.dtype
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scale = K**-0.5 if scale is None else scale
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    q, k, v, g, beta = (x.to(dtype).flatten(0, 1) for x in (q, k, v, g, beta))
+    V, out_dtype = v.shape[-1], v.dtype
+    dtype, q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
     bounds = _sequence_bounds(B, T, cu_seqlens)
     N = len(bounds)
     state0 = q.new_zeros(N, H, K, V) if initial_state is None else initial_state.to(dtype)
@@ -245,7 +246,7 @@ def recurrent_kda_torch(
             kt = k[t].unsqueeze(-1)  # [H, K, 1]
             residual = v[t] - (state * kt).sum(-2)  # [H, V]
             state = state + beta[t][:, None, None] * kt * residual.unsqueeze(-2)
-            outputs.append((state * (scale * q[t]).unsqueeze(-1)).sum(-2))
+            outputs.append((state * q[t].unsqueeze(-1)).sum(-2))
         finals.append(state)
     o = torch.stack(outputs) if outputs else q.new_zeros(0, H, V)
     final_state = torch.stack(finals).to(dtype) if output_final_state else None

@@ -463,7 +463,7 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
             self.attn_res = KDAMoEBlockAttnRes(config)
             self.mlp_res = KDAMoEBlockAttnRes(config)
 
-    def _mix(self, hidden_states, attention_mask, cache, packed, token_mask, position_ids, **kwargs):
+    def _mix(self, hidden_states, attention_mask, cache, packed, position_ids, **kwargs):
         if self.layer_type == "linear_attention":
             return self.self_attn(hidden_states, attention_mask["linear_attention"], cache, packed)
         return self.self_attn(hidden_states, attention_mask["full_attention"], cache, position_ids=position_ids, **kwargs)
@@ -487,14 +487,14 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
         attention_mask = attention_mask or {"linear_attention": None, "full_attention": None}
         if not self.use_attnres:
             residual = hidden_states
-            mixed = self._mix(self.input_layernorm(hidden_states), attention_mask, cache, packed, token_mask, position_ids, **kwargs)
+            mixed = self._mix(self.input_layernorm(hidden_states), attention_mask, cache, packed, position_ids, **kwargs)
             hidden_states = residual + mixed
             out, router_logits = self._mlp(self.post_attention_layernorm(hidden_states), token_mask)
             return hidden_states + out, router_logits
 
         partial = hidden_states
         h = self.attn_res(_sources(block_states, partial))
-        mixed = self._mix(self.input_layernorm(h), attention_mask, cache, packed, token_mask, position_ids, **kwargs)
+        mixed = self._mix(self.input_layernorm(h), attention_mask, cache, packed, position_ids, **kwargs)
         partial = mixed if partial is None else partial + mixed
         h = self.mlp_res(_sources(block_states, partial))
         out, router_logits = self._mlp(self.post_attention_layernorm(h), token_mask)
