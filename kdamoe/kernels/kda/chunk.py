@@ -34,10 +34,10 @@ class ChunkKDAFunction(torch.autograd.Function):
         chunk_idx, chunk_offsets, NC = chunk_table(cu_seqlens, T, uniform_len)
         qn, kn, rq, rk, G = prepare_fwd(q, k, g, A_log, dt_bias, lower_bound, chunk_idx, cu_seqlens, NC,
                                         use_l2, gate_in)
-        Aqk, M, w, u, kg = intra_fwd(qn, kn, v, G, beta, scale, chunk_idx, cu_seqlens, NC)
+        Aqk, M, w, u, kg, qg = intra_fwd(qn, kn, v, G, beta, scale, chunk_idx, cu_seqlens, NC)
         h, vnew, ht = state_fwd(w, u, kg, G, initial_state, cu_seqlens, chunk_offsets, NC, N, output_final_state)
-        o = output_fwd(qn, G, h, vnew, Aqk, scale, chunk_idx, cu_seqlens, NC)
-        ctx.save_for_backward(qn, kn, v, g, beta, A_log, dt_bias, rq, rk, G, M, Aqk, w, kg, h, vnew,
+        o = output_fwd(qg, h, vnew, Aqk, chunk_idx, cu_seqlens, NC)
+        ctx.save_for_backward(qn, kn, v, g, beta, A_log, dt_bias, rq, rk, G, M, Aqk, w, kg, qg, h, vnew,
                               cu_seqlens, chunk_idx, chunk_offsets)
         ctx.meta = (scale, use_l2, gate_in, lower_bound, NC, N, initial_state is not None,
                     q.dtype, k.dtype, g.dtype)
@@ -45,14 +45,14 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        (qn, kn, v, g, beta, A_log, dt_bias, rq, rk, G, M, Aqk, w, kg, h, vnew,
+        (qn, kn, v, g, beta, A_log, dt_bias, rq, rk, G, M, Aqk, w, kg, qg, h, vnew,
          cu_seqlens, chunk_idx, chunk_offsets) = ctx.saved_tensors
         scale, use_l2, gate_in, lower_bound, NC, N, has_h0, q_dtype, k_dtype, g_dtype = ctx.meta
         do = do.to(v.dtype).contiguous()
         if dht is not None:
             dht = dht.float().contiguous()
         dvl = dv_local(Aqk, do, chunk_idx, cu_seqlens, NC)
-        dh, dvnew, dh0 = state_bwd(qn, G, w, kg, do, dvl, dht, scale, cu_seqlens, chunk_offsets, NC, N, has_h0)
+        dh, dvnew, dh0 = state_bwd(qg, G, w, kg, do, dvl, dht, cu_seqlens, chunk_offsets, NC, N, has_h0)
         dAqk, dAkk, dqd, dkd, dGd, dbd, dgl, dv = bwd_wy(qn, kn, v, G, beta, M, h, dh, vnew, dvnew, do, scale,
                                                          chunk_idx, cu_seqlens, NC)
         dq, dk, dg, dbeta, ddtb, dAl = bwd_intra(qn, kn, G, beta, dAqk, dAkk, dqd, dkd, dGd, dbd, dgl, rq, rk, g,

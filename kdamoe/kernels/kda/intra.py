@@ -53,44 +53,63 @@ def _store_tile(ptr, x, rows, mrow, i_h, H: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _pair(q, k, G, t0, eos, i_h, I: tl.constexpr, J: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-          BS: tl.constexpr):
-    """Blocks (I, J) of Σ_d k_i k_j exp(G_i−G_j) and Σ_d q_i k_j exp(G_i−G_j) (no β, no scale, no mask).
+def _row_block_scores(q, k, G, beta, Aqk, Ab, t0, eos, i_h, scale, I: tl.constexpr, H: tl.constexpr,
+                      K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
+    """Rows of sub-chunk I of A_kk (with β, strictly lower) and A_qk (with scale, lower), all 64 columns.
 
-    The key dimension is taken in slices of at most 32 channels so that few [16, ·] float32 tiles are live."""
-    BKP: tl.constexpr = 32 if K > 32 else K
+    One [16, BK] × [BK, 64] product per key slice: left rows scaled by exp(G_i − G_c), right columns by
+    exp(G_c − G_j) for j up to the last row of block I (later columns get exactly 0 before the product)."""
     rI = t0 + I * BS + tl.arange(0, BS)
-    rJ = t0 + J * BS + tl.arange(0, BS)
     mI = rI < eos
-    mJ = rJ < eos
-    tc = tl.minimum(t0 + I * BS, eos - 1)  # anchor: first row of block I
+    rows = t0 + tl.arange(0, BT)
+    ct = tl.arange(0, BT)
+    mJ = (rows < eos) & (ct < (I + 1) * BS)
     offI = (rI[:, None] * H + i_h).to(tl.int64) * K
-    offJ = (rJ[:, None] * H + i_h).to(tl.int64) * K
-    offc = (tc * H + i_h).to(tl.int64) * K
-    akk = tl.zeros([BS, BS], dtype=tl.float32)
-    aqk = tl.zeros([BS, BS], dtype=tl.float32)
-    for kk in tl.static_range(0, K, BKP):
-        cols = kk + tl.arange(0, BKP)
+    offJ = (rows[:, None] * H + i_h).to(tl.int64) * K
+    offc = (tl.minimum(t0 + I * BS, eos - 1) * H + i_h).to(tl.int64) * K  # anchor: first row of block I
+    akk = tl.zeros([BS, BT], dtype=tl.float32)
+    aqk = tl.zeros([BS, BT], dtype=tl.float32)
+    for kk in range(0, K, BK):
+        cols = kk + tl.arange(0, BK)
         gc = tl.load(G + offc + cols)
         gI = tl.load(G + offI + cols[None, :], mask=mI[:, None], other=0.)
         gJ = tl.load(G + offJ + cols[None, :], mask=mJ[:, None], other=0.)
-        eI = tl.where(mI[:, None], tl.exp(gI - gc[None, :]), 0.)
-        eJ = tl.where(mJ[:, None], tl.exp(gc[None, :] - gJ), 0.)
+        eI = tl.where(mI[:, None], tl.exp(tl.where(mI[:, None], gI - gc[None, :], 0.)), 0.)
+        eJ = tl.where(mJ[:, None], tl.exp(tl.where(mJ[:, None], gc[None, :] - gJ, 0.)), 0.)
         kcol = tl.trans(tl.load(k + offJ + cols[None, :], mask=mJ[:, None], other=0.).to(tl.float32) * eJ)
         akk += tl.dot(tl.load(k + offI + cols[None, :], mask=mI[:, None], other=0.).to(tl.float32) * eI, kcol)
         aqk += tl.dot(tl.load(q + offI + cols[None, :], mask=mI[:, None], other=0.).to(tl.float32) * eI, kcol)
-    return akk, aqk
+    b = tl.load(beta + rI * H + i_h, mask=mI, other=0.).to(tl.float32)
+    ri = I * BS + tl.arange(0, BS)
+    akk = tl.where(ri[:, None] > ct[None, :], akk * b[:, None], 0.)
+    aqk = tl.where(ri[:, None] >= ct[None, :], aqk * scale, 0.)
+    off = (rI[:, None] * H + i_h).to(tl.int64) * BT + ct[None, :]
+    tl.store(Aqk + off, aqk.to(Aqk.dtype.element_ty), mask=mI[:, None])
+    tl.store(Ab + off, akk, mask=mI[:, None])
+
+
+@triton.jit
+def _blk(ptr, t0, eos, i_h, I: tl.constexpr, J: tl.constexpr, H: tl.constexpr, BT: tl.constexpr,
+         BS: tl.constexpr):
+    """Block (I, J) of a [T, H, 64] per-chunk matrix, read through L2 (written by this program)."""
+    rI = t0 + I * BS + tl.arange(0, BS)
+    off = (rI[:, None] * H + i_h).to(tl.int64) * BT + J * BS + tl.arange(0, BS)[None, :]
+    return tl.load(ptr + off, mask=(rI < eos)[:, None], other=0., cache_modifier=".cg")
 
 
 @triton.jit
 def _inv_unit_lower(A, BS: tl.constexpr):
-    """(I + A)⁻¹ for a strictly lower-triangular [BS, BS] block, by forward substitution (exact zeros above)."""
-    r = tl.arange(0, BS)
-    X = (r[:, None] == r[None, :]).to(tl.float32)
-    for i in range(1, BS):
-        a = tl.sum(tl.where(r[:, None] == i, A, 0.), 0)  # row i of A, indexed by column
-        xi = tl.sum(a[:, None] * X, 0)  # Σ_j a_j X_j
-        X = tl.where(r[:, None] == i, X - xi[None, :], X)
+    """(I + A)⁻¹ for a strictly lower-triangular [BS, BS] block (BS = 16, so A¹⁶ = 0).
+
+    (I + A)⁻¹ = Σ_{n<16} (−A)ⁿ = (I − A)(I + A²)(I + A⁴)(I + A⁸): six products, float32 FMA (``ieee``)
+    because the terms can be far larger than the result and cancel. Entry (i, j) only ever combines
+    entries between j and i, and entries above the diagonal stay exact zeros."""
+    T = -A
+    X = T + (tl.arange(0, BS)[:, None] == tl.arange(0, BS)[None, :]).to(tl.float32)
+    P = T
+    for _ in tl.static_range(3):
+        P = tl.dot(P, P, input_precision="ieee")
+        X += tl.dot(X, P, input_precision="ieee")
     return X
 
 
@@ -104,83 +123,20 @@ def _store_blk(ptr, x, t0, eos, i_h, I: tl.constexpr, J: tl.constexpr, H: tl.con
 
 
 @triton.jit
-def _masked(akk, aqk, beta_I, scale, I: tl.constexpr, J: tl.constexpr, BS: tl.constexpr):
-    akk = akk * beta_I[:, None]
-    aqk = aqk * scale
-    if I == J:
-        r = tl.arange(0, BS)
-        akk = tl.where(r[:, None] > r[None, :], akk, 0.)
-        aqk = tl.where(r[:, None] >= r[None, :], aqk, 0.)
-    return akk, aqk
-
-
-@triton.jit
-def _wu_src(k, v, G, beta, t0, eos, i_h, J: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-            V: tl.constexpr, BS: tl.constexpr):
-    """(β⊙k⊙Γ, β⊙v) for sub-chunk J, float32."""
-    rJ = t0 + J * BS + tl.arange(0, BS)
-    mJ = rJ < eos
-    b = tl.load(beta + rJ * H + i_h, mask=mJ, other=0.).to(tl.float32)
-    gam = tl.where(mJ[:, None], tl.exp(_tile(G, rJ, mJ, i_h, H, K)), 0.)
-    return _tile(k, rJ, mJ, i_h, H, K) * gam * b[:, None], _tile(v, rJ, mJ, i_h, H, V) * b[:, None]
-
-
-@autotune(configs=_INTRA_CONFIGS, key=['H', 'K', 'V'])
-@triton.jit
-def _intra_fwd_kernel(q, k, v, G, beta, Aqk, Mb, w, u, kg, chunk_idx, cu_seqlens, scale,
-                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(chunk_idx, cu_seqlens, i_c, BT)
-    ar = tl.arange(0, BS)
-    b0 = tl.load(beta + (t0 + ar) * H + i_h, mask=t0 + ar < eos, other=0.).to(tl.float32)
-    b1 = tl.load(beta + (t0 + BS + ar) * H + i_h, mask=t0 + BS + ar < eos, other=0.).to(tl.float32)
-    b2 = tl.load(beta + (t0 + 2 * BS + ar) * H + i_h, mask=t0 + 2 * BS + ar < eos, other=0.).to(tl.float32)
-    b3 = tl.load(beta + (t0 + 3 * BS + ar) * H + i_h, mask=t0 + 3 * BS + ar < eos, other=0.).to(tl.float32)
-
-    # ---- the ten lower blocks of A_kk and A_qk (four diagonal, six below) ----
-    a00, q00 = _pair(q, k, G, t0, eos, i_h, 0, 0, H, K, BS)
-    a00, q00 = _masked(a00, q00, b0, scale, 0, 0, BS)
-    a10, q10 = _pair(q, k, G, t0, eos, i_h, 1, 0, H, K, BS)
-    a10, q10 = _masked(a10, q10, b1, scale, 1, 0, BS)
-    a11, q11 = _pair(q, k, G, t0, eos, i_h, 1, 1, H, K, BS)
-    a11, q11 = _masked(a11, q11, b1, scale, 1, 1, BS)
-    a20, q20 = _pair(q, k, G, t0, eos, i_h, 2, 0, H, K, BS)
-    a20, q20 = _masked(a20, q20, b2, scale, 2, 0, BS)
-    a21, q21 = _pair(q, k, G, t0, eos, i_h, 2, 1, H, K, BS)
-    a21, q21 = _masked(a21, q21, b2, scale, 2, 1, BS)
-    a22, q22 = _pair(q, k, G, t0, eos, i_h, 2, 2, H, K, BS)
-    a22, q22 = _masked(a22, q22, b2, scale, 2, 2, BS)
-    a30, q30 = _pair(q, k, G, t0, eos, i_h, 3, 0, H, K, BS)
-    a30, q30 = _masked(a30, q30, b3, scale, 3, 0, BS)
-    a31, q31 = _pair(q, k, G, t0, eos, i_h, 3, 1, H, K, BS)
-    a31, q31 = _masked(a31, q31, b3, scale, 3, 1, BS)
-    a32, q32 = _pair(q, k, G, t0, eos, i_h, 3, 2, H, K, BS)
-    a32, q32 = _masked(a32, q32, b3, scale, 3, 2, BS)
-    a33, q33 = _pair(q, k, G, t0, eos, i_h, 3, 3, H, K, BS)
-    a33, q33 = _masked(a33, q33, b3, scale, 3, 3, BS)
-    z = tl.zeros([BS, BS], dtype=tl.float32)
-    _store_blk(Aqk, q00, t0, eos, i_h, 0, 0, H, BT, BS)
-    _store_blk(Aqk, z, t0, eos, i_h, 0, 1, H, BT, BS)
-    _store_blk(Aqk, z, t0, eos, i_h, 0, 2, H, BT, BS)
-    _store_blk(Aqk, z, t0, eos, i_h, 0, 3, H, BT, BS)
-    _store_blk(Aqk, q10, t0, eos, i_h, 1, 0, H, BT, BS)
-    _store_blk(Aqk, q11, t0, eos, i_h, 1, 1, H, BT, BS)
-    _store_blk(Aqk, z, t0, eos, i_h, 1, 2, H, BT, BS)
-    _store_blk(Aqk, z, t0, eos, i_h, 1, 3, H, BT, BS)
-    _store_blk(Aqk, q20, t0, eos, i_h, 2, 0, H, BT, BS)
-    _store_blk(Aqk, q21, t0, eos, i_h, 2, 1, H, BT, BS)
-    _store_blk(Aqk, q22, t0, eos, i_h, 2, 2, H, BT, BS)
-    _store_blk(Aqk, z, t0, eos, i_h, 2, 3, H, BT, BS)
-    _store_blk(Aqk, q30, t0, eos, i_h, 3, 0, H, BT, BS)
-    _store_blk(Aqk, q31, t0, eos, i_h, 3, 1, H, BT, BS)
-    _store_blk(Aqk, q32, t0, eos, i_h, 3, 2, H, BT, BS)
-    _store_blk(Aqk, q33, t0, eos, i_h, 3, 3, H, BT, BS)
-
-    # ---- M = (I + A_kk)⁻¹ by block forward substitution ----
-    m00 = _inv_unit_lower(a00, BS)
-    m11 = _inv_unit_lower(a11, BS)
-    m22 = _inv_unit_lower(a22, BS)
-    m33 = _inv_unit_lower(a33, BS)
+def _solve(Mb, t0, eos, i_h, H: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
+    """Overwrite A_kk (in Mb) by M = (I + A_kk)⁻¹: diagonal blocks by :func:`_inv_unit_lower`, then block
+    forward substitution M_IJ = −M_II Σ_{J≤L<I} A_IL M_LJ. Every A block is read before any M block is written."""
+    a10 = _blk(Mb, t0, eos, i_h, 1, 0, H, BT, BS)
+    a20 = _blk(Mb, t0, eos, i_h, 2, 0, H, BT, BS)
+    a21 = _blk(Mb, t0, eos, i_h, 2, 1, H, BT, BS)
+    a30 = _blk(Mb, t0, eos, i_h, 3, 0, H, BT, BS)
+    a31 = _blk(Mb, t0, eos, i_h, 3, 1, H, BT, BS)
+    a32 = _blk(Mb, t0, eos, i_h, 3, 2, H, BT, BS)
+    m00 = _inv_unit_lower(_blk(Mb, t0, eos, i_h, 0, 0, H, BT, BS), BS)
+    m11 = _inv_unit_lower(_blk(Mb, t0, eos, i_h, 1, 1, H, BT, BS), BS)
+    m22 = _inv_unit_lower(_blk(Mb, t0, eos, i_h, 2, 2, H, BT, BS), BS)
+    m33 = _inv_unit_lower(_blk(Mb, t0, eos, i_h, 3, 3, H, BT, BS), BS)
+    tl.debug_barrier()  # all reads of A done before M overwrites it
     m10 = -tl.dot(m11, tl.dot(a10, m00))
     m21 = -tl.dot(m22, tl.dot(a21, m11))
     m20 = -tl.dot(m22, tl.dot(a20, m00) + tl.dot(a21, m10))
@@ -188,61 +144,78 @@ def _intra_fwd_kernel(q, k, v, G, beta, Aqk, Mb, w, u, kg, chunk_idx, cu_seqlens
     m31 = -tl.dot(m33, tl.dot(a31, m11) + tl.dot(a32, m21))
     m30 = -tl.dot(m33, tl.dot(a30, m00) + tl.dot(a31, m10) + tl.dot(a32, m20))
     _store_blk(Mb, m00, t0, eos, i_h, 0, 0, H, BT, BS)
-    _store_blk(Mb, z, t0, eos, i_h, 0, 1, H, BT, BS)
-    _store_blk(Mb, z, t0, eos, i_h, 0, 2, H, BT, BS)
-    _store_blk(Mb, z, t0, eos, i_h, 0, 3, H, BT, BS)
     _store_blk(Mb, m10, t0, eos, i_h, 1, 0, H, BT, BS)
     _store_blk(Mb, m11, t0, eos, i_h, 1, 1, H, BT, BS)
-    _store_blk(Mb, z, t0, eos, i_h, 1, 2, H, BT, BS)
-    _store_blk(Mb, z, t0, eos, i_h, 1, 3, H, BT, BS)
     _store_blk(Mb, m20, t0, eos, i_h, 2, 0, H, BT, BS)
     _store_blk(Mb, m21, t0, eos, i_h, 2, 1, H, BT, BS)
     _store_blk(Mb, m22, t0, eos, i_h, 2, 2, H, BT, BS)
-    _store_blk(Mb, z, t0, eos, i_h, 2, 3, H, BT, BS)
     _store_blk(Mb, m30, t0, eos, i_h, 3, 0, H, BT, BS)
     _store_blk(Mb, m31, t0, eos, i_h, 3, 1, H, BT, BS)
     _store_blk(Mb, m32, t0, eos, i_h, 3, 2, H, BT, BS)
     _store_blk(Mb, m33, t0, eos, i_h, 3, 3, H, BT, BS)
 
-    # ---- w = M (β k Γ), u = M (β v), per row block ----
-    x0, y0 = _wu_src(k, v, G, beta, t0, eos, i_h, 0, H, K, V, BS)
-    x1, y1 = _wu_src(k, v, G, beta, t0, eos, i_h, 1, H, K, V, BS)
-    x2, y2 = _wu_src(k, v, G, beta, t0, eos, i_h, 2, H, K, V, BS)
-    x3, y3 = _wu_src(k, v, G, beta, t0, eos, i_h, 3, H, K, V, BS)
-    r0 = t0 + ar
-    r1 = r0 + BS
-    r2 = r1 + BS
-    r3 = r2 + BS
-    _store_tile(w, tl.dot(m00, x0), r0, r0 < eos, i_h, H, K)
-    _store_tile(u, tl.dot(m00, y0), r0, r0 < eos, i_h, H, V)
-    _store_tile(w, tl.dot(m10, x0) + tl.dot(m11, x1), r1, r1 < eos, i_h, H, K)
-    _store_tile(u, tl.dot(m10, y0) + tl.dot(m11, y1), r1, r1 < eos, i_h, H, V)
-    _store_tile(w, tl.dot(m20, x0) + tl.dot(m21, x1) + tl.dot(m22, x2), r2, r2 < eos, i_h, H, K)
-    _store_tile(u, tl.dot(m20, y0) + tl.dot(m21, y1) + tl.dot(m22, y2), r2, r2 < eos, i_h, H, V)
-    _store_tile(w, tl.dot(m30, x0) + tl.dot(m31, x1) + tl.dot(m32, x2) + tl.dot(m33, x3), r3, r3 < eos,
-                i_h, H, K)
-    _store_tile(u, tl.dot(m30, y0) + tl.dot(m31, y1) + tl.dot(m32, y2) + tl.dot(m33, y3), r3, r3 < eos,
-                i_h, H, V)
 
-    # ---- kg = k ⊙ exp(G_last − G): the chunk's contribution to the next state ----
+@autotune(configs=_INTRA_CONFIGS, key=['H', 'K', 'V'])
+@triton.jit
+def _intra_fwd_kernel(q, k, v, G, beta, Aqk, Mb, w, u, kg, qg, chunk_idx, cu_seqlens, scale,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(chunk_idx, cu_seqlens, i_c, BT)
+    BK: tl.constexpr = 32 if K > 32 else K
+    BV: tl.constexpr = 32 if V > 32 else V
+
+    # ---- 1. A_qk (output) and A_kk (into Mb, scratch), one row block at a time ----
+    _row_block_scores(q, k, G, beta, Aqk, Mb, t0, eos, i_h, scale, 0, H, K, BT, BS, BK)
+    _row_block_scores(q, k, G, beta, Aqk, Mb, t0, eos, i_h, scale, 1, H, K, BT, BS, BK)
+    _row_block_scores(q, k, G, beta, Aqk, Mb, t0, eos, i_h, scale, 2, H, K, BT, BS, BK)
+    _row_block_scores(q, k, G, beta, Aqk, Mb, t0, eos, i_h, scale, 3, H, K, BT, BS, BK)
+    tl.debug_barrier()  # the CTA's global writes are visible to all its threads after the barrier
+
+    # ---- 2. M = (I + A_kk)⁻¹ in place ----
+    _solve(Mb, t0, eos, i_h, H, BT, BS)
+    tl.debug_barrier()
+
+    # ---- 3. w = M (β k Γ), u = M (β v), kg = k ⊙ exp(G_last − G), qg = scale·q ⊙ Γ ----
     rows = t0 + tl.arange(0, BT)
     mrow = rows < eos
-    glast = _row(G, tl.minimum(t0 + BT, eos) - 1, i_h, H, K)
-    e = tl.where(mrow[:, None], tl.exp(glast[None, :] - _tile(G, rows, mrow, i_h, H, K)), 0.)
-    _store_tile(kg, _tile(k, rows, mrow, i_h, H, K) * e, rows, mrow, i_h, H, K)
+    ct = tl.arange(0, BT)
+    tok = (rows * H + i_h).to(tl.int64)
+    b_M = tl.load(Mb + tok[:, None] * BT + ct[None, :], mask=mrow[:, None] & (ct[None, :] <= ct[:, None]), other=0.,
+                  cache_modifier=".cg")
+    b_b = tl.load(beta + rows * H + i_h, mask=mrow, other=0.).to(tl.float32)
+    offl = (tl.minimum(t0 + BT, eos) - 1) * H + i_h
+    for kk in range(0, K, BK):
+        cols = kk + tl.arange(0, BK)
+        off = tok[:, None] * K + cols[None, :]
+        b_G = tl.load(G + off, mask=mrow[:, None], other=0.)
+        b_k = tl.load(k + off, mask=mrow[:, None], other=0.).to(tl.float32)
+        gam = tl.where(mrow[:, None], tl.exp(b_G), 0.)
+        tl.store(w + off, tl.dot(b_M, b_k * gam * b_b[:, None]).to(w.dtype.element_ty), mask=mrow[:, None])
+        b_q = tl.load(q + off, mask=mrow[:, None], other=0.).to(tl.float32)
+        tl.store(qg + off, (b_q * gam * scale).to(qg.dtype.element_ty), mask=mrow[:, None])
+        glast = tl.load(G + offl.to(tl.int64) * K + cols)
+        e = tl.where(mrow[:, None], tl.exp(glast[None, :] - b_G), 0.)
+        tl.store(kg + off, (b_k * e).to(kg.dtype.element_ty), mask=mrow[:, None])
+    for vv in range(0, V, BV):
+        cols = vv + tl.arange(0, BV)
+        off = tok[:, None] * V + cols[None, :]
+        src = tl.load(v + off, mask=mrow[:, None], other=0.).to(tl.float32) * b_b[:, None]
+        tl.store(u + off, tl.dot(b_M, src).to(u.dtype.element_ty), mask=mrow[:, None])
 
 
 def intra_fwd(qn, kn, v, G, beta, scale, chunk_idx, cu_seqlens, NC):
-    """Returns ``(Aqk, M, w, u, kg)``: Aqk, M ``[T, H, 64]`` float32 (row-major chunk blocks, zeros above
-    the diagonal); w, kg ``[1, T, H, K]`` and u ``[1, T, H, V]`` in the input dtype."""
+    """Returns ``(Aqk, M, w, u, kg, qg)``: Aqk ``[T, H, 64]`` in the input dtype and M ``[T, H, 64]`` float32
+    (row-major chunk blocks, zeros above the diagonal); w, kg, qg ``[1, T, H, K]`` and u ``[1, T, H, V]`` in
+    the input dtype."""
     _, T, H, K = kn.shape
     V = v.shape[-1]
-    Aqk = torch.empty(T, H, BT, dtype=torch.float32, device=kn.device)
-    M = torch.empty_like(Aqk)
+    Aqk = torch.empty(T, H, BT, dtype=kn.dtype, device=kn.device)
+    M = torch.empty(T, H, BT, dtype=torch.float32, device=kn.device)
     w = torch.empty_like(kn)
     kg = torch.empty_like(kn)
+    qg = torch.empty_like(qn)
     u = torch.empty_like(v)
     if NC > 0:
-        _intra_fwd_kernel[(NC, H)](qn, kn, v, G, beta, Aqk, M, w, u, kg, chunk_idx, cu_seqlens, float(scale),
+        _intra_fwd_kernel[(NC, H)](qn, kn, v, G, beta, Aqk, M, w, u, kg, qg, chunk_idx, cu_seqlens, float(scale),
                                    H=H, K=K, V=V, BT=BT, BS=BS)
-    return Aqk, M, w, u, kg
+    return Aqk, M, w, u, kg, qg

@@ -1,6 +1,6 @@
 """Output stage of chunked KDA and its first backward step (both chunk-parallel).
 
-    o  = (scale · q ⊙ Γ) h[c] + A_qk δ                (forward; A_qk already holds scale and the causal mask)
+    o  = qg h[c] + A_qk δ,   qg = scale · q ⊙ Γ     (forward; A_qk already holds scale and the causal mask)
     dδ_local = A_qkᵀ dO                                (backward; the state pass adds kg dS)
 """
 
@@ -14,7 +14,7 @@ OUT_BV = 64
 
 
 @triton.jit
-def _output_fwd_kernel(qn, G, h, vnew, Aqk, o, chunk_idx, cu_seqlens, scale,
+def _output_fwd_kernel(qg, h, vnew, Aqk, o, chunk_idx, cu_seqlens,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
     i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0, eos = chunk_bounds(chunk_idx, cu_seqlens, i_c, BT)
@@ -25,26 +25,23 @@ def _output_fwd_kernel(qn, G, h, vnew, Aqk, o, chunk_idx, cu_seqlens, scale,
     cv = i_v * BV + tl.arange(0, BV)
     ct = tl.arange(0, BT)
     dt = vnew.dtype.element_ty
-    koff = tok[:, None] * K + ck[None, :]
-    b_q = tl.load(qn + koff, mask=mrow[:, None], other=0.).to(tl.float32)
-    b_G = tl.load(G + koff, mask=mrow[:, None], other=0.)
-    b_qg = tl.where(mrow[:, None], b_q * tl.exp(b_G) * scale, 0.)
+    b_qg = tl.load(qg + tok[:, None] * K + ck[None, :], mask=mrow[:, None], other=0.)
     b_h = tl.load(h + (i_c * H + i_h).to(tl.int64) * K * V + ck[:, None] * V + cv[None, :])
     b_A = tl.load(Aqk + tok[:, None] * BT + ct[None, :], mask=mrow[:, None] & (ct[None, :] <= tl.arange(0, BT)[:, None]),
                   other=0.)
     b_d = tl.load(vnew + tok[:, None] * V + cv[None, :], mask=mrow[:, None], other=0.)
-    b_o = tl.dot(b_qg.to(dt), b_h) + tl.dot(b_A.to(dt), b_d)
+    b_o = tl.dot(b_qg, b_h) + tl.dot(b_A.to(dt), b_d)
     tl.store(o + tok[:, None] * V + cv[None, :], b_o.to(o.dtype.element_ty), mask=mrow[:, None])
 
 
-def output_fwd(qn, G, h, vnew, Aqk, scale, chunk_idx, cu_seqlens, NC):
-    _, T, H, K = qn.shape
+def output_fwd(qg, h, vnew, Aqk, chunk_idx, cu_seqlens, NC):
+    """``o = qg h[c] + A_qk δ`` per chunk, ``[1, T, H, V]`` in δ's dtype."""
+    _, T, H, K = qg.shape
     V = vnew.shape[-1]
     o = torch.empty_like(vnew)
     BV = min(OUT_BV, V)
     if NC > 0:
-        _output_fwd_kernel[(NC, H, V // BV)](qn, G, h, vnew, Aqk, o, chunk_idx, cu_seqlens, float(scale),
-                                              H=H, K=K, V=V, BT=BT, BV=BV, num_warps=4)
+        _output_fwd_kernel[(NC, H, V // BV)](qg, h, vnew, Aqk, o, chunk_idx, cu_seqlens, H=H, K=K, V=V, BT=BT, BV=BV, num_warps=4)
     return o
 
 

@@ -6,7 +6,7 @@ Forward, per sequence and head, over its chunks in order (S is the state at the 
 
 Backward, over the chunks in reverse, with dS the gradient of the chunk's *end* state:
 
-    dh[c] = dS;   dδ = Aqkᵀ dO + kg dS;   dS ← exp(G_last) ⊙_rows dS + (scale·q⊙Γ)ᵀ dO − wᵀ dδ
+    dh[c] = dS;   dδ = Aqkᵀ dO + kg dS;   dS ← exp(G_last) ⊙_rows dS + qgᵀ dO − wᵀ dδ   (qg = scale·q⊙Γ, from the intra stage)
 
 The state stays in float32 registers; the matrix products take input-dtype operands (tensor cores).
 """
@@ -23,7 +23,8 @@ from .prepare import BT
 # stages it needs 240 KB of shared memory on triton 3.6 (the H200 has 227 KB); the autotuner skips configs
 # that do not fit.
 _FWD_CONFIGS = [triton.Config({'BV': 32}, num_warps=4, num_stages=2), triton.Config({'BV': 64}, num_warps=4, num_stages=2),
-                triton.Config({'BV': 32}, num_warps=2, num_stages=3), triton.Config({'BV': 64}, num_warps=8, num_stages=2)]
+                triton.Config({'BV': 32}, num_warps=2, num_stages=3), triton.Config({'BV': 16}, num_warps=4, num_stages=2),
+                triton.Config({'BV': 16}, num_warps=2, num_stages=2)]
 _BWD_CONFIGS = [triton.Config({'BV': 32}, num_warps=4, num_stages=2), triton.Config({'BV': 64}, num_warps=4, num_stages=2),
                 triton.Config({'BV': 32}, num_warps=8, num_stages=2), triton.Config({'BV': 64}, num_warps=8, num_stages=1)]
 
@@ -82,7 +83,7 @@ def state_fwd(w, u, kg, G, h0, cu_seqlens, chunk_offsets, NC, N, output_final_st
 
 @autotune(configs=_BWD_CONFIGS, key=['H', 'K', 'V'])
 @triton.jit
-def _state_bwd_kernel(qn, G, w, kg, do, dvl, dh, dvnew, dht, dh0, cu_seqlens, chunk_offsets, scale,
+def _state_bwd_kernel(qg, G, w, kg, do, dvl, dh, dvnew, dht, dh0, cu_seqlens, chunk_offsets,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                       HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -113,20 +114,18 @@ def _state_bwd_kernel(qn, G, w, kg, do, dvl, dh, dvnew, dht, dh0, cu_seqlens, ch
         mtv = mrow[:, None] & mv[None, :]
         dd = tl.load(dvl + voff, mask=mtv, other=0.) + tl.dot(b_kg, dS.to(dt))
         tl.store(dvnew + voff, dd.to(dvnew.dtype.element_ty), mask=mtv)
-        b_G = tl.load(G + koff, mask=mrow[:, None], other=0.)
-        b_q = tl.load(qn + koff, mask=mrow[:, None], other=0.).to(tl.float32)
-        b_qg = tl.where(mrow[:, None], b_q * tl.exp(b_G) * scale, 0.)
+        b_qg = tl.load(qg + koff, mask=mrow[:, None], other=0.)
         b_do = tl.load(do + voff, mask=mtv, other=0.)
         b_w = tl.load(w + koff, mask=mrow[:, None], other=0.)
         last = (tl.minimum(t0 + BT, eos) - 1) * H + i_h
         glast = tl.load(G + last.to(tl.int64) * K + ck)
-        dS = dS * tl.exp(glast)[:, None] + tl.dot(tl.trans(b_qg.to(dt)), b_do) \
+        dS = dS * tl.exp(glast)[:, None] + tl.dot(tl.trans(b_qg), b_do) \
             - tl.dot(tl.trans(b_w), dd.to(dt))
     if HAS_H0:
         tl.store(dh0 + (i_n * H + i_h).to(tl.int64) * K * V + soff, dS, mask=mv[None, :])
 
 
-def state_bwd(qn, G, w, kg, do, dvl, dht, scale, cu_seqlens, chunk_offsets, NC, N, need_dh0):
+def state_bwd(qg, G, w, kg, do, dvl, dht, cu_seqlens, chunk_offsets, NC, N, need_dh0):
     """Returns ``(dh, dvnew, dh0)``: dh ``[NC, H, K, V]`` gradients of the chunk-end states (input dtype),
     dvnew = dδ ``[1, T, H, V]``, dh0 ``[N, H, K, V]`` float32 or None."""
     _, T, H, K = w.shape
@@ -135,6 +134,6 @@ def state_bwd(qn, G, w, kg, do, dvl, dht, scale, cu_seqlens, chunk_offsets, NC, 
     dvnew = torch.empty_like(do)
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=w.device) if need_dh0 else None
     grid = lambda meta: (triton.cdiv(V, meta['BV']), N * H)
-    _state_bwd_kernel[grid](qn, G, w, kg, do, dvl, dh, dvnew, dht, dh0, cu_seqlens, chunk_offsets, float(scale),
+    _state_bwd_kernel[grid](qg, G, w, kg, do, dvl, dh, dvnew, dht, dh0, cu_seqlens, chunk_offsets,
                             H=H, K=K, V=V, BT=BT, HAS_DHT=dht is not None, HAS_H0=need_dh0)
     return dh, dvnew, dh0
