@@ -48,12 +48,14 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT") or ".")
     ap.add_argument("--lengths", default="32768,131072")
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--impls", default="ours,fla", help="comma list of ours, fla")
     args = ap.parse_args()
     kernels_without_model_registry()
-    from kdamoe.kernels import chunk_kda
-    impls = {"ours": chunk_kda}
-    if not args.no_fla:
+    impls = {}
+    if "ours" in args.impls:
+        from kdamoe.kernels import chunk_kda
+        impls["ours"] = chunk_kda
+    if "fla" in args.impls:
         try:
             from fla.ops.kda import chunk_kda as fla_chunk
             impls["fla"] = fla_chunk
@@ -99,7 +101,7 @@ def main():
     except Exception:
         traceback.print_exc()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "kda_profile.json"), "w") as fh:
+    with open(os.path.join(args.out, f"kda_profile_{'_'.join(impls)}.json"), "w") as fh:
         json.dump(result, fh, indent=1)
 
 
