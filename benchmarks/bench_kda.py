@@ -150,6 +150,7 @@ def main():
     ap.add_argument("--lengths", default="8192,32768,131072")
     ap.add_argument("--check-lengths", default="4096,32768,131072")
     ap.add_argument("--stages", action="store_true")
+    ap.add_argument("--intra-phases", action="store_true", help="time each phase of the intra kernel at 128K")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--pytest", action="store_true", help="first run tests/kernels/test_kda_*.py on the GPU")
@@ -272,6 +273,12 @@ def main():
         stages = stage_times(32768, H, D, dev)
         print("stages (ms):", json.dumps(stages), flush=True)
 
+    if args.intra_phases:
+        try:
+            stages["intra_phases_T128K"] = intra_phase_times(131072, H, D, dev)
+            print("intra phases (ms):", json.dumps(stages["intra_phases_T128K"]), flush=True)
+        except Exception:
+            traceback.print_exc()
     write(args.out, rows, errors, stages, fla_ver)
 
 
@@ -302,6 +309,12 @@ def stage_times(T, H, D, dev):
     out["bwd_intra"] = bench(lambda: backward.bwd_intra(qn, kn, G, beta, *r[:7], rq, rk, f, None, dtb, sc, LB, ci, cu, NC,
                                                         q.dtype, k.dtype, f.dtype, True, True))
     return {k_: round(v_, 4) for k_, v_ in out.items()}
+
+
+def intra_phase_times(T, H, D, dev):
+    """Time each phase of our intra kernel alone (benchmarks/kda_intra_phases.py), 4 and 8 warps."""
+    from kda_intra_phases import phase_times
+    return phase_times(T, H, D, dev, bench, LB)
 
 
 def write(out_dir, rows, errors, stages, fla_ver):
@@ -338,10 +351,16 @@ def write(out_dir, rows, errors, stages, fla_ver):
                     continue
                 cols = ["o", "dq", "dk", "dv", "df", "dbeta", "ddt_bias"]
                 lines.append(f"| {e['T']} | {tag} | " + " | ".join(f"{x[c]:.2e}" for c in cols) + " |")
-    if stages:
+    flat = {k: v for k, v in stages.items() if not isinstance(v, dict)}
+    if flat:
         lines += ["", "## our stages at T=32K (ms, each timed alone)", "",
-                  "| " + " | ".join(stages) + " |", "|" + "---|" * len(stages),
-                  "| " + " | ".join(f"{v:.3f}" for v in stages.values()) + " |"]
+                  "| " + " | ".join(flat) + " |", "|" + "---|" * len(flat),
+                  "| " + " | ".join(f"{v:.3f}" for v in flat.values()) + " |"]
+    for name, sub in stages.items():
+        if isinstance(sub, dict):
+            lines += ["", f"## {name} (ms, each phase timed alone)", "",
+                      "| " + " | ".join(sub) + " |", "|" + "---|" * len(sub),
+                      "| " + " | ".join(f"{v:.3f}" for v in sub.values()) + " |"]
     with open(os.path.join(out_dir, "kda_h200.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))

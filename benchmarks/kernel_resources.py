@@ -29,14 +29,15 @@ def jit_fn(kernel):
     return kernel
 
 
-def usage(kernel, signature, constexprs, num_warps, num_stages=2):
+def usage(kernel, signature, constexprs, num_warps, num_stages=2, maxnreg=None):
     fn = jit_fn(kernel)
     names = fn.arg_names
     sig = {n: signature.get(n, "constexpr") for n in names}
     cst = {(names.index(n),): v for n, v in constexprs.items()}
     src = ASTSource(fn=fn, signature=sig, constexprs=cst)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                                          "num_stages": num_stages})
+                                                                          "num_stages": num_stages,
+                                                                          "maxnreg": maxnreg})
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
         fh.write(ck.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -72,13 +73,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--only", default="")
+    ap.add_argument("--maxnreg", type=int, default=None)
+    ap.add_argument("--stages", type=int, default=3)
     args = ap.parse_args()
     for name, kern, sig, cst in kda_forward_specs():
         if args.only and name not in args.only.split(","):
             continue
         for w in [int(x) for x in args.warps.split(",")]:
             try:
-                print(f"{name:10s} warps={w}: {usage(kern, sig, cst, w)}", flush=True)
+                print(f"{name:10s} warps={w}: {usage(kern, sig, cst, w, args.stages, args.maxnreg)}", flush=True)
             except Exception as e:  # report and go on
                 print(f"{name:10s} warps={w}: failed {type(e).__name__}: {str(e)[:300]}")
 

@@ -55,7 +55,9 @@ def _bwd_wy_kernel(qn, kn, v, G, beta, Mb, h, dh, vnew, dvnew, do, dAqk, dAkk, d
     ck = tl.arange(0, K)
     ct = tl.arange(0, BT)
     m2 = mrow[:, None]
-    dt = vnew.dtype.element_ty
+    # Products take input-dtype operands, except with a head dim under 32: fp16 operands at K = 16, V = 32 hit
+    # an illegal memory access on the H200 with triton 3.6 (float32 ones did not); float32 (tf32) there.
+    dt = vnew.dtype.element_ty if (K >= 32 and V >= 32) else tl.float32
     b_k = _tile(kn, rows, mrow, i_h, H, K)
     b_G = _tile(G, rows, mrow, i_h, H, K)
     b_b = tl.load(beta + rows * H + i_h, mask=mrow, other=0.).to(tl.float32)
@@ -79,11 +81,11 @@ def _bwd_wy_kernel(qn, kn, v, G, beta, Mb, h, dh, vnew, dvnew, do, dAqk, dAkk, d
         mv = cv < V
         mtv = m2 & mv[None, :]
         voff = tok[:, None] * V + cv[None, :]
-        b_h = tl.load(h + hbase + ck[:, None] * V + cv[None, :], mask=mv[None, :], other=0.)
-        b_dh = tl.load(dh + hbase + ck[:, None] * V + cv[None, :], mask=mv[None, :], other=0.)
-        b_d = tl.load(vnew + voff, mask=mtv, other=0.)
-        b_dd = tl.load(dvnew + voff, mask=mtv, other=0.)
-        b_do = tl.load(do + voff, mask=mtv, other=0.)
+        b_h = tl.load(h + hbase + ck[:, None] * V + cv[None, :], mask=mv[None, :], other=0.).to(dt)
+        b_dh = tl.load(dh + hbase + ck[:, None] * V + cv[None, :], mask=mv[None, :], other=0.).to(dt)
+        b_d = tl.load(vnew + voff, mask=mtv, other=0.).to(dt)
+        b_dd = tl.load(dvnew + voff, mask=mtv, other=0.).to(dt)
+        b_do = tl.load(do + voff, mask=mtv, other=0.).to(dt)
         b_v = tl.load(v + voff, mask=mtv, other=0.).to(tl.float32)
         dqg += tl.dot(b_do, tl.trans(b_h))
         dw -= tl.dot(b_dd, tl.trans(b_h))

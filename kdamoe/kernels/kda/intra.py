@@ -1,4 +1,4 @@
-"""Stage 1 of chunked KDA: intra-chunk scores, WY solve, and the chunk's w, u, kg.
+"""Stage 1 of chunked KDA: intra-chunk scores, WY solve, and the chunk's w, u, kg, qg.
 
 Per 64-token chunk and head, with ``G`` the in-chunk cumulative gate (float32) and ``Γ = exp(G)``
 (WY / UT representation of the gated delta rule, Yang et al. "Gated Delta Networks";
@@ -6,16 +6,27 @@ Kimi Linear report §3):
 
     A_kk[i,j] = β_i Σ_d k_id k_jd exp(G_id − G_jd)      (j < i)
     A_qk[i,j] = scale Σ_d q_id k_jd exp(G_id − G_jd)    (j ≤ i)
-    M = (I + A_kk)⁻¹,  w = M (β⊙k⊙Γ),  u = M (β⊙v),  kg = k ⊙ exp(G_last − G)
+    M = (I + A_kk)⁻¹,  w = M (β⊙k⊙Γ),  u = M (β⊙v),  kg = k ⊙ exp(G_last − G),  qg = scale·q⊙Γ
 
-Every 16×16 block of A (the diagonal ones included) is one ``tl.dot``: for a row block I the anchor
-``c`` is the *first* row of I, and ``exp(G_i − G_j) = exp(G_i − G_c) · exp(G_c − G_j)``.
-For rows i of block I, ``G_i − G_c ∈ [−75, 0]``; for a column j in an earlier block,
-``G_c − G_j ≤ 0``; for j in block I, ``G_c − G_j ∈ [0, 75]`` because |g| ≤ 5 over at most 15 steps —
-inside float32's range (exp overflows at 88.7). The anchor is never *after* a row it serves, so a
-past entry (j ≤ i) is computed only from gates at positions ≤ i: later gates cannot change its
-rounding. Future entries (j > i) are finite and then replaced by exact zeros (a select, not a
-multiplication), so no inf·0 can appear.
+One program per chunk and head, three phases (one function each):
+
+1. ``_row_block_scores``: for each 16-row block I, the rows of A_kk and A_qk against every column up to
+   the block's end, as ``tl.dot`` products (the diagonal 16×16 blocks included). The anchor ``c`` is the
+   *first* row of I and ``exp(G_i − G_j) = exp(G_i − G_c) · exp(G_c − G_j)``: for rows i of I,
+   ``G_i − G_c ∈ [−75, 0]``; for a column j in an earlier block, ``G_c − G_j ≤ 0``; for j in I,
+   ``G_c − G_j ∈ [0, 75]`` because |g| ≤ 5 over at most 15 steps — inside float32's range (exp overflows at
+   88.7). A_qk goes to its output, A_kk to the M buffer (scratch).
+2. ``_solve``: M = (I + A_kk)⁻¹ in place; diagonal 16×16 inverses by repeated squaring (float32 FMA
+   products), the rest by block forward substitution.
+3. ``_wu_kg_qg``: w and u as [64, 64] × [64, 32] products with M; kg and qg element-wise.
+
+Phases hand data over through global memory (the A_kk / M buffer) behind a CTA barrier, which keeps
+few tiles live (sm_90 registers and spills: ``benchmarks/kernel_resources.py``).
+
+Causality: the anchor is never *after* a row it serves, so a past entry (j ≤ i) is computed only from
+gates at positions ≤ i and later gates cannot change its rounding; future entries (j > i) are finite and
+replaced by exact zeros (a select, not a multiplication), and every later product with a triangular
+matrix adds those exact zeros only.
 """
 
 import torch
@@ -25,9 +36,11 @@ import triton.language as tl
 from ..utils import autotune
 from .prepare import BT, BS, chunk_bounds
 
-# Stack (spill) bytes per thread on sm_90, triton 3.7.1 (cuobjdump): 3216 at 4 warps and 920 at 8 before the
-# key dimension of _pair was sliced, 1520 and 368 after. The autotuner picks the faster of the two.
-_INTRA_CONFIGS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8)]
+# Registers / stack bytes per thread on sm_90 (triton 3.7.1, K = V = 128, benchmarks/kernel_resources.py):
+# 4 warps 255 / 360 (2 CTAs per SM), 8 warps 254 / 0 (1 CTA), 8 warps capped at 128 registers 128 / 264
+# (2 CTAs, 16 warps per SM). The first config is the interpreter's; the autotuner picks by time.
+_INTRA_CONFIGS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8),
+                  triton.Config({}, num_warps=8, maxnreg=128), triton.Config({}, num_warps=4, maxnreg=128)]
 
 
 @triton.jit
@@ -55,20 +68,22 @@ def _store_tile(ptr, x, rows, mrow, i_h, H: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def _row_block_scores(q, k, G, beta, Aqk, Ab, t0, eos, i_h, scale, I: tl.constexpr, H: tl.constexpr,
                       K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
-    """Rows of sub-chunk I of A_kk (with β, strictly lower) and A_qk (with scale, lower), all 64 columns.
+    """Rows of sub-chunk I of A_kk (with β, strictly lower) and A_qk (with scale, lower), columns [0, NJ).
 
-    One [16, BK] × [BK, 64] product per key slice: left rows scaled by exp(G_i − G_c), right columns by
-    exp(G_c − G_j) for j up to the last row of block I (later columns get exactly 0 before the product)."""
+    NJ (16, 32, 64, 64 for I = 0..3) covers every column j ≤ the block's last row. One [16, BK] × [BK, NJ]
+    product per key slice: left rows scaled by exp(G_i − G_c), right columns by exp(G_c − G_j), c the block's
+    first row; columns after the block get exactly 0 before the product. Columns ≥ NJ are never read."""
+    NJ: tl.constexpr = BS if I == 0 else (2 * BS if I == 1 else BT)
     rI = t0 + I * BS + tl.arange(0, BS)
     mI = rI < eos
-    rows = t0 + tl.arange(0, BT)
-    ct = tl.arange(0, BT)
+    ct = tl.arange(0, NJ)
+    rows = t0 + ct
     mJ = (rows < eos) & (ct < (I + 1) * BS)
     offI = (rI[:, None] * H + i_h).to(tl.int64) * K
     offJ = (rows[:, None] * H + i_h).to(tl.int64) * K
     offc = (tl.minimum(t0 + I * BS, eos - 1) * H + i_h).to(tl.int64) * K  # anchor: first row of block I
-    akk = tl.zeros([BS, BT], dtype=tl.float32)
-    aqk = tl.zeros([BS, BT], dtype=tl.float32)
+    akk = tl.zeros([BS, NJ], dtype=tl.float32)
+    aqk = tl.zeros([BS, NJ], dtype=tl.float32)
     for kk in range(0, K, BK):
         cols = kk + tl.arange(0, BK)
         gc = tl.load(G + offc + cols)
@@ -155,27 +170,12 @@ def _solve(Mb, t0, eos, i_h, H: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr
     _store_blk(Mb, m33, t0, eos, i_h, 3, 3, H, BT, BS)
 
 
-@autotune(configs=_INTRA_CONFIGS, key=['H', 'K', 'V'])
 @triton.jit
-def _intra_fwd_kernel(q, k, v, G, beta, Aqk, Mb, w, u, kg, qg, chunk_idx, cu_seqlens, scale,
-                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(chunk_idx, cu_seqlens, i_c, BT)
+def _wu_kg_qg(q, k, v, G, beta, Mb, w, u, kg, qg, t0, eos, i_h, scale, H: tl.constexpr, K: tl.constexpr,
+              V: tl.constexpr, BT: tl.constexpr):
+    """w = M (β⊙k⊙Γ), u = M (β⊙v) as [64, 64] × [64, 32] products, and the element-wise kg, qg."""
     BK: tl.constexpr = 32 if K > 32 else K
     BV: tl.constexpr = 32 if V > 32 else V
-
-    # ---- 1. A_qk (output) and A_kk (into Mb, scratch), one row block at a time ----
-    _row_block_scores(q, k, G, beta, Aqk, Mb, t0, eos, i_h, scale, 0, H, K, BT, BS, BK)
-    _row_block_scores(q, k, G, beta, Aqk, Mb, t0, eos, i_h, scale, 1, H, K, BT, BS, BK)
-    _row_block_scores(q, k, G, beta, Aqk, Mb, t0, eos, i_h, scale, 2, H, K, BT, BS, BK)
-    _row_block_scores(q, k, G, beta, Aqk, Mb, t0, eos, i_h, scale, 3, H, K, BT, BS, BK)
-    tl.debug_barrier()  # the CTA's global writes are visible to all its threads after the barrier
-
-    # ---- 2. M = (I + A_kk)⁻¹ in place ----
-    _solve(Mb, t0, eos, i_h, H, BT, BS)
-    tl.debug_barrier()
-
-    # ---- 3. w = M (β k Γ), u = M (β v), kg = k ⊙ exp(G_last − G), qg = scale·q ⊙ Γ ----
     rows = t0 + tl.arange(0, BT)
     mrow = rows < eos
     ct = tl.arange(0, BT)
@@ -201,6 +201,29 @@ def _intra_fwd_kernel(q, k, v, G, beta, Aqk, Mb, w, u, kg, qg, chunk_idx, cu_seq
         off = tok[:, None] * V + cols[None, :]
         src = tl.load(v + off, mask=mrow[:, None], other=0.).to(tl.float32) * b_b[:, None]
         tl.store(u + off, tl.dot(b_M, src).to(u.dtype.element_ty), mask=mrow[:, None])
+
+
+@autotune(configs=_INTRA_CONFIGS, key=['H', 'K', 'V'])
+@triton.jit
+def _intra_fwd_kernel(q, k, v, G, beta, Aqk, Mb, w, u, kg, qg, chunk_idx, cu_seqlens, scale,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(chunk_idx, cu_seqlens, i_c, BT)
+    BK: tl.constexpr = 32 if K > 32 else K
+
+    # ---- 1. A_qk (output) and A_kk (into Mb, scratch), one row block at a time ----
+    _row_block_scores(q, k, G, beta, Aqk, Mb, t0, eos, i_h, scale, 0, H, K, BT, BS, BK)
+    _row_block_scores(q, k, G, beta, Aqk, Mb, t0, eos, i_h, scale, 1, H, K, BT, BS, BK)
+    _row_block_scores(q, k, G, beta, Aqk, Mb, t0, eos, i_h, scale, 2, H, K, BT, BS, BK)
+    _row_block_scores(q, k, G, beta, Aqk, Mb, t0, eos, i_h, scale, 3, H, K, BT, BS, BK)
+    tl.debug_barrier()  # the CTA's global writes are visible to all its threads after the barrier
+
+    # ---- 2. M = (I + A_kk)⁻¹ in place ----
+    _solve(Mb, t0, eos, i_h, H, BT, BS)
+    tl.debug_barrier()
+
+    # ---- 3. w = M (β k Γ), u = M (β v), kg = k ⊙ exp(G_last − G), qg = scale·q ⊙ Γ ----
+    _wu_kg_qg(q, k, v, G, beta, Mb, w, u, kg, qg, t0, eos, i_h, scale, H, K, V, BT)
 
 
 def intra_fwd(qn, kn, v, G, beta, scale, chunk_idx, cu_seqlens, NC):
