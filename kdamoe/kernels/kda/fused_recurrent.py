@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk import validate_kda_inputs, pack
+from .chunk import _uniform_cu, validate_kda_inputs
 
 
 @triton.jit
@@ -88,18 +88,21 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
     V = v.shape[-1]
     if scale is None:
         scale = K ** -0.5
-    (qf, kf, vf, gf, bf), cu, _ = pack(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(), cu_seqlens)
+    # The kernel reads raw pointers: a contiguous [B, T, H, ·] tensor already has the packed [1, B·T, H, ·]
+    # layout, so no reshape (each costs host time, and a decode step is host-bound at small B).
+    qf, kf, vf, gf, bf = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v, g, beta))
+    cu = _uniform_cu(B, T, q.device) if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous()
     N = cu.numel() - 1
-    o = torch.empty_like(vf)
-    h0 = initial_state.detach().contiguous() if initial_state is not None else None
+    o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
+    h0 = initial_state if initial_state is None or initial_state.is_contiguous() else initial_state.contiguous()
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
     A = dtb = None
     if use_gate_in_kernel:
-        A = A_log.detach().reshape(H).contiguous() if A_log is not None else None
-        dtb = dt_bias.detach().reshape(H * K).contiguous() if dt_bias is not None else None
+        A = A_log.reshape(H).contiguous() if A_log is not None else None
+        dtb = dt_bias.reshape(H * K).contiguous() if dt_bias is not None else None
     BV = min(32, V) if N * H < 256 else min(64, V)
     _fused_recurrent_kernel[(V // BV, N * H)](
         qf, kf, vf, gf, bf, A, dtb, o, h0, ht, cu, float(scale), float(lower_bound), H=H, K=K, V=V, BV=BV,
         USE_L2=bool(use_qk_l2norm_in_kernel), GATE_IN=bool(use_gate_in_kernel), HAS_A=A is not None,
         HAS_BIAS=dtb is not None, HAS_H0=h0 is not None, STORE_FINAL=bool(output_final_state), num_warps=4)
-    return o.view(B, T, H, V), ht
+    return o, ht
