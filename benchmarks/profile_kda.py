@@ -97,7 +97,8 @@ def main():
             for attr in dir(mod):
                 obj = getattr(mod, attr)
                 if hasattr(obj, "best_config") and getattr(obj, "cache", None):
-                    print("autotune", attr, {str(k_): str(v_) for k_, v_ in obj.cache.items()})
+                    for key_, cfg in obj.cache.items():
+                        print("autotune", attr, str(cfg), "key dtypes", [x for x in key_ if "float16" in str(x)][:2])
     except Exception:
         traceback.print_exc()
     os.makedirs(args.out, exist_ok=True)
