@@ -293,10 +293,10 @@ def stage_times(T, H, D, dev):
     ci, co, NC = prepare.chunk_table(cu, T, T)
     sc = D ** -0.5
     out = {}
-    out["prepare"] = bench(lambda: prepare.prepare_fwd(q, k, f, None, dtb, LB, ci, cu, NC, True, True))
-    qn, kn, rq, rk, G = prepare.prepare_fwd(q, k, f, None, dtb, LB, ci, cu, NC, True, True)
-    out["intra"] = bench(lambda: intra.intra_fwd(qn, kn, v, G, beta, sc, ci, cu, NC))
-    Aqk, M, w, u, kg, qg = intra.intra_fwd(qn, kn, v, G, beta, sc, ci, cu, NC)
+    out["prepare_alone"] = bench(lambda: prepare.prepare_fwd(q, k, f, None, dtb, LB, ci, cu, NC, True, True))
+    out["prepare+intra"] = bench(lambda: intra.intra_fwd(q, k, f, v, beta, None, dtb, LB, sc, True, True, ci, cu, NC))
+    qn, kn, rq, rk, G, Aqk, M, w, u, kg, qg = intra.intra_fwd(q, k, f, v, beta, None, dtb, LB, sc, True, True, ci, cu,
+                                                              NC)
     out["state_fwd"] = bench(lambda: state.state_fwd(w, u, kg, G, None, cu, co, NC, 1, False))
     h, vnew, _ = state.state_fwd(w, u, kg, G, None, cu, co, NC, 1, False)
     out["output"] = bench(lambda: output.output_fwd(qg, h, vnew, Aqk, ci, cu, NC))

@@ -41,18 +41,20 @@ def _wu(q, k, v, G, beta, Mb, w, u, kg, qg, chunk_idx, cu_seqlens, scale, H: tl.
 
 
 def phase_times(T, H, D, dev, bench, lower_bound):
-    """{name: ms}: the whole intra stage, then each phase at 4 and 8 warps (bf16, B=1, K=V=D)."""
+    """{name: ms}: the whole fused prepare + intra kernel, prepare alone, then the three intra phases alone at 4 and
+    8 warps (bf16, B=1, K=V=D)."""
     torch.manual_seed(0)
     mk = lambda: torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
     q, k, v, f = mk(), mk(), mk(), mk()
     beta = torch.rand(1, T, H, device=dev, dtype=torch.bfloat16)
     cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
     ci, co, NC = prepare.chunk_table(cu, T, T)
-    qn, kn, rq, rk, G = prepare.prepare_fwd(q, k, f, None, torch.zeros(H * D, device=dev), lower_bound, ci, cu, NC,
-                                            True, True)
+    dtb = torch.zeros(H * D, device=dev)
     sc = D ** -0.5
-    Aqk, M, w, u, kg, qg = intra.intra_fwd(qn, kn, v, G, beta, sc, ci, cu, NC)
-    out = {"whole": bench(lambda: intra.intra_fwd(qn, kn, v, G, beta, sc, ci, cu, NC))}
+    run = lambda: intra.intra_fwd(q, k, f, v, beta, None, dtb, lower_bound, sc, True, True, ci, cu, NC)
+    qn, kn, rq, rk, G, Aqk, M, w, u, kg, qg = run()
+    out = {"whole": bench(run),
+           "prepare": bench(lambda: prepare.prepare_fwd(q, k, f, None, dtb, lower_bound, ci, cu, NC, True, True))}
     Ab = torch.empty_like(M)
     _scores[(NC, H)](qn, kn, G, beta, Aqk, Ab, ci, cu, sc, H=H, K=D, BT=BT, BS=BS)
     A0 = Ab.clone()

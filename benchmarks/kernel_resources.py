@@ -58,9 +58,11 @@ def kda_forward_specs(K=128, V=128, dt="bf16"):
         "G": "*fp32", "A_log": "*fp32", "dt_bias": "*fp32", "lower_bound": "fp32", **idx}, dict(
         H=16, K=K, BT=64, USE_L2=True, GATE_IN=True, HAS_A=False, HAS_BIAS=True)
     yield "intra", intra._intra_fwd_kernel, {
-        "q": f"*{dt}", "k": f"*{dt}", "v": f"*{dt}", "G": "*fp32", "beta": f"*{dt}", "Aqk": f"*{dt}", "Mb": "*fp32",
-        "w": f"*{dt}", "u": f"*{dt}", "kg": f"*{dt}", "qg": f"*{dt}", "scale": "fp32", **idx}, dict(
-        H=16, K=K, V=V, BT=64, BS=16)
+        "q_in": f"*{dt}", "k_in": f"*{dt}", "g_in": f"*{dt}", "A_log": "*fp32", "dt_bias": "*fp32",
+        "q": f"*{dt}", "k": f"*{dt}", "rq": "*fp32", "rk": "*fp32", "G": "*fp32", "v": f"*{dt}", "beta": f"*{dt}",
+        "Aqk": f"*{dt}", "Mb": "*fp32", "w": f"*{dt}", "u": f"*{dt}", "kg": f"*{dt}", "qg": f"*{dt}",
+        "scale": "fp32", "lower_bound": "fp32", **idx}, dict(
+        H=16, K=K, V=V, BT=64, BS=16, USE_L2=True, GATE_IN=True, HAS_A=False, HAS_BIAS=True)
     yield "state_fwd", state._state_fwd_kernel, {
         "w": f"*{dt}", "u": f"*{dt}", "kg": f"*{dt}", "G": "*fp32", "h": f"*{dt}", "vnew": f"*{dt}", "h0": "*fp32",
         "ht": "*fp32", "cu_seqlens": "*i32", "chunk_offsets": "*i32"}, dict(

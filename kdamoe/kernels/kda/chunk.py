@@ -5,8 +5,8 @@ WY/UT representation):
 
     S_t = (I − β_t k_t k_tᵀ) Diag(exp(g_t)) S_{t−1} + β_t k_t v_tᵀ,      o_t = S_tᵀ (scale · q_t)
 
-Stages (one file each): ``prepare`` (gate, in-chunk cumsum, L2 norm), ``intra`` (A_kk, A_qk on
-tensor cores with the lower-bounded-gate anchor trick, WY solve, w/u/kg), ``state`` (sequential
+Stages (one file each): ``prepare`` (gate, in-chunk cumsum, L2 norm) and ``intra`` (A_kk, A_qk on
+tensor cores with the lower-bounded-gate anchor trick, WY solve, w/u/kg/qg) run as one kernel, ``state`` (sequential
 inter-chunk pass, forward and backward), ``output`` (o, and Aqkᵀ dO), ``backward`` (chunk-parallel
 gradients).
 """
@@ -14,7 +14,7 @@ gradients).
 import torch
 
 from ..utils import is_interpreter
-from .prepare import chunk_table, prepare_fwd
+from .prepare import chunk_table
 from .intra import intra_fwd
 from .state import state_fwd, state_bwd
 from .output import output_fwd, dv_local
@@ -32,9 +32,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         T = q.shape[1]
         N = cu_seqlens.numel() - 1
         chunk_idx, chunk_offsets, NC = chunk_table(cu_seqlens, T, uniform_len)
-        qn, kn, rq, rk, G = prepare_fwd(q, k, g, A_log, dt_bias, lower_bound, chunk_idx, cu_seqlens, NC,
-                                        use_l2, gate_in)
-        Aqk, M, w, u, kg, qg = intra_fwd(qn, kn, v, G, beta, scale, chunk_idx, cu_seqlens, NC)
+        qn, kn, rq, rk, G, Aqk, M, w, u, kg, qg = intra_fwd(q, k, g, v, beta, A_log, dt_bias, lower_bound, scale,
+                                                            use_l2, gate_in, chunk_idx, cu_seqlens, NC)
         h, vnew, ht = state_fwd(w, u, kg, G, initial_state, cu_seqlens, chunk_offsets, NC, N, output_final_state)
         o = output_fwd(qg, h, vnew, Aqk, chunk_idx, cu_seqlens, NC)
         ctx.save_for_backward(qn, kn, v, g, beta, A_log, dt_bias, rq, rk, G, M, Aqk, w, kg, qg, h, vnew,

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..utils import autotune
-from .prepare import BT, BS, chunk_bounds
+from .prepare import BT, BS, chunk_bounds, prepare_buffers, prepare_chunk
 
 # Registers / stack bytes per thread on sm_90 (triton 3.7.1, K = V = 128, benchmarks/kernel_resources.py):
 # 4 warps 255 / 360 (2 CTAs per SM), 8 warps 254 / 0 (1 CTA), 8 warps capped at 128 registers 128 / 264
@@ -203,20 +203,27 @@ def _wu_kg_qg(q, k, v, G, beta, Mb, w, u, kg, qg, t0, eos, i_h, scale, H: tl.con
         tl.store(u + off, tl.dot(b_M, src).to(u.dtype.element_ty), mask=mrow[:, None])
 
 
-@autotune(configs=_INTRA_CONFIGS, key=['H', 'K', 'V'])
+@autotune(configs=_INTRA_CONFIGS, key=['H', 'K', 'V', 'USE_L2', 'GATE_IN'])
 @triton.jit
-def _intra_fwd_kernel(q, k, v, G, beta, Aqk, Mb, w, u, kg, qg, chunk_idx, cu_seqlens, scale,
-                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
+def _intra_fwd_kernel(q_in, k_in, g_in, A_log, dt_bias, q, k, rq, rk, G, v, beta, Aqk, Mb, w, u, kg, qg,
+                      chunk_idx, cu_seqlens, scale, lower_bound,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+                      USE_L2: tl.constexpr, GATE_IN: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(chunk_idx, cu_seqlens, i_c, BT)
     BK: tl.constexpr = 32 if K > 32 else K
+
+    # ---- 0. gate, in-chunk cumsum G, L2 norm: q, k below are the normalised ones (outputs, read back) ----
+    prepare_chunk(q_in, k_in, g_in, q, k, rq, rk, G, A_log, dt_bias, t0, eos, i_h, lower_bound, H, K, BT, USE_L2,
+                  GATE_IN, HAS_A, HAS_BIAS)
+    tl.debug_barrier()  # the CTA's global writes are visible to all its threads after the barrier
 
     # ---- 1. A_qk (output) and A_kk (into Mb, scratch), one row block at a time ----
     _row_block_scores(q, k, G, beta, Aqk, Mb, t0, eos, i_h, scale, 0, H, K, BT, BS, BK)
     _row_block_scores(q, k, G, beta, Aqk, Mb, t0, eos, i_h, scale, 1, H, K, BT, BS, BK)
     _row_block_scores(q, k, G, beta, Aqk, Mb, t0, eos, i_h, scale, 2, H, K, BT, BS, BK)
     _row_block_scores(q, k, G, beta, Aqk, Mb, t0, eos, i_h, scale, 3, H, K, BT, BS, BK)
-    tl.debug_barrier()  # the CTA's global writes are visible to all its threads after the barrier
+    tl.debug_barrier()
 
     # ---- 2. M = (I + A_kk)⁻¹ in place ----
     _solve(Mb, t0, eos, i_h, H, BT, BS)
@@ -226,19 +233,25 @@ def _intra_fwd_kernel(q, k, v, G, beta, Aqk, Mb, w, u, kg, qg, chunk_idx, cu_seq
     _wu_kg_qg(q, k, v, G, beta, Mb, w, u, kg, qg, t0, eos, i_h, scale, H, K, V, BT)
 
 
-def intra_fwd(qn, kn, v, G, beta, scale, chunk_idx, cu_seqlens, NC):
-    """Returns ``(Aqk, M, w, u, kg, qg)``: Aqk ``[T, H, 64]`` in the input dtype and M ``[T, H, 64]`` float32
-    (row-major chunk blocks, zeros above the diagonal); w, kg, qg ``[1, T, H, K]`` and u ``[1, T, H, V]`` in
-    the input dtype."""
-    _, T, H, K = kn.shape
+def intra_fwd(q, k, g, v, beta, A_log, dt_bias, lower_bound, scale, use_l2, gate_in, chunk_idx, cu_seqlens, NC):
+    """Stages 0 and 1 in one kernel on packed ``[1, T, H, ·]`` inputs (g is the raw gate input when ``gate_in``).
+
+    Returns ``(qn, kn, rq, rk, G, Aqk, M, w, u, kg, qg)``: the :func:`prepare_buffers` tuple, then Aqk
+    ``[T, H, 64]`` in the input dtype and M ``[T, H, 64]`` float32 (row-major chunk blocks; entries above the
+    diagonal are never read), w, kg, qg ``[1, T, H, K]`` and u ``[1, T, H, V]`` in the input dtype."""
+    _, T, H, K = k.shape
     V = v.shape[-1]
-    Aqk = torch.empty(T, H, BT, dtype=kn.dtype, device=kn.device)
-    M = torch.empty(T, H, BT, dtype=torch.float32, device=kn.device)
-    w = torch.empty_like(kn)
-    kg = torch.empty_like(kn)
-    qg = torch.empty_like(qn)
+    qn, kn, rq, rk, G = prepare_buffers(q, k, use_l2)
+    Aqk = torch.empty(T, H, BT, dtype=k.dtype, device=k.device)
+    M = torch.empty(T, H, BT, dtype=torch.float32, device=k.device)
+    w = torch.empty_like(k)
+    kg = torch.empty_like(k)
+    qg = torch.empty_like(q)
     u = torch.empty_like(v)
     if NC > 0:
-        _intra_fwd_kernel[(NC, H)](qn, kn, v, G, beta, Aqk, M, w, u, kg, qg, chunk_idx, cu_seqlens, float(scale),
-                                   H=H, K=K, V=V, BT=BT, BS=BS)
-    return Aqk, M, w, u, kg, qg
+        # read-only inputs travel twice when use_l2 is False (q_in is q): the kernel writes only to qn when USE_L2
+        _intra_fwd_kernel[(NC, H)](q, k, g, A_log, dt_bias, qn, kn, rq, rk, G, v, beta, Aqk, M, w, u, kg, qg,
+                                   chunk_idx, cu_seqlens, float(scale), float(lower_bound), H=H, K=K, V=V, BT=BT,
+                                   BS=BS, USE_L2=use_l2, GATE_IN=gate_in, HAS_A=A_log is not None,
+                                   HAS_BIAS=dt_bias is not None)
+    return qn, kn, rq, rk, G, Aqk, M, w, u, kg, qg

@@ -17,7 +17,6 @@ from ..utils import autotune
 BT = 64  # chunk length (tokens); 4 sub-chunks of 16
 BS = 16  # sub-chunk length
 
-# [64, K] float32 tiles: 4 warps spill on sm_90, 8 do not (ptxas); the autotuner picks.
 _PREP_CONFIGS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8)]
 
 
@@ -63,6 +62,62 @@ def chunk_bounds(chunk_idx, cu_seqlens, i_c, BT: tl.constexpr):
     return bos + i_t * BT, eos
 
 
+@triton.jit
+def prepare_chunk(q, k, g, qn, kn, rq, rk, G, A_log, dt_bias, t0, eos, i_h, lower_bound, H: tl.constexpr,
+                  K: tl.constexpr, BT: tl.constexpr, USE_L2: tl.constexpr, GATE_IN: tl.constexpr,
+                  HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One chunk and head: G = in-chunk cumsum of the (optionally in-kernel) gate; qn, kn, rq, rk.
+
+    Key channels are independent for the gate, so it runs over 32-channel slices (few live registers);
+    the L2 norm takes two passes over the slices (sums of squares, then the scaled store)."""
+    BK: tl.constexpr = 32 if K > 32 else K
+    rows = t0 + tl.arange(0, BT)
+    mrow = rows < eos
+    m2 = mrow[:, None]
+    tok = (rows * H + i_h).to(tl.int64)
+    for kk in range(0, K, BK):
+        cols = kk + tl.arange(0, BK)
+        off = tok[:, None] * K + cols[None, :]
+        x = tl.load(g + off, mask=m2, other=0.).to(tl.float32)
+        if GATE_IN:
+            if HAS_BIAS:
+                x += tl.load(dt_bias + i_h * K + cols).to(tl.float32)[None, :]
+            if HAS_A:
+                x *= tl.exp(tl.load(A_log + i_h).to(tl.float32))
+            x = tl.where(m2, lower_bound * tl.sigmoid(x), 0.)
+        tl.store(G + off, tl.cumsum(x, 0), mask=m2)
+    if USE_L2:
+        sq = tl.zeros([BT], dtype=tl.float32)
+        sk = tl.zeros([BT], dtype=tl.float32)
+        for kk in range(0, K, BK):
+            off = tok[:, None] * K + kk + tl.arange(0, BK)[None, :]
+            b_q = tl.load(q + off, mask=m2, other=0.).to(tl.float32)
+            b_k = tl.load(k + off, mask=m2, other=0.).to(tl.float32)
+            sq += tl.sum(b_q * b_q, 1)
+            sk += tl.sum(b_k * b_k, 1)
+        r_q = tl.rsqrt(sq + 1e-6)
+        r_k = tl.rsqrt(sk + 1e-6)
+        tl.store(rq + rows * H + i_h, r_q, mask=mrow)
+        tl.store(rk + rows * H + i_h, r_k, mask=mrow)
+        for kk in range(0, K, BK):
+            off = tok[:, None] * K + kk + tl.arange(0, BK)[None, :]
+            b_q = tl.load(q + off, mask=m2, other=0.).to(tl.float32)
+            b_k = tl.load(k + off, mask=m2, other=0.).to(tl.float32)
+            tl.store(qn + off, (b_q * r_q[:, None]).to(qn.dtype.element_ty), mask=m2)
+            tl.store(kn + off, (b_k * r_k[:, None]).to(kn.dtype.element_ty), mask=m2)
+
+
+def prepare_buffers(q, k, use_l2):
+    """``(qn, kn, rq, rk, G)`` outputs of :func:`prepare_chunk` for packed ``[1, T, H, K]`` q, k: qn, kn like q, k
+    (q, k themselves when ``use_l2`` is False), rq, rk ``[T, H]`` float32 (or None), G ``[1, T, H, K]`` float32."""
+    _, T, H, K = q.shape
+    G = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    if not use_l2:
+        return q, k, None, None, G
+    rq = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    return torch.empty_like(q), torch.empty_like(k), rq, torch.empty_like(rq), G
+
+
 @autotune(configs=_PREP_CONFIGS, key=['H', 'K', 'USE_L2', 'GATE_IN'])
 @triton.jit
 def _prepare_fwd_kernel(q, k, g, qn, kn, rq, rk, G, A_log, dt_bias, chunk_idx, cu_seqlens, lower_bound,
@@ -70,45 +125,18 @@ def _prepare_fwd_kernel(q, k, g, qn, kn, rq, rk, G, A_log, dt_bias, chunk_idx, c
                         GATE_IN: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(chunk_idx, cu_seqlens, i_c, BT)
-    rows = t0 + tl.arange(0, BT)
-    mrow = rows < eos
-    cols = tl.arange(0, K)
-    off = (rows[:, None] * H + i_h).to(tl.int64) * K + cols[None, :]
-    m2 = mrow[:, None]
-    x = tl.load(g + off, mask=m2, other=0.).to(tl.float32)
-    if GATE_IN:
-        if HAS_BIAS:
-            x += tl.load(dt_bias + i_h * K + cols).to(tl.float32)[None, :]
-        if HAS_A:
-            x *= tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        x = lower_bound * tl.sigmoid(x)
-        x = tl.where(m2, x, 0.)
-    tl.store(G + off, tl.cumsum(x, 0), mask=m2)
-    if USE_L2:
-        b_q = tl.load(q + off, mask=m2, other=0.).to(tl.float32)
-        r_q = tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)
-        tl.store(qn + off, (b_q * r_q[:, None]).to(qn.dtype.element_ty), mask=m2)
-        tl.store(rq + rows * H + i_h, r_q, mask=mrow)
-        b_k = tl.load(k + off, mask=m2, other=0.).to(tl.float32)
-        r_k = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)
-        tl.store(kn + off, (b_k * r_k[:, None]).to(kn.dtype.element_ty), mask=m2)
-        tl.store(rk + rows * H + i_h, r_k, mask=mrow)
+    prepare_chunk(q, k, g, qn, kn, rq, rk, G, A_log, dt_bias, t0, eos, i_h, lower_bound, H, K, BT, USE_L2, GATE_IN,
+                  HAS_A, HAS_BIAS)
 
 
 def prepare_fwd(q, k, g, A_log, dt_bias, lower_bound, chunk_idx, cu_seqlens, NC, use_l2, gate_in):
-    """Gate, in-chunk cumsum and optional L2 norm. Inputs are packed ``[1, T, H, K]``.
+    """Gate, in-chunk cumsum and optional L2 norm as a kernel of its own (the forward runs the same code at the
+    start of the intra kernel; this one serves benchmarks). Inputs are packed ``[1, T, H, K]``.
 
-    Returns ``(qn, kn, rq, rk, G)``: normalised q, k (the inputs themselves when ``use_l2`` is False),
-    their reciprocal norms ``[T, H]`` float32 (or None) and ``G`` ``[1, T, H, K]`` float32.
+    Returns ``(qn, kn, rq, rk, G)`` as :func:`prepare_buffers` describes.
     """
-    _, T, H, K = q.shape
-    G = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    if use_l2:
-        qn, kn = torch.empty_like(q), torch.empty_like(k)
-        rq = torch.empty(T, H, dtype=torch.float32, device=q.device)
-        rk = torch.empty_like(rq)
-    else:
-        qn, kn, rq, rk = q, k, None, None
+    H, K = q.shape[2], q.shape[3]
+    qn, kn, rq, rk, G = prepare_buffers(q, k, use_l2)
     if NC > 0:
         _prepare_fwd_kernel[(NC, H)](
             q, k, g, qn, kn, rq, rk, G, A_log, dt_bias, chunk_idx, cu_seqlens, float(lower_bound),
