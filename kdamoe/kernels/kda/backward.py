@@ -38,8 +38,10 @@ from .intra import _tile, _row, _store_tile
 # 100 KB in all on triton 3.7 with input-dtype operands below); no loads are pipelined (num_stages=1).
 _WY_CONFIGS = [triton.Config({'BV': 64}, num_warps=8, num_stages=1), triton.Config({'BV': 32}, num_warps=4, num_stages=1),
                triton.Config({'BV': 64}, num_warps=4, num_stages=1)]
-# the intra gradient stage spills ~0.9 KB per thread with 4 warps, ~0.1 KB with 8 (ptxas, sm_90)
-_BWD_INTRA_CONFIGS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8)]
+# the intra gradient stage spills ~0.9 KB per thread with 4 warps, ~0.1 KB with 8 (ptxas, sm_90); capped
+# registers trade spills for resident CTAs. The autotuner picks by time.
+_BWD_INTRA_CONFIGS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8),
+                      triton.Config({}, num_warps=4, maxnreg=128), triton.Config({}, num_warps=8, maxnreg=128)]
 
 
 @autotune(configs=_WY_CONFIGS, key=['H', 'K', 'V'])

@@ -8,11 +8,16 @@ import torch
 import triton
 import triton.language as tl
 
+from ..utils import autotune
 from .prepare import BT, chunk_bounds
 
 OUT_BV = 64
+# Value-block width of the output stage: BV = V reads qg and A_qk once per chunk instead of V/BV times.
+_OUT_CONFIGS = [triton.Config({'BV': 64}, num_warps=4), triton.Config({'BV': 128}, num_warps=8),
+                triton.Config({'BV': 128}, num_warps=4)]
 
 
+@autotune(configs=_OUT_CONFIGS, key=['H', 'K', 'V'])
 @triton.jit
 def _output_fwd_kernel(qg, h, vnew, Aqk, o, chunk_idx, cu_seqlens,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
@@ -23,15 +28,16 @@ def _output_fwd_kernel(qg, h, vnew, Aqk, o, chunk_idx, cu_seqlens,
     tok = (rows * H + i_h).to(tl.int64)
     ck = tl.arange(0, K)
     cv = i_v * BV + tl.arange(0, BV)
+    mv = cv < V
     ct = tl.arange(0, BT)
     dt = vnew.dtype.element_ty
     b_qg = tl.load(qg + tok[:, None] * K + ck[None, :], mask=mrow[:, None], other=0.)
-    b_h = tl.load(h + (i_c * H + i_h).to(tl.int64) * K * V + ck[:, None] * V + cv[None, :])
+    b_h = tl.load(h + (i_c * H + i_h).to(tl.int64) * K * V + ck[:, None] * V + cv[None, :], mask=mv[None, :], other=0.)
     b_A = tl.load(Aqk + tok[:, None] * BT + ct[None, :], mask=mrow[:, None] & (ct[None, :] <= tl.arange(0, BT)[:, None]),
                   other=0.)
-    b_d = tl.load(vnew + tok[:, None] * V + cv[None, :], mask=mrow[:, None], other=0.)
+    b_d = tl.load(vnew + tok[:, None] * V + cv[None, :], mask=mrow[:, None] & mv[None, :], other=0.)
     b_o = tl.dot(b_qg, b_h) + tl.dot(b_A.to(dt), b_d)
-    tl.store(o + tok[:, None] * V + cv[None, :], b_o.to(o.dtype.element_ty), mask=mrow[:, None])
+    tl.store(o + tok[:, None] * V + cv[None, :], b_o.to(o.dtype.element_ty), mask=mrow[:, None] & mv[None, :])
 
 
 def output_fwd(qg, h, vnew, Aqk, chunk_idx, cu_seqlens, NC):
@@ -39,9 +45,9 @@ def output_fwd(qg, h, vnew, Aqk, chunk_idx, cu_seqlens, NC):
     _, T, H, K = qg.shape
     V = vnew.shape[-1]
     o = torch.empty_like(vnew)
-    BV = min(OUT_BV, V)
     if NC > 0:
-        _output_fwd_kernel[(NC, H, V // BV)](qg, h, vnew, Aqk, o, chunk_idx, cu_seqlens, H=H, K=K, V=V, BT=BT, BV=BV, num_warps=4)
+        grid = lambda meta: (NC, H, triton.cdiv(V, meta['BV']))
+        _output_fwd_kernel[grid](qg, h, vnew, Aqk, o, chunk_idx, cu_seqlens, H=H, K=K, V=V, BT=BT)
     return o
 
 
