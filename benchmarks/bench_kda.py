@@ -273,7 +273,7 @@ def main():
         stages = stage_times(32768, H, D, dev)
         print("stages (ms):", json.dumps(stages), flush=True)
 
-    if args.intra_phases:
+    if args.intra_phases and time.time() - t_start < args.stage_budget_s:
         try:
             stages["intra_phases_T128K"] = intra_phase_times(131072, H, D, dev)
             print("intra phases (ms):", json.dumps(stages["intra_phases_T128K"]), flush=True)
