@@ -60,7 +60,8 @@ def kda_forward_specs(K=128, V=128, dt="bf16"):
     yield "intra", intra._intra_fwd_kernel, {
         "q_in": f"*{dt}", "k_in": f"*{dt}", "g_in": f"*{dt}", "A_log": "*fp32", "dt_bias": "*fp32",
         "q": f"*{dt}", "k": f"*{dt}", "rq": "*fp32", "rk": "*fp32", "G": "*fp32", "v": f"*{dt}", "beta": f"*{dt}",
-        "Aqk": f"*{dt}", "Mb": "*fp32", "w": f"*{dt}", "u": f"*{dt}", "kg": f"*{dt}", "qg": f"*{dt}",
+        "Aqk": f"*{dt}", "Mb": "*fp32", "w": f"*{dt}", "u": f"*{dt}", "kg": f"*{dt}",
+        "qg": f"*{dt}",
         "scale": "fp32", "lower_bound": "fp32", **idx}, dict(
         H=16, K=K, V=V, BT=64, BS=16, USE_L2=True, GATE_IN=True, HAS_A=False, HAS_BIAS=True)
     yield "state_fwd", state._state_fwd_kernel, {
@@ -68,7 +69,8 @@ def kda_forward_specs(K=128, V=128, dt="bf16"):
         "ht": "*fp32", "cu_seqlens": "*i32", "chunk_offsets": "*i32"}, dict(
         H=16, K=K, V=V, BT=64, BV=32, HAS_H0=False, STORE_FINAL=False)
     yield "output", output._output_fwd_kernel, {
-        "qg": f"*{dt}", "h": f"*{dt}", "vnew": f"*{dt}", "Aqk": f"*{dt}", "o": f"*{dt}", **idx}, dict(H=16, K=K, V=V, BT=64, BV=64)
+        "qg": f"*{dt}", "h": f"*{dt}", "vnew": f"*{dt}", "Aqk": f"*{dt}", "o": f"*{dt}", **idx}, dict(
+        H=16, K=K, V=V, BT=64, BV=64)
 
 
 def main():

@@ -6,9 +6,9 @@ WY/UT representation):
     S_t = (I − β_t k_t k_tᵀ) Diag(exp(g_t)) S_{t−1} + β_t k_t v_tᵀ,      o_t = S_tᵀ (scale · q_t)
 
 Stages (one file each): ``prepare`` (gate, in-chunk cumsum, L2 norm) and ``intra`` (A_kk, A_qk on
-tensor cores with the lower-bounded-gate anchor trick, WY solve, w/u/kg/qg) run as one kernel, ``state`` (sequential
-inter-chunk pass, forward and backward), ``output`` (o, and Aqkᵀ dO), ``backward`` (chunk-parallel
-gradients).
+tensor cores with the lower-bounded-gate anchor trick, WY solve, w/u/kg/qg) run as one kernel;
+``state`` (sequential inter-chunk pass, forward and backward), ``output`` (o, and Aqkᵀ dO),
+``backward`` (chunk-parallel gradients).
 """
 
 import torch

@@ -32,7 +32,8 @@ def _output_fwd_kernel(qg, h, vnew, Aqk, o, chunk_idx, cu_seqlens,
     ct = tl.arange(0, BT)
     dt = vnew.dtype.element_ty
     b_qg = tl.load(qg + tok[:, None] * K + ck[None, :], mask=mrow[:, None], other=0.)
-    b_h = tl.load(h + (i_c * H + i_h).to(tl.int64) * K * V + ck[:, None] * V + cv[None, :], mask=mv[None, :], other=0.)
+    hoff = (i_c * H + i_h).to(tl.int64) * K * V + ck[:, None] * V + cv[None, :]
+    b_h = tl.load(h + hoff, mask=mv[None, :], other=0.)
     b_A = tl.load(Aqk + tok[:, None] * BT + ct[None, :], mask=mrow[:, None] & (ct[None, :] <= tl.arange(0, BT)[:, None]),
                   other=0.)
     b_d = tl.load(vnew + tok[:, None] * V + cv[None, :], mask=mrow[:, None] & mv[None, :], other=0.)

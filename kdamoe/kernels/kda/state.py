@@ -6,7 +6,9 @@ Forward, per sequence and head, over its chunks in order (S is the state at the 
 
 Backward, over the chunks in reverse, with dS the gradient of the chunk's *end* state:
 
-    dh[c] = dS;   dδ = Aqkᵀ dO + kg dS;   dS ← exp(G_last) ⊙_rows dS + qgᵀ dO − wᵀ dδ   (qg = scale·q⊙Γ, from the intra stage)
+    dh[c] = dS;   dδ = Aqkᵀ dO + kg dS;   dS ← exp(G_last) ⊙_rows dS + qgᵀ dO − wᵀ dδ
+
+with qg = scale·q⊙Γ from the intra stage.
 
 The state stays in float32 registers; the matrix products take input-dtype operands (tensor cores).
 """
