@@ -106,4 +106,4 @@ def print_samples(model, tokenizer, gen_cfg, device: torch.device | str = "cpu")
 
 def load_for_generation(folder: str | Path, device: torch.device | str = "cpu"):
     """``(model, tokenizer)`` from an exported folder."""
-    return reload_model(folder, device), AutoTokenizer.from_pretrained(str(folder))
+    return reload_model(folder, device), AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)

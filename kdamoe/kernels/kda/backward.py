@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ..utils import autotune
 from .prepare import BT, BS, chunk_bounds
-from .intra import _tile, _row, _store_tile
+from .intra import _exp_where, _tile, _row, _store_tile
 
 # Shared memory of the wy stage is dominated by staging dot operands (about 80 KB for the value loop and
 # 100 KB in all on triton 3.7 with input-dtype operands below); no loads are pipelined (num_stages=1).
@@ -175,14 +175,14 @@ def _bwd_intra_kernel(qn, kn, G, beta, dAqk, dAkk, dqd, dkd, dGd, dbd, dgl, rq, 
         b_k = _tile(kn, rI, mI, i_h, H, K)
         b_G = _tile(G, rI, mI, i_h, H, K)
         b_b = tl.load(beta + rI * H + i_h, mask=mI, other=0.).to(tl.float32)
-        eI = tl.where(mI[:, None], tl.exp(b_G - gc[None, :]), 0.)
+        eI = _exp_where(mI[:, None], b_G - gc[None, :])
         # rows of block I against columns J ≤ I
         accq = tl.zeros([BS, K], dtype=tl.float32)
         accr = tl.zeros([BS, K], dtype=tl.float32)
         for J in range(0, I + 1):
             rJ = t0 + J * BS + ar
             mJ = rJ < eos
-            eJ = tl.where(mJ[:, None], tl.exp(gc[None, :] - _tile(G, rJ, mJ, i_h, H, K)), 0.)
+            eJ = _exp_where(mJ[:, None], gc[None, :] - _tile(G, rJ, mJ, i_h, H, K))
             kc = _tile(kn, rJ, mJ, i_h, H, K) * eJ
             boff = (rI[:, None] * H + i_h).to(tl.int64) * BT + J * BS + ar[None, :]
             accq += tl.dot(tl.load(dAqk + boff, mask=mI[:, None], other=0.), kc, input_precision=PREC)
@@ -194,14 +194,14 @@ def _bwd_intra_kernel(qn, kn, G, beta, dAqk, dAkk, dqd, dkd, dGd, dbd, dgl, rq, 
         for J2 in range(I, NS):
             r2 = t0 + J2 * BS + ar
             m2 = r2 < eos
-            e2 = tl.where(m2[:, None], tl.exp(_tile(G, r2, m2, i_h, H, K) - gc[None, :]), 0.)
+            e2 = _exp_where(m2[:, None], _tile(G, r2, m2, i_h, H, K) - gc[None, :])
             b2 = tl.load(beta + r2 * H + i_h, mask=m2, other=0.).to(tl.float32)
             boff2 = (r2[:, None] * H + i_h).to(tl.int64) * BT + I * BS + ar[None, :]
             dq2 = tl.load(dAqk + boff2, mask=m2[:, None], other=0.)
             da2 = tl.load(dAkk + boff2, mask=m2[:, None], other=0.) * b2[:, None]
             accc += tl.dot(tl.trans(dq2), _tile(qn, r2, m2, i_h, H, K) * e2 * scale, input_precision=PREC)
             accc += tl.dot(tl.trans(da2), _tile(kn, r2, m2, i_h, H, K) * e2, input_precision=PREC)
-        dk_col = accc * tl.where(mI[:, None], tl.exp(gc[None, :] - b_G), 0.)
+        dk_col = accc * _exp_where(mI[:, None], gc[None, :] - b_G)
         dk_row = R * b_b[:, None]
         b_dq = _tile(dqd, rI, mI, i_h, H, K) + dq_row
         b_dk = _tile(dkd, rI, mI, i_h, H, K) + dk_row + dk_col

@@ -59,6 +59,12 @@ def _row(ptr, t, i_h, H: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _exp_where(m, x):
+    """exp(x) where m, exactly 0 elsewhere; masked lanes never evaluate exp of their (arbitrary) x."""
+    return tl.where(m, tl.exp(tl.where(m, x, 0.)), 0.)
+
+
+@triton.jit
 def _store_tile(ptr, x, rows, mrow, i_h, H: tl.constexpr, D: tl.constexpr):
     cols = tl.arange(0, D)
     off = (rows[:, None] * H + i_h).to(tl.int64) * D + cols[None, :]
@@ -89,8 +95,8 @@ def _row_block_scores(q, k, G, beta, Aqk, Ab, t0, eos, i_h, scale, I: tl.constex
         gc = tl.load(G + offc + cols)
         gI = tl.load(G + offI + cols[None, :], mask=mI[:, None], other=0.)
         gJ = tl.load(G + offJ + cols[None, :], mask=mJ[:, None], other=0.)
-        eI = tl.where(mI[:, None], tl.exp(tl.where(mI[:, None], gI - gc[None, :], 0.)), 0.)
-        eJ = tl.where(mJ[:, None], tl.exp(tl.where(mJ[:, None], gc[None, :] - gJ, 0.)), 0.)
+        eI = _exp_where(mI[:, None], gI - gc[None, :])
+        eJ = _exp_where(mJ[:, None], gc[None, :] - gJ)
         kcol = tl.trans(tl.load(k + offJ + cols[None, :], mask=mJ[:, None], other=0.).to(tl.float32) * eJ)
         akk += tl.dot(tl.load(k + offI + cols[None, :], mask=mI[:, None], other=0.).to(tl.float32) * eI, kcol)
         aqk += tl.dot(tl.load(q + offI + cols[None, :], mask=mI[:, None], other=0.).to(tl.float32) * eI, kcol)
