@@ -8,8 +8,10 @@ Kimi Linear report §3):
     A_qk[i,j] = scale Σ_d q_id k_jd exp(G_id − G_jd)    (j ≤ i)
     M = (I + A_kk)⁻¹,  w = M (β⊙k⊙Γ),  u = M (β⊙v),  kg = k ⊙ exp(G_last − G),  qg = scale·q⊙Γ
 
-One program per chunk and head, three phases (one function each):
+One program per chunk and head, four phases (one function each):
 
+0. ``prepare.prepare_chunk``: the gate, its in-chunk cumsum G and the L2 norm of q and k, written to their
+   outputs (the backward reads them) and read back by the phases below.
 1. ``_row_block_scores``: for each 16-row block I, the rows of A_kk and A_qk against every column up to
    the block's end, as ``tl.dot`` products (the diagonal 16×16 blocks included). The anchor ``c`` is the
    *first* row of I and ``exp(G_i − G_j) = exp(G_i − G_c) · exp(G_c − G_j)``: for rows i of I,
@@ -20,8 +22,8 @@ One program per chunk and head, three phases (one function each):
    products), the rest by block forward substitution.
 3. ``_wu_kg_qg``: w and u as [64, 64] × [64, 32] products with M; kg and qg element-wise.
 
-Phases hand data over through global memory (the A_kk / M buffer) behind a CTA barrier, which keeps
-few tiles live (sm_90 registers and spills: ``benchmarks/kernel_resources.py``).
+Phases hand data over through global memory (q, k, G and the A_kk / M buffer) behind a CTA barrier, which
+keeps few tiles live (sm_90 registers and spills: ``benchmarks/kernel_resources.py``).
 
 Causality: the anchor is never *after* a row it serves, so a past entry (j ≤ i) is computed only from
 gates at positions ≤ i and later gates cannot change its rounding; future entries (j > i) are finite and
