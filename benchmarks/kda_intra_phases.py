@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kdamoe.kernels.kda import intra, prepare
-from kdamoe.kernels.kda.intra import _exp_where
+from kdamoe.kernels.kda.intra import _exp_where, _store_scores
 from kdamoe.kernels.kda.prepare import BS, BT, chunk_bounds
 
 
@@ -48,21 +48,6 @@ def _block_products(q, k, G, R, Ga, ga0, ga1, ga2, ga3, akk, aqk, t0, eos, i_h, 
     akk += tl.dot(tl.load(k + offI, mask=mI[:, None], other=0.).to(tl.float32) * eI, right)
     aqk += tl.dot(tl.load(q + offI, mask=mI[:, None], other=0.).to(tl.float32) * eI, right)
     return akk, aqk
-
-
-@triton.jit
-def _store_scores(Aqk, Ab, akk, aqk, beta, t0, eos, i_h, scale, I: tl.constexpr, H: tl.constexpr, BT: tl.constexpr,
-                  BS: tl.constexpr):
-    rI = t0 + I * BS + tl.arange(0, BS)
-    mI = rI < eos
-    ct = tl.arange(0, BT)
-    ri = I * BS + tl.arange(0, BS)
-    b = tl.load(beta + rI * H + i_h, mask=mI, other=0.).to(tl.float32)
-    akk = tl.where(ri[:, None] > ct[None, :], akk * b[:, None], 0.)
-    aqk = tl.where(ri[:, None] >= ct[None, :], aqk * scale, 0.)
-    off = (rI[:, None] * H + i_h).to(tl.int64) * BT + ct[None, :]
-    tl.store(Aqk + off, aqk.to(Aqk.dtype.element_ty), mask=mI[:, None])
-    tl.store(Ab + off, akk, mask=mI[:, None])
 
 
 @triton.jit

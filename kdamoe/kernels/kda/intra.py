@@ -102,8 +102,20 @@ def _row_block_scores(q, k, G, beta, Aqk, Ab, t0, eos, i_h, scale, I: tl.constex
         kcol = tl.trans(tl.load(k + offJ + cols[None, :], mask=mJ[:, None], other=0.).to(tl.float32) * eJ)
         akk += tl.dot(tl.load(k + offI + cols[None, :], mask=mI[:, None], other=0.).to(tl.float32) * eI, kcol)
         aqk += tl.dot(tl.load(q + offI + cols[None, :], mask=mI[:, None], other=0.).to(tl.float32) * eI, kcol)
-    b = tl.load(beta + rI * H + i_h, mask=mI, other=0.).to(tl.float32)
+    _store_scores(Aqk, Ab, akk, aqk, beta, t0, eos, i_h, scale, I, H, BT, BS)
+
+
+@triton.jit
+def _store_scores(Aqk, Ab, akk, aqk, beta, t0, eos, i_h, scale, I: tl.constexpr, H: tl.constexpr,
+                  BT: tl.constexpr, BS: tl.constexpr):
+    """Store row block I's [16, NJ] scores (columns 0..NJ−1): A_kk times β, strictly lower, into Ab; A_qk
+    times scale, lower, into Aqk."""
+    NJ: tl.constexpr = akk.shape[1]
+    rI = t0 + I * BS + tl.arange(0, BS)
+    mI = rI < eos
+    ct = tl.arange(0, NJ)
     ri = I * BS + tl.arange(0, BS)
+    b = tl.load(beta + rI * H + i_h, mask=mI, other=0.).to(tl.float32)
     akk = tl.where(ri[:, None] > ct[None, :], akk * b[:, None], 0.)
     aqk = tl.where(ri[:, None] >= ct[None, :], aqk * scale, 0.)
     off = (rI[:, None] * H + i_h).to(tl.int64) * BT + ct[None, :]
