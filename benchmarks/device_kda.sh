@@ -21,4 +21,4 @@ KDAMOE_TEST_ON_GPU=1 timeout "${PYTEST_TIMEOUT_S:-120}" python3 -m pytest -q -p 
     tests/kernels/test_kda_chunk.py tests/kernels/test_kda_recurrent.py > "$OUT/pytest.log" 2>&1
 echo "pytest exit $? after $(( $(date +%s) - start )) s" >> "$OUT/pytest.log"
 timeout 40 tar czf - -C /tmp/tcache . | split -b 15m - "$OUT/tcache.part."
-tail -3 "$OUT/bench.log" "$OUT/pytest.log"
+tail -n 3 "$OUT/bench.log" "$OUT/pytest.log"
