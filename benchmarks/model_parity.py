@@ -69,6 +69,15 @@ def run(model, ids, position_ids, backend, record=None, replay=None):
     return out.logits.detach().float(), out.loss.item(), grads
 
 
+def _errors(logits, grads, logits_ref, grads_ref):
+    """Relative L2 of the logits and of every parameter gradient (largest, which, median)."""
+    grad_errors = {n: relative_l2(grads[n], grads_ref[n]) for n in grads_ref}
+    worst = max(grad_errors, key=grad_errors.get)
+    return {"logits_rel_l2": relative_l2(logits, logits_ref), "grad_rel_l2_max": grad_errors[worst],
+            "grad_rel_l2_worst_param": worst,
+            "grad_rel_l2_median": sorted(grad_errors.values())[len(grad_errors) // 2]}
+
+
 def compare(model, ids, position_ids):
     """torch vs triton backends: free routing (how many tokens pick other experts, logits error), then the triton
     run replaying the torch run's expert choices (logits and gradient errors: the kernels' own error)."""
@@ -76,17 +85,13 @@ def compare(model, ids, position_ids):
     logits_ref, loss_ref, grads_ref = run(model, ids, position_ids, "torch", record=routes_ref)
     logits_free, _, _ = run(model, ids, position_ids, "triton", record=routes)
     logits, loss, grads = run(model, ids, position_ids, "triton", replay=list(routes_ref))
-    grad_errors = {n: relative_l2(grads[n], grads_ref[n]) for n in grads_ref}
-    worst = max(grad_errors, key=grad_errors.get)
     result = {
         "free_routing_tokens_with_other_experts_per_layer": [
             round((a.sort(-1).values != b.sort(-1).values).any(-1).float().mean().item(), 4)
             for a, b in zip(routes_ref, routes)],
         "free_routing_logits_rel_l2": relative_l2(logits_free, logits_ref),
         "loss_torch": loss_ref, "loss_triton": loss,
-        "logits_rel_l2": relative_l2(logits, logits_ref),
-        "grad_rel_l2_max": grad_errors[worst], "grad_rel_l2_worst_param": worst,
-        "grad_rel_l2_median": sorted(grad_errors.values())[len(grad_errors) // 2],
+        **_errors(logits, grads, logits_ref, grads_ref),
     }
     result["pass"] = result["logits_rel_l2"] <= 1e-2 and result["grad_rel_l2_max"] <= 3e-2
     return result
@@ -100,15 +105,14 @@ def against_fp32(model, ids, position_ids):
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     routes = []
-    logits_ref, _, grads_ref = run(copy.deepcopy(model).float(), ids, position_ids, "torch", record=routes)
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    result = {}
-    for backend in ("torch", "triton"):
-        logits, _, grads = run(model, ids, position_ids, backend, replay=list(routes))
-        errors = sorted(relative_l2(grads[n], grads_ref[n]) for n in grads_ref)
-        result[backend] = {"logits_rel_l2": relative_l2(logits, logits_ref), "grad_rel_l2_max": errors[-1],
-                           "grad_rel_l2_median": errors[len(errors) // 2]}
-    result["pass"] = all(result["triton"][key] <= 1.25 * result["torch"][key] for key in result["torch"])
+    try:
+        logits_ref, _, grads_ref = run(copy.deepcopy(model).float(), ids, position_ids, "torch", record=routes)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    result = {backend: _errors(*run(model, ids, position_ids, backend, replay=list(routes))[::2], logits_ref, grads_ref)
+              for backend in ("torch", "triton")}
+    keys = ("logits_rel_l2", "grad_rel_l2_max", "grad_rel_l2_median")
+    result["pass"] = all(result["triton"][key] <= 1.25 * result["torch"][key] for key in keys)
     return result
 
 
