@@ -45,6 +45,13 @@ def generate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     args = parser.parse_args(argv)
+    # transformers rejects these only after the model has loaded, with a traceback; say it as a usage error now.
+    if args.temperature is not None and not args.temperature > 0:
+        parser.error(f"--temperature must be > 0 (got {args.temperature}); use --greedy for deterministic decoding")
+    if args.top_k is not None and args.top_k < 1:
+        parser.error(f"--top-k must be >= 1 (got {args.top_k})")
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
 
     from kdamoe.training.export import generate_text, load_for_generation
 

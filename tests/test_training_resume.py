@@ -140,6 +140,11 @@ def test_cli_entry_points(uninterrupted, capsys):
     streamed = capsys.readouterr().out
     assert streamed.startswith("to be") and len(streamed) > len("to be")
 
+    for flag, value in (("--temperature", "0"), ("--top-k", "0"), ("--max-new-tokens", "0")):
+        with pytest.raises(SystemExit):  # rejected before the model loads, naming the flag and the value
+            generate_main(["--model", str(tmp_path / "missing"), "--prompt", "x", flag, value])
+        assert f"{flag} must be" in capsys.readouterr().err
+
     with pytest.raises(SystemExit):  # a bad field is a usage error naming it
         train_main(["--config", str(cfg_path), "--set", "train.stages.0.lr=-1"])
     assert "train.stages[0].lr" in capsys.readouterr().err
