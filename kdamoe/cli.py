@@ -45,13 +45,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     args = parser.parse_args(argv)
-    # transformers rejects these only after the model has loaded, with a traceback; say it as a usage error now.
-    if args.temperature is not None and not args.temperature > 0:
-        parser.error(f"--temperature must be > 0 (got {args.temperature}); use --greedy for deterministic decoding")
-    if args.top_k is not None and args.top_k < 1:
-        parser.error(f"--top-k must be >= 1 (got {args.top_k})")
-    if args.max_new_tokens < 1:
-        parser.error(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    _check_generate_args(parser, args)
 
     from kdamoe.training.export import generate_text, load_for_generation
 
@@ -64,6 +58,35 @@ def generate_main(argv: list[str] | None = None) -> int:
             kwargs[key] = getattr(args, key)
     generate_text(model, tokenizer, args.prompt, args.device, stream=True, chat=args.chat, seed=args.seed, **kwargs)
     return 0
+
+
+def _check_generate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors (exit 2, naming the value) for what transformers would reject only after loading the model,
+    with a traceback: sampling settings, the device, and a local model path that is not an exported folder."""
+    import math
+    from pathlib import Path
+
+    import torch
+
+    if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature > 0):
+        parser.error(f"--temperature must be a finite number > 0 (got {args.temperature}); "
+                     "use --greedy for deterministic decoding")
+    if args.top_k is not None and args.top_k < 1:
+        parser.error(f"--top-k must be >= 1 (got {args.top_k})")
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r} is not a torch device (e.g. cpu, cuda, cuda:1)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device} but this torch has no CUDA device; use --device cpu")
+    folder = Path(args.model).expanduser()
+    looks_local = folder.exists() or args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1
+    if looks_local and not (folder / "config.json").is_file():
+        hint = (f"; the exported model is {folder / 'final'}" if (folder / "final" / "config.json").is_file()
+                else "; pass the final/ folder kdamoe-train wrote (checkpoints/ are training states) or a Hub id")
+        parser.error(f"--model {args.model}: no config.json there{hint}")
 
 
 def _cuda() -> bool:

@@ -140,10 +140,18 @@ def test_cli_entry_points(uninterrupted, capsys):
     streamed = capsys.readouterr().out
     assert streamed.startswith("to be") and len(streamed) > len("to be")
 
-    for flag, value in (("--temperature", "0"), ("--top-k", "0"), ("--max-new-tokens", "0")):
+    final = str(tmp_path / "full" / "final")
+    bad = [(["--model", final, "--temperature", "0"], "--temperature must be"),
+           (["--model", final, "--temperature", "inf"], "--temperature must be"),
+           (["--model", final, "--top-k", "0"], "--top-k must be"),
+           (["--model", final, "--max-new-tokens", "0"], "--max-new-tokens must be"),
+           (["--model", final, "--device", "bogus"], "'bogus' is not a torch device"),
+           (["--model", str(tmp_path / "missing")], "no config.json there"),
+           (["--model", str(tmp_path / "full")], "the exported model is " + final)]
+    for extra, message in bad:
         with pytest.raises(SystemExit):  # rejected before the model loads, naming the flag and the value
-            generate_main(["--model", str(tmp_path / "missing"), "--prompt", "x", flag, value])
-        assert f"{flag} must be" in capsys.readouterr().err
+            generate_main(["--prompt", "x", *extra])
+        assert message in capsys.readouterr().err, extra
 
     with pytest.raises(SystemExit):  # a bad field is a usage error naming it
         train_main(["--config", str(cfg_path), "--set", "train.stages.0.lr=-1"])
