@@ -153,19 +153,11 @@ def main():
     ap.add_argument("--intra-phases", action="store_true", help="time each phase of the intra kernel at 128K")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--skip-check", action="store_true")
-    ap.add_argument("--pytest", action="store_true", help="first run tests/kernels/test_kda_*.py on the GPU")
     ap.add_argument("--check-fla", action="store_true", help="also measure fla's error against the reference")
     ap.add_argument("--stage-budget-s", type=float, default=420.0, help="skip --stages if more time has passed")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     kernels_without_model_registry()
-    if args.pytest:
-        os.environ["KDAMOE_TEST_ON_GPU"] = "1"
-        import pytest
-        t = time.time()
-        rc = pytest.main(["-q", "-p", "no:cacheprovider", os.path.join(REPO, "tests/kernels/test_kda_chunk.py"),
-                          os.path.join(REPO, "tests/kernels/test_kda_recurrent.py")])
-        print(f"GPU pytest exit code {int(rc)} in {time.time() - t:.0f}s", flush=True)
     import triton
     dev = "cuda"
     print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)

@@ -58,7 +58,8 @@ def run(model, ids, position_ids, backend, record=None, replay=None):
     model.config.kernel_backend = backend
     model.zero_grad(set_to_none=True)
     hook = _route_hook(record, replay)
-    handles = [r.register_forward_hook(hook) for r in model._routers()] if (record, replay) != (None, None) else []
+    watch = record is not None or replay is not None
+    handles = [r.register_forward_hook(hook) for r in model._routers()] if watch else []
     try:
         out = model(ids, position_ids=position_ids, labels=ids, use_cache=False)
     finally:

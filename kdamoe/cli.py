@@ -79,7 +79,7 @@ def _check_generate_args(parser: argparse.ArgumentParser, args: argparse.Namespa
         device = torch.device(args.device)
     except RuntimeError:
         parser.error(f"--device {args.device!r} is not a torch device (e.g. cpu, cuda, cuda:1)")
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type == "cuda" and not _cuda():
         parser.error(f"--device {args.device} but this torch has no CUDA device; use --device cpu")
     folder = Path(args.model).expanduser()
     looks_local = folder.exists() or args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1
