@@ -7,7 +7,9 @@ from transformers.configuration_utils import PreTrainedConfig
 LAYER_TYPES = ("linear_attention", "full_attention")
 ROUTER_BIAS_UPDATES = ("quantile", "sign", "none")
 HIDDEN_ACTS = ("situ", "silu")
-KERNEL_BACKENDS = ("auto", "triton", "torch")
+KERNEL_BACKENDS = ("auto", "triton", "fla", "torch")
+# Head dims the GPU kernels (ours and fla's) take: powers of two in [16, 256].
+KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 class KDAMoEConfig(PreTrainedConfig):
@@ -65,13 +67,16 @@ class KDAMoEConfig(PreTrainedConfig):
         output_router_logits (`bool`, defaults to False): return per-layer router logits.
         router_aux_loss_coef (`float`, defaults to 0.0): weight of the optional softmax load-balancing
             aux loss (keep 0 with Quantile Balancing).
-        kernel_backend (`str`, defaults to `"auto"`): `"auto"` (Triton on CUDA when `kdamoe.kernels`
-            imports, else PyTorch), `"triton"` or `"torch"`.
+        kernel_backend (`str`, defaults to `"auto"`): `"auto"` (on CUDA: `kdamoe.kernels` when it imports,
+            else flash-linear-attention when installed, else PyTorch; PyTorch on every other device),
+            `"triton"`, `"fla"` or `"torch"` to force one. Any backend but `"torch"` needs `kda_head_dim` in
+            {16, 32, 64, 128, 256}.
         use_cache (`bool`, defaults to True): return the cache from forward.
 
     Raises:
         ValueError: naming the field, for a bad `layer_types`, `num_experts_per_tok`, `kda_lower_bound`,
-            SiTU betas, `attnres_num_blocks`, head sizes or enum values.
+            non-finite or non-positive SiTU betas / `rms_norm_eps` / scales, `attnres_num_blocks`, head sizes
+            (a `kda_head_dim` the GPU kernels cannot take) or enum values.
     """
 
     model_type = "kda_moe"
@@ -231,9 +236,19 @@ class KDAMoEConfig(PreTrainedConfig):
                 "16-token sub-chunks the largest gate exponent is 15*|lower_bound|, which must stay well below "
                 "ln(FLT_MAX) ~= 88.7"
             )
-        for name in ("situ_beta", "situ_linear_beta"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"`{name}` must be positive, got {getattr(self, name)}")
+        for name in ("situ_beta", "situ_linear_beta", "rms_norm_eps", "routed_scaling_factor"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"`{name}` must be a finite positive number, got {value!r}")
+        for name in ("initializer_range", "router_bias_update_rate", "router_aux_loss_coef"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}")
+        if self.kernel_backend != "torch" and self.kda_head_dim not in KERNEL_HEAD_DIMS:
+            raise ValueError(
+                f"`kda_head_dim` is {self.kda_head_dim}: the GPU kernels take powers of two in [16, 256] "
+                f"{KERNEL_HEAD_DIMS}; pick one of them, or set kernel_backend='torch' to run the PyTorch path only"
+            )
         if not isinstance(self.attnres_num_blocks, int) or not 0 <= self.attnres_num_blocks <= self.num_hidden_layers:
             raise ValueError(
                 f"`attnres_num_blocks` must be an integer in [0, num_hidden_layers={self.num_hidden_layers}] "

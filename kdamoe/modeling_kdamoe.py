@@ -16,6 +16,8 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
+from transformers.integrations import use_experts_implementation
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -26,12 +28,13 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import eager_attention_forward
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-from transformers.utils import logging
+from transformers.utils import can_return_tuple, logging
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_kdamoe import KDAMoEConfig
 from .kernel_dispatch import chunk_kda_op, moe_experts_op, recurrent_kda_op
 from .kda_torch import causal_conv1d_torch, kda_gate
-from .moe_torch import GLUActivation
+from .moe_torch import GLUActivation, moe_experts_torch
 from .quantile_balancing import (
     all_reduce_sum,
     histogram_range,
@@ -252,11 +255,11 @@ class KDAMoEAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
 
-        attention_interface: Callable = eager_attention_forward
-        if self.config._attn_implementation != "eager":
-            attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
-        out, _ = attention_interface(self, q, k, v, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs)
-        return self.o_proj(out.reshape(B, T, self.num_heads * self.v_head_dim))
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        out, attn_weights = attention_interface(self, q, k, v, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs)
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.v_head_dim)), attn_weights
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -348,12 +351,36 @@ class KDAMoETopkRouter(nn.Module):
         self.reset_statistics()
 
 
+# Implementations of transformers' experts interface that read SiTU-GLU through ``_apply_gate`` (they split
+# the fused ``gate_up`` output and call the module's gate function); the others fuse their own activation.
+EXPERTS_IMPLEMENTATIONS_WITH_SITU = ("eager", "kdamoe", "grouped_mm", "batched_mm")
+
+
+def kdamoe_experts_forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    """The ``"kdamoe"`` experts implementation: the fused Triton grouped-GEMM kernel of ``kdamoe.kernels`` on
+    CUDA (SiTU-GLU in its epilogue), the per-expert PyTorch loop elsewhere (``config.kernel_backend`` decides,
+    see ``kernel_dispatch``). Shapes as :meth:`KDAMoEExperts.forward`."""
+    op = moe_experts_op(self.config.kernel_backend, hidden_states.device)
+    return op(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn)
+
+
+ALL_EXPERTS_FUNCTIONS.register("kdamoe", kdamoe_experts_forward)
+
+
+@use_experts_implementation
 class KDAMoEExperts(nn.Module):
     """Routed experts as fused 3-D weights (transformers' layout), run in the latent width ``ℓ``.
 
     ``gate_up_proj [E, 2I, ℓ]`` (gate rows first, then up rows), ``down_proj [E, ℓ, I]``;
     ``forward(hidden_states [N, ℓ], top_k_index [N, k], top_k_weights [N, k]) -> [N, ℓ]``; index
     ``== num_experts`` is skipped (tokens owned by another expert-parallel rank).
+
+    Dispatched through transformers' experts interface (``config._experts_implementation``, set by
+    ``from_pretrained(..., experts_implementation=...)`` or ``model.set_experts_implementation``):
+    ``"kdamoe"`` (default, :func:`kdamoe_experts_forward`), ``"eager"`` (this class's own forward, the
+    per-expert loop) and transformers' ``"grouped_mm"`` / ``"batched_mm"``, which compute SiTU-GLU correctly
+    because they call :meth:`_apply_gate`. Implementations that fuse their own activation are refused
+    when ``hidden_act="situ"`` (:meth:`KDAMoEPreTrainedModel.get_correct_experts_implementation`).
     """
 
     def __init__(self, config: KDAMoEConfig, in_features: int):
@@ -365,9 +392,14 @@ class KDAMoEExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, in_features, self.intermediate_dim))
         self.act_fn = GLUActivation(config.hidden_act, config.situ_beta, config.situ_linear_beta)
 
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        """``act(gate, up)`` of a fused ``[S, 2I]`` gate/up output (gate columns first): SiTU-GLU caps both
+        branches, so transformers' default ``act(gate) * up`` would drop the linear branch's ``β2`` cap."""
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return self.act_fn(gate, up)
+
     def forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
-        op = moe_experts_op(self.config.kernel_backend, hidden_states.device)
-        return op(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn)
+        return moe_experts_torch(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn)
 
 
 class KDAMoESparseMoeBlock(nn.Module):
@@ -391,10 +423,12 @@ class KDAMoESparseMoeBlock(nn.Module):
         if config.num_shared_experts > 0:
             self.shared_experts = KDAMoEMLP(config, d, config.moe_intermediate_size * config.num_shared_experts)
 
-    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None):
+    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden_states [B, T, d]`` (pre-normed) → ``[B, T, d]``; ``token_mask [B·T]`` excludes padding
+        from the balancing statistics. Router logits are recorded from the router (``output_router_logits``)."""
         B, T, d = hidden_states.shape
         x = hidden_states.reshape(-1, d)
-        router_logits, top_k_index, top_k_weights = self.gate(x, token_mask)
+        _, top_k_index, top_k_weights = self.gate(x, token_mask)
         if hasattr(self, "latent_down_proj"):
             routed = self.experts(self.latent_down_proj(x), top_k_index, top_k_weights)
             routed = self.latent_up_proj(self.latent_norm(routed))
@@ -402,7 +436,7 @@ class KDAMoESparseMoeBlock(nn.Module):
             routed = self.experts(x, top_k_index, top_k_weights)
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(x)
-        return routed.view(B, T, d), router_logits
+        return routed.view(B, T, d)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -463,15 +497,16 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
             self.attn_res = KDAMoEBlockAttnRes(config)
             self.mlp_res = KDAMoEBlockAttnRes(config)
 
-    def _mix(self, hidden_states, attention_mask, cache, packed, position_ids, **kwargs):
+    def _mix(self, hidden_states, attention_mask, cache, packed, **kwargs):
         if self.layer_type == "linear_attention":
             return self.self_attn(hidden_states, attention_mask["linear_attention"], cache, packed)
-        return self.self_attn(hidden_states, attention_mask["full_attention"], cache, position_ids=position_ids, **kwargs)
+        out, _ = self.self_attn(hidden_states, attention_mask["full_attention"], cache, **kwargs)
+        return out
 
     def _mlp(self, hidden_states, token_mask):
         if self.is_sparse:
             return self.mlp(hidden_states, token_mask)
-        return self.mlp(hidden_states), None
+        return self.mlp(hidden_states)
 
     def forward(
         self,
@@ -481,24 +516,21 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         packed: dict | None = None,
         token_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
         **kwargs,
-    ):
+    ) -> torch.Tensor:
         attention_mask = attention_mask or {"linear_attention": None, "full_attention": None}
         if not self.use_attnres:
             residual = hidden_states
-            mixed = self._mix(self.input_layernorm(hidden_states), attention_mask, cache, packed, position_ids, **kwargs)
+            mixed = self._mix(self.input_layernorm(hidden_states), attention_mask, cache, packed, **kwargs)
             hidden_states = residual + mixed
-            out, router_logits = self._mlp(self.post_attention_layernorm(hidden_states), token_mask)
-            return hidden_states + out, router_logits
+            return hidden_states + self._mlp(self.post_attention_layernorm(hidden_states), token_mask)
 
         partial = hidden_states
         h = self.attn_res(_sources(block_states, partial))
-        mixed = self._mix(self.input_layernorm(h), attention_mask, cache, packed, position_ids, **kwargs)
+        mixed = self._mix(self.input_layernorm(h), attention_mask, cache, packed, **kwargs)
         partial = mixed if partial is None else partial + mixed
         h = self.mlp_res(_sources(block_states, partial))
-        out, router_logits = self._mlp(self.post_attention_layernorm(h), token_mask)
-        return partial + out, router_logits
+        return partial + self._mlp(self.post_attention_layernorm(h), token_mask)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -517,6 +549,24 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _is_stateful = True
     _keep_in_fp32_modules_strict = ["e_score_correction_bias", "dt_bias"]
+    # transformers' output recorder: router logits (raw ``[B·T, E]`` float32, one per MoE layer) and, with the
+    # eager attention implementation, the MLA layers' attention weights. Hidden states are collected by the
+    # model itself (with Block AttnRes the residual stream is not a layer's output).
+    _can_record_outputs = {
+        "router_logits": OutputRecorder(KDAMoETopkRouter, index=0),
+        "attentions": OutputRecorder(KDAMoEAttention, index=1),
+    }
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        """transformers' choice of experts implementation, defaulting to ``"kdamoe"``; refuses (``ValueError``)
+        the implementations that fuse an activation of their own when ``hidden_act="situ"``."""
+        implementation = super().get_correct_experts_implementation(requested_experts or "kdamoe")
+        if self.config.hidden_act == "situ" and implementation not in EXPERTS_IMPLEMENTATIONS_WITH_SITU:
+            raise ValueError(
+                f"experts_implementation={implementation!r} cannot compute SiTU-GLU (hidden_act='situ'): it fuses "
+                f"its own activation; use one of {EXPERTS_IMPLEMENTATIONS_WITH_SITU}"
+            )
+        return implementation
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -588,6 +638,65 @@ def _dt_bias_init(dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
     return torch.logit(g / lower_bound).to(dt_bias.device, dt_bias.dtype)
 
 
+def packed_causal_mask_function(doc_ids: torch.Tensor) -> Callable:
+    """An ``and_mask_function`` for transformers' ``create_causal_mask``: a query sees a key only if both belong
+    to the same packed document.
+
+    ``doc_ids [B, past + T]`` holds the document id of every key position (cached keys belong to the row's first
+    document). The mask utilities call it with absolute query / key positions, so it also holds when a packed
+    batch continues a cache — the case transformers' own packed-sequence detection skips (it runs only without
+    a cache).
+    """
+
+    def same_document(batch_idx, head_idx, q_idx, kv_idx):
+        return doc_ids[batch_idx, kv_idx] == doc_ids[batch_idx, q_idx]
+
+    return same_document
+
+
+def check_model_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids, past: int | None) -> None:
+    """Raise ``ValueError`` naming the bad input before anything runs.
+
+    ``input_ids`` must be a non-empty integer ``[B, T]`` tensor with ids in ``[0, vocab_size)`` (the range check
+    costs one device sync); ``inputs_embeds`` ``[B, T, hidden_size]``; a 2-D ``attention_mask`` ``[B, past + T]``
+    (``past`` = cached tokens, ``None`` when the cache cannot tell: an all-linear-attention model); ``position_ids``
+    ``[B or 1, T]``.
+    """
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Specify exactly one of `input_ids` or `inputs_embeds`")
+    if input_ids is not None:
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise ValueError(f"`input_ids` must be an integer tensor of token ids, got dtype {input_ids.dtype} (a float tensor?)")
+        if input_ids.dim() != 2:
+            raise ValueError(f"`input_ids` must be 2-D [batch, seq_len], got shape {list(input_ids.shape)}")
+        shape = input_ids.shape
+    else:
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+            raise ValueError(
+                f"`inputs_embeds` must be [batch, seq_len, hidden_size={config.hidden_size}], got {list(inputs_embeds.shape)}"
+            )
+        shape = inputs_embeds.shape[:2]
+    B, T = shape
+    if B == 0 or T == 0:
+        raise ValueError(f"the input has shape {list(shape)}: batch and sequence length must both be at least 1")
+    if input_ids is not None:
+        low, high = (int(v) for v in torch.aminmax(input_ids))
+        if low < 0 or high >= config.vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"`input_ids` contains {bad}, outside [0, vocab_size={config.vocab_size})")
+    if attention_mask is not None and attention_mask.dim() == 2:
+        expected = T if past is None else past + T
+        if attention_mask.shape[0] != B or attention_mask.shape[1] < T or (past is not None and attention_mask.shape[1] != expected):
+            want = f"[{B}, {expected}]" if past is not None else f"[{B}, >= {T}]"
+            raise ValueError(
+                f"`attention_mask` has shape {list(attention_mask.shape)}; expected {want} (cached tokens + new tokens)"
+            )
+    elif attention_mask is not None and attention_mask.dim() != 4:
+        raise ValueError(f"`attention_mask` must be 2-D [batch, past + seq_len] (or a 4-D mask), got {list(attention_mask.shape)}")
+    if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[0] not in (1, B) or position_ids.shape[1] != T):
+        raise ValueError(f"`position_ids` has shape {list(position_ids.shape)}; expected [{B}, {T}]")
+
+
 class KDAMoEModel(KDAMoEPreTrainedModel):
     """The decoder stack: embeddings, layers, (final AttnRes mix), final norm."""
 
@@ -608,6 +717,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -616,29 +726,42 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        output_router_logits: bool | None = None,
         output_hidden_states: bool | None = None,
         past_key_values: Cache | None = None,
-        return_dict: bool | None = None,
         **kwargs,
     ) -> MoeModelOutputWithPast:
         """Run the stack. Inputs ``input_ids [B, T]`` (or ``inputs_embeds [B, T, d]``), optional 2-D
         ``attention_mask [B, past+T]`` (1 = token, 0 = padding) and ``position_ids [B, T]`` (restarts at 0
-        mark packed documents when no mask is given). Returns ``last_hidden_state [B, T, d]``, the
-        ``cache`` and, when asked, ``router_logits`` (tuple of ``[B·T, E]`` float32, one per MoE layer)
-        and ``hidden_states`` (``L + 1`` tensors ``[B, T, d]``: the embeddings, the residual stream after
-        each layer — with Block AttnRes the sum of the embeddings and every sublayer output so far —
-        and, last, the final normed state equal to ``last_hidden_state``).
+        mark packed documents when no mask is given; honoured with or without a cache). ``use_cache``
+        defaults to ``config.use_cache`` except in a training forward (training mode with grad enabled),
+        which builds no cache. Returns ``last_hidden_state [B, T, d]``, the ``cache`` and, when asked,
+        ``router_logits`` (tuple of ``[B·T, E]`` float32, one per MoE layer), ``attentions`` (eager
+        attention only: one ``[B, H, T, past+T]`` per MLA layer; KDA layers have no attention matrix) and
+        ``hidden_states`` (``L + 1`` tensors ``[B, T, d]``: the embeddings, the residual stream after each
+        layer — with Block AttnRes the sum of the embeddings and every sublayer output so far — and, last,
+        the final normed state equal to ``last_hidden_state``).
+
+        Raises:
+            ValueError: for malformed inputs (see :func:`check_model_inputs`) or ``output_attentions=True``
+                with an attention implementation that returns no weights.
         """
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Specify exactly one of `input_ids` or `inputs_embeds`")
         cache = cache if cache is not None else past_key_values
-        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        kwargs.pop("output_router_logits", None)  # recorded by capture_outputs
+        if kwargs.pop("output_attentions", self.config.output_attentions) and self.config._attn_implementation != "eager":
+            raise ValueError(
+                f"output_attentions=True needs attn_implementation='eager' (got {self.config._attn_implementation!r}, "
+                "which returns no weights); only the MLA layers have attention weights"
+            )
+        if use_cache is None:
+            use_cache = self.config.use_cache and not (self.training and torch.is_grad_enabled())
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             use_cache = False
-        output_router_logits = (
-            output_router_logits if output_router_logits is not None else self.config.output_router_logits
-        )
+        if not use_cache:
+            cache = None
+        has_full_attention = "full_attention" in self.config.layer_types
+        # Only attention layers count cached tokens; without one the cache cannot tell (NoPE needs no position).
+        past = (cache.get_seq_length() if cache is not None else 0) if has_full_attention else None
+        check_model_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past if cache is not None else 0)
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
@@ -647,38 +770,45 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         B, T, _ = inputs_embeds.shape
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        if not use_cache:
-            cache = None
+        past = past or 0
         if position_ids is None:
-            past = cache.get_seq_length() if cache is not None else 0
-            position_ids = torch.arange(past, past + T, device=inputs_embeds.device).unsqueeze(0).expand(B, T)
+            position_ids = torch.arange(past, past + T, device=inputs_embeds.device).unsqueeze(0)
+        position_ids = position_ids.expand(B, T)
 
-        mask_kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache)
-        masks = {
-            "full_attention": create_causal_mask(**mask_kwargs, position_ids=position_ids),
-            "linear_attention": create_recurrent_attention_mask(**mask_kwargs),
-        }
         packed = None
         if attention_mask is None and T > 1 and bool((position_ids[:, 1:] == 0).any()):
             packed = packed_sequence_info(position_ids)
+        masks = {
+            "linear_attention": create_recurrent_attention_mask(self.config, inputs_embeds, attention_mask, cache),
+            "full_attention": None,
+        }
+        if has_full_attention:
+            same_document = None
+            if packed is not None:
+                doc_ids = packed["seq_idx"]
+                if past:
+                    doc_ids = torch.cat([packed["first_seq"][:, None].expand(B, past), doc_ids], 1)
+                same_document = packed_causal_mask_function(doc_ids)
+            masks["full_attention"] = create_causal_mask(
+                config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
+                and_mask_function=same_document,
+            )
         token_mask = None
         if attention_mask is not None and attention_mask.dim() == 2:
             token_mask = attention_mask[:, -T:].reshape(-1).bool()
 
-        layer_kwargs = dict(attention_mask=masks, cache=cache, packed=packed, token_mask=token_mask, position_ids=position_ids)
-        all_router_logits, all_hidden_states = [], [inputs_embeds]
+        layer_kwargs = dict(attention_mask=masks, cache=cache, packed=packed, token_mask=token_mask)
+        all_hidden_states = [inputs_embeds]
         if self.config.attnres_num_blocks == 0:
             hidden_states = inputs_embeds
             for layer in self.layers:
-                hidden_states, router_logits = layer(hidden_states, None, **layer_kwargs)
-                all_router_logits.append(router_logits)
+                hidden_states = layer(hidden_states, None, **layer_kwargs)
                 all_hidden_states.append(hidden_states)
         else:
             blocks, partial = [inputs_embeds], None
             block_size = self.config.attnres_block_size
             for i, layer in enumerate(self.layers):
-                partial, router_logits = layer(partial, torch.stack(blocks), **layer_kwargs)
-                all_router_logits.append(router_logits)
+                partial = layer(partial, torch.stack(blocks), **layer_kwargs)
                 if output_hidden_states:
                     all_hidden_states.append(sum(blocks) + partial)
                 if (i + 1) % block_size == 0 or i == len(self.layers) - 1:
@@ -687,13 +817,10 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
             hidden_states = self.final_res(torch.stack(blocks))
 
         hidden_states = self.norm(hidden_states)
-        router_logits = tuple(r for r in all_router_logits if r is not None) if output_router_logits else None
         hidden_states_out = None
         if output_hidden_states:
             hidden_states_out = tuple(all_hidden_states[:-1]) + (hidden_states,)
-        return MoeModelOutputWithPast(
-            last_hidden_state=hidden_states, cache=cache, router_logits=router_logits, hidden_states=hidden_states_out
-        )
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache, hidden_states=hidden_states_out)
 
 
 class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
@@ -714,6 +841,7 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -726,7 +854,6 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
         output_router_logits: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values: Cache | None = None,
-        return_dict: bool | None = None,
         **kwargs,
     ) -> MoeCausalLMOutputWithPast:
         """Causal LM forward. ``labels [B, T]`` (−100 = ignore) are shifted inside, as in every transformers
@@ -761,13 +888,18 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
             if loss is not None and self.config.router_aux_loss_coef > 0:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
         return MoeCausalLMOutputWithPast(
-            loss=loss, aux_loss=aux_loss, logits=logits, cache=outputs.cache,
-            hidden_states=outputs.hidden_states, router_logits=outputs.router_logits,
+            loss=loss, aux_loss=aux_loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions, router_logits=outputs.router_logits,
         )
 
 
 class KDAMoEForSequenceClassification(KDAMoEPreTrainedModel):
-    """KDAMoE with a linear ``score`` head read at each row's last non-padding token (reward / value models)."""
+    """KDAMoE with a linear ``score`` head read at each row's last non-padding token (reward / value models).
+
+    Not transformers' ``GenericForSequenceClassification``: that head finds the last token by
+    ``input_ids != pad_token_id``, which misreads rows whose real tokens include the pad id (TRL commonly sets
+    ``pad_token = eos_token``) and needs ``input_ids``; this one reads the ``attention_mask`` when there is one.
+    """
 
     def __init__(self, config: KDAMoEConfig):
         super().__init__(config)
@@ -782,6 +914,7 @@ class KDAMoEForSequenceClassification(KDAMoEPreTrainedModel):
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -792,7 +925,6 @@ class KDAMoEForSequenceClassification(KDAMoEPreTrainedModel):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         past_key_values: Cache | None = None,
-        return_dict: bool | None = None,
         **kwargs,
     ) -> SequenceClassifierOutputWithPast:
         """Scores ``[B, num_labels]`` at the last token that is not padding (by ``attention_mask``, else by
@@ -817,7 +949,8 @@ class KDAMoEForSequenceClassification(KDAMoEPreTrainedModel):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled, config=self.config)
         return SequenceClassifierOutputWithPast(
-            loss=loss, logits=pooled, cache=outputs.cache, hidden_states=outputs.hidden_states
+            loss=loss, logits=pooled, cache=outputs.cache, hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
         )
 
 

@@ -20,7 +20,7 @@ def _mix_reference(res, sources):
 
 def _sublayers(layer, h):
     mixed = layer.self_attn(layer.input_layernorm(h))
-    return mixed
+    return mixed[0] if isinstance(mixed, tuple) else mixed  # MLA returns (output, attention weights)
 
 
 def _mlp(layer, h):
