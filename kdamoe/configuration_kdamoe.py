@@ -15,7 +15,7 @@ KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
 class KDAMoEConfig(PreTrainedConfig):
     r"""
     Configuration for [`KDAMoEModel`] / [`KDAMoEForCausalLM`]. The defaults give a small model that
-    trains on a CPU; the architecture is described in DESIGN.md §1 (Kimi Linear report; Kimi K3 report
+    trains on a CPU; the architecture is described in docs/architecture.md (Kimi Linear report; Kimi K3 report
     §2.3; LatentMoE, arXiv:2601.18089; Attention Residuals, arXiv:2603.15031).
 
     Args:
@@ -81,7 +81,7 @@ class KDAMoEConfig(PreTrainedConfig):
 
     model_type = "kda_moe"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
-    # Expert parallelism plan read by transformers' DistributedConfig (DESIGN.md §5).
+    # Expert parallelism plan read by transformers' DistributedConfig (docs/architecture.md §8).
     base_model_ep_plan = {
         "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
         "layers.*.mlp.experts.down_proj": "grouped_gemm",

@@ -2,7 +2,7 @@
 
 Reads top to bottom in the order data flows: norms and MLPs, the two token mixers (KDA, MLA), the
 router and MoE block, Block Attention Residuals, the decoder layer, then the model classes.
-Formulas and their sources are in DESIGN.md §1 and in the flat modules this file imports
+Formulas and their sources are in docs/architecture.md and in the flat modules this file imports
 (``kda_torch``, ``moe_torch``, ``quantile_balancing``). Which kernels run is decided in
 ``kernel_dispatch`` alone.
 """
@@ -403,7 +403,7 @@ class KDAMoEExperts(nn.Module):
 
 
 class KDAMoESparseMoeBlock(nn.Module):
-    """Stable LatentMoE (LatentMoE arXiv:2601.18089; Kimi K3 report §2.3; DESIGN.md §1.3, §6).
+    """Stable LatentMoE (LatentMoE arXiv:2601.18089; Kimi K3 report §2.3; docs/architecture.md §3).
 
     ``y = shared(x) + W_up RMSNorm(Σ_{j∈T} p_j E_j(W_down x))``; router, ``W_down`` and shared experts
     all read the pre-normed ``x``. With ``moe_latent_size=None`` the experts run at full width and
@@ -630,7 +630,7 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
 
 
 def _dt_bias_init(dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
-    """``dt_bias`` so that at zero input ``exp(g)`` is log-uniform over [0.9, 0.999] (DESIGN.md §6).
+    """``dt_bias`` so that at zero input ``exp(g)`` is log-uniform over [0.9, 0.999] (docs/architecture.md §1).
 
     ``g = lower_bound · σ(dt_bias)`` ⇒ ``dt_bias = logit(g / lower_bound)`` with ``g ~ U[ln 0.9, ln 0.999]``.
     """
