@@ -654,7 +654,7 @@ def packed_causal_mask_function(doc_ids: torch.Tensor) -> Callable:
     return same_document
 
 
-def check_model_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids, past: int | None) -> None:
+def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids, past: int | None) -> None:
     """Raise ``ValueError`` naming the bad input before anything runs.
 
     ``input_ids`` must be a non-empty integer ``[B, T]`` tensor with ids in ``[0, vocab_size)`` (the range check
@@ -742,7 +742,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         the final normed state equal to ``last_hidden_state``).
 
         Raises:
-            ValueError: for malformed inputs (see :func:`check_model_inputs`) or ``output_attentions=True``
+            ValueError: for malformed inputs (see :func:`validate_model_inputs`) or ``output_attentions=True``
                 with an attention implementation that returns no weights.
         """
         cache = cache if cache is not None else past_key_values
@@ -761,7 +761,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         has_full_attention = "full_attention" in self.config.layer_types
         # Only attention layers count cached tokens; without one the cache cannot tell (NoPE needs no position).
         past = (cache.get_seq_length() if cache is not None else 0) if has_full_attention else None
-        check_model_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past if cache is not None else 0)
+        validate_model_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past if cache is not None else 0)
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
