@@ -93,6 +93,8 @@ def test_outputs_of_a_finished_run(uninterrupted):
     model = reload_model(final)
     tok = AutoTokenizer.from_pretrained(final)
     assert model.config.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.model_max_length == config["max_position_embeddings"] == 32  # the longest stage / eval row
+    assert tok("to be")["input_ids"][0] == tok.bos_token_id == config["bos_token_id"]
     biases = [v for k, v in model.state_dict().items() if k.endswith("e_score_correction_bias")]
     assert len(biases) == 2 and all(torch.count_nonzero(b) > 0 for b in biases)  # QB biases moved and were saved
 
