@@ -1,11 +1,12 @@
 """The Trainer callback updates router biases once per optimizer step (gradient accumulation included)."""
 
+import pytest
 import torch
 from datasets import Dataset
 from transformers import Trainer, TrainingArguments
 
 from kdamoe import KDAMoEForCausalLM
-from kdamoe.callbacks import RouterBiasUpdateCallback, find_kdamoe_model
+from kdamoe.callbacks import RouterBiasUpdateCallback, add_router_bias_callback, find_kdamoe_model, find_kdamoe_models
 from tests.helpers import tiny_config
 
 
@@ -37,3 +38,88 @@ def test_trainer_updates_biases_once_per_optimizer_step(tmp_path):
         assert torch.all(load.sum(-1) == 2 * 2 * 16 * 2)
     assert all(not torch.equal(a, r.e_score_correction_bias) for a, r in zip(biases_before, model._routers()))
     assert float(model.expert_load().sum()) == 0  # reset after the last update
+
+
+def _loads_and_biases(model):
+    return model.expert_load().clone(), [r.e_score_correction_bias.clone() for r in model._routers()]
+
+
+class _TwoPlusReference(torch.nn.Module):
+    """A trainer's ``model`` holding several KDAMoE models, like TRL's policy + value wrapper plus a reference."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.policy = KDAMoEForCausalLM(tiny_config())
+        self.value_model = KDAMoEForCausalLM(tiny_config())
+        self.ref = KDAMoEForCausalLM(tiny_config())
+        self.ref.requires_grad_(False)
+        self.alias = self.policy  # the same module reached twice is one model
+
+
+def test_callback_balances_every_trainable_model_and_never_a_frozen_one():
+    from transformers import TrainerControl, TrainerState
+
+    wrapper = _TwoPlusReference()
+    assert [p for p, _ in find_kdamoe_models(wrapper)] == ["policy", "value_model", "ref"]
+    assert [p for p, _ in find_kdamoe_models(wrapper.policy)] == [""]  # the inner KDAMoEModel is not listed
+    ids = torch.randint(3, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+    wrapper.train()
+    for m in (wrapper.policy, wrapper.value_model, wrapper.ref):  # grad enabled: every router counts tokens
+        m(ids, use_cache=False)
+    before = {name: _loads_and_biases(getattr(wrapper, name)) for name in ("policy", "value_model", "ref")}
+    assert all(float(load.sum()) > 0 for load, _ in before.values())
+
+    callback = RouterBiasUpdateCallback(warn_threshold=100.0)
+    logs = {"loss": 1.0}
+    state = TrainerState()
+    state.log_history.append({**logs, "step": 0})
+    callback.on_step_end(None, state, TrainerControl(), model=wrapper)
+    callback.on_log(None, state, TrainerControl(), logs=logs, model=wrapper)
+    for name in ("policy", "value_model"):
+        model = getattr(wrapper, name)
+        assert all(not torch.equal(b, r.e_score_correction_bias) for b, r in zip(before[name][1], model._routers())), name
+    assert all(torch.equal(b, r.e_score_correction_bias) for b, r in zip(before["ref"][1], wrapper.ref._routers()))
+    for name in ("policy", "value_model", "ref"):  # statistics reset everywhere
+        assert float(getattr(wrapper, name).expert_load().sum()) == 0, name
+    # one reading per model, the first one unprefixed
+    for prefix, name in (("expert_load", "policy"), ("expert_load/value_model", "value_model"),
+                         ("expert_load/ref", "ref")):
+        load = before[name][0]
+        assert logs[f"{prefix}/max_over_mean"] == pytest.approx(float((load.max(-1).values / load.mean(-1)).max()))
+    assert state.log_history[-1] == {**logs, "step": 0}
+
+
+@pytest.mark.parametrize("attach", ["add_router_bias_callback", "callbacks_argument"])
+def test_expert_load_metrics_reach_log_history_and_report_to(tmp_path, monkeypatch, attach):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb_dir = tmp_path / "tb"
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tb_dir))
+    torch.manual_seed(0)
+    model = KDAMoEForCausalLM(tiny_config())
+    ids = torch.randint(3, 97, (4, 16), generator=torch.Generator().manual_seed(0))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, learning_rate=1e-3,
+        report_to=["tensorboard"], logging_steps=1, save_strategy="no", use_cpu=True, seed=0,
+    )
+    if attach == "add_router_bias_callback":
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        callback = add_router_bias_callback(trainer, RouterBiasUpdateCallback(warn_threshold=100.0))
+        assert trainer.callback_handler.callbacks[0] is callback
+    else:
+        callback = RouterBiasUpdateCallback(warn_threshold=100.0)
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+
+    rows = [row for row in trainer.state.log_history if "loss" in row]
+    assert [row["step"] for row in rows] == [1, 2]
+    for row, imbalance in zip(rows, callback.history):
+        assert row["expert_load/max_over_mean"] == max(imbalance)
+        assert [row[f"expert_load/max_over_mean/layer_{1 + i}"] for i in range(3)] == imbalance  # first_k_dense=1
+    if attach == "add_router_bias_callback":  # the reporter ran after us, so it saw them
+        acc = EventAccumulator(str(tb_dir)).Reload()
+        assert "train/loss" in acc.Tags()["scalars"]
+        values = [e.value for e in acc.Scalars("train/expert_load/max_over_mean")]
+        assert values == pytest.approx([max(h) for h in callback.history])

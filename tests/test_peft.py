@@ -1,7 +1,7 @@
 """PEFT LoRA reaches attention projections and the fused 3-D expert weights (``target_parameters``)."""
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 
 from kdamoe import KDAMoEForCausalLM
 from tests.helpers import tiny_config
@@ -31,3 +31,41 @@ def test_lora_on_attention_and_experts_trains_and_merges():
         merged = peft_model.merge_and_unload()
         torch.testing.assert_close(merged(ids, use_cache=False).logits, adapted, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(adapted, base)
+
+
+def test_lora_adapter_on_a_fresh_base_reproduces_the_trained_model(tmp_path, caplog):
+    """Router biases are frozen under PEFT: the adapter alone (no buffers) must rebuild the trained model."""
+    from transformers import TrainerControl, TrainerState
+
+    from kdamoe.callbacks import RouterBiasUpdateCallback
+
+    torch.manual_seed(0)
+    base = KDAMoEForCausalLM(tiny_config())
+    base.save_pretrained(tmp_path / "base")  # the published base
+    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    callback = RouterBiasUpdateCallback(warn_threshold=100.0)
+    gen = torch.Generator().manual_seed(1)
+    peft_model.train()
+    with caplog.at_level("WARNING", logger="kdamoe.callbacks"):
+        for step in range(3):
+            ids = torch.randint(3, 97, (2, 16), generator=gen)
+            peft_model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            callback.on_step_end(None, TrainerState(global_step=step + 1), TrainerControl(), model=peft_model)
+            assert float(base.expert_load().sum()) == 0  # statistics reset although nothing moved
+    assert len(callback.history) == 3  # expert load still reported
+    assert sum("stay frozen" in r.getMessage() for r in caplog.records) == 1  # said once, with the reason
+    assert all(torch.count_nonzero(r.e_score_correction_bias) == 0 for r in base._routers())
+    peft_model.save_pretrained(tmp_path / "adapter")
+
+    ids = torch.randint(3, 97, (2, 24), generator=gen)
+    peft_model.eval()
+    with torch.no_grad():
+        trained = peft_model(input_ids=ids).logits
+        fresh = PeftModel.from_pretrained(KDAMoEForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+        reloaded = fresh.eval()(input_ids=ids).logits
+        untrained = KDAMoEForCausalLM.from_pretrained(tmp_path / "base").eval()(ids, use_cache=False).logits
+    assert not torch.allclose(trained, untrained, atol=1e-3)  # the adapter learned something
+    torch.testing.assert_close(reloaded, trained, rtol=1e-6, atol=1e-6)

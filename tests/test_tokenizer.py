@@ -92,3 +92,24 @@ def test_response_parsing_and_save(tokenizer, tmp_path):
 def test_vocab_too_small():
     with pytest.raises(ValueError, match="tokenizer.vocab_size"):
         train_tokenizer(["abc"], vocab_size=100)
+
+
+def test_saved_tokenizer_prepends_bos_once_like_training(tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    from kdamoe.training.data import tokenize_documents
+    from kdamoe.training.export import encode_prompt
+
+    tokenizer.save_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    text = "ROMEO.\nthe king doth speak"
+    plain = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.bos_token_id not in plain
+    assert tok("ROMEO.")["input_ids"][0] == tok.bos_token_id
+    assert tok(text)["input_ids"] == [tok.bos_token_id, *plain]  # what pipeline("text-generation") encodes
+    assert encode_prompt(tok, text)[0].tolist() == [tok.bos_token_id, *plain]  # kdamoe-generate
+    (doc,) = tokenize_documents(tok, [text], bos_id=tok.bos_token_id, eos_id=tok.eos_token_id)
+    assert doc == [tok.bos_token_id, *plain, tok.eos_token_id]  # training: one bos, one eos
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=False)
+    assert chat.count(tok.bos_token_id) <= 1

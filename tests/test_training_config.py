@@ -59,3 +59,24 @@ def test_shipped_model_sections_are_valid_kdamoe_configs(name):
 def test_bad_model_section_fails_at_config_time():
     with pytest.raises(ValueError, match="config field model: `kda_lower_bound`"):
         load_config(None, ["model.kda_lower_bound=-7"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.num_expert=4", r"model\.num_expert: unknown KDAMoEConfig field; did you mean num_experts\?"),
+    ("model.hiden_size=64", r"model\.hiden_size: unknown KDAMoEConfig field; did you mean hidden_size\?"),
+    ("model.zzzz=1", r"model\.zzzz: unknown KDAMoEConfig field; known fields: vocab_size, hidden_size"),
+    ("model.vocab_size=100", r"model\.vocab_size: set from the tokenizer"),
+])
+def test_unknown_model_key_is_rejected_at_config_time(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [override])
+
+
+def test_every_shipped_model_key_is_a_kdamoe_config_argument():
+    import inspect
+
+    from kdamoe import KDAMoEConfig
+
+    documented = set(inspect.signature(KDAMoEConfig.__init__).parameters) - {"self", "kwargs"}
+    for name in ("cpu_default.yaml", "gpu_h200.yaml"):
+        assert set(load_config(name).model) <= documented, name

@@ -93,6 +93,8 @@ def test_outputs_of_a_finished_run(uninterrupted):
     model = reload_model(final)
     tok = AutoTokenizer.from_pretrained(final)
     assert model.config.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.model_max_length == config["max_position_embeddings"] == 32  # the longest stage / eval row
+    assert tok("to be")["input_ids"][0] == tok.bos_token_id == config["bos_token_id"]
     biases = [v for k, v in model.state_dict().items() if k.endswith("e_score_correction_bias")]
     assert len(biases) == 2 and all(torch.count_nonzero(b) > 0 for b in biases)  # QB biases moved and were saved
 
@@ -156,3 +158,78 @@ def test_cli_entry_points(uninterrupted, capsys):
     with pytest.raises(SystemExit):  # a bad field is a usage error naming it
         train_main(["--config", str(cfg_path), "--set", "train.stages.0.lr=-1"])
     assert "train.stages[0].lr" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def killed(uninterrupted):
+    """A run killed after 5 steps: checkpoints stage0-step2 (mid), stage0-step3 (stage end), stage1-step2 (newest)."""
+    tmp_path, _ = uninterrupted
+    run(_config(tmp_path, "killed"), resume=False, stop_after_steps=5)
+    names = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir())
+    assert names == ["stage0-step000002", "stage0-step000003", "stage1-step000002"]
+    return tmp_path / "killed"
+
+
+def _copy_run(killed, tmp_path, name):
+    import shutil
+
+    shutil.copytree(killed, tmp_path / name)
+    return tmp_path / name / "checkpoints" / "stage1-step000002"
+
+
+@pytest.mark.parametrize("damaged", ["progress.json", "model.safetensors", "optimizer.bin"])
+def test_resume_skips_a_truncated_newest_checkpoint(uninterrupted, killed, capsys, damaged):
+    tmp_path, full = uninterrupted
+    newest = _copy_run(killed, tmp_path, f"truncated_{damaged}")
+    path = newest / damaged
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    capsys.readouterr()
+    resumed = run(_config(tmp_path, f"truncated_{damaged}"), resume=True)
+    out = capsys.readouterr().out
+    skips = [line for line in out.splitlines() if line.startswith("skipping checkpoint")]
+    assert len(skips) == 1 and "stage1-step000002" in skips[0] and damaged in skips[0], out
+    assert "stage0-step000003" in out  # fell back to the older, intact stage end
+    assert resumed["finished"] and resumed["losses"] == full["losses"] and resumed["after"] == full["after"]
+
+
+def test_resume_never_unpickles_a_planted_custom_checkpoint(uninterrupted, killed):
+    from kdamoe.training.checkpoint import verify_checkpoint, write_manifest
+
+    tmp_path, full = uninterrupted
+    newest = _copy_run(killed, tmp_path, "planted")
+    marker = tmp_path / "planted_payload_ran"
+
+    class Payload:
+        def __reduce__(self):  # unpickling calls open(marker, "w"): creates the file
+            return open, (str(marker), "w")
+
+    for index in range(2):  # the files accelerate would load for registered objects
+        torch.save(Payload(), newest / f"custom_checkpoint_{index}.pkl")
+    write_manifest(newest)  # an attacker who can write the folder can also rewrite the manifest
+    assert "custom_checkpoint_0.pkl" in verify_checkpoint(newest)
+    resumed = run(_config(tmp_path, "planted"), resume=True)  # skips it, resumes from stage0-step000003
+    assert not marker.exists()
+    assert resumed["finished"] and resumed["losses"] == full["losses"]
+
+
+def test_resume_with_no_intact_checkpoint_refuses_instead_of_starting_over(killed, tmp_path):
+    import shutil
+
+    shutil.copytree(killed, tmp_path / "broken")
+    for folder in (tmp_path / "broken" / "checkpoints").iterdir():
+        (folder / "progress.json").write_text("{")
+    with pytest.raises(ValueError, match="no intact checkpoint"):
+        run(_config(tmp_path, "broken"), resume=True)
+    assert len(list((tmp_path / "broken" / "checkpoints").iterdir())) == 3  # nothing deleted
+
+
+def test_checkpoint_writes_are_atomic(killed):
+    from kdamoe.training.checkpoint import MANIFEST, verify_checkpoint
+
+    root = killed / "checkpoints"
+    assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
+    for folder in root.iterdir():
+        assert verify_checkpoint(folder) is None
+        manifest = json.loads((folder / MANIFEST).read_text())
+        assert {"progress.json", "model.safetensors", "optimizer.bin", "random_states_0.pkl"} <= set(manifest)
+        assert not any(name.startswith("custom_checkpoint") for name in manifest)

@@ -154,13 +154,50 @@ class RunConfig:
         need(self.monitor.histogram_every >= 1, "monitor.histogram_every", "must be at least 1")
         need(self.generate.max_new_tokens >= 1, "generate.max_new_tokens", "must be at least 1")
         # The model section is KDAMoEConfig's own: check it now, not after the corpus and tokenizer work.
-        from kdamoe import KDAMoEConfig
-
-        try:
-            KDAMoEConfig(**{**self.model, "vocab_size": self.tokenizer.vocab_size})
-        except ValueError as err:
-            raise ValueError(f"config field model: {err}") from err
+        check_model_section(self.model, self.tokenizer.vocab_size)
         return self
+
+
+# Filled in by the run from the tokenizer (``trainer.build_model``); a value under ``model:`` would be ignored.
+FROM_TOKENIZER = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def model_config_fields() -> list[str]:
+    """The keyword arguments ``KDAMoEConfig.__init__`` documents (its signature, ``**kwargs`` excluded)."""
+    import inspect
+
+    from kdamoe import KDAMoEConfig
+
+    params = inspect.signature(KDAMoEConfig.__init__).parameters.values()
+    return [p.name for p in params if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
+
+
+def check_model_section(model: dict[str, Any], vocab_size: int) -> None:
+    """Validate the ``model:`` section: every key a documented ``KDAMoEConfig`` field, and the config they make valid.
+
+    ``KDAMoEConfig`` takes ``**kwargs`` (as every ``PretrainedConfig``), so a misspelt key would otherwise be
+    stored as an unused attribute and the model silently built with the default.
+
+    Raises:
+        ValueError: ``config field model.<key>: unknown KDAMoEConfig field`` (with the closest field name,
+            ``difflib``), a key filled in from the tokenizer, or ``config field model: <KDAMoEConfig's message>``.
+    """
+    import difflib
+
+    from kdamoe import KDAMoEConfig
+
+    fields = model_config_fields()
+    for key in model:
+        if key in FROM_TOKENIZER:
+            raise ValueError(f"config field model.{key}: set from the tokenizer, not in the model section")
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; known fields: {', '.join(fields)}"
+            raise ValueError(f"config field model.{key}: unknown KDAMoEConfig field{hint}")
+    try:
+        KDAMoEConfig(**{**model, "vocab_size": vocab_size})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"config field model: {err}") from err
 
 
 def _build(tp, value, name: str):

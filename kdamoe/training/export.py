@@ -24,7 +24,8 @@ def export_model(model, tokenizer, cfg, summary: dict, folder: str | Path) -> Pa
     """Write ``folder`` so that ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` loads it.
 
     Holds ``model.safetensors``, ``config.json`` (with ``auto_map``) and the modeling code (copied by
-    ``save_pretrained``), ``generation_config.json``, the tokenizer files and a ``README.md`` model
+    ``save_pretrained``), ``generation_config.json``, the tokenizer files (``model_max_length`` set to the
+    model's ``max_position_embeddings``) and a ``README.md`` model
     card rendered from ``model_cards/pretrained_model_card.md`` with the run's numbers.
 
     Args:
@@ -43,7 +44,12 @@ def export_model(model, tokenizer, cfg, summary: dict, folder: str | Path) -> Pa
         model.save_pretrained(folder)
     finally:
         model.config.kernel_backend = trained_backend
-    tokenizer.save_pretrained(folder)
+    # The tokenizer's context limit is the model's (it was trained before the model existed).
+    trained_max_length, tokenizer.model_max_length = tokenizer.model_max_length, model.config.max_position_embeddings
+    try:
+        tokenizer.save_pretrained(folder)
+    finally:
+        tokenizer.model_max_length = trained_max_length
     c = model.config
     card_data = ModelCardData(language="en", license="apache-2.0", library_name="transformers",
                               pipeline_tag="text-generation", tags=["kda_moe", "linear-attention", "moe", "custom_code"])

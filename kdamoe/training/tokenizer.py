@@ -1,6 +1,7 @@
 """Byte-level BPE tokenizer with chat and tool-call markup, as a transformers ``PreTrainedTokenizerFast``.
 
-Special tokens: ``<|bos|>`` starts every document, ``<|im_end|>`` ends a chat turn *and* a document
+Special tokens: ``<|bos|>`` starts every document (the post-processor adds it: ``tokenizer(text)`` is
+``[bos] + tokens`` as in training; ``add_special_tokens=False`` leaves it out), ``<|im_end|>`` ends a chat turn *and* a document
 (it is ``eos_token``, so generation stops at the end of a turn), ``<|pad|>`` pads. ``<|im_start|>``
 opens a turn. Tool markup (``<tools>``, ``<tool_call>``, ``<tool_response>`` and their closers) is
 added as *non-special* tokens so decoding with ``skip_special_tokens=True`` keeps tool calls.
@@ -82,9 +83,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, min_frequency:
         vocab_size: final vocabulary size, special and tool tokens included; at least 256 + 10
             (every byte has a token, so any text encodes).
         min_frequency: a pair must occur this often to be merged.
-        model_max_length: stored in the tokenizer config (the model's context, for warnings).
+        model_max_length: stored in the tokenizer config (the model's context, for warnings); the
+            exported copy gets the model's ``max_position_embeddings`` (``export.export_model``).
     Returns:
-        A ``PreTrainedTokenizerFast`` with ``bos/eos/pad`` set, :data:`CHAT_TEMPLATE` and
+        A ``PreTrainedTokenizerFast`` with ``bos/eos/pad`` set, a ``TemplateProcessing`` post-processor
+        that prepends ``<|bos|>`` (transformers' ``add_bos_token``), :data:`CHAT_TEMPLATE` and
         :data:`RESPONSE_TEMPLATE`; ``len(tokenizer) == vocab_size`` unless the texts
         allow fewer merges (then it is smaller).
     Raises:
@@ -104,8 +107,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, min_frequency:
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=model_max_length,
-        chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False, add_bos_token=True,
     )
+    # Saved to tokenizer_config.json too, so a reload that rebuilds the post-processor keeps the bos.
+    tokenizer.init_kwargs["add_bos_token"] = True
     tokenizer.response_template = RESPONSE_TEMPLATE
     return tokenizer
 

@@ -2,10 +2,11 @@
 
 ``run(cfg)`` is the whole job; ``train_stage`` is the loop of one context-length stage. Each stage
 builds its own packed rows, data loader and warmup + cosine schedule; the model and the AdamW state
-carry over from the stage before. Checkpoints are ``accelerator.save_state`` folders under
-``<output_dir>/checkpoints/`` and hold everything a resumed run needs (model with its router biases,
-optimizer, RNG, gradient-accumulation step, and :class:`TrainProgress`: stage, step, data position,
-the stage's LR scheduler state and the expert-load totals).
+carry over from the stage before. Checkpoints (:mod:`kdamoe.training.checkpoint`) are folders under
+``<output_dir>/checkpoints/`` holding everything a resumed run needs: ``accelerator.save_state`` files
+(model with its router biases, optimizer, RNG, gradient-accumulation step) and our own
+:class:`TrainProgress` (stage, step, data position, the stage's LR scheduler state, losses) as JSON and
+the expert-load totals as safetensors. They are written atomically and resumed from the newest intact one.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from transformers import get_cosine_schedule_with_warmup
 
+from .checkpoint import (
+    MONITOR,
+    PROGRESS,
+    checkpoint_name,
+    list_checkpoints,
+    load_state,
+    save_checkpoint_atomically,
+)
+from .checkpoint import find_checkpoint as find_intact_checkpoint
 from .config import RunConfig, StageConfig, config_to_dict
 from .corpus import load_corpus
 from .data import pack_documents, stage_loader, tokenize_documents
@@ -39,7 +49,10 @@ logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
 
 @dataclass
 class TrainProgress:
-    """Where the run stands; saved in every checkpoint (``accelerator.register_for_checkpointing``)."""
+    """Where the run stands; saved in every checkpoint as ``progress.json`` (plain JSON, never unpickled).
+
+    JSON keeps every float exactly (``repr`` round-trips), which the bitwise resume relies on.
+    """
 
     stage: int = 0  # index of the stage in progress
     step: int = 0  # optimizer steps done in that stage; micro-batches consumed = step · grad_accum_steps
@@ -54,6 +67,15 @@ class TrainProgress:
     def load_state_dict(self, state: dict) -> None:
         for k, v in state.items():
             setattr(self, k, v)
+
+    def save(self, folder: Path) -> None:
+        (folder / PROGRESS).write_text(json.dumps(self.state_dict()))
+
+    @classmethod
+    def load(cls, folder: Path) -> "TrainProgress":
+        progress = cls()
+        progress.load_state_dict(json.loads((folder / PROGRESS).read_text()))
+        return progress
 
 
 @dataclass
@@ -116,18 +138,13 @@ def make_scheduler(optimizer, stage: StageConfig):
 
 
 def checkpoint_dir(out_dir: Path, progress: TrainProgress) -> Path:
-    return out_dir / "checkpoints" / f"stage{progress.stage}-step{progress.step:06d}"
+    return out_dir / "checkpoints" / checkpoint_name(progress.stage, progress.step)
 
 
-def find_checkpoint(out_dir: Path) -> Path | None:
-    """The newest complete checkpoint under ``out_dir/checkpoints`` (by stage, then step), or None."""
-    found = []
-    for p in (out_dir / "checkpoints").glob("stage*-step*"):
-        meta = p / "progress.json"
-        if meta.exists():
-            m = json.loads(meta.read_text())
-            found.append((m["stage"], m["step"], p))
-    return max(found)[2] if found else None
+def find_checkpoint(out_dir: Path, say=print) -> Path | None:
+    """The newest intact checkpoint under ``out_dir/checkpoints`` (by stage, then step), or None; ``say``
+    gets one line per newer checkpoint skipped (see :func:`kdamoe.training.checkpoint.find_checkpoint`)."""
+    return find_intact_checkpoint(out_dir / "checkpoints", say)
 
 
 RUN_ARTIFACTS = ["checkpoints", "tokenizer", "tensorboard", "final", "baselines.json", "summary.json", "expert_load.png"]
@@ -162,22 +179,39 @@ def check_same_run(out_dir: Path, cfg: RunConfig) -> None:
                              f"({a!r} there, {b!r} now): pass --no-resume or another --output-dir")
 
 
-def save_checkpoint(accelerator, progress: TrainProgress, scheduler, out_dir: Path, cfg: RunConfig, stage_end: bool) -> Path:
-    """``accelerator.save_state`` into ``checkpoints/stage<i>-step<n>``; ``progress.json`` is written last,
-    so a folder without it (a run killed while saving) is never resumed from. Older mid-stage
-    checkpoints beyond ``train.keep_checkpoints`` are deleted; stage ends are kept."""
+def save_checkpoint(accelerator, progress: TrainProgress, scheduler, monitor: TrainingMonitor, out_dir: Path,
+                    cfg: RunConfig) -> Path:
+    """Write ``checkpoints/stage<i>-step<n>`` atomically (:func:`kdamoe.training.checkpoint.save_checkpoint_atomically`):
+    accelerate's state, ``progress.json``, ``monitor.safetensors``, the manifest. Then delete mid-stage
+    checkpoints beyond the newest ``train.keep_checkpoints``; stage ends are kept."""
+    from safetensors.torch import save_file
+
     progress.scheduler = scheduler.state_dict()
-    path = checkpoint_dir(out_dir, progress)
-    accelerator.save_state(str(path))
-    if accelerator.is_main_process:
-        meta = {"stage": progress.stage, "step": progress.step, "global_step": progress.global_step, "stage_end": stage_end}
-        (path / "progress.json").write_text(json.dumps(meta))
-        mids = sorted((p for p in path.parent.glob("stage*-step*") if (p / "progress.json").exists()
-                       and not json.loads((p / "progress.json").read_text())["stage_end"]), key=lambda p: p.name)
+
+    def write_own_state(folder: Path) -> None:
+        progress.save(folder)
+        if monitor.total_load is not None:
+            save_file({"total_load": monitor.total_load.contiguous()}, str(folder / MONITOR))
+
+    path = save_checkpoint_atomically(accelerator, checkpoint_dir(out_dir, progress), write_own_state)
+    if accelerator.is_main_process:  # stage end or not is read from the name: no file of a folder is trusted here
+        stages = cfg.train.stages
+        mids = [p for stage, step, p in list_checkpoints(path.parent)
+                if not (stage < len(stages) and step == stages[stage].steps)]
         for old in mids[: max(0, len(mids) - cfg.train.keep_checkpoints)]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return path
+
+
+def load_checkpoint(folder: Path, monitor: TrainingMonitor) -> TrainProgress:
+    """Our own state from a checkpoint folder: the :class:`TrainProgress` and the monitor's expert-load totals
+    (accelerate's part is loaded by :func:`kdamoe.training.checkpoint.load_state` in :func:`train_stage`)."""
+    from safetensors.torch import load_file
+
+    if (folder / MONITOR).exists():
+        monitor.load_state_dict(load_file(str(folder / MONITOR)))
+    return TrainProgress.load(folder)
 
 
 def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, data: PreparedData, progress: TrainProgress,
@@ -190,7 +224,7 @@ def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, d
                                               cfg.seed + index, accelerator.num_processes))
     scheduler = make_scheduler(optimizer, stage)
     if resume_from is not None:
-        accelerator.load_state(str(resume_from))
+        load_state(accelerator, resume_from)
         scheduler.load_state_dict(progress.scheduler)
     raw_model = accelerator.unwrap_model(model)
     monitor.start_stage(stage.name, stage.steps, progress.step)
@@ -225,7 +259,7 @@ def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, d
                                                 "seq_len": stage.seq_len}, write)
         monitor.log_expert_load(progress.global_step, load, write)
         if progress.step == stage.steps or (t.checkpoint_every and progress.step % t.checkpoint_every == 0):
-            save_checkpoint(accelerator, progress, scheduler, out_dir, cfg, stage_end=progress.step == stage.steps)
+            save_checkpoint(accelerator, progress, scheduler, monitor, out_dir, cfg)
         step_loss, step_tokens, t0 = 0.0, 0, time.perf_counter()
     return True
 
@@ -260,7 +294,10 @@ def run(cfg: RunConfig, resume: bool = True, stop_after_steps: int | None = None
     accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no",
                               gradient_accumulation_steps=cfg.train.grad_accum_steps)
     set_seed(cfg.seed)
-    checkpoint = find_checkpoint(out_dir) if resume else None
+    checkpoint = find_checkpoint(out_dir, say=lambda line: _say(accelerator, line)) if resume else None
+    if resume and checkpoint is None and list_checkpoints(out_dir / "checkpoints"):
+        raise ValueError(f"no intact checkpoint in {out_dir / 'checkpoints'} (reasons above); pass --no-resume "
+                         "to start over (which deletes them) or another --output-dir")
     if checkpoint is not None:
         check_same_run(out_dir, cfg)
     if accelerator.is_main_process:
@@ -288,11 +325,10 @@ def run(cfg: RunConfig, resume: bool = True, stop_after_steps: int | None = None
         (out_dir / "baselines.json").write_text(json.dumps({k: summary[k] for k in ("bigram", "before")}))
     optimizer = make_optimizer(model, cfg)
     model, optimizer = accelerator.prepare(model, optimizer)
-    progress = TrainProgress()
     monitor = TrainingMonitor(out_dir / "tensorboard", cfg.monitor.load_imbalance_threshold,
                               cfg.monitor.histogram_every, enabled=accelerator.is_main_process)
-    accelerator.register_for_checkpointing(progress, monitor)
-    resume_stage = json.loads((checkpoint / "progress.json").read_text())["stage"] if checkpoint else 0
+    progress = TrainProgress() if checkpoint is None else load_checkpoint(checkpoint, monitor)
+    resume_stage = progress.stage
     if checkpoint is not None:
         _say(accelerator, f"resuming from {checkpoint}")
 
