@@ -120,3 +120,47 @@ def test_bad_shapes_raise_clear_errors():
         chunk_kda_torch(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 4]))
     with pytest.raises(ValueError, match="cu_seqlens"):
         chunk_kda_torch(q[:1], k[:1], v[:1], g[:1], beta[:1], cu_seqlens=torch.tensor([0, 3]))
+
+
+def _brute_force_conv(x, w, state, seq_idx):
+    """float64 triple loop of y[b,t,c] = SiLU(Σ_j w[c,W-1-j] x[b,t-j,c] [same id]) and the W-input state."""
+    B, T, C = x.shape
+    W = w.shape[1]
+    ids = (lambda b, p: seq_idx[b, max(p, 0)].item() if p >= 0 else seq_idx[b, 0].item()) if seq_idx is not None else (lambda b, p: 0)
+    value = lambda b, p: x[b, p] if p >= 0 else (state[b, :, W + p] if state is not None else torch.zeros(C, dtype=x.dtype))
+    y = torch.zeros(B, T, C, dtype=torch.float64)
+    new_state = torch.zeros(B, C, W, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            for j in range(W):
+                if ids(b, t - j) == ids(b, t):
+                    y[b, t] += w[:, W - 1 - j] * value(b, t - j)
+        for m in range(W):
+            p = T - W + m
+            if ids(b, p) == ids(b, T - 1):
+                new_state[b, :, m] = value(b, p)
+    return torch.nn.functional.silu(y), new_state
+
+
+@pytest.mark.parametrize("T,with_state", [(9, True), (2, True), (7, False)])
+def test_short_conv_matches_brute_force_with_state_and_packed_rows(T, with_state):
+    gen = torch.Generator().manual_seed(T)
+    x = torch.randn(2, T, 3, generator=gen, dtype=torch.float64)
+    w = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    state = torch.randn(2, 3, 4, generator=gen, dtype=torch.float64) if with_state else None
+    # row 0: the last document is shorter than W, so the returned state must not carry the earlier one
+    seq_idx = torch.tensor([[0] * (T - 1) + [1], [2] * T])
+    out, new_state = causal_conv1d_torch(x, w, state, seq_idx)
+    ref, ref_state = _brute_force_conv(x, w, state, seq_idx)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(new_state, ref_state, rtol=0, atol=0)
+
+
+def test_short_conv_half_inputs_computed_in_float32_returned_in_input_dtype():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 6, 4, generator=gen).half()
+    w = torch.randn(4, 4, generator=gen)  # float32 weight (autocast-style mix): the output stays float16
+    out, state = causal_conv1d_torch(x, w)
+    ref, _ = _brute_force_conv(x.double(), w.double(), None, None)
+    assert out.dtype == torch.float16 and state.dtype == torch.float16
+    torch.testing.assert_close(out.double(), ref, rtol=1e-3, atol=1e-3)
