@@ -317,7 +317,22 @@ def causal_conv1d_torch(
         if seq_idx is not None:
             shifted = shifted * (ids[:, W - j : W - j + T] == seq_idx).unsqueeze(-1)
         out = out + shifted * weight[:, W - 1 - j].to(dtype)
-    new_state = full[:, -W:]
+    return F.silu(out).to(x.dtype), conv_final_state(x, conv_state, seq_idx, W)
+
+
+def conv_final_state(
+    x: torch.Tensor, conv_state: torch.Tensor | None, seq_idx: torch.Tensor | None, width: int
+) -> torch.Tensor:
+    """The state :func:`causal_conv1d_torch` returns: the last ``width`` inputs of each row, ``[B, C, W]``.
+
+    Slots before the row's start come from ``conv_state`` (zeros when None); a slot holding an input of
+    another sequence than the row's last token is zero. Differentiable; in ``x.dtype``.
+    """
+    B, T, C = x.shape
+    tail = x[:, max(T - width, 0) :]
+    history = x.new_zeros(B, width, C) if conv_state is None else conv_state.transpose(1, 2).to(x.dtype)
+    state = torch.cat([history, tail], dim=1)[:, -width:]
     if seq_idx is not None and T > 0:
-        new_state = new_state * (ids[:, -W:] == seq_idx[:, -1:]).unsqueeze(-1)
-    return F.silu(out).to(x.dtype), new_state.transpose(1, 2)
+        ids = torch.cat([seq_idx[:, :1].expand(B, width), seq_idx[:, max(T - width, 0) :]], dim=1)[:, -width:]
+        state = state * (ids == seq_idx[:, -1:]).unsqueeze(-1)
+    return state.transpose(1, 2)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kdamoe.kda_torch import causal_conv1d_torch, chunk_kda_torch, kda_gate, l2norm, recurrent_kda_torch
-from tests.kda_reference import naive_recurrent_kda
+from tests.kda_reference import kda_gate_reference, naive_recurrent_kda
 
 
 def _inputs(seed, B, T, H=2, K=8, V=6, dtype=torch.float64, lower_bound=-5.0):
@@ -164,3 +164,19 @@ def test_short_conv_half_inputs_computed_in_float32_returned_in_input_dtype():
     ref, _ = _brute_force_conv(x.double(), w.double(), None, None)
     assert out.dtype == torch.float16 and state.dtype == torch.float16
     torch.testing.assert_close(out.double(), ref, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("op", [chunk_kda_torch, recurrent_kda_torch])
+def test_gate_inside_the_op_equals_the_precomputed_gate(op):
+    """use_gate_in_kernel: the op computes lb·σ(exp(A_log)(f + dt_bias)) itself (tests/kda_reference.py gate)."""
+    q, k, v, _, beta, h0 = _inputs(seed=21, B=2, T=19)
+    gen = torch.Generator().manual_seed(22)
+    f, dt_bias, A_log = (torch.randn(s, generator=gen, dtype=torch.float64) for s in ((2, 19, 2, 8), (16,), (2,)))
+    o, ht = op(q, k, v, f, beta, initial_state=h0, output_final_state=True, use_gate_in_kernel=True,
+               A_log=A_log, dt_bias=dt_bias, lower_bound=-3.0)
+    g = kda_gate_reference(f, A_log, dt_bias, -3.0)
+    o_ref, ht_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ht, ht_ref, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="lower_bound"):
+        op(q, k, v, f, beta, use_gate_in_kernel=True, dt_bias=dt_bias, lower_bound=None)
