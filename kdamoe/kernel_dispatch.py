@@ -48,18 +48,24 @@ def kdamoe_kernels():
     return kernels
 
 
+def _import_fla(module: str, names: tuple[str, ...]) -> dict:
+    """``{name: fla function}`` from ``module``, or ``{}`` when it cannot be imported."""
+    try:
+        imported = __import__(module, fromlist=list(names))
+        return {name: getattr(imported, name) for name in names}
+    except Exception as error:  # fla's import touches Triton's driver and einops: any failure = "not usable"
+        if not isinstance(error, ImportError) or "fla" not in str(error):
+            logger.warning_once(f"flash-linear-attention's {module} does not import ({error!r}); not using it")
+        return {}
+
+
 @functools.lru_cache(maxsize=None)
 def fla_kernels():
-    """fla's KDA and short-conv ops as a namespace, or None when fla (0.6 API) cannot be imported."""
-    try:
-        from fla.modules.causal_conv1d import causal_conv1d, causal_conv1d_update
-        from fla.ops.kda import chunk_kda, fused_recurrent_kda
-    except Exception as error:  # fla's import touches Triton's driver: any failure means "not usable here"
-        if not isinstance(error, ImportError):
-            logger.warning_once(f"flash-linear-attention is installed but does not import ({error!r}); not using it")
-        return None
-    return SimpleNamespace(causal_conv1d=causal_conv1d, causal_conv1d_update=causal_conv1d_update,
-                           chunk_kda=chunk_kda, fused_recurrent_kda=fused_recurrent_kda)
+    """fla's (>= 0.6) KDA and short-conv ops as a namespace, or None when fla does not import at all; the
+    two groups are imported separately, so a missing part leaves the other usable."""
+    ops = {**_import_fla("fla.ops.kda", ("chunk_kda", "fused_recurrent_kda")),
+           **_import_fla("fla.modules.causal_conv1d", ("causal_conv1d", "causal_conv1d_update"))}
+    return SimpleNamespace(**ops) if ops else None
 
 
 def _interpreter_on() -> bool:
@@ -106,7 +112,7 @@ def resolve(backend: str, device: torch.device, op: str) -> str:
         return "torch"  # no fla kernel for this op (the MoE experts)
     kernels = kdamoe_kernels()
     have_kdamoe = kernels is not None and hasattr(kernels, op)
-    have_fla = op in _FLA_OPS and fla_kernels() is not None
+    have_fla = op in _FLA_OPS and getattr(fla_kernels(), op, None) is not None
     return select_backend(backend, device.type, have_kdamoe, have_fla, _interpreter_on())
 
 
