@@ -6,7 +6,7 @@ One device call does everything:
    L2 norm inside the kernel, against an independent float32 PyTorch reference (16-token chunks, direct
    exp(G_i − G_j), triangular solves, Python loop over chunks; tf32 off). Relative L2 error of the output
    and of every gradient (q, k, v, raw gate f, beta, dt_bias).
-2. timings exactly as /work/shared/bench/peers_h200.py calls fla: B=1, H=16, K=V=128, bf16,
+2. timings with fla called as the team's peer benchmark calls it: B=1, H=16, K=V=128, bf16,
    ``use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=None, dt_bias=0, safe_gate=True,
    lower_bound=-5``; forward and forward+backward at T ∈ {8K, 32K, 128K}; one fused_recurrent decode step
    at B ∈ {1, 64} (precomputed gate, L2 norm in kernel, fp32 initial state, final state out).
@@ -19,7 +19,7 @@ FLOP and byte counts (nominal, the same for both implementations; chunk C=64, D 
 forward ``6·K·V + 3·C·K + 2·C·V`` FLOP per token-head (state products 6KV, intra-chunk C²-terms), backward
 twice that; fewest bytes: forward reads q, k, v, f (bf16), beta and writes o: ``10·D + 2`` bytes per
 token-head; forward+backward adds reading them and dO again and writing five gradients: ``28·D + 6``.
-Ceilings (DESIGN.md §4): 757 TFLOP/s bf16 GEMM, 4.27 TB/s device copy.
+Ceilings (measured on the H200, docs/architecture.md §9): 757 TFLOP/s bf16 GEMM, 4.27 TB/s device copy.
 """
 
 import argparse
@@ -315,7 +315,7 @@ def write(out_dir, rows, errors, stages, fla_ver):
     with open(os.path.join(out_dir, "kda_h200_errors.json"), "w") as fh:
         json.dump({"errors": errors, "stages_ms_T32K": stages}, fh, indent=1)
     lines = ["# KDA kernels on one H200 (bf16, B=1, H=16, K=V=128; gate and L2 norm in kernel)", "",
-             f"Peer: {fla_ver}, called exactly as /work/shared/bench/peers_h200.py does, in the same process.",
+             f"Peer: {fla_ver}, called with the arguments above, in the same process.",
              "Times: triton.testing.do_bench medians (ms). TFLOP/s and GB/s from the nominal counts in",
              f"benchmarks/bench_kda.py, against the ceilings {PEAK_TFLOPS:.0f} TFLOP/s and {PEAK_TBPS} TB/s.", "",
              "| case | ours ms | fla ms | ours/fla | ours TFLOP/s (% peak) | ours GB/s (% copy) |",

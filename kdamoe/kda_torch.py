@@ -2,7 +2,8 @@
 
 This is the reference path the modeling file runs on a CPU (and from a saved folder with nothing but
 torch + transformers), and the path the Triton kernels are checked against. Signatures follow fla's
-``chunk_kda`` / ``fused_recurrent_kda`` (DESIGN.md §3).
+``chunk_kda`` / ``fused_recurrent_kda``, including the in-kernel gate (``use_gate_in_kernel``, ``dt_bias``,
+``A_log``, ``lower_bound``), so every backend takes the same call (docs/architecture.md §6).
 
 Math (Kimi Linear report §3, Eq. 1), per head with state ``S ∈ R^{K×V}``::
 
@@ -26,24 +27,30 @@ import torch
 import torch.nn.functional as F
 
 
-def kda_gate(f: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float, A_log: torch.Tensor | None = None) -> torch.Tensor:
+def kda_gate(
+    f: torch.Tensor, dt_bias: torch.Tensor | None, lower_bound: float, A_log: torch.Tensor | None = None
+) -> torch.Tensor:
     """Lower-bounded KDA log-decay ``g = lower_bound · σ(exp(A_log) · (f + dt_bias))`` ∈ [lower_bound, 0).
 
     Args:
         f: raw gate input ``[..., H, K]`` (any float dtype).
-        dt_bias: ``[H*K]`` bias.
-        lower_bound: ``g_min`` (negative; DESIGN.md §6 explains the −5 limit).
+        dt_bias: ``[H*K]`` bias, or None for none.
+        lower_bound: ``g_min`` (negative; docs/architecture.md §1 explains the −5 limit).
         A_log: optional ``[H]`` per-head log scale; ``None`` means scale 1.
 
     Returns:
-        ``g`` with ``f``'s shape, float32 (gate exponentials are never taken in half precision).
+        ``g`` with ``f``'s shape, float32 (float64 for float64 ``f``; gate exponentials are never taken in
+        half precision).
 
-    Source: the seed article §II.2 (lower-bounded sigmoid log-decay); DESIGN.md §1.1.
+    Source: the seed article §II.2 (lower-bounded sigmoid log-decay); docs/architecture.md §1.
     """
     num_heads, head_dim = f.shape[-2], f.shape[-1]
-    x = f.float() + dt_bias.float().view(num_heads, head_dim)
+    dtype = torch.float64 if f.dtype == torch.float64 else torch.float32
+    x = f.to(dtype)
+    if dt_bias is not None:
+        x = x + dt_bias.to(dtype).view(num_heads, head_dim)
     if A_log is not None:
-        x = x * A_log.float().exp().view(num_heads, 1)
+        x = x * A_log.to(dtype).exp().view(num_heads, 1)
     return lower_bound * torch.sigmoid(x)
 
 
@@ -77,12 +84,18 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
         )
 
 
-def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
-    """Validate, L2-normalise q/k if asked, scale q and flatten to ``[B*T, H, ...]`` in the compute dtype.
+def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, gate):
+    """Validate, compute the gate if asked, L2-normalise q/k if asked, scale q and flatten to ``[B*T, H, ...]``
+    in the compute dtype. ``gate`` is ``(use_gate_in_kernel, A_log, dt_bias, lower_bound)``.
 
     Returns ``(dtype, q, k, v, g, beta)``; the compute dtype is float64 for float64 inputs, else float32.
     """
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    use_gate_in_kernel, A_log, dt_bias, lower_bound = gate
+    if use_gate_in_kernel:
+        if lower_bound is None or not -5.0 <= lower_bound < 0:
+            raise ValueError(f"use_gate_in_kernel needs lower_bound in [-5, 0); got {lower_bound}")
+        g = kda_gate(g, dt_bias, lower_bound, A_log)
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if use_qk_l2norm_in_kernel:
@@ -111,6 +124,11 @@ def chunk_kda_torch(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 32,
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA in PyTorch (differentiable in every input), fla ``chunk_kda`` signature.
 
@@ -125,17 +143,22 @@ def chunk_kda_torch(
         use_qk_l2norm_in_kernel: L2-normalise q and k first.
         cu_seqlens: ``[N+1]`` int cumulative lengths of packed sequences (B must be 1).
         chunk_size: tokens per chunk (memory ``O(T · chunk_size · K)`` per head).
+        use_gate_in_kernel: ``g`` is the raw gate input f and the gate
+            ``g = lower_bound · σ(exp(A_log) · (f + dt_bias))`` is computed here (:func:`kda_gate`), as the
+            kernels do it in-kernel; A_log ``[H]`` / dt_bias ``[H*K]`` may be None (factor 1 / no bias).
+        lower_bound: ``g_min`` in [-5, 0) for ``use_gate_in_kernel``.
 
     Returns:
         ``(o [B, T, H, V] in v.dtype, final_state [N, H, K, V] float32 (float64 for float64 inputs) or None)``.
         Computed in float32 (float64 when the inputs are float64).
 
     Raises:
-        ValueError: for inconsistent shapes or a bad ``cu_seqlens``.
+        ValueError: for inconsistent shapes, a bad ``cu_seqlens`` or ``lower_bound``.
     """
     B, T, H, K = q.shape
     V, out_dtype = v.shape[-1], v.dtype
-    dtype, q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    gate = (use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    dtype, q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, gate)
 
     # Lay every sequence out in whole chunks; padded slots have g = β = k = v = q = 0, which leaves the
     # state untouched and produces nothing, so the padding is exact.
@@ -225,16 +248,22 @@ def recurrent_kda_torch(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA (the decode path), fla ``fused_recurrent_kda`` signature.
 
-    Same arguments, shapes, return values and errors as :func:`chunk_kda_torch`; cost ``O(T)`` sequential
+    Same arguments (less ``chunk_size``), shapes, return values and errors as :func:`chunk_kda_torch`; cost ``O(T)`` sequential
     steps, meant for ``T = 1`` decoding. Each step applies
     ``S ← Diag(exp(g_t)) S;  S ← S + β_t k_t (v_t − Sᵀ k_t)ᵀ;  o_t = Sᵀ (scale·q_t)``.
     """
     B, T, H, K = q.shape
     V, out_dtype = v.shape[-1], v.dtype
-    dtype, q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    gate = (use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    dtype, q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, gate)
     bounds = _sequence_bounds(B, T, cu_seqlens)
     N = len(bounds)
     state0 = q.new_zeros(N, H, K, V) if initial_state is None else initial_state.to(dtype)
@@ -258,6 +287,10 @@ def causal_conv1d_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution followed by SiLU, restarting at sequence boundaries.
 
+    ``y[b, t, c] = SiLU(Σ_{j<W} weight[c, W−1−j] · x[b, t−j, c] · [seq_idx[b, t−j] = seq_idx[b, t]])`` (tap j
+    looks j steps back; the short conv of Mamba, Gu & Dao 2023 §3.4, and of the KDA layer, Kimi Linear
+    report §3). Differentiable in x, weight and conv_state.
+
     Args:
         x: ``[B, T, C]`` input channels.
         weight: ``[C, W]`` depthwise kernel (``nn.Conv1d(groups=C).weight.squeeze(1)``).
@@ -266,20 +299,40 @@ def causal_conv1d_torch(
             the cached ``conv_state`` only feeds tokens of the row's first id.
 
     Returns:
-        ``(SiLU(conv(x)) [B, T, C], new_state [B, C, W])`` — the state holds the last ``W`` inputs.
+        ``(SiLU(conv(x)) [B, T, C], new_state [B, C, W])``, both in ``x.dtype`` (computed in float32, float64
+        for float64 inputs). The state holds the last ``W`` inputs of each row, zero where an input belongs
+        to another sequence than the row's last token (the cache continues only that sequence).
     """
     B, T, C = x.shape
     W = weight.shape[-1]
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     history = x.new_zeros(B, W, C) if conv_state is None else conv_state.transpose(1, 2).to(x.dtype)
     full = torch.cat([history, x], dim=1)  # [B, W + T, C]
     if seq_idx is not None:
         # Inputs from the cache belong to the first sequence of the row.
         ids = torch.cat([seq_idx[:, :1].expand(B, W), seq_idx], dim=1)
-    out = x.new_zeros(B, T, C)
+    out = x.new_zeros(B, T, C, dtype=dtype)
     for j in range(W):  # tap j looks j steps back
-        shifted = full[:, W - j : W - j + T]
+        shifted = full[:, W - j : W - j + T].to(dtype)
         if seq_idx is not None:
             shifted = shifted * (ids[:, W - j : W - j + T] == seq_idx).unsqueeze(-1)
-        out = out + shifted * weight[:, W - 1 - j]
-    new_state = full[:, -W:].transpose(1, 2)
-    return F.silu(out), new_state
+        out = out + shifted * weight[:, W - 1 - j].to(dtype)
+    return F.silu(out).to(x.dtype), conv_final_state(x, conv_state, seq_idx, W)
+
+
+def conv_final_state(
+    x: torch.Tensor, conv_state: torch.Tensor | None, seq_idx: torch.Tensor | None, width: int
+) -> torch.Tensor:
+    """The state :func:`causal_conv1d_torch` returns: the last ``width`` inputs of each row, ``[B, C, W]``.
+
+    Slots before the row's start come from ``conv_state`` (zeros when None); a slot holding an input of
+    another sequence than the row's last token is zero. Differentiable; in ``x.dtype``.
+    """
+    B, T, C = x.shape
+    tail = x[:, max(T - width, 0) :]
+    history = x.new_zeros(B, width, C) if conv_state is None else conv_state.transpose(1, 2).to(x.dtype)
+    state = torch.cat([history, tail], dim=1)[:, -width:]
+    if seq_idx is not None and T > 0:
+        ids = torch.cat([seq_idx[:, :1].expand(B, width), seq_idx[:, max(T - width, 0) :]], dim=1)[:, -width:]
+        state = state * (ids == seq_idx[:, -1:]).unsqueeze(-1)
+    return state.transpose(1, 2)

@@ -1,24 +1,45 @@
 """The one place that picks a kernel backend; the modeling file never knows which one runs.
 
-``config.kernel_backend``: ``"auto"`` uses the Triton kernels of ``kdamoe.kernels`` for CUDA tensors
-when that package imports, PyTorch otherwise; ``"triton"`` insists on Triton (error if unavailable);
-``"torch"`` always uses the pure-PyTorch reference ops.
+Fallback chain (docs/architecture.md §6), resolved on every call from ``config.kernel_backend`` and the
+device of the inputs:
 
-The kernels are reached with an absolute import inside ``try/except ImportError`` on purpose:
-transformers' remote-code copier follows every single-dot import in this file, and a saved checkpoint
-must load with nothing but torch + transformers (DESIGN.md §6 "Remote-code imports").
+* ``"auto"``: on CUDA, the Triton kernels of ``kdamoe.kernels`` when that package imports, else
+  flash-linear-attention (``fla``) when it imports, else PyTorch; on any other device always PyTorch.
+* ``"triton"``: ``kdamoe.kernels`` or an error (CUDA tensors, or CPU under ``TRITON_INTERPRET=1``).
+* ``"fla"``: fla or an error (CUDA tensors). The MoE experts have no fla kernel and run in PyTorch.
+* ``"torch"``: the pure-PyTorch reference ops of ``kda_torch`` / ``moe_torch``.
+
+The choice is per call and per device, unlike transformers' ``use_kernel_func_from_hub_with_fallback``,
+which binds the package once at import time whatever the device. On top of that chain the three layer
+ops (:func:`causal_conv1d`, :func:`chunk_kda`, :func:`fused_recurrent_kda`) carry transformers'
+hub-kernel hook (``use_kernel_forward_from_hub``; the KDA layer lists them with ``use_kernelized_func``),
+so ``kernels.kernelize`` can swap in a Hub kernel when a user opts in. Every argument after ``beta`` / ``x``
+is passed by keyword, in fla's names, so a Hub build of fla's ops accepts the same call.
+
+Remote-code rule (docs/architecture.md §7): this file is copied next to saved weights, so it imports only
+torch, transformers and same-folder modules (single-dot imports); ``kdamoe.kernels`` and ``fla`` are
+reached by absolute import inside ``try/except`` and a saved folder loads with torch + transformers alone.
 """
 
 import functools
+import os
+from types import SimpleNamespace
 
 import torch
+from transformers.integrations import use_kernel_forward_from_hub
+from transformers.utils import logging
 
-from .kda_torch import chunk_kda_torch, recurrent_kda_torch
+from .kda_torch import causal_conv1d_torch, chunk_kda_torch, conv_final_state, recurrent_kda_torch
 from .moe_torch import moe_experts_torch
+
+logger = logging.get_logger(__name__)
+
+KERNEL_BACKENDS = ("auto", "triton", "fla", "torch")
+_FLA_OPS = ("causal_conv1d", "chunk_kda", "fused_recurrent_kda")  # the ops fla has a kernel for
 
 
 @functools.lru_cache(maxsize=None)
-def _triton_kernels():
+def kdamoe_kernels():
     """The ``kdamoe.kernels`` module, or None when it (or Triton) cannot be imported."""
     try:
         import kdamoe.kernels as kernels
@@ -27,51 +48,208 @@ def _triton_kernels():
     return kernels
 
 
-def _use_triton(backend: str, device: torch.device, op: str) -> bool:
-    kernels = _triton_kernels()
-    available = kernels is not None and hasattr(kernels, op)
-    if backend == "torch":
-        return False
-    if backend == "triton":
-        if not available:
-            raise RuntimeError(f"kernel_backend='triton' but kdamoe.kernels.{op} cannot be imported")
-        if device.type != "cuda" and not _interpreter_on():
-            raise RuntimeError(f"kernel_backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1); got {device}")
-        return True
-    return available and device.type == "cuda"
+def _import_fla(module: str, names: tuple[str, ...]) -> dict:
+    """``{name: fla function}`` from ``module``, or ``{}`` when it cannot be imported."""
+    try:
+        imported = __import__(module, fromlist=list(names))
+        return {name: getattr(imported, name) for name in names}
+    except Exception as error:  # fla's import touches Triton's driver and einops: any failure = "not usable"
+        if not isinstance(error, ImportError) or "fla" not in str(error):
+            logger.warning_once(f"flash-linear-attention's {module} does not import ({error!r}); not using it")
+        return {}
+
+
+@functools.lru_cache(maxsize=None)
+def fla_kernels():
+    """fla's (>= 0.6) KDA and short-conv ops as a namespace, or None when fla does not import at all; the
+    two groups are imported separately, so a missing part leaves the other usable."""
+    ops = {**_import_fla("fla.ops.kda", ("chunk_kda", "fused_recurrent_kda")),
+           **_import_fla("fla.modules.causal_conv1d", ("causal_conv1d", "causal_conv1d_update"))}
+    return SimpleNamespace(**ops) if ops else None
 
 
 def _interpreter_on() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def chunk_kda_op(backend: str, device: torch.device, chunk_size: int = 32):
-    """Chunked KDA op (training / prefill) with fla's ``chunk_kda`` signature.
+def select_backend(requested: str, device_type: str, have_kdamoe: bool, have_fla: bool, interpreter: bool = False) -> str:
+    """The implementation to run: ``"kdamoe"``, ``"fla"`` or ``"torch"`` (pure decision, no imports).
 
-    ``chunk_size`` applies to the PyTorch path only (the Triton kernels use their own).
+    Args:
+        requested: ``config.kernel_backend``, one of :data:`KERNEL_BACKENDS`.
+        device_type: the inputs' ``device.type`` (``"cuda"``, ``"cpu"``, ...).
+        have_kdamoe / have_fla: whether ``kdamoe.kernels`` / fla provide this op here.
+        interpreter: ``TRITON_INTERPRET=1`` (lets ``"triton"`` run on CPU tensors, for tests).
+
+    Raises:
+        ValueError: an unknown ``requested``.
+        RuntimeError: ``"triton"`` / ``"fla"`` forced but the package is missing or the device is not CUDA.
     """
-    if _use_triton(backend, device, "chunk_kda"):
-        return _triton_kernels().chunk_kda
-    return functools.partial(chunk_kda_torch, chunk_size=chunk_size)
+    if requested not in KERNEL_BACKENDS:
+        raise ValueError(f"kernel_backend is {requested!r}; expected one of {KERNEL_BACKENDS}")
+    if requested == "torch":
+        return "torch"
+    if requested == "triton":
+        if not have_kdamoe:
+            raise RuntimeError("kernel_backend='triton' but kdamoe.kernels (or Triton) cannot be imported")
+        if device_type != "cuda" and not interpreter:
+            raise RuntimeError(f"kernel_backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1); got {device_type}")
+        return "kdamoe"
+    if requested == "fla":
+        if not have_fla:
+            raise RuntimeError("kernel_backend='fla' but flash-linear-attention (fla >= 0.6) cannot be imported")
+        if device_type != "cuda":
+            raise RuntimeError(f"kernel_backend='fla' needs CUDA tensors; got {device_type}")
+        return "fla"
+    if device_type != "cuda":
+        return "torch"
+    return "kdamoe" if have_kdamoe else "fla" if have_fla else "torch"
 
 
-def recurrent_kda_op(backend: str, device: torch.device):
-    """Recurrent KDA op (decoding) with fla's ``fused_recurrent_kda`` signature."""
-    if _use_triton(backend, device, "fused_recurrent_kda"):
-        return _triton_kernels().fused_recurrent_kda
-    return recurrent_kda_torch
+def resolve(backend: str, device: torch.device, op: str) -> str:
+    """:func:`select_backend` for ``op`` (a function name of ``kdamoe.kernels``) on ``device``."""
+    if backend == "fla" and op not in _FLA_OPS:
+        return "torch"  # no fla kernel for this op (the MoE experts)
+    kernels = kdamoe_kernels()
+    have_kdamoe = kernels is not None and hasattr(kernels, op)
+    have_fla = op in _FLA_OPS and getattr(fla_kernels(), op, None) is not None
+    return select_backend(backend, device.type, have_kdamoe, have_fla, _interpreter_on())
 
 
+def supports_gate_in_kernel(backend: str, device: torch.device) -> bool:
+    """Whether :func:`chunk_kda` / :func:`fused_recurrent_kda` compute the gate inside a kernel here (it is
+    computed in PyTorch otherwise; the call is the same either way)."""
+    return resolve(backend, device, "chunk_kda") != "torch"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Short convolution
+# ----------------------------------------------------------------------------------------------------
+def _is_decode_step(x, conv_state, seq_idx, weight) -> bool:
+    """One token per row with a cache and nothing to differentiate: the single-launch update kernels apply."""
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or conv_state.requires_grad)
+    return x.shape[1] == 1 and seq_idx is None and not needs_grad
+
+
+def _row_sequences(seq_idx: torch.Tensor):
+    """``(cu_seqlens [N+1] int32 over the flattened B·T tokens, first [B])``: runs of equal ids, split at rows."""
+    B, T = seq_idx.shape
+    starts = torch.ones_like(seq_idx, dtype=torch.bool)
+    starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+    positions = starts.flatten().nonzero().flatten()
+    cu_seqlens = torch.cat([positions, positions.new_tensor([B * T])]).to(torch.int32)
+    first = starts.flatten().long().cumsum(0).view(B, T)[:, 0] - 1  # index of each row's first sequence
+    return cu_seqlens, first
+
+
+def _fla_causal_conv1d(fla, x, weight, conv_state, seq_idx):
+    """fla's ``causal_conv1d(activation="silu")`` with kdamoe's arguments: ``seq_idx`` becomes ``cu_seqlens``
+    over the flattened batch, the cached row state seeds each row's first sequence only."""
+    B, T, C = x.shape
+    W = weight.shape[1]
+    if conv_state is not None and _is_decode_step(x, conv_state, seq_idx, weight):
+        state = conv_state.to(x.dtype).contiguous().clone()  # fla updates the cache in place
+        y, _ = fla.causal_conv1d_update(x, state, weight=weight, activation="silu")
+        return y, state
+    if seq_idx is None:
+        y, _ = fla.causal_conv1d(x, weight=weight, initial_state=conv_state, activation="silu")
+    else:
+        cu_seqlens, first = _row_sequences(seq_idx)
+        initial_state = None
+        if conv_state is not None:
+            initial_state = conv_state.new_zeros(cu_seqlens.numel() - 1, C, W).index_copy(0, first, conv_state)
+        y, _ = fla.causal_conv1d(x.reshape(1, B * T, C), weight=weight, initial_state=initial_state,
+                                 activation="silu", cu_seqlens=cu_seqlens)
+        y = y.view(B, T, C)
+    # The returned state follows kdamoe's definition (the row's last W inputs of its last sequence).
+    return y, conv_final_state(x, conv_state, seq_idx, W)
+
+
+@use_kernel_forward_from_hub("kdamoe_causal_conv1d")
+def causal_conv1d(x, weight, conv_state=None, seq_idx=None, *, backend="auto"):
+    """The KDA layer's short conv: ``(SiLU(causal depthwise conv(x)) [B, T, C], new_state [B, C, W])``.
+
+    Semantics, shapes and errors of :func:`kda_torch.causal_conv1d_torch` (x ``[B, T, C]``, weight ``[C, W]``,
+    conv_state ``[B, C, W]``, seq_idx ``[B, T]``); outputs in x's dtype. A one-token step with a cache and no
+    gradient runs the single-launch update kernel of the backend.
+    """
+    impl = resolve(backend, x.device, "causal_conv1d")
+    if impl == "kdamoe":
+        kernels = kdamoe_kernels()
+        if conv_state is not None and _is_decode_step(x, conv_state, seq_idx, weight):
+            return kernels.causal_conv1d_update(x, conv_state, weight)
+        return kernels.causal_conv1d(x, weight, conv_state, seq_idx)
+    if impl == "fla":
+        return _fla_causal_conv1d(fla_kernels(), x, weight, conv_state, seq_idx)
+    return causal_conv1d_torch(x, weight, conv_state, seq_idx)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kimi Delta Attention
+# ----------------------------------------------------------------------------------------------------
+def _kda_call(impl, name, q, k, v, g, beta, common, gate):
+    """Run the chunked / recurrent op of ``impl`` with fla's keyword arguments."""
+    use_gate_in_kernel, A_log, dt_bias, lower_bound = gate
+    gate_kwargs = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias)
+    if impl == "kdamoe":
+        op = getattr(kdamoe_kernels(), name)
+        return op(q, k, v, g, beta, **common, **gate_kwargs, lower_bound=-5.0 if lower_bound is None else lower_bound)
+    # fla: float32 initial state (asserted by chunk_kda); safe_gate relies on g >= lower_bound, which the
+    # lower-bounded gate guarantees.
+    if common["initial_state"] is not None:
+        common = dict(common, initial_state=common["initial_state"].float())
+    op = getattr(fla_kernels(), name)
+    extra = dict(safe_gate=True) if name == "chunk_kda" and lower_bound is not None else {}
+    return op(q, k, v, g, beta, **common, **gate_kwargs, lower_bound=lower_bound, **extra)
+
+
+@use_kernel_forward_from_hub("chunk_kda")
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, cu_seqlens=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+              lower_bound=None, backend="auto", chunk_size=32):
+    """Chunked KDA (training / prefill) with fla's ``chunk_kda`` arguments; returns ``(o, final_state)``.
+
+    Shapes, dtypes and errors of :func:`kda_torch.chunk_kda_torch`. With ``use_gate_in_kernel`` ``g`` is the
+    raw gate input and ``g = lower_bound · σ(exp(A_log) · (g + dt_bias))`` is computed by the backend (inside
+    the kernel for kdamoe / fla). ``chunk_size`` applies to the PyTorch path only.
+    """
+    impl = resolve(backend, q.device, "chunk_kda")
+    common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+    gate = (use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    if impl == "torch":
+        return chunk_kda_torch(q, k, v, g, beta, **common, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
+                               A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    return _kda_call(impl, "chunk_kda", q, k, v, g, beta, common, gate)
+
+
+@use_kernel_forward_from_hub("fused_recurrent_kda")
+def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=False, cu_seqlens=None, use_gate_in_kernel=False, A_log=None,
+                        dt_bias=None, lower_bound=None, backend="auto"):
+    """Recurrent KDA (decoding, forward only on the kernel backends) with fla's ``fused_recurrent_kda``
+    arguments; the same call and results as :func:`chunk_kda`."""
+    impl = resolve(backend, q.device, "fused_recurrent_kda")
+    common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+    if impl == "torch":
+        return recurrent_kda_torch(q, k, v, g, beta, **common, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                                   dt_bias=dt_bias, lower_bound=lower_bound)
+    return _kda_call(impl, "fused_recurrent_kda", q, k, v, g, beta, common, (use_gate_in_kernel, A_log, dt_bias, lower_bound))
+
+
+# ----------------------------------------------------------------------------------------------------
+# MoE experts
+# ----------------------------------------------------------------------------------------------------
 def moe_experts_op(backend: str, device: torch.device):
     """Experts op ``fn(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act)``.
 
     ``act`` is the experts module's activation (with ``hidden_act``, ``beta`` and ``linear_beta``
-    attributes); the Triton op fuses it, the torch op calls it.
+    attributes); the Triton op fuses it, the torch op calls it. fla has no MoE kernel: ``"fla"`` and an
+    ``"auto"`` without ``kdamoe.kernels`` use the torch op.
     """
-    if _use_triton(backend, device, "moe_experts"):
-        kernel = _triton_kernels().moe_experts
+    if resolve(backend, device, "moe_experts") == "kdamoe":
+        kernel = kdamoe_kernels().moe_experts
 
         def run(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act):
             return kernel(

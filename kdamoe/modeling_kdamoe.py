@@ -16,7 +16,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.integrations import use_experts_implementation
+from transformers.integrations import use_experts_implementation, use_kernelized_func
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -32,8 +32,7 @@ from transformers.utils import can_return_tuple, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_kdamoe import KDAMoEConfig
-from .kernel_dispatch import chunk_kda_op, moe_experts_op, recurrent_kda_op
-from .kda_torch import causal_conv1d_torch, kda_gate
+from .kernel_dispatch import causal_conv1d, chunk_kda, fused_recurrent_kda, moe_experts_op
 from .moe_torch import GLUActivation, moe_experts_torch
 from .quantile_balancing import (
     all_reduce_sum,
@@ -109,14 +108,23 @@ def packed_sequence_info(position_ids: torch.Tensor) -> dict:
 # ----------------------------------------------------------------------------------------------------
 # Token mixer 1: Kimi Delta Attention with the lower-bounded gate
 # ----------------------------------------------------------------------------------------------------
+@use_kernelized_func([causal_conv1d, chunk_kda, fused_recurrent_kda])
 class KDAMoEDeltaAttention(nn.Module):
-    """KDA layer (Kimi Linear report §3; DESIGN.md §1.1).
+    """KDA layer (Kimi Linear report §3; docs/architecture.md §1).
 
     ``q, k = L2Norm(SiLU(ShortConv(W x)))``, ``v = SiLU(ShortConv(W x))`` (one fused depthwise conv over
     q|k|v), ``β = σ(W_β x)``, ``g = g_min·σ(exp(A_log)·(W_f2 W_f1 x + dt_bias))`` and output
-    ``W_o(RMSNorm_head(o) ⊙ σ(W_g2 W_g1 x))``. Padded positions (``attention_mask == 0``) are zeroed
-    before the conv and get ``g = 0, β = 0``, so they leave the recurrent state exactly unchanged.
+    ``W_o(RMSNorm_head(o) ⊙ σ(W_g2 W_g1 x))``. The ops come from ``kernel_dispatch`` (kdamoe kernels, fla or
+    PyTorch); the gate is always handed over raw (``use_gate_in_kernel``) and computed by the op, inside
+    the kernel where the backend can. Padded positions (``attention_mask == 0``) are zeroed before the conv
+    and get ``β = 0`` and a raw gate input of :attr:`PAD_GATE_INPUT`, for which ``σ`` is exactly 0 in
+    float32, so ``g = 0`` and they leave the recurrent state exactly unchanged on every backend.
     """
+
+    # σ(x) = 1 / (1 + exp(−x)) is exactly 0 once exp(−x) overflows float32 (x < −88.8): with f = −1e4 that
+    # holds for any |dt_bias| < 9900 (A_log is None here; a per-head scale exp(A_log) must stay above 0.009).
+    # A finite value, not −inf, keeps the gate's backward free of 0·inf.
+    PAD_GATE_INPUT = -1.0e4
 
     def __init__(self, config: KDAMoEConfig, layer_idx: int):
         super().__init__()
@@ -136,7 +144,7 @@ class KDAMoEDeltaAttention(nn.Module):
         self.f_a_proj = nn.Linear(d, self.head_dim, bias=False)
         self.f_b_proj = nn.Linear(self.head_dim, width, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(width))
-        self.A_log = None  # optional per-head scale of the gate (DESIGN.md §6: None by default)
+        self.A_log = None  # optional per-head scale of the gate (docs/architecture.md §1: None by default)
         self.b_proj = nn.Linear(d, self.num_heads, bias=False)
         self.g_a_proj = nn.Linear(d, self.head_dim, bias=False)
         self.g_b_proj = nn.Linear(self.head_dim, width, bias=True)
@@ -152,6 +160,7 @@ class KDAMoEDeltaAttention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = hidden_states.shape
         H, K = self.num_heads, self.head_dim
+        backend = self.config.kernel_backend
         if attention_mask is not None:
             hidden_states = hidden_states * attention_mask[..., None].to(hidden_states.dtype)
 
@@ -162,25 +171,28 @@ class KDAMoEDeltaAttention(nn.Module):
 
         mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
         seq_idx = packed["seq_idx"] if packed is not None else None
-        mixed, new_conv_state = causal_conv1d_torch(mixed, self.conv1d.weight.squeeze(1), conv_state, seq_idx)
+        mixed, new_conv_state = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), conv_state, seq_idx, backend=backend)
         q, k, v = (x.view(B, T, H, K) for x in mixed.chunk(3, dim=-1))
 
-        g = kda_gate(self.f_b_proj(self.f_a_proj(hidden_states)).view(B, T, H, K), self.dt_bias, self.lower_bound, self.A_log)
+        f = self.f_b_proj(self.f_a_proj(hidden_states)).view(B, T, H, K)  # raw gate input
         beta = torch.sigmoid(self.b_proj(hidden_states).float())
         if attention_mask is not None:
-            keep = attention_mask.to(torch.float32)
-            g, beta = g * keep[..., None, None], beta * keep[..., None]
+            pad = ~attention_mask.bool()
+            f = f.masked_fill(pad[..., None, None], self.PAD_GATE_INPUT)
+            beta = beta.masked_fill(pad[..., None], 0.0)
 
-        backend = self.config.kernel_backend
-        kwargs = dict(output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
+        kwargs = dict(
+            output_final_state=cache is not None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound, backend=backend,
+        )
         if packed is not None:
-            o, final_state = self._packed(q, k, v, g, beta, recurrent_state, packed, **kwargs)
+            o, final_state = self._packed(q, k, v, f, beta, recurrent_state, packed, **kwargs)
         elif T == 1 and recurrent_state is not None:
-            op = recurrent_kda_op(backend, q.device)
-            o, final_state = op(q, k, v, g, beta, initial_state=recurrent_state, **kwargs)
+            o, final_state = fused_recurrent_kda(q, k, v, f, beta, initial_state=recurrent_state, **kwargs)
         else:
-            op = chunk_kda_op(backend, q.device, self.config.kda_chunk_size)
-            o, final_state = op(q, k, v, g, beta, initial_state=recurrent_state, **kwargs)
+            o, final_state = chunk_kda(
+                q, k, v, f, beta, initial_state=recurrent_state, chunk_size=self.config.kda_chunk_size, **kwargs
+            )
 
         if cache is not None:
             cache.update_conv_state(new_conv_state, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
@@ -190,7 +202,7 @@ class KDAMoEDeltaAttention(nn.Module):
         o = self.o_norm(o, gate).reshape(B, T, H * K)
         return self.o_proj(o)
 
-    def _packed(self, q, k, v, g, beta, recurrent_state, packed, **kwargs):
+    def _packed(self, q, k, v, f, beta, recurrent_state, packed, **kwargs):
         """Run every packed document as its own sequence (``cu_seqlens`` over the flattened batch)."""
         B, T, H, K = q.shape
         cu_seqlens = packed["cu_seqlens"]
@@ -199,9 +211,10 @@ class KDAMoEDeltaAttention(nn.Module):
             # A cached row state continues only the row's first document; the others start from zero.
             initial_state = recurrent_state.new_zeros(cu_seqlens.numel() - 1, *recurrent_state.shape[1:])
             initial_state[packed["first_seq"]] = recurrent_state
-        op = chunk_kda_op(self.config.kernel_backend, q.device, self.config.kda_chunk_size)
-        flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
-        o, final_state = op(*flat, initial_state=initial_state, cu_seqlens=cu_seqlens, **kwargs)
+        flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, f, beta)]
+        o, final_state = chunk_kda(
+            *flat, initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=self.config.kda_chunk_size, **kwargs
+        )
         if final_state is not None:
             final_state = final_state[packed["last_seq"]]
         return o.view(B, T, H, -1), final_state

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kdamoe.kda_torch import causal_conv1d_torch, chunk_kda_torch, kda_gate, l2norm, recurrent_kda_torch
-from tests.kda_reference import naive_recurrent_kda
+from tests.kda_reference import kda_gate_reference, naive_recurrent_kda
 
 
 def _inputs(seed, B, T, H=2, K=8, V=6, dtype=torch.float64, lower_bound=-5.0):
@@ -120,3 +120,63 @@ def test_bad_shapes_raise_clear_errors():
         chunk_kda_torch(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 4]))
     with pytest.raises(ValueError, match="cu_seqlens"):
         chunk_kda_torch(q[:1], k[:1], v[:1], g[:1], beta[:1], cu_seqlens=torch.tensor([0, 3]))
+
+
+def _brute_force_conv(x, w, state, seq_idx):
+    """float64 triple loop of y[b,t,c] = SiLU(Σ_j w[c,W-1-j] x[b,t-j,c] [same id]) and the W-input state."""
+    B, T, C = x.shape
+    W = w.shape[1]
+    ids = (lambda b, p: seq_idx[b, max(p, 0)].item() if p >= 0 else seq_idx[b, 0].item()) if seq_idx is not None else (lambda b, p: 0)
+    value = lambda b, p: x[b, p] if p >= 0 else (state[b, :, W + p] if state is not None else torch.zeros(C, dtype=x.dtype))
+    y = torch.zeros(B, T, C, dtype=torch.float64)
+    new_state = torch.zeros(B, C, W, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            for j in range(W):
+                if ids(b, t - j) == ids(b, t):
+                    y[b, t] += w[:, W - 1 - j] * value(b, t - j)
+        for m in range(W):
+            p = T - W + m
+            if ids(b, p) == ids(b, T - 1):
+                new_state[b, :, m] = value(b, p)
+    return torch.nn.functional.silu(y), new_state
+
+
+@pytest.mark.parametrize("T,with_state", [(9, True), (2, True), (7, False)])
+def test_short_conv_matches_brute_force_with_state_and_packed_rows(T, with_state):
+    gen = torch.Generator().manual_seed(T)
+    x = torch.randn(2, T, 3, generator=gen, dtype=torch.float64)
+    w = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    state = torch.randn(2, 3, 4, generator=gen, dtype=torch.float64) if with_state else None
+    # row 0: the last document is shorter than W, so the returned state must not carry the earlier one
+    seq_idx = torch.tensor([[0] * (T - 1) + [1], [2] * T])
+    out, new_state = causal_conv1d_torch(x, w, state, seq_idx)
+    ref, ref_state = _brute_force_conv(x, w, state, seq_idx)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(new_state, ref_state, rtol=0, atol=0)
+
+
+def test_short_conv_half_inputs_computed_in_float32_returned_in_input_dtype():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 6, 4, generator=gen).half()
+    w = torch.randn(4, 4, generator=gen)  # float32 weight (autocast-style mix): the output stays float16
+    out, state = causal_conv1d_torch(x, w)
+    ref, _ = _brute_force_conv(x.double(), w.double(), None, None)
+    assert out.dtype == torch.float16 and state.dtype == torch.float16
+    torch.testing.assert_close(out.double(), ref, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("op", [chunk_kda_torch, recurrent_kda_torch])
+def test_gate_inside_the_op_equals_the_precomputed_gate(op):
+    """use_gate_in_kernel: the op computes lb·σ(exp(A_log)(f + dt_bias)) itself (tests/kda_reference.py gate)."""
+    q, k, v, _, beta, h0 = _inputs(seed=21, B=2, T=19)
+    gen = torch.Generator().manual_seed(22)
+    f, dt_bias, A_log = (torch.randn(s, generator=gen, dtype=torch.float64) for s in ((2, 19, 2, 8), (16,), (2,)))
+    o, ht = op(q, k, v, f, beta, initial_state=h0, output_final_state=True, use_gate_in_kernel=True,
+               A_log=A_log, dt_bias=dt_bias, lower_bound=-3.0)
+    g = kda_gate_reference(f, A_log, dt_bias, -3.0)
+    o_ref, ht_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ht, ht_ref, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="lower_bound"):
+        op(q, k, v, f, beta, use_gate_in_kernel=True, dt_bias=dt_bias, lower_bound=None)

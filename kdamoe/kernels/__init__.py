@@ -1,9 +1,11 @@
 """Triton kernels for kdamoe (optional fast path).
 
 Imports only torch and triton, so the package works on an image with an older transformers.
-Each kernel family is a sub-package: ``kda`` (chunked / recurrent Kimi Delta Attention) and
-``moe`` (Quantile-Balanced routing and grouped-GEMM SiTU-GLU experts).
+Each kernel family is a sub-package: ``kda`` (chunked / recurrent Kimi Delta Attention), ``conv`` (the
+KDA layer's causal depthwise conv + SiLU) and ``moe`` (Quantile-Balanced routing and grouped-GEMM SiTU-GLU
+experts).
 """
 
 from .moe import moe_experts, moe_route  # noqa: E402,F401
 from .kda import chunk_kda, fused_recurrent_kda  # noqa: E402,F401
+from .conv import causal_conv1d, causal_conv1d_update  # noqa: E402,F401

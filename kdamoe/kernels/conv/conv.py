@@ -1,0 +1,158 @@
+"""Causal depthwise convolution + SiLU in Triton: public functions and autograd wrapper.
+
+The short convolution of the KDA layer (Kimi Linear report §3: q, k, v each pass a depthwise causal conv of
+width 4 and SiLU; the op of Mamba, Gu & Dao 2023 §3.4). Semantics are those of
+``kdamoe.kda_torch.causal_conv1d_torch``, its reference: ``x [B, T, C]``, ``weight [C, W]`` (tap ``W − 1`` is
+the current token), an optional cached ``conv_state [B, C, W]`` holding the W inputs before x (oldest
+first), an optional ``seq_idx [B, T]`` that keeps packed sequences apart.
+
+Stages (one file each): ``forward`` (conv + SiLU), ``backward`` (dx, dweight, dstate), ``update`` (one decode
+step). The returned state (the last W inputs) is gathered in PyTorch, so autograd differentiates it.
+"""
+
+import torch
+
+from ..utils import is_interpreter
+from .backward import conv_bwd
+from .forward import conv_fwd
+from .update import conv_update
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+MAX_WIDTH = 8  # the backward unrolls W² tile loads
+
+
+class CausalConv1dFunction(torch.autograd.Function):
+    """Autograd over contiguous inputs; see :func:`causal_conv1d`. Differentiable in x, weight and conv_state."""
+
+    @staticmethod
+    def forward(ctx, x, weight, conv_state, seq_idx):
+        ctx.save_for_backward(x, weight, conv_state, seq_idx)
+        return conv_fwd(x, weight, conv_state, seq_idx)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, conv_state, seq_idx = ctx.saved_tensors
+        state_grad = conv_state is not None and ctx.needs_input_grad[2]
+        dx, dw, dstate = conv_bwd(x, weight, conv_state, seq_idx, dy.contiguous(), state_grad)
+        if dstate is not None:
+            dstate = dstate.to(conv_state.dtype)
+        return dx, dw.to(weight.dtype), dstate, None
+
+
+def _check_device(name, t, device):
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} like x")
+
+
+def _validate(x, weight, conv_state, seq_idx):
+    """Raise ValueError for a bad shape, dtype or device; returns ``(B, T, C, W)``."""
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, T, C], got shape {tuple(x.shape)}")
+    B, T, C = x.shape
+    if weight.dim() != 2 or weight.shape[0] != C:
+        raise ValueError(f"weight must be [C, W] with C = {C}, got shape {tuple(weight.shape)}")
+    W = weight.shape[1]
+    if not 1 <= W <= MAX_WIDTH:
+        raise ValueError(f"the kernel width W must be in [1, {MAX_WIDTH}], got W = {W}")
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dtype not in _FLOATS:
+            raise ValueError(f"{name} dtype must be float16, bfloat16 or float32, got {t.dtype}")
+    device = x.device
+    if device.type != "cuda" and not (device.type == "cpu" and is_interpreter()):
+        raise ValueError(f"x is on {device}: the Triton kernels need a CUDA tensor (or CPU with TRITON_INTERPRET=1)")
+    _check_device("weight", weight, device)
+    if conv_state is not None:
+        if not isinstance(conv_state, torch.Tensor) or conv_state.shape != (B, C, W):
+            shape = tuple(conv_state.shape) if isinstance(conv_state, torch.Tensor) else type(conv_state).__name__
+            raise ValueError(f"conv_state must be [B, C, W] = ({B}, {C}, {W}), got {shape}")
+        if conv_state.dtype not in _FLOATS:
+            raise ValueError(f"conv_state dtype must be float16, bfloat16 or float32, got {conv_state.dtype}")
+        _check_device("conv_state", conv_state, device)
+    if seq_idx is not None:
+        if not isinstance(seq_idx, torch.Tensor) or seq_idx.shape != (B, T):
+            shape = tuple(seq_idx.shape) if isinstance(seq_idx, torch.Tensor) else type(seq_idx).__name__
+            raise ValueError(f"seq_idx must be [B, T] = ({B}, {T}), got {shape}")
+        if seq_idx.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"seq_idx dtype must be int32 or int64, got {seq_idx.dtype}")
+        _check_device("seq_idx", seq_idx, device)
+    return B, T, C, W
+
+
+def final_conv_state(x, conv_state, seq_idx, width):
+    """The last ``width`` inputs of each row as ``[B, C, W]`` in x's dtype (differentiable PyTorch).
+
+    Slots before the row's start come from ``conv_state`` (zeros when None); slots holding an input of another
+    sequence than the row's last token are zero, so the state continues only that sequence.
+    """
+    B, T, C = x.shape
+    history = x.new_zeros(B, width, C) if conv_state is None else conv_state.transpose(1, 2).to(x.dtype)
+    tail = torch.cat([history, x[:, max(T - width, 0):]], dim=1)[:, -width:]
+    if seq_idx is not None and T > 0:
+        ids = torch.cat([seq_idx[:, :1].expand(B, width), seq_idx[:, max(T - width, 0):]], dim=1)[:, -width:]
+        tail = tail * (ids == seq_idx[:, -1:]).unsqueeze(-1).to(tail.dtype)
+    return tail.transpose(1, 2).contiguous()
+
+
+def causal_conv1d(x, weight, conv_state=None, seq_idx=None):
+    r"""Depthwise causal convolution followed by SiLU, restarting at sequence boundaries; differentiable.
+
+    For channel c, token t of row b (tap j looks j steps back; the op of causal-conv1d / fla's
+    ``causal_conv1d`` with ``activation="silu"``)::
+
+        y[b, t, c] = SiLU( Σ_{j<W} weight[c, W−1−j] · x[b, t−j, c] · [seq_idx[b, t−j] = seq_idx[b, t]] )
+
+    where ``x[b, t−j]`` for ``t−j < 0`` is ``conv_state[b, :, W + t − j]`` and counts as the row's first
+    sequence id. Accumulated in float32.
+
+    Args:
+        x: ``[B, T, C]`` float16 / bfloat16 / float32.
+        weight: ``[C, W]`` depthwise kernel (``nn.Conv1d(C, C, W, groups=C).weight.squeeze(1)``), 1 ≤ W ≤ 8.
+        conv_state: optional ``[B, C, W]`` the W inputs before x, oldest first (from the cache); None = zeros.
+            Differentiable when it requires grad.
+        seq_idx: optional ``[B, T]`` int32/int64 sequence id per token (packed documents); a token never sees
+            inputs of another id.
+
+    Returns:
+        ``(y [B, T, C] in x's dtype, new_state [B, C, W] in x's dtype)``: the state holds the last W inputs of
+        each row, zero where an input belongs to another sequence than the row's last token.
+
+    Raises:
+        ValueError: wrong shapes, dtypes or devices, or W outside [1, 8].
+    """
+    _, _, _, W = _validate(x, weight, conv_state, seq_idx)
+    state = conv_state.contiguous() if conv_state is not None else None
+    ids = seq_idx.contiguous() if seq_idx is not None else None
+    y = CausalConv1dFunction.apply(x.contiguous(), weight.contiguous(), state, ids)
+    return y, final_conv_state(x, conv_state, seq_idx, W)
+
+
+def causal_conv1d_update(x, conv_state, weight):
+    r"""One decoding step: ``new_state = [conv_state[..., 1:], x]``, ``y = SiLU(Σ_m new_state[..., m] · weight[:, m])``.
+
+    Equals :func:`causal_conv1d` on ``x[:, None]`` with that ``conv_state`` (one launch instead of a few);
+    ``conv_state`` is not modified (unlike causal-conv1d's in-place update). Forward only.
+
+    Args:
+        x: ``[B, C]`` or ``[B, 1, C]`` float16 / bfloat16 / float32 (the new token's inputs).
+        conv_state: ``[B, C, W]`` the W previous inputs, oldest first.
+        weight: ``[C, W]``, 1 ≤ W ≤ 8.
+
+    Returns:
+        ``(y like x, new_state [B, C, W] in x's dtype)``.
+
+    Raises:
+        ValueError: wrong shapes, dtypes or devices, or an input that requires grad while grad mode is on.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or (x.dim() == 3 and x.shape[1] != 1):
+        raise ValueError(f"x must be [B, C] or [B, 1, C], got {getattr(x, 'shape', type(x).__name__)}")
+    if conv_state is None:
+        raise ValueError("conv_state is required for a decoding step")
+    x3 = x if x.dim() == 3 else x.unsqueeze(1)
+    _validate(x3, weight, conv_state, None)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, conv_state, weight)):
+        raise ValueError("causal_conv1d_update has no backward; use causal_conv1d for a differentiable step")
+    y, new_state = conv_update(x3[:, 0].contiguous(), conv_state.contiguous(), weight.contiguous())
+    return y.view(x.shape), new_state

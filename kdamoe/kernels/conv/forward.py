@@ -1,0 +1,81 @@
+"""Forward of the causal depthwise convolution + SiLU, and the shared per-row convolution helper.
+
+For channel c and a row whose token is t (W taps, tap j looks j steps back; Mamba / causal-conv1d
+convention, Gu & Dao 2023 §3.4)::
+
+    pre[t, c] = Σ_{j<W} w[c, W−1−j] · x[t−j, c] · [id(t−j) = id(t)],      y = pre · σ(pre)
+
+Positions t−j < 0 read the cached state ``state[b, c, W + t − j]`` (the W inputs before x, oldest first),
+which counts as the row's first sequence id. One program per (BT rows, BC channels, batch row); the W
+shifted tiles overlap, so after the first one they come from L1/L2 and DRAM sees x about once.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import autotune
+
+_FWD_CONFIGS = [triton.Config({"BT": 64, "BC": 64}, num_warps=4), triton.Config({"BT": 32, "BC": 128}, num_warps=4),
+                triton.Config({"BT": 128, "BC": 64}, num_warps=8), triton.Config({"BT": 64, "BC": 128}, num_warps=8),
+                triton.Config({"BT": 16, "BC": 256}, num_warps=4)]
+
+
+@triton.jit
+def conv_rows(x, weight, state, seq_idx, i_b, rows, cols, mcol, T, C, first_id,
+              W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_SEQ: tl.constexpr):
+    """Pre-activation ``pre [len(rows), BC]`` (float32) at token rows ``rows`` (any int, masked outside
+    [0, T)) and the sequence ids of those rows (``-1`` outside [0, T); all 0 without ``seq_idx``)."""
+    mrow = (rows >= 0) & (rows < T)
+    ids = tl.zeros(rows.shape, dtype=tl.int64)
+    if HAS_SEQ:
+        ids = tl.load(seq_idx + i_b * T + rows, mask=mrow, other=-1).to(tl.int64)
+    acc = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
+    for j in tl.static_range(W):
+        src = rows - j
+        m_x = mrow & (src >= 0)
+        off = (i_b * T + src).to(tl.int64) * C
+        tap = tl.load(x + off[:, None] + cols[None, :], mask=m_x[:, None] & mcol[None, :], other=0.).to(tl.float32)
+        if HAS_STATE:
+            m_s = mrow & (src < 0)
+            soff = (i_b * C + cols).to(tl.int64) * W
+            tap += tl.load(state + soff[None, :] + (W + src)[:, None], mask=m_s[:, None] & mcol[None, :],
+                           other=0.).to(tl.float32)
+        if HAS_SEQ:
+            # the cached state (src < 0) belongs to the row's first sequence
+            src_ids = tl.load(seq_idx + i_b * T + src, mask=m_x, other=first_id).to(tl.int64)
+            tap = tl.where((src_ids == ids)[:, None], tap, 0.)
+        w_j = tl.load(weight + cols * W + (W - 1 - j), mask=mcol, other=0.).to(tl.float32)
+        acc += tap * w_j[None, :]
+    return acc, ids
+
+
+@autotune(configs=_FWD_CONFIGS, key=["C", "W", "HAS_STATE", "HAS_SEQ"])
+@triton.jit
+def _conv_fwd_kernel(x, weight, state, seq_idx, y, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                     HAS_STATE: tl.constexpr, HAS_SEQ: tl.constexpr):
+    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = i_t * BT + tl.arange(0, BT)
+    cols = i_c * BC + tl.arange(0, BC)
+    mcol = cols < C
+    first_id = 0
+    if HAS_SEQ:
+        first_id = tl.load(seq_idx + i_b * T).to(tl.int64)
+    pre, _ = conv_rows(x, weight, state, seq_idx, i_b, rows, cols, mcol, T, C, first_id, W, HAS_STATE, HAS_SEQ)
+    out = pre * tl.sigmoid(pre)
+    off = (i_b * T + rows).to(tl.int64) * C
+    tl.store(y + off[:, None] + cols[None, :], out.to(y.dtype.element_ty), mask=(rows < T)[:, None] & mcol[None, :])
+
+
+def conv_fwd(x, weight, state, seq_idx):
+    """``SiLU(conv(x))`` for contiguous ``x [B, T, C]``, ``weight [C, W]``, ``state [B, C, W]`` or None,
+    ``seq_idx [B, T]`` or None; returns ``y`` like x."""
+    B, T, C = x.shape
+    W = weight.shape[1]
+    y = torch.empty_like(x)
+    if B * T * C == 0:
+        return y
+    grid = lambda meta: (triton.cdiv(T, meta["BT"]), triton.cdiv(C, meta["BC"]), B)
+    _conv_fwd_kernel[grid](x, weight, state, seq_idx, y, T, C, W=W, HAS_STATE=state is not None,
+                           HAS_SEQ=seq_idx is not None)
+    return y

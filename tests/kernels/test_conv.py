@@ -1,0 +1,149 @@
+"""causal_conv1d / causal_conv1d_update (Triton) against the float64 PyTorch reference ``causal_conv1d_torch``
+(itself checked by brute force in tests/test_kda_torch.py): outputs, returned state, gradients of x, weight
+and conv_state, packed rows, the decode chain, argument errors.
+
+Runs on the CPU interpreter (tests/conftest.py) in float32 and float16; with KDAMOE_TEST_ON_GPU=1 on a CUDA
+machine the same tests run on the GPU.
+"""
+
+import os
+
+import pytest
+import torch
+
+from kdamoe.kda_torch import causal_conv1d_torch
+from kdamoe.kernels import causal_conv1d, causal_conv1d_update
+
+ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # relative L2 against float64
+
+
+def rel(a, b):
+    """Relative L2 error of a against the float64 reference b; an all-zero b must be matched exactly."""
+    b = b.detach().double().cpu()
+    a = a.detach().double().cpu()
+    assert torch.isfinite(a).all()
+    if b.norm() == 0:  # e.g. d(conv_state) with W = 1: the state only reaches the returned state
+        return float(a.norm() > 0)
+    return ((a - b).norm() / b.norm()).item()
+
+
+def packed_ids(B, T, gen):
+    """Random packed layout: each row split into 1-4 documents at random cuts, ids increasing over the batch."""
+    ids, next_id = torch.empty(B, T, dtype=torch.long), 0
+    for b in range(B):
+        cuts = sorted(torch.randperm(T - 1, generator=gen)[: int(torch.randint(0, 4, (1,), generator=gen))] + 1)
+        starts = torch.zeros(T, dtype=torch.long)
+        starts[0] = 1
+        starts[torch.tensor(cuts, dtype=torch.long)] = 1
+        ids[b] = starts.cumsum(0) - 1 + next_id
+        next_id = int(ids[b, -1]) + 1
+    return ids
+
+
+def make(B, T, C, W, seed, dtype, with_state, packed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, C, generator=gen).to(dtype)
+    w = (torch.randn(C, W, generator=gen) / W ** 0.5).to(dtype)
+    state = torch.randn(B, C, W, generator=gen).to(dtype) if with_state else None
+    seq_idx = packed_ids(B, T, gen) if packed else None
+    dy = torch.randn(B, T, C, generator=gen)
+    dstate = torch.randn(B, C, W, generator=gen)
+    return x, w, state, seq_idx, dy, dstate
+
+
+F32, F16 = torch.float32, torch.float16
+CASES = [  # dtype, B, T, C, W, seed, with_state, packed; T = 70 / 100 cross the 64-row blocks, C = 70 the channel blocks
+    (F32, 2, 70, 12, 4, 1, True, True),
+    (F16, 1, 70, 12, 4, 7, True, True),
+    (F32, 1, 100, 70, 4, 2, False, True),
+    (F32, 3, 5, 8, 4, 3, True, False),
+    (F16, 3, 5, 8, 4, 8, True, False),
+    (F32, 2, 64, 16, 3, 4, False, False),
+    (F32, 1, 2, 6, 4, 5, True, True),
+    (F16, 2, 33, 10, 1, 6, True, False),
+]
+
+
+@pytest.mark.parametrize("dtype,B,T,C,W,seed,with_state,packed", CASES)
+def test_matches_reference_values_and_gradients(dtype, B, T, C, W, seed, with_state, packed):
+    x, w, state, seq_idx, dy, dstate = make(B, T, C, W, seed, dtype, with_state, packed)
+    dev = [t.to(DEVICE).requires_grad_() if t is not None and t.is_floating_point() else t for t in (x, w, state)]
+    ids = seq_idx.to(DEVICE) if seq_idx is not None else None
+    y, new_state = causal_conv1d(dev[0], dev[1], dev[2], ids)
+    assert y.dtype == dtype and y.shape == (B, T, C) and new_state.shape == (B, C, W) and new_state.dtype == dtype
+
+    ref_in = [t.double().requires_grad_() if t is not None else None for t in (x, w, state)]
+    y_ref, state_ref = causal_conv1d_torch(ref_in[0], ref_in[1], ref_in[2], seq_idx)
+    assert rel(y, y_ref) <= TOL[dtype]
+    torch.testing.assert_close(new_state.double().cpu(), state_ref.detach(), rtol=0, atol=0)
+
+    loss = (y.float() * dy.to(DEVICE)).sum() + (new_state.float() * dstate.to(DEVICE)).sum()
+    wanted = [t for t in dev if t is not None]
+    grads = torch.autograd.grad(loss, wanted)
+    loss_ref = (y_ref * dy.double()).sum() + (state_ref * dstate.double()).sum()
+    grads_ref = torch.autograd.grad(loss_ref, [t for t in ref_in if t is not None])
+    for name, got, want in zip(("x", "weight", "conv_state"), grads, grads_ref):
+        assert got.dtype == dtype, name
+        assert rel(got, want) <= TOL[dtype] * 5, f"d{name}"
+
+
+def test_packed_row_equals_each_document_alone():
+    """Independent of the reference: a packed row's outputs equal each document convolved on its own."""
+    x, w, state, _, _, _ = make(1, 40, 8, 4, 11, torch.float32, True, False)
+    seq_idx = torch.tensor([[5] * 3 + [6] * 25 + [7] * 12])
+    y, new_state = causal_conv1d(x, w, state, seq_idx)
+    first, _ = causal_conv1d(x[:, :3], w, state)  # the cache feeds the first document only
+    middle, _ = causal_conv1d(x[:, 3:28], w)
+    last, last_state = causal_conv1d(x[:, 28:], w)
+    torch.testing.assert_close(y, torch.cat([first, middle, last], 1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(new_state, last_state, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_chain_equals_full_forward(dtype):
+    B, T0, steps, C, W = 3, 9, 4, 20, 4
+    x, w, state, _, _, _ = make(B, T0 + steps, C, W, 21, dtype, True, False)
+    x, w, state = x.to(DEVICE), w.to(DEVICE), state.to(DEVICE)
+    with torch.no_grad():
+        full, full_state = causal_conv1d(x, w, state)
+        y, s = causal_conv1d(x[:, :T0], w, state)
+        pieces = [y]
+        for t in range(T0, T0 + steps):
+            y_t, s = causal_conv1d_update(x[:, t], s, w)
+            pieces.append(y_t[:, None])
+    assert rel(torch.cat(pieces, 1), full.double()) <= TOL[dtype]
+    torch.testing.assert_close(s, full_state, rtol=0, atol=0)
+
+
+def test_update_accepts_b1c_and_leaves_state_alone():
+    x, w, state, _, _, _ = make(2, 1, 6, 3, 31, torch.float32, True, False)
+    kept = state.clone()
+    y, s = causal_conv1d_update(x, state, w)
+    y_ref, s_ref = causal_conv1d_torch(x.double(), w.double(), state.double())
+    assert y.shape == (2, 1, 6) and rel(y, y_ref) <= TOL[torch.float32]
+    torch.testing.assert_close(s.double(), s_ref, rtol=0, atol=0)
+    assert torch.equal(state, kept)
+
+
+def test_bad_arguments_raise_value_error():
+    x, w, state, _, _, _ = make(2, 5, 6, 4, 41, torch.float32, True, False)
+    with pytest.raises(ValueError, match="x must be"):
+        causal_conv1d(x[0], w)
+    with pytest.raises(ValueError, match="weight must be"):
+        causal_conv1d(x, w[:5])
+    with pytest.raises(ValueError, match="W must be in"):
+        causal_conv1d(x, torch.randn(6, 9))
+    with pytest.raises(ValueError, match="conv_state must be"):
+        causal_conv1d(x, w, state[:1])
+    with pytest.raises(ValueError, match="seq_idx must be"):
+        causal_conv1d(x, w, seq_idx=torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="seq_idx dtype"):
+        causal_conv1d(x, w, seq_idx=torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="x dtype"):
+        causal_conv1d(x.double(), w)
+    with pytest.raises(ValueError, match="conv_state is required"):
+        causal_conv1d_update(x[:, 0], None, w)
+    with pytest.raises(ValueError, match="no backward"):
+        causal_conv1d_update(x[:, 0].requires_grad_(), state, w)
