@@ -81,3 +81,18 @@ def moe_experts_op(backend: str, device: torch.device):
 
         return run
     return moe_experts_torch
+
+
+from .moe_torch import moe_route_torch  # noqa: E402
+
+
+def moe_route_op(backend: str, device: torch.device):
+    """Router op ``fn(router_logits, e_score_correction_bias, top_k, routed_scaling_factor, token_mask,
+    count_tokens, num_bins) -> (top_k_index, top_k_weights, tokens_per_expert, histogram)``.
+
+    The Triton kernel ``kdamoe.kernels.moe_route`` (one pass: sigmoid, Top-(k+1), weights, token counts,
+    QB histogram) or its PyTorch twin ``moe_torch.moe_route_torch``; both return float64 counts.
+    """
+    if _use_triton(backend, device, "moe_route"):
+        return _triton_kernels().moe_route
+    return moe_route_torch

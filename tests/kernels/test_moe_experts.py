@@ -155,3 +155,20 @@ def test_experts_errors():
         moe_experts(x, idx - 3, w, w1, w2)
     with pytest.raises(ValueError, match="one device"):
         moe_experts(x, idx.to("meta"), w, w1, w2)
+
+
+def test_expert_permutation_groups_slots_stably():
+    g = torch.Generator().manual_seed(8)
+    idx = torch.stack([torch.randperm(9, generator=g)[:3] for _ in range(37)])
+    idx[::7, 2] = 9  # owned by another rank: sorts last, belongs to no expert
+    order, counts, offsets = expert_permutation(idx, 9)
+    flat = idx.flatten()
+    order = order.long()
+    assert sorted(order.tolist()) == list(range(37 * 3))
+    assert (flat[order][1:] >= flat[order][:-1]).all()
+    ref = torch.bincount(flat, minlength=10)[:9]
+    assert torch.equal(counts.long(), ref)
+    assert torch.equal(offsets.long(), torch.cat([torch.zeros(1, dtype=torch.long), ref.cumsum(0)]))
+    for e in range(9):  # stable: tokens keep their order inside an expert
+        seg = order[offsets[e]:offsets[e + 1]]
+        assert (seg[1:] > seg[:-1]).all()
