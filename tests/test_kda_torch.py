@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kdamoe.kda_torch import causal_conv1d_torch, chunk_kda_torch, kda_gate, l2norm, recurrent_kda_torch
-from tests.kda_reference import naive_recurrent_kda
+from kdamoe.kernels.kda.naive import naive_recurrent_kda
 
 
 def _inputs(seed, B, T, H=2, K=8, V=6, dtype=torch.float64, lower_bound=-5.0):
