@@ -298,9 +298,11 @@ class KDAMoETopkRouter(nn.Module):
         record = self.training and torch.is_grad_enabled() and not _inside_backward()
         quantile = record and self.config.router_bias_update == "quantile"
         route = moe_route_op(self.config.kernel_backend, router_logits.device)
+        # .float(): a blanket model.to(torch.bfloat16) casts this buffer too; both ops take it as float32
         top_k_index, top_k_weights, tokens_per_expert, qb_counts = route(
-            router_logits, self.e_score_correction_bias, self.top_k, self.scaling, token_mask=token_mask,
-            count_tokens=record, num_bins=self.config.qb_num_bins if quantile else None,
+            router_logits, self.e_score_correction_bias.float(), self.top_k, self.scaling,
+            token_mask=token_mask if record else None, count_tokens=record,
+            num_bins=self.config.qb_num_bins if quantile else None,
         )
         if record:
             self._accumulate(tokens_per_expert, qb_counts)

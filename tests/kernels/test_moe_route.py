@@ -204,3 +204,13 @@ def test_torch_route_op_matches_bruteforce():
     assert (hist.long() - histogram_ref(r, lo, hi, 64)).abs().sum() <= 2 * near_edge(r, lo, hi, 64)
     with pytest.raises(ValueError, match="top_k"):
         moe_route_torch(logits, bias, 10)
+
+
+def test_model_router_after_a_blanket_bfloat16_cast():
+    """``model.to(torch.bfloat16)`` casts the bias buffer too; the kernel (float32 bias only) still runs."""
+    router, x, mask = _router_case("quantile", 16)
+    router.e_score_correction_bias.data = router.e_score_correction_bias.bfloat16()
+    router.train()
+    idx_t = _run_router(router, "torch", x, mask)[0]
+    idx_k = _run_router(router, "triton", x, mask)[0]
+    assert torch.equal(idx_k, idx_t)
