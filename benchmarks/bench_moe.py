@@ -1,201 +1,350 @@
-"""MoE kernels on one GPU: bf16 correctness against float32, then fwd / fwd+bwd timings against peers.
+"""MoE on one GPU: the router (Triton route kernel vs the model's PyTorch router op) and the routed experts.
 
-Usage (device): ``PYTHONPATH=$PWD python3 benchmarks/bench_moe.py [--quick]``; writes
-``$OUT/moe_h200.json`` and ``$OUT/moe_h200.md`` (copied to ``benchmarks/results/``).
-Ours = ``moe_route`` (+ QB histogram off) + ``moe_experts``; peer = ``moe_peers.grouped_mm_moe``
-(sigmoid + top-k, argsort permutation, two ``torch._grouped_mm``, SiTU, weighted combine, autograd);
-loop = ``moe_peers.loop_moe``. FLOPs: 6·N·k·ℓ·I forward, 18·N·k·ℓ·I forward+backward.
+    python benchmarks/bench_moe.py --router-only      # router case only (about a minute on an H200)
+    python benchmarks/bench_moe.py [--quick] [--profile]
+    TRITON_INTERPRET=1 python benchmarks/bench_moe.py --smoke [--router-only]   # CPU check of the runner
+
+Writes ``moe_router.{json,md}`` and (unless ``--router-only``) ``moe_experts.{json,md}`` into ``$OUT``
+(default ``./bench_out``) and prints the tables. Every file names the stack it measured: torch, triton, GPU,
+CUDA, the git commit (``git rev-parse HEAD``, else ``$KDAMOE_COMMIT``) and a hash of the measured sources.
+
+router: what ``KDAMoETopkRouter.forward`` runs, both paths from ``kdamoe.kernel_dispatch.moe_route_op``:
+  the router linear in float32 on bf16 activations, then the route op (``moe_torch.moe_route_torch``:
+  sigmoid + topk + gather + normalise + selection margins + histogram + bincount; or the kernel
+  ``kernels.moe_route``: one pass), then the float64 accumulation. Modes: ``train_fwd`` (statistics on),
+  ``train_fwdbwd`` (plus the backward through the gate weights to the router weight and the activations)
+  and ``eval_fwd`` (no statistics, no grad).
+experts: ours = ``moe_route`` + ``moe_experts``; peer = ``moe_peers.grouped_mm_moe`` (two
+  ``torch._grouped_mm``); loop = the model's PyTorch path (``moe_route_torch`` + ``moe_experts_torch``).
+  Errors: bf16 against the PyTorch path in float32. FLOPs 6·N·k·ℓ·I forward, 18·N·k·ℓ·I forward+backward.
 """
 
+import argparse
+import hashlib
 import json
 import os
+import statistics
+import subprocess
 import sys
 import time
 
 import torch
-from triton.testing import do_bench
+import torch.nn.functional as F
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_peers import grouped_mm_moe, loop_experts, loop_moe  # noqa: E402
 
+from moe_peers import grouped_mm_moe  # noqa: E402
+
+from kdamoe.kernel_dispatch import moe_route_op  # noqa: E402
 from kdamoe.kernels import moe_experts, moe_route  # noqa: E402
+from kdamoe.kernels.utils import relative_error  # noqa: E402
+from kdamoe.moe_torch import GLUActivation, moe_experts_torch, moe_route_torch  # noqa: E402
 
-CEIL = 757.0  # TFLOP/s, bf16 GEMM 8192³ on this H200 (DESIGN.md §4)
-dev = "cuda"
-torch.backends.cuda.matmul.allow_tf32 = False
-torch.backends.cudnn.allow_tf32 = False
-OUT = os.environ.get("OUT", ".")
-QUICK = "--quick" in sys.argv
-LOG = []
+CEIL_TFLOPS = 757.0  # bf16 GEMM 8192³ measured on an H200 with this image (see notes_moe.md)
+QB_BINS = 1024
 
 
-def log(*a):
-    s = " ".join(str(x) for x in a)
-    print(s, flush=True)
-    LOG.append(s)
+# ----------------------------------------------------------------------------------------------------------
+# timing and the stack
+# ----------------------------------------------------------------------------------------------------------
+def bench(fn, dev, grads=None, rep=100):
+    """Median ms: ``triton.testing.do_bench`` on CUDA; a few wall-clock runs on the CPU (smoke only)."""
+    if dev.type == "cuda":
+        from triton.testing import do_bench
+        return do_bench(fn, warmup=max(25, rep // 4), rep=rep, grad_to_none=grads, return_mode="median")
+    times = []
+    for _ in range(3):
+        for g in grads or ():
+            g.grad = None
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
 
 
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+def stack(dev):
+    """torch / triton / device / commit of this run, for the results files."""
+    import triton
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    digest = hashlib.sha256()
+    for sub in ("kdamoe/kernels/moe", "kdamoe"):
+        folder = os.path.join(REPO, sub)
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as fh:
+                    digest.update(fh.read())
+    return {
+        "torch": torch.__version__, "triton": triton.__version__,
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (TRITON_INTERPRET=1)",
+        "cuda": torch.version.cuda, "commit": commit or os.environ.get("KDAMOE_COMMIT", "unknown"),
+        "sources_sha256": digest.hexdigest()[:16],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
 
 
-def make(n, hid, inter, e, seed, skew=0.0):
+def stack_lines(info):
+    return [f"Stack: torch {info['torch']}, triton {info['triton']}, {info['device']} (CUDA {info['cuda']}); "
+            f"commit {info['commit']}, sources {info['sources_sha256']}; {info['date']}.", ""]
+
+
+def write(out, name, payload, lines):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as fh:
+        json.dump(payload, fh, indent=1)
+    with open(os.path.join(out, f"{name}.md"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# router
+# ----------------------------------------------------------------------------------------------------------
+class RouterStep:
+    """``KDAMoETopkRouter.forward`` for one backend, on given weights (bf16 model, float32 router linear)."""
+
+    def __init__(self, backend, weight, bias, top_k, dev):
+        self.route = moe_route_op(backend, dev)
+        self.weight, self.bias, self.top_k = weight, bias, top_k
+        e = weight.shape[0]
+        self.load = torch.zeros(e, dtype=torch.float64, device=dev)
+        self.qb = torch.zeros(e, QB_BINS, dtype=torch.float64, device=dev)
+
+    def __call__(self, x, record):
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
+        index, weights, load, qb = self.route(logits, self.bias, self.top_k, 1.0, token_mask=None,
+                                              count_tokens=record, num_bins=QB_BINS if record else None)
+        if record:
+            with torch.no_grad():
+                self.load += load
+                self.qb += qb
+        return index, weights, load, qb
+
+
+def router_case(n, d, e, k, dev, seed=0):
     g = torch.Generator(device=dev).manual_seed(seed)
-    x = torch.randn(n, hid, device=dev, generator=g).bfloat16()
-    w1 = (torch.randn(e, 2 * inter, hid, device=dev, generator=g) * hid ** -0.5).bfloat16()
-    w2 = (torch.randn(e, hid, inter, device=dev, generator=g) * inter ** -0.5).bfloat16()
+    x = torch.randn(n, d, device=dev, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(e, d, device=dev, generator=g) * d ** -0.5).bfloat16().requires_grad_()
+    bias = (torch.randn(e, device=dev, generator=g) * 0.05).float()
+    return x, w, bias
+
+
+def router_bench(cases, dev, rep):
+    rows = []
+    for n, d, e, k in cases:
+        x, w, bias = router_case(n, d, e, k, dev)
+        steps = {b: RouterStep(b, w, bias, k, dev) for b in ("torch", "triton")}
+        # agreement of the two paths on the same input (train mode, statistics on)
+        it, wt, lt, qt = steps["torch"](x, True)
+        ik, wk, lk, qk = steps["triton"](x, True)
+        agree = {"index_mismatch_frac": (it != ik).float().mean().item(),
+                 "weights_max_abs_diff": (wt - wk).abs().max().item(),
+                 "token_counts_l1_diff": (lt - lk).abs().sum().item(),
+                 "histogram_l1_diff_frac": ((qt - qk).abs().sum() / qt.sum()).item()}
+        dw = torch.randn(n, k, device=dev)
+        times = {}
+        for b, step in steps.items():
+            times[b, "train_fwd"] = bench(lambda: step(x, True), dev, rep=rep)
+            times[b, "train_fwdbwd"] = bench(lambda: (step(x, True)[1] * dw).sum().backward(), dev, [x, w], rep)
+            with torch.no_grad():
+                times[b, "eval_fwd"] = bench(lambda: step(x, False), dev, rep=rep)
+        for mode in ("train_fwd", "train_fwdbwd", "eval_fwd"):
+            t, tk = times["torch", mode], times["triton", mode]
+            rows.append({"case": f"N{n}_d{d}_E{e}_k{k}", "mode": mode, "torch_ms": round(t, 4),
+                         "triton_ms": round(tk, 4), "torch_over_triton": round(t / tk, 3)})
+            print(json.dumps(rows[-1]), flush=True)
+        rows[-3]["agreement"] = agree
+        print("agreement", json.dumps(agree), flush=True)
+        del x, w, steps
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def router_report(rows, info, out):
+    lines = ["# MoE router: model's PyTorch router op vs the Triton route kernel", ""] + stack_lines(info) + [
+        "Both include the float32 router linear on bf16 activations and the float64 statistics accumulation, "
+        "as `KDAMoETopkRouter.forward` runs them (benchmarks/bench_moe.py, `router`). Median ms; "
+        "torch/triton above 1 = the kernel is faster.", "",
+        "| case | mode | torch ms | triton ms | torch/triton |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['mode']} | {r['torch_ms']:.4f} | {r['triton_ms']:.4f} | "
+                     f"{r['torch_over_triton']:.2f} |")
+    lines += ["", "Agreement of the two paths (train mode, same input; sigmoid may differ by an ulp, so near-ties "
+              "and values on a bin edge can move):", ""]
+    for r in rows:
+        if "agreement" in r:
+            lines.append(f"- {r['case']}: " + ", ".join(f"{a} {b:.3g}" for a, b in r["agreement"].items()))
+    write(out, "moe_router", {"stack": info, "rows": rows}, lines)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# experts
+# ----------------------------------------------------------------------------------------------------------
+SITU = GLUActivation("situ")
+
+
+def make(n, hid, inter, e, dev, seed, skew=0.0):
+    """bf16 activations and expert weights (float32 on the CPU: the interpreter mishandles bfloat16)."""
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(n, hid, device=dev, generator=g).to(dt)
+    w1 = (torch.randn(e, 2 * inter, hid, device=dev, generator=g) * hid ** -0.5).to(dt)
+    w2 = (torch.randn(e, hid, inter, device=dev, generator=g) * inter ** -0.5).to(dt)
     logits = torch.randn(n, e, device=dev, generator=g)
     if skew:
         logits = logits + skew * torch.randn(e, device=dev, generator=g)
     bias = (torch.randn(e, device=dev, generator=g) * 0.01).float()
-    return x, w1, w2, logits.bfloat16(), bias
+    return x, w1, w2, logits.to(dt), bias
 
 
-def correctness(n, hid, inter, e, k, seed, drop=0.0):
-    x, w1, w2, logits, bias = make(n, hid, inter, e, seed)
-    r = moe_route(logits, bias, k)
-    idx = r.top_k_index.clone()
+def loop_moe(x, logits, bias, w1, w2, k):
+    """The model's PyTorch path: router op, then one matmul pair per expert."""
+    idx, w, _, _ = moe_route_torch(logits, bias, k)
+    return moe_experts_torch(x, idx, w, w1, w2, SITU)
+
+
+def experts_correctness(n, hid, inter, e, k, dev, seed, drop):
+    """bf16 kernels against the PyTorch experts in float32 on the same routing (slots dropped to E = EP)."""
+    x, w1, w2, logits, bias = make(n, hid, inter, e, dev, seed)
+    idx, wts, _, _ = moe_route(logits, bias, k)
     if drop:
         gen = torch.Generator(device=dev).manual_seed(seed + 1)
-        idx[torch.rand(idx.shape, device=dev, generator=gen) < drop] = e
-    wts = r.top_k_weights.detach().bfloat16()
-    ps = [t.clone().requires_grad_() for t in (x, wts, w1, w2)]
+        idx = idx.masked_fill(torch.rand(idx.shape, device=dev, generator=gen) < drop, e)
+    ps = [t.clone().requires_grad_() for t in (x, wts.detach().to(x.dtype), w1, w2)]
     out = moe_experts(ps[0], idx, ps[1], ps[2], ps[3])
     dout = torch.randn_like(out)
     out.backward(dout)
     qs = [t.detach().float().requires_grad_() for t in (x, wts, w1, w2)]
-    ref = loop_experts(qs[0], idx, qs[1], qs[2], qs[3])
+    ref = moe_experts_torch(qs[0], idx, qs[1], qs[2], qs[3], SITU)
     ref.backward(dout.float())
-    errs = {"out": rel(out, ref)}
+    errs = {"out": relative_error(out, ref)}
     for name, p, q in zip(["d_hidden", "d_weights", "d_gate_up", "d_down"], ps, qs):
-        errs[name] = rel(p.grad, q.grad)
-    # routing: same picks as a float32 torch router, weights close
-    s = torch.sigmoid(logits.float())
-    ridx = torch.topk(s + bias, k, dim=-1).indices
-    errs["route_idx_mismatch"] = (ridx != r.top_k_index).float().mean().item()
-    sel = s.gather(1, ridx)
-    errs["route_w"] = rel(r.top_k_weights, sel / sel.sum(-1, keepdim=True))
+        errs[name] = relative_error(p.grad, q.grad)
     return errs
 
 
-def bench(fn, grads, rep):
-    return do_bench(fn, warmup=max(25, rep // 4), rep=rep, grad_to_none=grads, return_mode="median")
-
-
-def timing(name, n, hid, inter, e, k, skew, with_loop):
-    x, w1, w2, logits, bias = make(n, hid, inter, e, 1234, skew)
-    load = torch.bincount(torch.topk(torch.sigmoid(logits.float()) + bias, k, -1).indices.flatten(), minlength=e)
+def experts_timing(name, n, hid, inter, e, k, skew, dev, with_loop, rep):
+    x, w1, w2, logits, bias = make(n, hid, inter, e, dev, 1234, skew)
     ps = [t.clone().requires_grad_() for t in (x, w1, w2, logits)]
-    dout = torch.randn(n, hid, device=dev, dtype=torch.bfloat16)
+    dout = torch.randn(n, hid, device=dev, dtype=x.dtype)
 
     def ours():
-        r = moe_route(ps[3], bias, k)
-        return moe_experts(ps[0], r.top_k_index, r.top_k_weights, ps[1], ps[2])
+        idx, w, _, _ = moe_route(ps[3], bias, k)
+        return moe_experts(ps[0], idx, w, ps[1], ps[2])
 
-    def peer():
-        return grouped_mm_moe(ps[0], ps[3], bias, ps[1], ps[2], k)
-
-    def loop():
-        return loop_moe(ps[0], ps[3], bias, ps[1], ps[2], k)
-
-    m = n * k
-    ff, fb = 6 * m * hid * inter, 18 * m * hid * inter
-    rows = []
-    cands = [("ours", ours), ("peer", peer)] + ([("loop", loop)] if with_loop else [])
+    cands = [("ours", ours)]
+    if dev.type == "cuda" and hasattr(torch, "_grouped_mm"):
+        cands.append(("peer", lambda: grouped_mm_moe(ps[0], ps[3], bias, ps[1], ps[2], k)))
+    if with_loop:
+        cands.append(("loop", lambda: loop_moe(ps[0], ps[3], bias, ps[1], ps[2], k)))
     t = {}
     for cname, f in cands:
-        rep = 100 if cname != "loop" else 60
         with torch.no_grad():
-            t[cname, "fwd"] = bench(f, None, rep)
-        t[cname, "fwdbwd"] = bench(lambda: f().backward(dout), ps, rep)
-    # breakdown of ours
-    with torch.no_grad():
-        t_route = bench(lambda: moe_route(ps[3], bias, k), None, 50)
-        r = moe_route(ps[3], bias, k)
-        t_exp = bench(lambda: moe_experts(ps[0], r.top_k_index, r.top_k_weights, ps[1], ps[2]), None, 50)
-    log(f"{name}: load max/mean {load.max().item() / load.float().mean().item():.2f} min {load.min().item()}; "
-        f"route {t_route:.3f} ms, experts fwd {t_exp:.3f} ms")
-    for mode, fl in (("fwd", ff), ("fwdbwd", fb)):
-        row = {"name": f"{name}_{mode}", "ours_ms": round(t["ours", mode], 4), "peer": "torch._grouped_mm pipeline",
-               "peer_ms": round(t["peer", mode], 4), "ratio": round(t["ours", mode] / t["peer", mode], 4),
-               "loop_ms": round(t["loop", mode], 4) if with_loop else None,
-               "ours_tflops": round(fl / t["ours", mode] / 1e9, 1), "peer_tflops": round(fl / t["peer", mode] / 1e9, 1),
-               "ours_frac_of_757": round(fl / t["ours", mode] / 1e9 / CEIL, 3)}
+            t[cname, "fwd"] = bench(f, dev, rep=rep)
+        t[cname, "fwdbwd"] = bench(lambda f=f: f().backward(dout), dev, ps, rep)
+    rows = []
+    m = n * k
+    for mode, flop in (("fwd", 6 * m * hid * inter), ("fwdbwd", 18 * m * hid * inter)):
+        row = {"name": f"{name}_{mode}", **{f"{c}_ms": round(t[c, mode], 4) for c, _ in cands},
+               "ours_tflops": round(flop / t["ours", mode] / 1e9, 1)}
+        if ("peer", mode) in t:
+            row["ours_over_peer"] = round(t["ours", mode] / t["peer", mode], 3)
         rows.append(row)
-        log(json.dumps(row))
-    del ps, x, w1, w2, logits
-    torch.cuda.empty_cache()
+        print(json.dumps(row), flush=True)
     return rows
 
 
-def profile(name, n, hid, inter, e, k):
-    """Per-kernel CUDA time of one forward+backward of ours (torch.profiler), printed to the log."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as tprof
-    x, w1, w2, logits, bias = make(n, hid, inter, e, 1234)
+def experts_profile(name, n, hid, inter, e, k, dev):
+    """Per-kernel CUDA time of one forward+backward of ours (torch.profiler), printed."""
+    from torch.profiler import ProfilerActivity, profile
+    x, w1, w2, logits, bias = make(n, hid, inter, e, dev, 1234)
     ps = [t.clone().requires_grad_() for t in (x, w1, w2, logits)]
     dout = torch.randn(n, hid, device=dev, dtype=torch.bfloat16)
 
     def step():
-        r = moe_route(ps[3], bias, k)
-        moe_experts(ps[0], r.top_k_index, r.top_k_weights, ps[1], ps[2]).backward(dout)
+        idx, w, _, _ = moe_route(ps[3], bias, k)
+        moe_experts(ps[0], idx, w, ps[1], ps[2]).backward(dout)
 
     step()
     torch.cuda.synchronize()
-    with tprof(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    try:
-        tab = prof.key_averages().table(sort_by="device_time_total", row_limit=14, max_name_column_width=48)
-    except Exception:  # older key name
-        tab = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=48)
-    log(f"profile {name} (one fwd+bwd):")
-    log(tab)
+    print(f"profile {name} (one fwd+bwd):")
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=14, max_name_column_width=48))
+
+
+def experts_bench(args, dev, info):
+    if args.smoke:
+        checks = [(48, 32, 16, 8, 2, 0, 0.1)]
+        cases = [("E8_I16_k2", 48, 32, 16, 8, 2, 0.0)]
+    else:
+        # same (ℓ, I, k) as the timed cases, so the autotuned kernels are shared; slots dropped to E (EP)
+        checks = [(4096, 2048, 512, 128, 8, 0, 0.1), (12288, 2048, 256, 512, 8, 1, 0.0),
+                  (12288, 2048, 384, 896, 16, 2, 0.1)]
+        cases = [("E128_I512_k8", 16384, 2048, 512, 128, 8, 0.0), ("E512_I256_k8", 16384, 2048, 256, 512, 8, 0.0),
+                 ("E896_I384_k16", 16384, 2048, 384, 896, 16, 0.0),
+                 ("E128_I512_k8_skewed", 16384, 2048, 512, 128, 8, 1.0)]
+        if args.quick:
+            cases = cases[:3]
+    errs = {}
+    for n, hid, inter, e, k, seed, drop in checks:
+        errs[f"N{n}_l{hid}_I{inter}_E{e}_k{k}_drop{drop}"] = experts_correctness(n, hid, inter, e, k, dev, seed, drop)
+        print("correctness", json.dumps(errs), flush=True)
+    rows = []
+    for name, n, hid, inter, e, k, skew in cases:
+        rows += experts_timing(name, n, hid, inter, e, k, skew, dev, with_loop=not args.quick,
+                               rep=3 if args.smoke else 100)
+    if args.profile and dev.type == "cuda":
+        for name, n, hid, inter, e, k, _ in cases[:3]:
+            experts_profile(name, n, hid, inter, e, k, dev)
+    lines = ["# MoE routed experts: ours vs torch._grouped_mm vs the model's PyTorch loop", ""] + stack_lines(info) + [
+        "bf16, median ms; ours/peer below 1 = ours faster; TFLOP/s from 6·N·k·ℓ·I (fwd) and 18·N·k·ℓ·I (fwd+bwd), "
+        f"against a {CEIL_TFLOPS:.0f} TFLOP/s bf16 GEMM ceiling.", "",
+        "| case | ours ms | grouped_mm ms | loop ms | ours/peer | ours TFLOP/s | % of ceiling |",
+        "|---|---|---|---|---|---|---|"]
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['ours_ms']:.3f} | {fmt(r.get('peer_ms'))} | {fmt(r.get('loop_ms'))} | "
+                     f"{fmt(r.get('ours_over_peer'))} | {r['ours_tflops']} | "
+                     f"{100 * r['ours_tflops'] / CEIL_TFLOPS:.1f} |")
+    lines += ["", "bf16 relative L2 errors against the PyTorch experts in float32:", ""]
+    for c, ee in errs.items():
+        lines.append(f"- {c}: " + ", ".join(f"{a} {b:.2e}" for a, b in ee.items()))
+    write(args.out, "moe_experts", {"stack": info, "rows": rows, "errors": errs}, lines)
 
 
 def main():
-    import triton
-    log("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(),
-        "has _grouped_mm", hasattr(torch, "_grouped_mm"))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--router-only", action="store_true", help="only the router case")
+    parser.add_argument("--quick", action="store_true", help="three experts cases, no loop peer")
+    parser.add_argument("--profile", action="store_true", help="per-kernel profile of the experts (CUDA)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes; runs on the CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="results folder ($OUT)")
+    args = parser.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cpu" and (not args.smoke or os.environ.get("TRITON_INTERPRET") != "1"):
+        parser.error("no CUDA device: only --smoke with TRITON_INTERPRET=1 runs on the CPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    info = stack(dev)
+    print(json.dumps(info), flush=True)
     t0 = time.time()
-    errs = {}
-    # same (ℓ, I, k, block) as the timed cases, so the autotuned kernels are shared; slots dropped to E (EP)
-    for cfg in [(4096, 2048, 512, 128, 8, 0, 0.1), (12288, 2048, 256, 512, 8, 1, 0.0),
-                (12288, 2048, 384, 896, 16, 2, 0.1)]:
-        n, hid, inter, e, k, seed, drop = cfg
-        ee = correctness(n, hid, inter, e, k, seed, drop)
-        errs[str(cfg)] = ee
-        log("correctness", cfg, {a: round(b, 5) for a, b in ee.items()})
-    log(f"correctness took {time.time() - t0:.1f}s")
-    ok = all(v <= 1e-2 for ee in errs.values() for kk, v in ee.items() if kk != "route_idx_mismatch")
-    log("bf16 within 1e-2:", ok)
-    cases = [("E128_I512_k8", 16384, 2048, 512, 128, 8, 0.0), ("E512_I256_k8", 16384, 2048, 256, 512, 8, 0.0),
-             ("E896_I384_k16", 16384, 2048, 384, 896, 16, 0.0), ("E128_I512_k8_skewed", 16384, 2048, 512, 128, 8, 1.0)]
-    if QUICK:
-        cases = cases[:3]
-    rows = []
-    for name, n, hid, inter, e, k, skew in cases:
-        t1 = time.time()
-        rows += timing(name, n, hid, inter, e, k, skew, with_loop=not QUICK)
-        log(f"{name} took {time.time() - t1:.1f}s")
-        json.dump(rows, open(os.path.join(OUT, "moe_h200.json"), "w"), indent=1)
-    for name, n, hid, inter, e, k, skew in cases[:3]:
-        profile(name, n, hid, inter, e, k)
-    json.dump(errs, open(os.path.join(OUT, "moe_h200_errors.json"), "w"), indent=1)
-    md = ["| case | ours ms | grouped_mm ms | loop ms | ours/peer | ours TFLOP/s | peer TFLOP/s | ours % of 757 |",
-          "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        md.append(f"| {r['name']} | {r['ours_ms']:.3f} | {r['peer_ms']:.3f} | "
-                  f"{r['loop_ms'] if r['loop_ms'] is None else round(r['loop_ms'], 3)} | {r['ratio']:.3f} | "
-                  f"{r['ours_tflops']} | {r['peer_tflops']} | {100 * r['ours_frac_of_757']:.1f} |")
-    md.append("")
-    md.append("bf16 relative L2 errors vs float32 reference: ")
-    for c, ee in errs.items():
-        md.append(f"- {c}: " + ", ".join(f"{a} {b:.2e}" for a, b in ee.items()))
-    open(os.path.join(OUT, "moe_h200.md"), "w").write("\n".join(md) + "\n")
-    open(os.path.join(OUT, "moe_bench_log.txt"), "w").write("\n".join(LOG) + "\n")
-    print("\n".join(md))
+    if args.smoke:
+        cases = [(64, 32, 16, 4), (40, 32, 32, 8)]
+    else:
+        cases = [(n, 1024, e, 8) for e in (64, 128) for n in (8192, 32768)]
+    router_report(router_bench(cases, dev, rep=3 if args.smoke else 100), info, args.out)
+    print(f"router took {time.time() - t0:.1f} s", flush=True)
+    if not args.router_only:
+        experts_bench(args, dev, info)
+        print(f"all took {time.time() - t0:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

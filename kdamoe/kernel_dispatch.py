@@ -30,7 +30,7 @@ from transformers.integrations import use_kernel_forward_from_hub
 from transformers.utils import logging
 
 from .kda_torch import causal_conv1d_torch, chunk_kda_torch, conv_final_state, recurrent_kda_torch
-from .moe_torch import moe_experts_torch
+from .moe_torch import moe_experts_torch, moe_route_torch
 
 logger = logging.get_logger(__name__)
 
@@ -259,3 +259,19 @@ def moe_experts_op(backend: str, device: torch.device):
 
         return run
     return moe_experts_torch
+
+
+# ----------------------------------------------------------------------------------------------------
+# MoE routing
+# ----------------------------------------------------------------------------------------------------
+def moe_route_op(backend: str, device: torch.device):
+    """Router op ``fn(router_logits, e_score_correction_bias, top_k, routed_scaling_factor, token_mask,
+    count_tokens, num_bins) -> (top_k_index, top_k_weights, tokens_per_expert, histogram)``.
+
+    The Triton kernel ``kdamoe.kernels.moe_route`` (one pass: sigmoid, Top-(k+1), weights, token counts,
+    QB histogram) or its PyTorch twin ``moe_torch.moe_route_torch``; both return float64 counts. fla has no
+    routing kernel: ``"fla"`` and an ``"auto"`` without ``kdamoe.kernels`` use the torch op.
+    """
+    if resolve(backend, device, "moe_route") == "kdamoe":
+        return kdamoe_kernels().moe_route
+    return moe_route_torch

@@ -32,16 +32,9 @@ from transformers.utils import can_return_tuple, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_kdamoe import KDAMoEConfig
-from .kernel_dispatch import causal_conv1d, chunk_kda, fused_recurrent_kda, moe_experts_op
+from .kernel_dispatch import causal_conv1d, chunk_kda, fused_recurrent_kda, moe_experts_op, moe_route_op
 from .moe_torch import GLUActivation, moe_experts_torch
-from .quantile_balancing import (
-    all_reduce_sum,
-    histogram_range,
-    qb_histogram,
-    quantile_balancing_update,
-    selection_margins,
-    sign_update,
-)
+from .quantile_balancing import all_reduce_sum, histogram_range, quantile_balancing_update, sign_update
 
 logger = logging.get_logger(__name__)
 
@@ -287,8 +280,9 @@ class KDAMoETopkRouter(nn.Module):
     """Sigmoid router with a selection-only bias, Top-(k+1) and the Quantile Balancing statistics.
 
     ``s = σ(W_r x)``, ``T = TopK(s + b, k)``, ``p_j = s_j / Σ_{r∈T} s_r``; the Top-(k+1) biased scores give
-    the selection margins QB histograms (see ``quantile_balancing.selection_margins``).
-    ``e_score_correction_bias`` (the bias ``b``) is a saved buffer that is never trained; it
+    the selection margins QB histograms (see ``quantile_balancing.selection_margins``). One op computes all of
+    it: ``kernel_dispatch.moe_route_op`` picks the Triton kernel on CUDA and ``moe_torch.moe_route_torch``
+    otherwise (the same function). ``e_score_correction_bias`` (the bias ``b``) is a saved buffer that is never trained; it
     changes only in :meth:`update_bias`. The statistics are plain tensors (not buffers) so they are
     neither saved nor broadcast by DDP.
     """
@@ -312,31 +306,33 @@ class KDAMoETopkRouter(nn.Module):
         """Route ``hidden_states [N, d]``; ``token_mask [N]`` (bool) excludes padding from the statistics.
 
         Returns ``(router_logits [N, E] float32, top_k_index [N, k] int64, top_k_weights [N, k] float32)``.
+        The statistics are gathered only in training mode with grad enabled, and not again while an
+        activation checkpoint recomputes the layer inside backward.
         """
         with torch.autocast(device_type=hidden_states.device.type, enabled=False):
             router_logits = F.linear(hidden_states.float(), self.weight.float())
-        scores = torch.sigmoid(router_logits)
-        biased = scores.detach() + self.e_score_correction_bias
-        top_values, top_index = biased.topk(self.top_k + 1, dim=-1)
-        top_k_index = top_index[:, : self.top_k]
-        top_k_weights = scores.gather(1, top_k_index)
-        top_k_weights = top_k_weights / top_k_weights.sum(-1, keepdim=True) * self.scaling
-        if self.training and torch.is_grad_enabled() and not _inside_backward():
-            self._record(scores.detach(), top_values, top_k_index, token_mask)
+        record = self.training and torch.is_grad_enabled() and not _inside_backward()
+        quantile = record and self.config.router_bias_update == "quantile"
+        route = moe_route_op(self.config.kernel_backend, router_logits.device)
+        # .float(): a blanket model.to(torch.bfloat16) casts this buffer too; both ops take it as float32
+        top_k_index, top_k_weights, tokens_per_expert, qb_counts = route(
+            router_logits, self.e_score_correction_bias.float(), self.top_k, self.scaling,
+            token_mask=token_mask if record else None, count_tokens=record,
+            num_bins=self.config.qb_num_bins if quantile else None,
+        )
+        if record:
+            self._accumulate(tokens_per_expert, qb_counts)
         return router_logits, top_k_index, top_k_weights
 
     @torch.no_grad()
-    def _record(self, scores, top_values, top_k_index, token_mask):
-        if token_mask is not None:
-            scores, top_values, top_k_index = scores[token_mask], top_values[token_mask], top_k_index[token_mask]
-        if self.qb_counts is None:
-            self.qb_counts = torch.zeros(self.num_experts, self.config.qb_num_bins, dtype=torch.float64, device=scores.device)
-            self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float64, device=scores.device)
-        self.tokens_per_expert += torch.bincount(top_k_index.flatten(), minlength=self.num_experts).double()
-        if self.config.router_bias_update == "quantile":
-            lo, hi = histogram_range(self.e_score_correction_bias)
-            r = selection_margins(scores, top_values, top_k_index)
-            self.qb_counts += qb_histogram(r, lo, hi, self.config.qb_num_bins)
+    def _accumulate(self, tokens_per_expert, qb_counts):
+        if self.tokens_per_expert is None:
+            self.tokens_per_expert = torch.zeros_like(tokens_per_expert)
+            self.qb_counts = torch.zeros(self.num_experts, self.config.qb_num_bins, dtype=torch.float64,
+                                         device=tokens_per_expert.device)
+        self.tokens_per_expert += tokens_per_expert
+        if qb_counts is not None:
+            self.qb_counts += qb_counts
 
     def expert_load(self) -> torch.Tensor:
         """``[E]`` float32 tokens routed to each expert since the last update (zeros if none)."""

@@ -1,6 +1,9 @@
-"""Pure-PyTorch pieces of the Stable LatentMoE: the SiTU-GLU activation and the routed experts.
+"""Pure-PyTorch pieces of the Stable LatentMoE: the router op, the SiTU-GLU activation and the routed experts.
 
-SiTU-GLU (Kimi K3 report §2.3; DESIGN.md §1.3)::
+These are the ops ``kernel_dispatch`` picks when the Triton kernels do not run (CPU, ``kernel_backend="torch"``,
+remote code without ``kdamoe.kernels``); each has the signature of its kernel.
+
+SiTU-GLU (Kimi K3 report §2.3)::
 
     SiTU-GLU(a, b) = [β1·tanh(a/β1) · σ(a)] ⊙ [β2·tanh(b/β2)]
 
@@ -11,6 +14,64 @@ SwiGLU ``a·σ(a) ⊙ b``.
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .quantile_balancing import histogram_range, qb_histogram, selection_margins
+
+
+def moe_route_torch(
+    router_logits: torch.Tensor,
+    e_score_correction_bias: torch.Tensor,
+    top_k: int,
+    routed_scaling_factor: float = 1.0,
+    token_mask: torch.Tensor | None = None,
+    count_tokens: bool = False,
+    num_bins: int | None = None,
+):
+    """Sigmoid router with a selection-only bias: Top-(k+1), gate weights and the balancing statistics.
+
+    ``s = σ(logits)``, ``T ∪ {c} = Top-(k+1)(s + b)``, ``p_j = c · s_j / Σ_{r∈T} s_r`` (Kimi K3 report §2.3;
+    DeepSeek-V3 loss-free balancing, arXiv:2412.19437 §2.1.2: the bias picks experts, the weights use the
+    unbiased scores). The PyTorch twin of ``kdamoe.kernels.moe_route`` (same signature and outputs).
+
+    Args:
+        router_logits: ``[N, E]`` float logits.
+        e_score_correction_bias: ``[E]`` float32 bias ``b`` (no gradient).
+        top_k: experts per token, ``1 <= k < E`` (Quantile Balancing needs the (k+1)-th score).
+        routed_scaling_factor: the factor ``c`` of the gate weights.
+        token_mask: optional ``[N]`` bool; False tokens (padding) are routed but left out of the statistics.
+        count_tokens: also return the counted tokens per expert.
+        num_bins: also return the QB histogram of the selection margins ``r = τ − s``
+            (``quantile_balancing.selection_margins``) with this many bins per expert; None: no histogram.
+
+    Returns:
+        ``(top_k_index [N, k] int64, top_k_weights [N, k] float32, tokens_per_expert [E] float64 or None,
+        histogram [E, num_bins] float64 or None)``. ``top_k_weights`` is differentiable w.r.t. the logits.
+
+    Raises:
+        ValueError: ``top_k`` outside ``[1, E − 1]``.
+    """
+    num_experts = router_logits.shape[-1]
+    if not 1 <= top_k < num_experts:
+        raise ValueError(f"top_k must satisfy 1 <= top_k < num_experts={num_experts}, got {top_k}")
+    scores = torch.sigmoid(router_logits.float())
+    biased = scores.detach() + e_score_correction_bias
+    top_values, top_index = biased.topk(top_k + 1, dim=-1)
+    top_k_index = top_index[:, :top_k]
+    top_k_weights = scores.gather(1, top_k_index)
+    top_k_weights = top_k_weights / top_k_weights.sum(-1, keepdim=True) * routed_scaling_factor
+    tokens_per_expert = histogram = None
+    if count_tokens or num_bins is not None:
+        with torch.no_grad():
+            s, values, index = scores.detach(), top_values, top_k_index
+            if token_mask is not None:
+                keep = token_mask.bool()
+                s, values, index = s[keep], values[keep], index[keep]
+            if count_tokens:
+                tokens_per_expert = torch.bincount(index.flatten(), minlength=num_experts).double()
+            if num_bins is not None:
+                lo, hi = histogram_range(e_score_correction_bias)
+                histogram = qb_histogram(selection_margins(s, values, index), lo, hi, num_bins)
+    return top_k_index, top_k_weights, tokens_per_expert, histogram
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:

@@ -1,18 +1,18 @@
 """Router-bias balancing without an auxiliary loss: Quantile Balancing and the sign rule.
 
-Quantile Balancing (Kimi K3 report §2.3; DESIGN.md §1.3 and §6). With sigmoid scores ``s``, bias ``b``
+Quantile Balancing (Kimi K3 report §2.3; docs/architecture.md §4). With sigmoid scores ``s``, bias ``b``
 and Top-(k+1) of ``s + b``, expert j is picked for token i when ``b_j > r_ij := τ_ij − s_ij``, where the
 threshold ``τ_ij`` is what j has to beat with the other biases held fixed. Setting ``b_j`` to the
 ``k/E`` quantile of ``r_{:,j}`` therefore gives every expert a ``k/E`` share of the tokens:
 
     b̂_j = quantile_{k/E}(r_{:,j}),     b ← b̂ − mean(b̂)
 
-DESIGN.md §1.3 takes ``τ_ij = α_i``, the (k+1)-th biased score, for every expert. That is exact for the
+Taking ``τ_ij = α_i``, the (k+1)-th biased score, for every expert is exact for the
 k selected experts (they stay while they beat the (k+1)-th) but not for the others: an unselected
 expert enters only by beating the k-th biased score, which is ≥ α_i. With ``α_i`` everywhere the
 (k+1)-th expert sits exactly at ``r = b_j``, so an under-loaded expert's quantile falls inside its own
-point mass and its bias creeps up by about one histogram bin per update: on a skewed 16-expert router
-(tests/test_moe.py) max/mean load stalled near 1.2 after 20 updates. We use the k-th biased score as
+point mass and its bias creeps up by about one histogram bin per update: on the skewed 16-expert router
+of tests/test_moe.py max/mean load stalled near 1.2 after 20 updates. We use the k-th biased score as
 ``τ`` for unselected experts (both scores come from the same Top-(k+1)); the fixed point is the same
 (``b_j > r_ij`` ⇔ j is selected) and the load reaches the sampling-noise floor in a few updates.
 

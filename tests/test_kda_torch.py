@@ -1,4 +1,4 @@
-"""The pure-PyTorch KDA path against the float64 naive recurrence (tests/kda_reference.py)."""
+"""The pure-PyTorch KDA path against the float64 naive recurrence (kdamoe/kernels/kda/naive.py)."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kdamoe.kda_torch import causal_conv1d_torch, chunk_kda_torch, kda_gate, l2norm, recurrent_kda_torch
-from tests.kda_reference import kda_gate_reference, naive_recurrent_kda
+from kdamoe.kernels.kda.naive import naive_kda_lowerbound_gate, naive_recurrent_kda
 
 
 def _inputs(seed, B, T, H=2, K=8, V=6, dtype=torch.float64, lower_bound=-5.0):
@@ -174,7 +174,7 @@ def test_gate_inside_the_op_equals_the_precomputed_gate(op):
     f, dt_bias, A_log = (torch.randn(s, generator=gen, dtype=torch.float64) for s in ((2, 19, 2, 8), (16,), (2,)))
     o, ht = op(q, k, v, f, beta, initial_state=h0, output_final_state=True, use_gate_in_kernel=True,
                A_log=A_log, dt_bias=dt_bias, lower_bound=-3.0)
-    g = kda_gate_reference(f, A_log, dt_bias, -3.0)
+    g = naive_kda_lowerbound_gate(f, A_log, dt_bias, -3.0)
     o_ref, ht_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(ht, ht_ref, rtol=1e-10, atol=1e-10)

@@ -1,11 +1,14 @@
-"""Small helpers shared by the Triton kernel families.
+"""Small helpers shared by the Triton kernel families, and the error measure their checks use.
 
-``autotune`` is ``triton.autotune`` on a GPU; under ``TRITON_INTERPRET=1`` (CPU tests) it keeps only
-the first config, because the interpreter cannot benchmark and each config would be run for real.
+Where the CPU interpreter (``TRITON_INTERPRET=1``) runs something other than the GPU, the difference sits
+in one named function: :func:`autotune` here (the first config instead of the timed choice, for every
+autotuned kernel) and ``kdamoe.kernels.moe.experts._interpreter_launch`` (fewer empty programs). Block
+sizes are otherwise the GPU's.
 """
 
 import os
 
+import torch
 import triton
 
 
@@ -15,11 +18,17 @@ def is_interpreter() -> bool:
 
 
 def autotune(configs, key, **kwargs):
-    """``triton.autotune`` that degrades to the first config under the interpreter.
+    """``triton.autotune`` on a GPU; the first config, fixed, under the interpreter.
+
+    The interpreter cannot time configs (each would run for real, at CPU speed), so the tests run
+    ``configs[0]``; order each list so that its first entry is a config the GPU may pick. Only
+    ``triton.Config.kwargs`` (block sizes) reach the interpreter: warps, stages and register caps do not
+    exist there.
 
     Args:
         configs: list of ``triton.Config``; the first one is the interpreter's choice.
         key: argument names whose change triggers re-tuning (as in ``triton.autotune``).
+        **kwargs: passed to ``triton.autotune`` (ignored under the interpreter).
     """
     if is_interpreter():
         first = configs[0]
@@ -29,3 +38,31 @@ def autotune(configs, key, **kwargs):
 
         return wrap
     return triton.autotune(configs=configs, key=key, **kwargs)
+
+
+def relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """Relative L2 error ``‖actual − reference‖ / ‖reference‖``, computed in float64 on the CPU.
+
+    Used by the kernel tests and the benchmarks alike.
+
+    Args:
+        actual: tensor under test (any float dtype and device).
+        reference: tensor of the same shape, usually a float64 or float32 reference.
+
+    Returns:
+        The error as a Python float.
+
+    Raises:
+        ValueError: shapes differ, ``actual`` has a non-finite value, or ``reference`` is all zeros (the
+            ratio would say nothing).
+    """
+    if tuple(actual.shape) != tuple(reference.shape):
+        raise ValueError(f"relative_error: shapes differ, {tuple(actual.shape)} vs {tuple(reference.shape)}")
+    a = actual.detach().double().cpu()
+    b = reference.detach().double().cpu()
+    if not torch.isfinite(a).all():
+        raise ValueError("relative_error: actual has non-finite values")
+    norm = b.norm()
+    if not norm > 0:
+        raise ValueError("relative_error: reference is all zeros, the relative error is meaningless")
+    return float((a - b).norm() / norm)

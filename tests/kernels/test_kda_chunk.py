@@ -13,21 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from kdamoe.kernels import chunk_kda
-from tests.kda_reference import kda_gate_reference, l2norm_reference, naive_recurrent_kda
+from kdamoe.kernels.kda.naive import naive_kda_lowerbound_gate, naive_l2norm, naive_recurrent_kda
+from kdamoe.kernels.utils import relative_error
 
 ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 TOL = 5e-3 if ON_GPU else 2e-5  # relative L2; float32 CPU lands near 1e-6
 H, K, V = 2, 16, 32
-
-
-def rel(a, b):
-    """Relative L2 error of a against the float64 reference b (b must be non-zero, a finite)."""
-    b = b.detach().double()
-    assert b.norm() > 0, "reference is all zeros: the check would be meaningless"
-    a = a.detach().double().cpu()
-    assert torch.isfinite(a).all()
-    return ((a - b.cpu()).norm() / b.norm()).item()
 
 
 def make_inputs(B, T, seed, N=None, dtype=torch.float32, gate_in=False, normalize_k=True, dims=None):
@@ -74,9 +66,9 @@ def run_both(x, cu_seqlens=None, gate_in=False, l2=False, A_log=True, check_grad
     ref_leaves = {n: leaves[n].detach().cpu().double().requires_grad_(True) for n in names}
     qq, kk, gg = ref_leaves["q"], ref_leaves["k"], ref_leaves["g"]
     if l2:
-        qq, kk = l2norm_reference(qq), l2norm_reference(kk)
+        qq, kk = naive_l2norm(qq), naive_l2norm(kk)
     if gate_in:
-        gg = kda_gate_reference(gg, ref_leaves.get("A_log"), ref_leaves["dt_bias"], -5.0)
+        gg = naive_kda_lowerbound_gate(gg, ref_leaves.get("A_log"), ref_leaves["dt_bias"], -5.0)
     ro, rht = naive_recurrent_kda(qq, kk, ref_leaves["v"], gg, ref_leaves["beta"], initial_state=ref_leaves["h0"],
                                   output_final_state=True, cu_seqlens=None if cu_seqlens is None else cu_seqlens.cpu())
     ref = [ro, rht]
@@ -93,7 +85,7 @@ def _tol(name, tol):
 
 
 def assert_close(out, ref, names, tol):
-    errs = {n: rel(a, b) for n, a, b in zip(names, out, ref)}
+    errs = {n: relative_error(a, b) for n, a, b in zip(names, out, ref)}
     bad = {n: e for n, e in errs.items() if not e <= _tol(n, tol)}
     assert not bad, f"relative errors above {tol}: {bad} (all: {errs})"
 
@@ -153,10 +145,10 @@ def test_chunk_without_initial_state_or_final_state():
     o, ht = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"])
     assert ht is None
     ro, _ = naive_recurrent_kda(x["q"].cpu(), x["k"].cpu(), x["v"].cpu(), x["g"].cpu(), x["beta"].cpu())
-    assert rel(o, ro) <= TOL
+    assert relative_error(o, ro) <= TOL
     # the default scale is K ** -0.5: an explicit scale of 1.0 must change the output by sqrt(K)
     o1, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=1.0)
-    assert rel(o1 / K ** 0.5, ro) <= TOL
+    assert relative_error(o1 / K ** 0.5, ro) <= TOL
 
 
 @pytest.mark.parametrize("gate_in", [False, True])
@@ -247,6 +239,6 @@ def test_chunk_gate_gradient_survives_tf32_products(monkeypatch):
     monkeypatch.setattr(interp.InterpreterBuilder, "create_dot", create_dot)
     x = make_inputs(1, 128, 71, gate_in=True, normalize_k=False)
     out, ref, names = run_both(x, gate_in=True, l2=True, A_log=False)
-    errs = {n: rel(a, b) for n, a, b in zip(names, out, ref)}
+    errs = {n: relative_error(a, b) for n, a, b in zip(names, out, ref)}
     assert max(errs.values()) > 1e-5, f"tf32 emulation did not engage: {errs}"
     assert max(errs.values()) <= 2e-3, errs

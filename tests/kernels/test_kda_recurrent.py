@@ -5,8 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from kdamoe.kernels import chunk_kda, fused_recurrent_kda
-from tests.kda_reference import kda_gate_reference, l2norm_reference, naive_recurrent_kda
-from tests.kernels.test_kda_chunk import DEVICE, TOL, H, K, V, make_inputs, rel
+from kdamoe.kernels.kda.naive import naive_kda_lowerbound_gate, naive_l2norm, naive_recurrent_kda
+from kdamoe.kernels.utils import relative_error
+from tests.kernels.test_kda_chunk import DEVICE, TOL, H, K, V, make_inputs
 
 
 @pytest.mark.parametrize("B,T,seed", [(1, 1, 101), (4, 1, 102), (3, 5, 103)])
@@ -17,7 +18,7 @@ def test_decode_matches_reference(B, T, seed):
     ro, rht = naive_recurrent_kda(*(x[n].cpu() for n in ("q", "k", "v", "g", "beta")), initial_state=x["h0"].cpu(),
                                   output_final_state=True)
     assert o.shape == (B, T, H, V) and ht.shape == (B, H, K, V)
-    assert rel(o, ro) <= TOL and rel(ht, rht) <= TOL
+    assert relative_error(o, ro) <= TOL and relative_error(ht, rht) <= TOL
 
 
 def test_decode_varlen_gate_in_kernel_l2norm():
@@ -27,10 +28,10 @@ def test_decode_varlen_gate_in_kernel_l2norm():
                                 output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
                                 use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"])
     d = {n: x[n].cpu().double() for n in ("q", "k", "v", "g", "beta", "h0", "A_log", "dt_bias")}
-    g = kda_gate_reference(d["g"], d["A_log"], d["dt_bias"], -5.0)
-    ro, rht = naive_recurrent_kda(l2norm_reference(d["q"]), l2norm_reference(d["k"]), d["v"], g, d["beta"],
+    g = naive_kda_lowerbound_gate(d["g"], d["A_log"], d["dt_bias"], -5.0)
+    ro, rht = naive_recurrent_kda(naive_l2norm(d["q"]), naive_l2norm(d["k"]), d["v"], g, d["beta"],
                                   initial_state=d["h0"], output_final_state=True, cu_seqlens=cu.cpu())
-    assert rel(o, ro) <= TOL and rel(ht, rht) <= TOL
+    assert relative_error(o, ro) <= TOL and relative_error(ht, rht) <= TOL
 
 
 def test_prefill_then_decode_matches_one_pass():
@@ -47,7 +48,7 @@ def test_prefill_then_decode_matches_one_pass():
         outs.append(o_t)
     ro, rht = naive_recurrent_kda(*(x[n].cpu() for n in ("q", "k", "v", "g", "beta")), initial_state=x["h0"].cpu(),
                                   output_final_state=True)
-    assert rel(torch.cat(outs, 1), ro) <= TOL and rel(s, rht) <= TOL
+    assert relative_error(torch.cat(outs, 1), ro) <= TOL and relative_error(s, rht) <= TOL
 
 
 def test_decode_argument_errors():

@@ -33,11 +33,11 @@ def _worker(rank, port):
     try:
         b = bias()
         logits, mask = rank_inputs(rank)
-        own = moe_route(logits, b, K, token_mask=mask, compute_histogram=True).histogram.double()
+        own = moe_route(logits, b, K, token_mask=mask, num_bins=1024).histogram
         counts = all_reduce_sum(own.clone())
         # the all-reduced counts equal this rank's counts plus the other rank's, routed here by the kernel
         lg_other, mask_other = rank_inputs(1 - rank)
-        other = moe_route(lg_other, b, K, token_mask=mask_other, compute_histogram=True).histogram.double()
+        other = moe_route(lg_other, b, K, token_mask=mask_other, num_bins=1024).histogram
         assert torch.equal(counts, own + other) and counts.sum() == (mask.sum() + mask_other.sum()) * E
         lo, hi = histogram_range(b)
         q = K / E

@@ -39,7 +39,8 @@ from .intra import _exp_where, _tile, _row, _store_tile
 _WY_CONFIGS = [triton.Config({'BV': 64}, num_warps=8, num_stages=1), triton.Config({'BV': 32}, num_warps=4, num_stages=1),
                triton.Config({'BV': 64}, num_warps=4, num_stages=1)]
 # the intra gradient stage spills ~0.9 KB per thread with 4 warps, ~0.1 KB with 8 (ptxas, sm_90); capped
-# registers trade spills for resident CTAs. The autotuner picks by time.
+# registers trade spills for resident CTAs. The autotuner picks by time; the CPU interpreter runs the first
+# config of each list (kdamoe.kernels.utils.autotune).
 _BWD_INTRA_CONFIGS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8),
                       triton.Config({}, num_warps=4, maxnreg=128), triton.Config({}, num_warps=8, maxnreg=128)]
 

@@ -23,7 +23,7 @@ One program per chunk and head, four phases (one function each):
 3. ``_wu_kg_qg``: w and u as [64, 64] × [64, 32] products with M; kg and qg element-wise.
 
 Phases hand data over through global memory (q, k, G and the A_kk / M buffer) behind a CTA barrier, which
-keeps few tiles live (sm_90 registers and spills: ``benchmarks/kernel_resources.py``).
+keeps few tiles live (sm_90 registers and spills below, from ptxas for an sm_90 target).
 
 Causality: the anchor is never *after* a row it serves, so a past entry (j ≤ i) is computed only from
 gates at positions ≤ i and later gates cannot change its rounding; future entries (j > i) are finite and
@@ -38,9 +38,10 @@ import triton.language as tl
 from ..utils import autotune
 from .prepare import BT, BS, chunk_bounds, prepare_buffers, prepare_chunk
 
-# Registers / stack bytes per thread on sm_90 (triton 3.7.1, K = V = 128, benchmarks/kernel_resources.py):
+# Registers / stack bytes per thread on sm_90 (triton 3.7.1, K = V = 128, ptxas resource usage):
 # 4 warps 255 / 360 (2 CTAs per SM), 8 warps 254 / 0 (1 CTA), 8 warps capped at 128 registers 128 / 264
-# (2 CTAs, 16 warps per SM). The first config is the interpreter's; the autotuner picks by time.
+# (2 CTAs, 16 warps per SM). The autotuner picks by time; the CPU interpreter runs the first config
+# (kdamoe.kernels.utils.autotune).
 _INTRA_CONFIGS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8),
                   triton.Config({}, num_warps=8, maxnreg=128), triton.Config({}, num_warps=4, maxnreg=128)]
 

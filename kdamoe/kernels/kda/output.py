@@ -13,6 +13,7 @@ from .prepare import BT, chunk_bounds
 
 OUT_BV = 64
 # Value-block width of the output stage: BV = V reads qg and A_qk once per chunk instead of V/BV times.
+# The CPU interpreter runs the first config (kdamoe.kernels.utils.autotune).
 _OUT_CONFIGS = [triton.Config({'BV': 64}, num_warps=4), triton.Config({'BV': 128}, num_warps=8),
                 triton.Config({'BV': 128}, num_warps=4)]
 

@@ -17,6 +17,7 @@ from ..utils import autotune
 BT = 64  # chunk length (tokens); 4 sub-chunks of 16
 BS = 16  # sub-chunk length
 
+# Only the warp count varies, which the CPU interpreter does not have (kdamoe.kernels.utils.autotune).
 _PREP_CONFIGS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8)]
 
 

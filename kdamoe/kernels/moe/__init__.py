@@ -1,12 +1,12 @@
 """Stable LatentMoE kernels: Quantile-Balanced sigmoid routing and grouped-GEMM SiTU-GLU experts.
 
-Public: :func:`moe_route` (Top-(k+1) routing, gate weights, QB histogram, expert permutation) and
+Public: :func:`moe_route` (Top-(k+1) routing, gate weights, token counts and QB histogram in one pass) and
 :func:`moe_experts` (grouped GEMMs, fused GLU epilogue and weighted combine, forward and backward).
 Sources: Kimi K3 report §2.3 (SiTU-GLU, Quantile Balancing); LatentMoE, arXiv:2601.18089; DeepSeek-V3
-loss-free balancing (biased selection, unbiased gate weights).
+loss-free balancing, arXiv:2412.19437 (biased selection, unbiased gate weights).
 """
 
 from .experts import moe_experts
-from .routing import QB_NUM_BINS, MoERouting, moe_route, qb_histogram_range
+from .routing import MoERouting, moe_route
 
-__all__ = ["moe_experts", "moe_route", "MoERouting", "QB_NUM_BINS", "qb_histogram_range"]
+__all__ = ["moe_experts", "moe_route", "MoERouting"]

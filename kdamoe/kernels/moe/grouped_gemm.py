@@ -21,13 +21,13 @@ Sources: LatentMoE (arXiv:2601.18089) for the expert layout; Kimi K3 report §2.
 import triton
 import triton.language as tl
 
-from ..utils import autotune, is_interpreter
+from ..utils import autotune
 from .activation import glu_backward, glu_forward
 
 
 def _cfgs(gpu):
-    if is_interpreter():
-        return [triton.Config({"BN": 16, "BK": 16}, num_warps=4, num_stages=1)]
+    """``triton.Config`` list from ``(kwargs, num_warps, num_stages)``; the first one is also the CPU
+    interpreter's (``kdamoe.kernels.utils.autotune``)."""
     return [triton.Config(c, num_warps=w, num_stages=s) for c, w, s in gpu]
 
 
@@ -161,8 +161,7 @@ def _rows_gemm_kernel(
 # ----------------------------------------------------------------------------------------------
 @autotune(
     configs=_cfgs([({"BP": 128, "BQ": 128, "BK": 64}, 8, 3), ({"BP": 128, "BQ": 64, "BK": 64}, 4, 4),
-                   ({"BP": 64, "BQ": 128, "BK": 64}, 4, 4)]) if not is_interpreter()
-    else [triton.Config({"BP": 16, "BQ": 16, "BK": 16}, num_warps=4, num_stages=1)],
+                   ({"BP": 64, "BQ": 128, "BK": 64}, 4, 4)]),
     key=["P", "Q", "TOPK"],
 )
 @triton.jit

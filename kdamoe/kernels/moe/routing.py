@@ -1,7 +1,9 @@
-"""Sigmoid Top-(k+1) routing with Quantile-Balancing statistics in one pass: ``moe_route``.
+"""Sigmoid Top-(k+1) routing with the Quantile-Balancing statistics in one pass: ``moe_route``.
 
-Per token i (Kimi K3 report §2.3; DESIGN.md §1.3, §6; DeepSeek-V3 loss-free balancing for the biased
-selection):
+The model's router (``KDAMoETopkRouter``) calls this kernel on CUDA through
+``kdamoe.kernel_dispatch.moe_route_op``; ``kdamoe.moe_torch.moe_route_torch`` is the same function in
+PyTorch (same signature, same outputs). Per token i (Kimi K3 report §2.3; DeepSeek-V3 loss-free
+balancing, arXiv:2412.19437 §2.1.2, for the biased selection with unbiased gate weights):
 
     s_ij = σ(logit_ij)                          (float32)
     T_i ∪ {c_i} = Top-(k+1)_j (s_ij + b_j)       k dispatched experts T_i, cut-off expert c_i
@@ -13,9 +15,11 @@ selection):
 
 (``kdamoe.quantile_balancing.selection_margins`` explains why unselected experts use κ.)
 
-QB histogram: ``num_bins`` uniform bins per expert over ``[min(b) − 1, max(b) + 1]``; bin
-``clamp(floor((r − lo) / width), 0, num_bins − 1)`` evaluated in float64 on the float32 ``r`` — the same
-formula as ``kdamoe.quantile_balancing.qb_histogram``, so both give the same counts for the same ``r``.
+Statistics, both left out for tokens whose ``token_mask`` is 0 (padding):
+  * tokens per expert: how many counted tokens dispatched to each expert (one atomic per expert and program);
+  * QB histogram: ``num_bins`` uniform bins per expert over ``[min(b) − 1, max(b) + 1]``; bin
+    ``clamp(floor((r − lo) / width), 0, num_bins − 1)`` evaluated in float64 on the float32 ``r`` — the
+    formula of ``kdamoe.quantile_balancing.qb_histogram``, so both count alike for the same ``r``.
 """
 
 from typing import NamedTuple, Optional
@@ -25,17 +29,14 @@ import triton
 import triton.language as tl
 
 from ..utils import is_interpreter
-from .permute import expert_permutation
-
-QB_NUM_BINS = 1024
 
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, bias_ptr, mask_ptr, idx_ptr, w_ptr, alpha_ptr, hist_ptr, range_ptr,
+    logits_ptr, bias_ptr, mask_ptr, idx_ptr, w_ptr, count_ptr, hist_ptr, range_ptr,
     N, E, stride_ln, scaling,
-    TOPK: tl.constexpr, KP: tl.constexpr, HAS_MASK: tl.constexpr, HIST: tl.constexpr, NUM_BINS: tl.constexpr,
-    BT: tl.constexpr, EP: tl.constexpr,
+    TOPK: tl.constexpr, KP: tl.constexpr, HAS_MASK: tl.constexpr, COUNT: tl.constexpr, HIST: tl.constexpr,
+    NUM_BINS: tl.constexpr, BT: tl.constexpr, EP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_t = pid * BT + tl.arange(0, BT)
@@ -53,6 +54,7 @@ def _route_kernel(
     alpha = tl.zeros((BT,), dtype=tl.float32)
     kth = tl.zeros((BT,), dtype=tl.float32)
     picked = tl.zeros((BT, EP), dtype=tl.int32)
+    # Top-(k+1) by k+1 max-reductions (k <= 64): cheaper than a sort of E columns for the k of MoE routers
     for j in tl.static_range(TOPK + 1):
         mx = tl.max(work, axis=1)
         am = tl.min(tl.where(work == mx[:, None], offs_e[None, :], EP), axis=1)  # lowest index on ties
@@ -72,12 +74,13 @@ def _route_kernel(
     out_off = offs_t.to(tl.int64)[:, None] * TOPK + cols[None, :]
     tl.store(idx_ptr + out_off, sel_idx.to(idx_ptr.dtype.element_ty), mask=kmask)
     tl.store(w_ptr + out_off, wts, mask=kmask)
-    tl.store(alpha_ptr + offs_t, alpha, mask=tmask)
+    valid = m2
+    if HAS_MASK:
+        tok_ok = tl.load(mask_ptr + offs_t, mask=tmask, other=0) != 0
+        valid = valid & tok_ok[:, None]
+    if COUNT:
+        tl.atomic_add(count_ptr + offs_e, tl.sum(tl.where(valid, picked, 0), axis=0), mask=emask)
     if HIST:
-        valid = m2
-        if HAS_MASK:
-            tok_ok = tl.load(mask_ptr + offs_t, mask=tmask, other=0) != 0
-            valid = valid & tok_ok[:, None]
         lo = tl.load(range_ptr)
         width = tl.load(range_ptr + 1)
         r = (tl.where(picked != 0, alpha[:, None], kth[:, None]) - s).to(tl.float64)
@@ -89,50 +92,59 @@ def _route_kernel(
 
 
 class MoERouting(NamedTuple):
-    """Output of :func:`moe_route` (N tokens, E experts, k = top_k)."""
+    """Output of :func:`moe_route` (N tokens, E experts, k = top_k); unpacks like a 4-tuple."""
 
     top_k_index: torch.Tensor  # [N, k] int64, dispatched experts by descending biased score
     top_k_weights: torch.Tensor  # [N, k] float32, normalised unbiased scores (differentiable)
-    alpha: torch.Tensor  # [N] float32, (k+1)-th biased score
-    histogram: Optional[torch.Tensor]  # [E, num_bins] int32 QB counts of r = τ − s (None if not asked)
-    order: torch.Tensor  # [N·k] int32, flat slots t·k + j grouped by expert (stable)
-    expert_offsets: torch.Tensor  # [E+1] int32, expert e owns order[expert_offsets[e]:expert_offsets[e+1]]
-    tokens_per_expert: torch.Tensor  # [E] int32 load
+    tokens_per_expert: Optional[torch.Tensor]  # [E] float64 counted tokens per expert (None unless count_tokens)
+    histogram: Optional[torch.Tensor]  # [E, num_bins] float64 QB counts of r = τ − s (None unless num_bins)
 
 
-def qb_histogram_range(bias: torch.Tensor, num_bins: int = QB_NUM_BINS) -> torch.Tensor:
-    """``[lo, width]`` float64 on ``bias``'s device: lo = min(b) − 1, width = (max(b) + 1 − lo) / num_bins."""
+def _histogram_range(bias: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """``[lo, width]`` float64 on ``bias``'s device: lo = min(b) − 1, width = (max(b) + 1 − lo) / num_bins.
+
+    The same float64 operations as ``kdamoe.quantile_balancing.histogram_range`` and ``qb_histogram``,
+    without their host synchronisation.
+    """
     lo = bias.min().double() - 1.0
     hi = bias.max().double() + 1.0
     return torch.stack([lo, (hi - lo) / num_bins])
 
 
+def _route_block_tokens(num_experts_pow2: int) -> int:
+    """Tokens per program: a [BT, EP] tile of about 4096 scores (at most 16 tokens) on the GPU.
+
+    The CPU interpreter runs the GPU's choice too (it pays per program, not per element, so the large tile
+    is the cheaper one there as well); the tests therefore cover the tile the GPU runs.
+    """
+    return max(1, min(16, 4096 // num_experts_pow2))
+
+
 class _RouteFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, bias, top_k, scaling, token_mask, histogram, num_bins):
+    def forward(ctx, logits, bias, top_k, scaling, token_mask, counts, histogram, num_bins):
         n, e = logits.shape
         x = logits.contiguous()
         idx = torch.empty(n, top_k, device=x.device, dtype=torch.int64)
         w = torch.empty(n, top_k, device=x.device, dtype=torch.float32)
-        alpha = torch.empty(n, device=x.device, dtype=torch.float32)
-        hist_on = histogram is not None
-        rng = qb_histogram_range(bias, num_bins) if hist_on else torch.zeros(2, device=x.device, dtype=torch.float64)
-        hist = histogram if hist_on else torch.zeros(1, device=x.device, dtype=torch.int32)
-        mask = token_mask.contiguous() if token_mask is not None else alpha
+        hist_on, count_on = histogram is not None, counts is not None
+        rng = _histogram_range(bias, num_bins) if hist_on else w
+        mask = token_mask if token_mask is not None else w
         ep = triton.next_power_of_2(e)
-        bt = max(4, min(32, 1024 // ep)) if is_interpreter() else max(1, min(16, 4096 // ep))
+        bt = _route_block_tokens(ep)
         _route_kernel[(triton.cdiv(n, bt),)](
-            x, bias.contiguous(), mask, idx, w, alpha, hist, rng, n, e, x.stride(0), float(scaling),
-            TOPK=top_k, KP=triton.next_power_of_2(top_k), HAS_MASK=token_mask is not None, HIST=hist_on,
-            NUM_BINS=num_bins, BT=bt, EP=ep, num_warps=4 if ep <= 256 else 8,
+            x, bias, mask, idx, w, counts if count_on else w, histogram if hist_on else w, rng,
+            n, e, x.stride(0), float(scaling),
+            TOPK=top_k, KP=triton.next_power_of_2(top_k), HAS_MASK=token_mask is not None, COUNT=count_on,
+            HIST=hist_on, NUM_BINS=num_bins if hist_on else 1, BT=bt, EP=ep, num_warps=4 if ep <= 256 else 8,
         )
         ctx.save_for_backward(x, idx)
         ctx.scaling = scaling
-        ctx.mark_non_differentiable(idx, alpha)
-        return idx, w, alpha
+        ctx.mark_non_differentiable(idx)
+        return idx, w
 
     @staticmethod
-    def backward(ctx, _didx, dw, _dalpha):
+    def backward(ctx, _didx, dw):
         # p_j = c·s_j/S, S = Σ_{r∈T} s_r  ⇒  ∂L/∂s_m = (c/S)(∂L/∂p_m − Σ_j ∂L/∂p_j · s_j/S)
         # and ∂s/∂logit = s(1 − s)
         x, idx = ctx.saved_tensors
@@ -142,32 +154,34 @@ class _RouteFunction(torch.autograd.Function):
         ds = ctx.scaling / ssum * (dw - (dw * s).sum(-1, keepdim=True) / ssum)
         dlogits = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
         dlogits.scatter_(1, idx, ds * s * (1.0 - s))
-        return dlogits.to(x.dtype), None, None, None, None, None, None
+        return dlogits.to(x.dtype), None, None, None, None, None, None, None
 
 
 def moe_route(router_logits, e_score_correction_bias, top_k, routed_scaling_factor=1.0, token_mask=None,
-              compute_histogram=False, histogram=None, num_bins=QB_NUM_BINS):
-    """Sigmoid router with balancing bias, Top-(k+1) selection, QB histogram and expert permutation.
+              count_tokens=False, num_bins=None):
+    """Sigmoid router with balancing bias, Top-(k+1) selection, gate weights and the balancing statistics.
+
+    Signature and outputs of ``kdamoe.moe_torch.moe_route_torch`` (the PyTorch path of the model).
 
     Args:
         router_logits: [N, E] raw router logits, any float dtype (CUDA, or CPU under ``TRITON_INTERPRET=1``).
         e_score_correction_bias: [E] float32 balancing bias ``b`` (selection only; no gradient).
         top_k: k dispatched experts per token, ``1 <= k < E`` (QB needs the (k+1)-th score), at most 64.
         routed_scaling_factor: c in ``p_j = c · s_j / Σ_T s``.
-        token_mask: optional [N] (bool or int); tokens with 0 are routed but left out of the histogram
+        token_mask: optional [N] bool or int; tokens with 0 are routed but left out of both statistics
             (padding).
-        compute_histogram: gather the QB counts of ``r_ij = τ_ij − s_ij`` (module docstring).
-        histogram: optional [E, num_bins] int32 tensor to accumulate into (implies ``compute_histogram``);
-            lets micro-batches add up until the next bias update.
-        num_bins: bins per expert over ``[min(b) − 1, max(b) + 1]`` (default 1024).
+        count_tokens: also return the number of counted tokens dispatched to each expert.
+        num_bins: also return the QB histogram of ``r_ij = τ_ij − s_ij`` with this many bins per expert over
+            ``[min(b) − 1, max(b) + 1]`` (module docstring); None: no histogram.
 
     Returns:
-        :class:`MoERouting`. ``top_k_weights`` carries the gradient to ``router_logits`` (the selection
-        itself is not differentiable); ``histogram`` is int32 counts (pass ``.double()`` to
-        ``kdamoe.quantile_balancing.quantile_from_histogram`` and its all-reduce).
+        :class:`MoERouting` ``(top_k_index [N, k] int64, top_k_weights [N, k] float32,
+        tokens_per_expert [E] float64 or None, histogram [E, num_bins] float64 or None)``; counts are exact
+        integers (int32 in the kernel, one call holds fewer than 2³¹ per bin). ``top_k_weights`` carries the
+        gradient to ``router_logits`` (the selection itself is not differentiable).
 
     Raises:
-        ValueError: bad shapes, dtypes, devices, or ``top_k`` outside ``[1, E − 1]``.
+        ValueError: bad shapes, dtypes, devices, ``top_k`` outside ``[1, E − 1]`` or ``num_bins < 1``.
     """
     if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2:
         raise ValueError(f"moe_route: router_logits must be a 2-D tensor [N, E], got "
@@ -185,30 +199,24 @@ def moe_route(router_logits, e_score_correction_bias, top_k, routed_scaling_fact
                          f"got {top_k!r}")
     if e > 4096:
         raise ValueError(f"moe_route: at most 4096 experts supported, got {e}")
-    if num_bins < 1:
-        raise ValueError(f"moe_route: num_bins must be positive, got {num_bins}")
+    if num_bins is not None and (isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1):
+        raise ValueError(f"moe_route: num_bins must be a positive int or None, got {num_bins!r}")
     tensors = [router_logits, e_score_correction_bias]
     if token_mask is not None:
         if not isinstance(token_mask, torch.Tensor) or tuple(token_mask.shape) != (n,):
             raise ValueError(f"moe_route: token_mask must be [N={n}], got {getattr(token_mask, 'shape', None)}")
         tensors.append(token_mask)
-    if histogram is not None:
-        if (not isinstance(histogram, torch.Tensor) or tuple(histogram.shape) != (e, num_bins)
-                or histogram.dtype != torch.int32 or not histogram.is_contiguous()):
-            raise ValueError(f"moe_route: histogram must be a contiguous int32 [E={e}, {num_bins}] tensor, got "
-                             f"{getattr(histogram, 'dtype', None)} {getattr(histogram, 'shape', None)}")
-        tensors.append(histogram)
     dev = router_logits.device
     for t in tensors:
         if t.device != dev:
             raise ValueError(f"moe_route: all tensors must be on one device, got {t.device} and {dev}")
     if dev.type != "cuda" and not is_interpreter():
         raise ValueError(f"moe_route: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got device {dev}")
-    if compute_histogram and histogram is None:
-        histogram = torch.zeros(e, num_bins, device=dev, dtype=torch.int32)
-    if token_mask is not None and token_mask.dtype == torch.bool:
-        token_mask = token_mask.to(torch.int32)
-    idx, w, alpha = _RouteFunction.apply(router_logits, e_score_correction_bias.detach(), top_k,
-                                         float(routed_scaling_factor), token_mask, histogram, num_bins)
-    order, counts, offs = expert_permutation(idx, e)
-    return MoERouting(idx, w, alpha, histogram, order, offs, counts)
+    counts = torch.zeros(e, device=dev, dtype=torch.int32) if count_tokens else None
+    histogram = torch.zeros(e, num_bins, device=dev, dtype=torch.int32) if num_bins is not None else None
+    if token_mask is not None:
+        token_mask = token_mask.to(torch.int32).contiguous() if token_mask.dtype == torch.bool else token_mask.contiguous()
+    idx, w = _RouteFunction.apply(router_logits, e_score_correction_bias.detach().contiguous(), top_k,
+                                  float(routed_scaling_factor), token_mask, counts, histogram, num_bins)
+    return MoERouting(idx, w, counts.double() if counts is not None else None,
+                      histogram.double() if histogram is not None else None)

@@ -1,4 +1,7 @@
-"""Float64 naive recurrence for Kimi Delta Attention (KDA), the ground truth of the kernel tests.
+"""Float64 naive recurrence for Kimi Delta Attention (KDA): the ground truth of the kernel tests and benchmarks.
+
+Names follow fla's ``fla.ops.kda.naive`` / ``fla.ops.kda.gate`` (``naive_recurrent_kda``,
+``naive_kda_lowerbound_gate``) so a reader can put the two side by side; the code is our own.
 
 Source: Kimi Linear report §3, Eq. 1 (gated delta rule with a per-channel decay; Yang et al.,
 "Gated Delta Networks"). Per head, with state ``S ∈ R^{K×V}``::
@@ -32,6 +35,9 @@ def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, H, V]`` float64, ``final_state`` ``[N, H, K, V]`` float64
         or None.
+
+    Raises:
+        ValueError: ``cu_seqlens`` with ``B != 1``.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -67,7 +73,7 @@ def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
     return o, (final if output_final_state else None)
 
 
-def kda_gate_reference(f, A_log, dt_bias, lower_bound=-5.0):
+def naive_kda_lowerbound_gate(f, A_log, dt_bias, lower_bound=-5.0):
     """Lower-bounded KDA gate in float64: ``g = lb · sigmoid(exp(A_log) · (f + dt_bias))``.
 
     Args:
@@ -88,6 +94,6 @@ def kda_gate_reference(f, A_log, dt_bias, lower_bound=-5.0):
     return lower_bound * torch.sigmoid(x)
 
 
-def l2norm_reference(x, eps=1e-6):
-    """``x * rsqrt(sum(x²) + eps)`` over the last dimension, in the input's dtype."""
+def naive_l2norm(x, eps=1e-6):
+    """``x * rsqrt(sum(x²) + eps)`` over the last dimension, in the input's dtype (the kernels' q/k norm)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
