@@ -130,7 +130,7 @@ def test_model_on_cpu_never_calls_fla_even_when_it_imports(fake_fla):
     from kdamoe import KDAMoEForCausalLM
 
     torch.manual_seed(0)
-    model = KDAMoEForCausalLM(tiny_config(kernel_backend="auto")).eval()
+    model = KDAMoEForCausalLM(tiny_config(kernel_backend="auto", kda_head_dim=16)).eval()
     ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = model(ids, use_cache=True)
