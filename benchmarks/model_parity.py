@@ -124,27 +124,39 @@ def time_step(model, ids, position_ids, backend, repeats=5):
     return (time.perf_counter() - start) / repeats
 
 
-def _dual(op_factory, record, tag):
-    """Wrap a dispatch function: return the torch op's result, and record the Triton op's and the bf16 torch op's
-    error against the torch op run in float32 on the same inputs."""
+def _compare(record, tag, torch_run, kernel_run, args, kw):
+    """Run the torch op (returned), and record the kernel's and the bf16 torch op's error against the torch op
+    run in float32 on the same inputs."""
+    ref = torch_run(*args, **kw)
+    with torch.no_grad():
+        got = kernel_run(*args, **kw)
+        up = lambda x: x.float() if torch.is_tensor(x) and x.is_floating_point() else x
+        f32 = torch_run(*[up(x) for x in args], **{k: up(v) for k, v in kw.items()})
+    pick = (lambda r: r[0]) if isinstance(ref, tuple) else (lambda r: r)
+    record.append({"op": tag, "kernel_vs_fp32": relative_l2(pick(got), pick(f32)),
+                   "torch_bf16_vs_fp32": relative_l2(pick(ref), pick(f32)),
+                   "kernel_vs_torch_bf16": relative_l2(pick(got), pick(ref))})
+    return ref
+
+
+def _dual_kda(record):
+    """Stands in for ``kernel_dispatch.chunk_kda`` (the model's KDA op, ``backend=`` keyword)."""
     import kdamoe.kernel_dispatch as dispatch
 
-    def factory(backend, device, *a):
-        torch_op = getattr(dispatch, op_factory)("torch", device, *a)
-        kernel_op = getattr(dispatch, op_factory)("triton", device, *a)
+    def run(*args, backend="auto", **kw):
+        torch_run = lambda *a, **k: dispatch.chunk_kda(*a, backend="torch", **k)
+        kernel_run = lambda *a, **k: dispatch.chunk_kda(*a, backend="triton", **k)
+        return _compare(record, "chunk_kda", torch_run, kernel_run, args, kw)
+    return run
 
-        def run_both(*args, **kw):
-            ref = torch_op(*args, **kw)
-            with torch.no_grad():
-                got = kernel_op(*args, **kw)
-                up = lambda x: x.float() if torch.is_tensor(x) and x.is_floating_point() else x
-                f32 = torch_op(*[up(x) for x in args], **{k: up(v) for k, v in kw.items()})
-            pick = (lambda r: r[0]) if isinstance(ref, tuple) else (lambda r: r)
-            record.append({"op": tag, "kernel_vs_fp32": relative_l2(pick(got), pick(f32)),
-                           "torch_bf16_vs_fp32": relative_l2(pick(ref), pick(f32)),
-                           "kernel_vs_torch_bf16": relative_l2(pick(got), pick(ref))})
-            return ref
-        return run_both
+
+def _dual_experts(record):
+    """Stands in for ``kernel_dispatch.moe_experts_op`` (a factory of the experts op)."""
+    import kdamoe.kernel_dispatch as dispatch
+
+    def factory(backend, device):
+        torch_op, kernel_op = dispatch.moe_experts_op("torch", device), dispatch.moe_experts_op("triton", device)
+        return lambda *args, **kw: _compare(record, "moe_experts", torch_op, kernel_op, args, kw)
     return factory
 
 
@@ -153,9 +165,9 @@ def op_parity(model, ids, position_ids):
     import kdamoe.modeling_kdamoe as modeling
 
     record = []
-    saved = modeling.chunk_kda_op, modeling.moe_experts_op
-    modeling.chunk_kda_op = _dual("chunk_kda_op", record, "chunk_kda")
-    modeling.moe_experts_op = _dual("moe_experts_op", record, "moe_experts")
+    saved = modeling.chunk_kda, modeling.moe_experts_op
+    modeling.chunk_kda = _dual_kda(record)
+    modeling.moe_experts_op = _dual_experts(record)
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -163,7 +175,7 @@ def op_parity(model, ids, position_ids):
             model.config.kernel_backend = "torch"
             model(ids, position_ids=position_ids, use_cache=False)
     finally:
-        modeling.chunk_kda_op, modeling.moe_experts_op = saved
+        modeling.chunk_kda, modeling.moe_experts_op = saved
         torch.backends.cuda.matmul.allow_tf32 = tf32
     return record
 

@@ -42,7 +42,7 @@ def kda_gate(
         ``g`` with ``f``'s shape, float32 (float64 for float64 ``f``; gate exponentials are never taken in
         half precision).
 
-    Source: the seed article §II.2 (lower-bounded sigmoid log-decay); docs/architecture.md §1.
+    Source: the lower-bounded sigmoid log-decay of the Kimi K3 recipe (docs/architecture.md §1).
     """
     num_heads, head_dim = f.shape[-2], f.shape[-1]
     dtype = torch.float64 if f.dtype == torch.float64 else torch.float32
