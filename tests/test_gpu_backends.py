@@ -60,6 +60,9 @@ def test_backend_matches_torch_on_a_packed_training_step(backend):
     logits, grads = _run(model, backend, ids, position_ids)
     assert relative_error(logits, ref_logits) < 1e-2
     for name in ref_grads:  # the kernels' float32 products are tf32 on the GPU
+        if not ref_grads[name].any():  # zero-initialised AttnRes queries give their key norms no gradient yet
+            assert not grads[name].any(), name
+            continue
         assert relative_error(grads[name], ref_grads[name]) < 3e-2, name
 
 
@@ -101,6 +104,6 @@ def test_remote_code_folder_without_kdamoe_uses_fla(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                         if p and os.path.abspath(p) != os.path.abspath(os.getcwd()))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=600)
+                          timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "fla path ok" in done.stdout
