@@ -6,7 +6,7 @@
 
 Writes ``moe_router.{json,md}`` and (unless ``--router-only``) ``moe_experts.{json,md}`` into ``$OUT``
 (default ``./bench_out``) and prints the tables. Every file names the stack it measured: torch, triton, GPU,
-CUDA, the git commit (``git rev-parse HEAD``, else ``$KDAMOE_COMMIT``) and a hash of the measured sources.
+CUDA, the commit (``$KDAMOE_COMMIT``, else ``git rev-parse HEAD``) and a hash of the measured sources.
 
 router: what ``KDAMoETopkRouter.forward`` runs, both paths from ``kdamoe.kernel_dispatch.moe_route_op``:
   the router linear in float32 on bf16 activations, then the route op (``moe_torch.moe_route_torch``:
@@ -67,11 +67,14 @@ def bench(fn, dev, grads=None, rep=100):
 def stack(dev):
     """torch / triton / device / commit of this run, for the results files."""
     import triton
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
+    # $KDAMOE_COMMIT first: a device copy of the working tree can carry an older .git than the files measured.
+    commit = os.environ.get("KDAMOE_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                    timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            commit = ""
     digest = hashlib.sha256()
     for sub in ("kdamoe/kernels/moe", "kdamoe"):
         folder = os.path.join(REPO, sub)
@@ -82,7 +85,7 @@ def stack(dev):
     return {
         "torch": torch.__version__, "triton": triton.__version__,
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (TRITON_INTERPRET=1)",
-        "cuda": torch.version.cuda, "commit": commit or os.environ.get("KDAMOE_COMMIT", "unknown"),
+        "cuda": torch.version.cuda, "commit": commit or "unknown",
         "sources_sha256": digest.hexdigest()[:16],
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
