@@ -541,7 +541,8 @@ def push_to_hub(src: str | Path, repo_id: str, *, private: bool | None = None, r
     with tempfile.TemporaryDirectory(prefix="kdamoe-hub-") as tmp:
         folder = build_hub_folder(src, out_dir or Path(tmp) / "hub", repo_id=repo_id, **build_kwargs)
         if dry_run:
-            report = (f"dry run: would upload {folder} to {repo_id} (revision {revision or 'main'}"
+            kept = "" if out_dir else " (a temporary folder, removed now; --out-dir keeps it)"
+            report = (f"dry run: would upload {folder}{kept} to {repo_id} (revision {revision or 'main'}"
                       f"{', as a pull request' if create_pr else ''}{', private' if private else ''})\n"
                       + describe_hub_folder(folder))
             say(report)
