@@ -39,6 +39,7 @@ setup(
         "console_scripts": [
             "kdamoe-train=kdamoe.cli:train_main",
             "kdamoe-generate=kdamoe.cli:generate_main",
+            "kdamoe-push=kdamoe.cli:push_main",
         ]
     },
 )

@@ -1,4 +1,4 @@
-"""Command-line entry points: ``kdamoe-train`` and ``kdamoe-generate`` (argument parsing only)."""
+"""Command-line entry points: ``kdamoe-train``, ``kdamoe-generate`` and ``kdamoe-push`` (argument parsing only)."""
 
 from __future__ import annotations
 
@@ -87,6 +87,61 @@ def _check_generate_args(parser: argparse.ArgumentParser, args: argparse.Namespa
         hint = (f"; the exported model is {folder / 'final'}" if (folder / "final" / "config.json").is_file()
                 else "; pass the final/ folder kdamoe-train wrote (checkpoints/ are training states) or a Hub id")
         parser.error(f"--model {args.model}: no config.json there{hint}")
+
+
+def push_main(argv: list[str] | None = None) -> int:
+    """``kdamoe-push SRC REPO_ID [--dry-run] [--private] [--revision R] [--create-pr] [--commit-message M] ...``.
+
+    Builds the Hub folder of SRC, validates it without kdamoe, and uploads it (see :mod:`kdamoe.hub`).
+    """
+    parser = argparse.ArgumentParser(
+        prog="kdamoe-push", description="Build, validate and upload the Hub folder of a model kdamoe wrote.")
+    parser.add_argument("src", metavar="SRC", help="a pretraining final/ or checkpoints/stage<i>-step<n>/ folder, a "
+                        "save_pretrained / trainer output_dir, or a PEFT adapter folder")
+    parser.add_argument("repo_id", metavar="REPO_ID", help="namespace/name on the Hub")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="build and validate, then print the files and the card metadata; no network")
+    parser.add_argument("--private", action="store_true", help="create the repository as private")
+    parser.add_argument("--revision", default=None, help="branch to push to (created if missing)")
+    parser.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
+    parser.add_argument("--commit-message", default=None)
+    parser.add_argument("--adapter", action="store_true",
+                        help="PEFT SRC: publish the adapter (with its own card) instead of merging it into its base")
+    parser.add_argument("--base-model", default=None, help="Hub id of the model SRC was trained from (card base_model)")
+    parser.add_argument("--base-model-path", default=None, help="PEFT SRC: local folder of the base model")
+    parser.add_argument("--dataset", dest="datasets", action="append", default=None, metavar="NAME",
+                        help="card datasets entry (repeatable; replaces what SRC records)")
+    parser.add_argument("--training-description", default=None, help="a paragraph for the card's Training section")
+    parser.add_argument("--license", default="apache-2.0")
+    parser.add_argument("--out-dir", default=None, help="keep the built folder here (must be empty or absent)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    from kdamoe.hub import detect_source, push_to_hub
+
+    parts = args.repo_id.split("/")
+    if len(parts) != 2 or not all(parts):
+        parser.error(f"REPO_ID {args.repo_id!r}: expected namespace/name")
+    try:
+        source = detect_source(args.src)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.adapter and source.kind != "peft-adapter":
+        parser.error(f"--adapter: SRC {args.src} is not a PEFT adapter folder (no adapter_config.json)")
+    if args.base_model_path and source.kind != "peft-adapter":
+        parser.error(f"--base-model-path: SRC {args.src} is not a PEFT adapter folder")
+    try:
+        push_to_hub(args.src, args.repo_id, private=args.private or None, revision=args.revision,
+                    create_pr=args.create_pr, commit_message=args.commit_message, dry_run=args.dry_run,
+                    out_dir=args.out_dir, merge_adapter=not args.adapter, base_model=args.base_model,
+                    base_model_path=args.base_model_path, datasets=args.datasets,
+                    training_description=args.training_description, license=args.license)
+    except ValueError as err:
+        print(f"kdamoe-push: error: {err}", file=sys.stderr)
+        return 1
+    if not args.dry_run:
+        print(f"pushed to https://huggingface.co/{args.repo_id}" + (f" ({args.revision})" if args.revision else ""))
+    return 0
 
 
 def _cuda() -> bool:

@@ -613,6 +613,19 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         self.config.auto_map = auto_map
         return super().save_pretrained(save_directory, *args, **kwargs)
 
+    def push_to_hub(self, repo_id: str, *, tokenizer=None, **kwargs):
+        """Where the kdamoe package is installed: ``kdamoe.hub.push_model_to_hub`` (our model card, the
+        tokenizer and chat template, validation without kdamoe before the upload); else transformers' own.
+
+        transformers' version writes a generic card (``library_name: transformers``, no tags) and pushes no
+        tokenizer. The absolute import is invisible to the remote-code scan (docs/architecture.md §7).
+        """
+        try:
+            from kdamoe.hub import push_model_to_hub
+        except ImportError:
+            return super().push_to_hub(repo_id, **kwargs)
+        return push_model_to_hub(self, repo_id, tokenizer=tokenizer, **kwargs)
+
     def _routers(self) -> list[KDAMoETopkRouter]:
         return [m for m in self.modules() if isinstance(m, KDAMoETopkRouter)]
 

