@@ -205,11 +205,11 @@ class KDAMoEConfig(PreTrainedConfig):
         )
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
         for name in ("q_lora_rank", "moe_latent_size"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"`{name}` must be None or a positive integer, got {value!r}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
@@ -238,12 +238,15 @@ class KDAMoEConfig(PreTrainedConfig):
             )
         for name in ("situ_beta", "situ_linear_beta", "rms_norm_eps", "routed_scaling_factor"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"`{name}` must be a finite positive number, got {value!r}")
         for name in ("initializer_range", "router_bias_update_rate", "router_aux_loss_coef"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}")
+        for name in ("tie_word_embeddings", "output_router_logits", "use_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
         if self.kernel_backend != "torch" and self.kda_head_dim not in KERNEL_HEAD_DIMS:
             raise ValueError(
                 f"`kda_head_dim` is {self.kda_head_dim}: the GPU kernels take powers of two in [16, 256] "

@@ -566,6 +566,12 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         "attentions": OutputRecorder(KDAMoEAttention, index=1),
     }
 
+    def __init__(self, config: KDAMoEConfig, *inputs, **kwargs):
+        # Checked again here: `from_pretrained(..., situ_beta=...)` / `AutoConfig` keyword overrides and attributes
+        # set after construction reach the config without passing through `KDAMoEConfig.__init__`.
+        config.validate_kdamoe()
+        super().__init__(config, *inputs, **kwargs)
+
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
         """transformers' choice of experts implementation, defaulting to ``"kdamoe"``; refuses (``ValueError``)
         the implementations that fuse an activation of their own when ``hidden_act="situ"``."""
@@ -719,6 +725,24 @@ def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, posi
         raise ValueError(f"`position_ids` has shape {list(position_ids.shape)}; expected [{B}, {T}]")
 
 
+def _last_document_start(packed: dict, past: int) -> int:
+    """Key position (cached tokens included) where every row's last packed document starts.
+
+    A ``[B, H, L, D]`` attention cache can continue one document per row only if those documents start at the
+    same position in every row. Raises ``ValueError`` otherwise (pass ``use_cache=False`` for such batches).
+    """
+    seq_idx, last_seq = packed["seq_idx"], packed["last_seq"]
+    first_of_last = (seq_idx == last_seq[:, None]).int().argmax(-1)  # [B] index of the last document's first token
+    starts = torch.where(seq_idx[:, 0] == last_seq, 0, first_of_last + past)  # a one-document row keeps its past
+    start = int(starts[0])
+    if bool((starts != start).any()):
+        raise ValueError(
+            f"a cache after a packed batch continues each row's last document, which must start at the same position "
+            f"in every row (they start at {starts.tolist()}); pass use_cache=False for packed batches"
+        )
+    return start
+
+
 class KDAMoEModel(KDAMoEPreTrainedModel):
     """The decoder stack: embeddings, layers, (final AttnRes mix), final norm."""
 
@@ -818,6 +842,9 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         token_mask = None
         if attention_mask is not None and attention_mask.dim() == 2:
             token_mask = attention_mask[:, -T:].reshape(-1).bool()
+        keep_from = None
+        if packed is not None and cache is not None and has_full_attention:
+            keep_from = _last_document_start(packed, past)
 
         layer_kwargs = dict(attention_mask=masks, cache=cache, packed=packed, token_mask=token_mask)
         all_hidden_states = [inputs_embeds]
@@ -838,6 +865,13 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
                     partial = None
             hidden_states = self.final_res(torch.stack(blocks))
 
+        if keep_from:
+            # A cache continues each row's last document only (the KDA and conv states already are that
+            # document's); drop the earlier documents' keys/values so later steps cannot attend to them.
+            for i, layer_type in enumerate(self.config.layer_types):
+                if layer_type == "full_attention":
+                    cache.layers[i].keys = cache.layers[i].keys[:, :, keep_from:]
+                    cache.layers[i].values = cache.layers[i].values[:, :, keep_from:]
         hidden_states = self.norm(hidden_states)
         hidden_states_out = None
         if output_hidden_states:

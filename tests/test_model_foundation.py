@@ -70,6 +70,28 @@ def test_packed_continuation_of_a_cache_isolates_the_later_documents():
     torch.testing.assert_close(cont, torch.cat([ref_tail, ref_other], 1), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("num_hidden_layers, layer_types", [(4, None), (2, ["full_attention", "full_attention"])])
+def test_decoding_after_a_packed_prefill_continues_the_last_document_only(num_hidden_layers, layer_types):
+    model = _model(num_hidden_layers=num_hidden_layers, layer_types=layer_types, first_k_dense_replace=1,
+                   attnres_num_blocks=0, initializer_range=0.2)
+    a, b, nxt = _ids(20, 1, 9), _ids(21, 1, 7), _ids(22, 1, 1)
+    ids, position_ids = _packed([a, b])
+    with torch.no_grad():
+        out = model(ids, position_ids=position_ids, use_cache=True)
+        step = model(nxt, cache=out.cache, use_cache=True).logits
+        ref = model(torch.cat([b, nxt], 1), use_cache=False).logits[:, -1:]
+    torch.testing.assert_close(step, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_rows_whose_last_documents_start_apart_refuse_a_cache():
+    model = _model()
+    ids = _ids(23, 2, 10)
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(ids, position_ids=position_ids, use_cache=True)
+    model(ids, position_ids=position_ids, use_cache=False)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Models without a full-attention layer
 # ---------------------------------------------------------------------------------------------------------------
@@ -136,6 +158,20 @@ def test_output_attentions_is_refused_or_returned():
 def test_bad_config_values_raise_at_config_time(field, value):
     with pytest.raises(ValueError, match=field):
         tiny_config(**{field: value, "kernel_backend": "auto"})
+
+
+@pytest.mark.parametrize("field, value", [("situ_beta", float("inf")), ("rms_norm_eps", -1.0), ("rms_norm_eps", True),
+                                          ("tie_word_embeddings", "yes"), ("kda_lower_bound", -50.0)])
+def test_bad_values_set_after_the_config_are_refused_when_the_model_is_built(tmp_path, field, value):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config()
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=field):
+        KDAMoEForCausalLM(config)
+    KDAMoEForCausalLM(tiny_config()).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=field):  # keyword overrides of from_pretrained are set as attributes
+        AutoModelForCausalLM.from_pretrained(tmp_path, **{field: value})
 
 
 def test_kernel_incompatible_head_dim_is_allowed_on_the_torch_backend():
