@@ -80,3 +80,9 @@ def test_every_shipped_model_key_is_a_kdamoe_config_argument():
     documented = set(inspect.signature(KDAMoEConfig.__init__).parameters) - {"self", "kwargs"}
     for name in ("cpu_default.yaml", "gpu_h200.yaml"):
         assert set(load_config(name).model) <= documented, name
+
+
+def test_model_section_reads_yaml_exponent_floats():
+    # YAML 1.1 reads 1e-5 (no dot) as the string "1e-5"; a shipped YAML or an override may write it so
+    cfg = load_config(None, ["model.rms_norm_eps=1e-5"])
+    assert cfg.model["rms_norm_eps"] == 1e-5

@@ -9,6 +9,7 @@ index, e.g. ``train.stages.0.steps=10``) and validates every field. Any problem 
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,6 +188,10 @@ def check_model_section(model: dict[str, Any], vocab_size: int) -> None:
     from kdamoe import KDAMoEConfig
 
     fields = model_config_fields()
+    for key, value in model.items():
+        # YAML 1.1 reads 1e-6 (no dot) as a string; the other sections convert such values by their type.
+        if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()):
+            model[key] = float(value)
     for key in model:
         if key in FROM_TOKENIZER:
             raise ValueError(f"config field model.{key}: set from the tokenizer, not in the model section")
