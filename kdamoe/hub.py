@@ -118,7 +118,10 @@ def _load_kdamoe_model(folder: str | Path):
     if arch not in ("KDAMoEForCausalLM", "KDAMoEModel"):
         raise ValueError(f"{folder / 'config.json'}: architectures {arch!r}; only causal LMs are published")
     _refuse_pickled_weights(folder, "model.safetensors")
-    return KDAMoEForCausalLM.from_pretrained(str(folder), dtype="auto").eval()
+    try:
+        return KDAMoEForCausalLM.from_pretrained(str(folder), dtype="auto").eval()
+    except Exception as err:  # a truncated or foreign weights file: name it instead of a loader traceback
+        raise ValueError(f"{folder / 'model.safetensors'}: the model does not load ({type(err).__name__}: {err})") from err
 
 
 def _load_tokenizer(*folders: str | Path):
@@ -126,6 +129,8 @@ def _load_tokenizer(*folders: str | Path):
 
     for folder in folders:
         if folder is not None and (Path(folder) / "tokenizer_config.json").is_file():
+            if not (Path(folder) / "tokenizer.json").is_file():
+                raise ValueError(f"{Path(folder) / 'tokenizer.json'}: missing (tokenizer_config.json is there)")
             return AutoTokenizer.from_pretrained(str(folder))
     raise ValueError(f"no tokenizer (tokenizer_config.json) in {', '.join(str(f) for f in folders if f)}")
 
@@ -206,7 +211,7 @@ def _prepare_out_dir(out_dir: str | Path, overwrite: bool) -> Path:
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         if not overwrite:
-            raise ValueError(f"out_dir {out_dir}: exists and is not empty (pass overwrite=True / --overwrite)")
+            raise ValueError(f"out_dir {out_dir}: exists and is not empty (pass overwrite=True, or another --out-dir)")
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     return out_dir

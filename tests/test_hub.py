@@ -275,6 +275,15 @@ def test_refusals(built, sources, tmp_path):
         hub.build_hub_folder(sources["final"], built["final"], validate=False)
     with pytest.raises(ValueError, match="pass base_model"):  # an adapter repo needs its base's Hub id
         hub.build_hub_folder(sources["adapter"], tmp_path / "adapter", merge_adapter=False, validate=False)
+    truncated = _copy(sources["trainer"], tmp_path / "truncated")  # a damaged weights file is named
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"model\.safetensors: the model does not load"):
+        hub.build_hub_folder(truncated, tmp_path / "out_truncated", validate=False)
+    no_tokenizer_json = _copy(sources["trainer"], tmp_path / "no_tokenizer_json")
+    (no_tokenizer_json / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=r"tokenizer\.json: missing"):
+        hub.build_hub_folder(no_tokenizer_json, tmp_path / "out_no_tok", validate=False)
 
 
 def test_dry_run_cli_prints_files_and_metadata(sources, capsys, tmp_path):
