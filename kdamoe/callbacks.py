@@ -25,15 +25,6 @@ def _is_kdamoe_model(module: nn.Module) -> bool:
     return callable(getattr(module, "update_router_biases", None)) and callable(getattr(module, "expert_load", None))
 
 
-def _routers(model: nn.Module) -> list[nn.Module]:
-    """The routers of one KDAMoE model: modules that own an ``e_score_correction_bias`` buffer.
-
-    Duck-typed rather than ``isinstance`` so a model loaded with ``trust_remote_code`` (its classes come
-    from the copied ``modeling_kdamoe.py``, a different module object) is recognised too.
-    """
-    return [m for m in model.modules() if "e_score_correction_bias" in getattr(m, "_buffers", {})]
-
-
 def find_kdamoe_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every outermost KDAMoE model inside ``model``, as ``(module path, module)`` in module order.
 
@@ -78,7 +69,7 @@ def routers_trainable(model: nn.Module) -> bool:
 
     False under PEFT (LoRA freezes the base, routers included) and for frozen reference models.
     """
-    return any(getattr(r, "weight", None) is not None and r.weight.requires_grad for r in _routers(model))
+    return any(router.weight.requires_grad for router in model._routers())
 
 
 class RouterBiasUpdateCallback(TrainerCallback):
@@ -143,7 +134,7 @@ class RouterBiasUpdateCallback(TrainerCallback):
                 kdamoe_model.update_router_biases()
             else:
                 self._warn_frozen(path, kdamoe_model)
-                for router in _routers(kdamoe_model):
+                for router in kdamoe_model._routers():
                     router.reset_statistics()
         self._pending = metrics
         return control

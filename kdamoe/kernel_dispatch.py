@@ -116,11 +116,6 @@ def resolve(backend: str, device: torch.device, op: str) -> str:
     return select_backend(backend, device.type, have_kdamoe, have_fla, _interpreter_on())
 
 
-def supports_gate_in_kernel(backend: str, device: torch.device) -> bool:
-    """Whether :func:`chunk_kda` / :func:`fused_recurrent_kda` compute the gate inside a kernel here (it is
-    computed in PyTorch otherwise; the call is the same either way)."""
-    return resolve(backend, device, "chunk_kda") != "torch"
-
 
 # ----------------------------------------------------------------------------------------------------
 # Short convolution
@@ -188,19 +183,17 @@ def causal_conv1d(x, weight, conv_state=None, seq_idx=None, *, backend="auto"):
 # Kimi Delta Attention
 # ----------------------------------------------------------------------------------------------------
 def _kda_call(impl, name, q, k, v, g, beta, common, gate):
-    """Run the chunked / recurrent op of ``impl`` with fla's keyword arguments."""
-    use_gate_in_kernel, A_log, dt_bias, lower_bound = gate
-    gate_kwargs = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias)
+    """Run the chunked / recurrent op of ``impl`` (``"kdamoe"`` or ``"fla"``) with fla's keyword arguments;
+    ``common`` and ``gate`` are the keyword arguments of :func:`chunk_kda` without and with the gate."""
     if impl == "kdamoe":
-        op = getattr(kdamoe_kernels(), name)
-        return op(q, k, v, g, beta, **common, **gate_kwargs, lower_bound=-5.0 if lower_bound is None else lower_bound)
+        lower_bound = -5.0 if gate["lower_bound"] is None else gate["lower_bound"]
+        return getattr(kdamoe_kernels(), name)(q, k, v, g, beta, **common, **dict(gate, lower_bound=lower_bound))
     # fla: float32 initial state (asserted by chunk_kda); safe_gate relies on g >= lower_bound, which the
     # lower-bounded gate guarantees.
     if common["initial_state"] is not None:
         common = dict(common, initial_state=common["initial_state"].float())
-    op = getattr(fla_kernels(), name)
-    extra = dict(safe_gate=True) if name == "chunk_kda" and lower_bound is not None else {}
-    return op(q, k, v, g, beta, **common, **gate_kwargs, lower_bound=lower_bound, **extra)
+    extra = dict(safe_gate=True) if name == "chunk_kda" and gate["lower_bound"] is not None else {}
+    return getattr(fla_kernels(), name)(q, k, v, g, beta, **common, **gate, **extra)
 
 
 @use_kernel_forward_from_hub("chunk_kda")
@@ -216,10 +209,9 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     impl = resolve(backend, q.device, "chunk_kda")
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
-    gate = (use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    gate = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     if impl == "torch":
-        return chunk_kda_torch(q, k, v, g, beta, **common, chunk_size=chunk_size, use_gate_in_kernel=use_gate_in_kernel,
-                               A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+        return chunk_kda_torch(q, k, v, g, beta, **common, chunk_size=chunk_size, **gate)
     return _kda_call(impl, "chunk_kda", q, k, v, g, beta, common, gate)
 
 
@@ -232,10 +224,10 @@ def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
     impl = resolve(backend, q.device, "fused_recurrent_kda")
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+    gate = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     if impl == "torch":
-        return recurrent_kda_torch(q, k, v, g, beta, **common, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
-                                   dt_bias=dt_bias, lower_bound=lower_bound)
-    return _kda_call(impl, "fused_recurrent_kda", q, k, v, g, beta, common, (use_gate_in_kernel, A_log, dt_bias, lower_bound))
+        return recurrent_kda_torch(q, k, v, g, beta, **common, **gate)
+    return _kda_call(impl, "fused_recurrent_kda", q, k, v, g, beta, common, gate)
 
 
 # ----------------------------------------------------------------------------------------------------

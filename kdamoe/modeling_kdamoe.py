@@ -805,9 +805,12 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         if not use_cache:
             cache = None
         has_full_attention = "full_attention" in self.config.layer_types
-        # Only attention layers count cached tokens; without one the cache cannot tell (NoPE needs no position).
-        past = (cache.get_seq_length() if cache is not None else 0) if has_full_attention else None
-        validate_model_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past if cache is not None else 0)
+        # Only attention layers count cached tokens; without one the cache cannot tell (None; NoPE needs no
+        # position, so only the mask-length check is relaxed).
+        past = 0
+        if cache is not None:
+            past = cache.get_seq_length() if has_full_attention else None
+        validate_model_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past)
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )

@@ -33,7 +33,7 @@ from .checkpoint import (
     load_state,
     save_checkpoint_atomically,
 )
-from .checkpoint import find_checkpoint as find_intact_checkpoint
+from .checkpoint import find_checkpoint
 from .config import RunConfig, StageConfig, config_to_dict
 from .corpus import load_corpus
 from .data import pack_documents, stage_loader, tokenize_documents
@@ -61,21 +61,12 @@ class TrainProgress:
     scheduler: dict | None = None  # state of the stage's LR scheduler
     losses: list = field(default_factory=list)  # [global_step, loss] of every optimizer step so far
 
-    def state_dict(self) -> dict:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        for k, v in state.items():
-            setattr(self, k, v)
-
     def save(self, folder: Path) -> None:
-        (folder / PROGRESS).write_text(json.dumps(self.state_dict()))
+        (folder / PROGRESS).write_text(json.dumps(asdict(self)))
 
     @classmethod
     def load(cls, folder: Path) -> "TrainProgress":
-        progress = cls()
-        progress.load_state_dict(json.loads((folder / PROGRESS).read_text()))
-        return progress
+        return cls(**json.loads((folder / PROGRESS).read_text()))
 
 
 @dataclass
@@ -139,12 +130,6 @@ def make_scheduler(optimizer, stage: StageConfig):
 
 def checkpoint_dir(out_dir: Path, progress: TrainProgress) -> Path:
     return out_dir / "checkpoints" / checkpoint_name(progress.stage, progress.step)
-
-
-def find_checkpoint(out_dir: Path, say=print) -> Path | None:
-    """The newest intact checkpoint under ``out_dir/checkpoints`` (by stage, then step), or None; ``say``
-    gets one line per newer checkpoint skipped (see :func:`kdamoe.training.checkpoint.find_checkpoint`)."""
-    return find_intact_checkpoint(out_dir / "checkpoints", say)
 
 
 RUN_ARTIFACTS = ["checkpoints", "tokenizer", "tensorboard", "final", "baselines.json", "summary.json", "expert_load.png"]
@@ -294,7 +279,7 @@ def run(cfg: RunConfig, resume: bool = True, stop_after_steps: int | None = None
     accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no",
                               gradient_accumulation_steps=cfg.train.grad_accum_steps)
     set_seed(cfg.seed)
-    checkpoint = find_checkpoint(out_dir, say=lambda line: _say(accelerator, line)) if resume else None
+    checkpoint = find_checkpoint(out_dir / "checkpoints", say=lambda line: _say(accelerator, line)) if resume else None
     if resume and checkpoint is None and list_checkpoints(out_dir / "checkpoints"):
         raise ValueError(f"no intact checkpoint in {out_dir / 'checkpoints'} (reasons above); pass --no-resume "
                          "to start over (which deletes them) or another --output-dir")
