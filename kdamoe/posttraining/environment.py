@@ -59,6 +59,11 @@ class ArithmeticTask:
         """Calculator calls the task needs (``submit`` not counted)."""
         return len(self.ops)
 
+    @property
+    def calls_needed(self) -> int:
+        """Tool calls before ``submit`` (the common name across task families)."""
+        return len(self.ops)
+
     def values(self) -> list[int]:
         """``[start, after op 1, ..., after op n]``: the chain's intermediate results."""
         out = [self.start]
@@ -78,6 +83,21 @@ class ArithmeticTask:
 
     def to_json(self) -> str:
         return json.dumps({"start": self.start, "ops": [list(op) for op in self.ops]})
+
+    def episode_messages(self, steps: int | None = None) -> list[dict]:
+        """Assistant / tool turns of an agent that carries out the first ``steps`` operations (default: all)
+        and then submits the value reached (``steps < n_ops``: the hasty agent, a wrong answer)."""
+        from .data import tool_call_message, tool_result_message
+
+        steps = self.n_ops if steps is None else steps
+        if not 0 <= steps <= self.n_ops:
+            raise ValueError(f"steps={steps} outside [0, {self.n_ops}]")
+        values, out = self.values(), []
+        for (name, operand), current, result in zip(self.ops[:steps], values, values[1:]):
+            out += [tool_call_message(name, {"a": current, "b": operand}), tool_result_message(name, result)]
+        out += [tool_call_message("submit", {"answer": values[steps]}), tool_result_message("submit", "submitted"),
+                {"role": "assistant", "content": "Done."}]
+        return out
 
     @classmethod
     def from_json(cls, text: str) -> "ArithmeticTask":
@@ -234,7 +254,7 @@ class ArithmeticEnvironment:
         return 0.5 * self._correct_steps() / self.task.n_ops
 
     @property
-    def calculator_calls(self) -> int:
+    def tool_calls_before_submit(self) -> int:
         """Calls to ``add`` / ``multiply`` in this episode (``submit`` not counted)."""
         return sum(name != "submit" for name, _ in self.calls)
 

@@ -1,0 +1,176 @@
+"""Held-out evaluation of an agent in the arithmetic environment: batched multi-turn episodes with tool calls.
+
+The loop mirrors TRL's GRPO tool loop (``GRPOTrainer._tool_call_loop``, TRL 1.16) so a model is scored
+the way it was trained: the prompt is rendered by the chat template with the environment's tools, each
+turn is generated until the end-of-turn token, the turn is parsed with TRL's ``parse_response`` (the
+tokenizer's ``response_template``), every tool call is executed on the episode's
+environment (:func:`kdamoe.posttraining.data.environment_class` of the task; a raised error becomes the tool's
+``{"error": ...}`` result), and the next turn continues from the token ids so far plus the rendered tool
+turn — no re-tokenisation of generated text. Differences, on purpose: decoding is greedy (an evaluation,
+not a rollout), an episode ends as soon as ``submit`` was called (its reward is fixed then), and it also
+ends when the context (``config.max_position_embeddings``) or the turn limit would be passed.
+
+Metrics (:func:`evaluate_agent`), on the tasks that need at least ``min_calls`` tool calls before the
+final ``submit`` (default 2):
+
+* ``success``: share of episodes whose submitted value is the right answer (reward 1.0);
+* ``mean_reward``: the environment's reward averaged over those episodes;
+* ``multi_call_share``: share of those episodes that made at least 2 tool calls before ``submit``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .data import environment_class, environment_tools
+
+
+def _tool_suffix_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
+    """Token ids of the tool turn(s) plus the next assistant header, as they follow an assistant turn that
+    ended with the end-of-turn token: the rendering of ``[user, assistant call] + tool_messages`` with a
+    generation prompt, minus the rendering of ``[user, assistant call]`` cut after its last eos."""
+    calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+    head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    prefix = tokenizer.apply_chat_template(head, tokenize=True, return_dict=False)
+    full = tokenizer.apply_chat_template(head + tool_messages, tokenize=True, return_dict=False,
+                                         add_generation_prompt=True)
+    eos = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
+    prefix = prefix[: eos[-1] + 1] if eos else prefix
+    if full[: len(prefix)] != prefix:
+        raise ValueError("the chat template is not prefix-preserving around tool turns")
+    return full[len(prefix):]
+
+
+def _run_tool_calls(env, tool_calls: list[dict]) -> list[dict]:
+    tools = {t.__name__: t for t in environment_tools(env)}
+    messages = []
+    for call in tool_calls:
+        function = call.get("function", {})
+        name = function.get("name", "unknown")
+        try:
+            if name not in tools:
+                raise ValueError(f"Tool {name} not found.")
+            result = tools[name](**(function.get("arguments") or {}))
+        except Exception as err:  # the model sees the error, as in TRL's loop
+            result = {"error": str(err)}
+        messages.append({"role": "tool", "name": name, "content": str(result)})
+    return messages
+
+
+@torch.no_grad()
+def run_episodes(model, tokenizer, tasks: list, *, batch_size: int = 64, max_new_tokens: int = 64,
+                 max_turns: int | None = None) -> list[dict]:
+    """Greedy multi-turn episodes, one per task, in batches.
+
+    Args:
+        model: a causal LM (``KDAMoEForCausalLM`` or the remote-code class); put in eval mode here.
+        tokenizer: its tokenizer, with the chat template and ``response_template`` kdamoe ships.
+        tasks: the tasks.
+        batch_size: episodes generated together (left padding).
+        max_new_tokens: tokens per assistant turn.
+        max_turns: assistant turns per episode (default: the task's ``calls_needed + 2``).
+    Returns:
+        One dict per task, in order: ``task`` (the task), ``reward``, ``submitted``, ``calls_before_submit``,
+        ``tool_calls``, ``turns``, ``tokens`` (final sequence length), ``ended`` (``"submitted"``,
+        ``"no_tool_call"``, ``"context"`` or ``"turns"``).
+    Raises:
+        ValueError: ``batch_size`` / ``max_new_tokens`` < 1, a tokenizer without ``response_template``.
+    """
+    from trl.chat_template_utils import parse_response
+
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
+    if getattr(tokenizer, "response_template", None) is None:
+        raise ValueError("the tokenizer has no response_template: tool calls cannot be parsed (use kdamoe's tokenizer)")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    limit = model.config.max_position_embeddings
+    pad = tokenizer.pad_token_id
+    results = []
+    for start in range(0, len(tasks), batch_size):
+        batch = tasks[start:start + batch_size]
+        envs = [environment_class(task)() for task in batch]
+        for env, task in zip(envs, batch):
+            env.reset(task=task)
+        ids = [tokenizer.apply_chat_template([{"role": "user", "content": t.prompt()}], tools=environment_tools(e),
+                                             add_generation_prompt=True, tokenize=True, return_dict=False)
+               for t, e in zip(batch, envs)]
+        prompt_lengths = [len(x) for x in ids]
+        turns, ended = [0] * len(batch), [None] * len(batch)
+        active = list(range(len(batch)))
+        while active:
+            for i in list(active):
+                cap = batch[i].calls_needed + 2 if max_turns is None else max_turns
+                if turns[i] >= cap:
+                    ended[i] = "turns"
+                elif len(ids[i]) + max_new_tokens > limit:
+                    ended[i] = "context"
+            active = [i for i in active if ended[i] is None]
+            if not active:
+                break
+            width = max(len(ids[i]) for i in active)
+            input_ids = torch.full((len(active), width), pad, dtype=torch.long)
+            attention_mask = torch.zeros((len(active), width), dtype=torch.long)
+            for row, i in enumerate(active):
+                input_ids[row, width - len(ids[i]):] = torch.tensor(ids[i])
+                attention_mask[row, width - len(ids[i]):] = 1
+            out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                 max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_k=None,
+                                 top_p=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+            for row, i in enumerate(active):
+                generated = out[row, width:].tolist()
+                if tokenizer.eos_token_id in generated:
+                    generated = generated[: generated.index(tokenizer.eos_token_id) + 1]
+                else:
+                    generated = [t for t in generated if t != pad]
+                message = parse_response(tokenizer, generated, prefix=ids[i], tools=environment_tools(envs[i]))
+                ids[i] = ids[i] + generated
+                turns[i] += 1
+                calls = message.get("tool_calls") if isinstance(message, dict) else None
+                if not calls:
+                    ended[i] = "no_tool_call"
+                    continue
+                tool_messages = _run_tool_calls(envs[i], calls)
+                if envs[i].submitted is not None:
+                    ended[i] = "submitted"
+                    continue
+                ids[i] = ids[i] + _tool_suffix_ids(tokenizer, tool_messages)
+            active = [i for i in active if ended[i] is None]
+        for i, (task, env) in enumerate(zip(batch, envs)):
+            results.append(dict(task=task, reward=env.get_reward(), submitted=env.submitted,
+                                calls_before_submit=env.tool_calls_before_submit, tool_calls=len(env.calls), turns=turns[i],
+                                tokens=len(ids[i]), prompt_tokens=prompt_lengths[i], ended=ended[i]))
+    model.train(was_training)
+    return results
+
+
+def summarize_episodes(episodes: list[dict], min_calls: int = 2) -> dict:
+    """The metrics of the module docstring over the episodes whose task needs ``>= min_calls`` tool calls,
+    plus ``n`` (their number) and ``success_all`` / ``mean_reward_all`` over every episode.
+
+    Raises:
+        ValueError: no episode has a task that needs ``>= min_calls`` tool calls.
+    """
+    multi = [e for e in episodes if e["task"].calls_needed >= min_calls]
+    if not multi:
+        raise ValueError(f"no episode needs >= {min_calls} tool calls; cannot report success on them")
+
+    def mean(values):
+        values = list(values)
+        return sum(values) / len(values)
+
+    return dict(n=len(multi), success=mean(e["reward"] == 1.0 for e in multi),
+                mean_reward=mean(e["reward"] for e in multi),
+                multi_call_share=mean(e["calls_before_submit"] >= 2 for e in multi),
+                n_all=len(episodes), success_all=mean(e["reward"] == 1.0 for e in episodes),
+                mean_reward_all=mean(e["reward"] for e in episodes))
+
+
+def evaluate_agent(model, tokenizer, tasks: list, *, min_calls: int = 2, **kwargs) -> dict:
+    """:func:`run_episodes` then :func:`summarize_episodes`; adds ``seconds`` (wall time of the episodes)."""
+    start = time.perf_counter()
+    episodes = run_episodes(model, tokenizer, tasks, **kwargs)
+    return {**summarize_episodes(episodes, min_calls=min_calls), "seconds": round(time.perf_counter() - start, 1)}
