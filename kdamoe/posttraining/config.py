@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,14 +118,27 @@ class PostTrainConfig:
         from .recipes import config_class
 
         cls = config_class(self.recipe)
-        fields = [f.name for f in dataclasses.fields(cls)]
-        for key in self.trainer:
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        fields = list(types)
+        for key, value in self.trainer.items():
             if key in RESERVED_TRAINER_KEYS:
                 raise ValueError(f"config field trainer.{key}: set the top-level `{key}` instead")
             if key not in fields:
                 close = difflib.get_close_matches(key, fields, n=1)
                 hint = f"; did you mean {close[0]}?" if close else ""
                 raise ValueError(f"config field trainer.{key}: not a field of {cls.__name__}{hint}")
+            if isinstance(value, str) and _takes_float(types[key]):
+                try:
+                    self.trainer[key] = float(value)  # YAML reads 1e-5 (no dot) as a string
+                except ValueError:
+                    raise ValueError(f"config field trainer.{key}: expected a number, got {value!r}") from None
+
+
+def _takes_float(tp) -> bool:
+    """A dataclass field annotation that is ``float`` or a union with ``float`` (also written as a string)."""
+    if isinstance(tp, str):
+        return "float" in tp.replace(" ", "").split("|")
+    return tp is float or float in typing.get_args(tp)
 
 
 def lora_config(section: dict[str, Any]):
