@@ -290,3 +290,16 @@ def test_cli_runs_sft_then_resumes(base, tmp_path, capsys):
     card = (out / "final" / "README.md").read_text()
     assert "`sft`" in card and str(base) in card
     assert not list(out.glob(".final*"))  # no temporary folder left behind
+
+
+def test_card_renders_the_reward_curve():
+    from kdamoe.model_card import render_model_card
+
+    card = str(render_model_card(tiny_config(), repo_id="kdamoe/x", total=10, active=5, recipe="`grpo` (environment)",
+                                 base_model_path="outputs/base", reward_curve=[(1, 0.25), (2, 0.5)],
+                                 reward_curve_image="reward_curve.png"))
+    assert "| 1 | 0.2500 |\n| 2 | 0.5000 |" in card and "](reward_curve.png)" in card
+    assert "Recipe: `grpo` (environment), from the base model `outputs/base`." in card
+    assert "mean reward" not in str(render_model_card(tiny_config(), repo_id="kdamoe/x", total=10, active=5))
+    with pytest.raises(ValueError, match="nan"):
+        render_model_card(tiny_config(), repo_id="kdamoe/x", total=10, active=5, reward_curve=[(1, float("nan"))])
