@@ -14,7 +14,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["kdamoe", "kdamoe.*"]),
-    package_data={"kdamoe": ["configs/*.yaml", "model_cards/*.md"]},
+    package_data={"kdamoe": ["configs/*.yaml", "configs/posttrain/*.yaml", "model_cards/*.md"]},
     install_requires=[
         # Exactly the CPU wheel on disk: a looser pin downloads a multi-GB CUDA build.
         "torch==2.13.0",
@@ -38,6 +38,7 @@ setup(
     entry_points={
         "console_scripts": [
             "kdamoe-train=kdamoe.cli:train_main",
+            "kdamoe-posttrain=kdamoe.cli:posttrain_main",
             "kdamoe-generate=kdamoe.cli:generate_main",
             "kdamoe-push=kdamoe.cli:push_main",
         ]

@@ -81,7 +81,9 @@ class RouterBiasUpdateCallback(TrainerCallback):
 
     * if the model's router weights require grad, calls ``update_router_biases()`` (which also resets
       the statistics);
-    * otherwise leaves the biases where they are and only resets the statistics. Quantile Balancing is
+    * otherwise — or always with ``freeze_biases=True`` (post-training's ``router_biases: freeze``: full
+      fine-tuning that keeps the base's balance) — leaves the biases where they are and only resets the
+      statistics, so the next step's load is that step's alone. Quantile Balancing is
       frozen under PEFT by design: an adapter must reproduce the trained model on the published base
       alone, and PEFT's adapter format carries no buffers (docs/pretraining.md, "Router biases under
       PEFT"). A frozen reference model must not move either. This is said once per model via
@@ -96,12 +98,14 @@ class RouterBiasUpdateCallback(TrainerCallback):
 
     Args:
         warn_threshold: warn (``UserWarning``) when the worst layer's max/mean load exceeds it.
+        freeze_biases: never move the biases, even when the routers are trainable.
     Attributes:
         history: per optimizer step, the per-MoE-layer max/mean load of the first model found.
     """
 
-    def __init__(self, warn_threshold: float = 2.0):
+    def __init__(self, warn_threshold: float = 2.0, freeze_biases: bool = False):
         self.warn_threshold = warn_threshold
+        self.freeze_biases = freeze_biases
         self.history: list[list[float]] = []
         self._pending: dict[str, float] = {}
         self._frozen_warned: set[int] = set()
@@ -130,10 +134,11 @@ class RouterBiasUpdateCallback(TrainerCallback):
                 if max(imbalance) > self.warn_threshold:
                     warnings.warn(f"expert load imbalance max/mean = {max(imbalance):.2f} > {self.warn_threshold} "
                                   f"at step {state.global_step}" + (f" in {path}" if path else ""))
-            if routers_trainable(kdamoe_model):
+            if routers_trainable(kdamoe_model) and not self.freeze_biases:
                 kdamoe_model.update_router_biases()
             else:
-                self._warn_frozen(path, kdamoe_model)
+                if not self.freeze_biases:
+                    self._warn_frozen(path, kdamoe_model)
                 for router in kdamoe_model._routers():
                     router.reset_statistics()
         self._pending = metrics

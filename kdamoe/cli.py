@@ -1,4 +1,5 @@
-"""Command-line entry points: ``kdamoe-train``, ``kdamoe-generate`` and ``kdamoe-push`` (argument parsing only)."""
+"""Command-line entry points: ``kdamoe-train``, ``kdamoe-posttrain``, ``kdamoe-generate`` and ``kdamoe-push``
+(argument parsing only)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,40 @@ def train_main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     summary = run(cfg, resume=not args.no_resume, stop_after_steps=args.stop_after)
     return 0 if summary["finished"] or args.stop_after is not None else 1
+
+
+def posttrain_main(argv: list[str] | None = None) -> int:
+    """``kdamoe-posttrain --config NAME|FILE [--output-dir DIR] [--set key=value ...] [--no-resume]``.
+
+    Runs one TRL recipe (:func:`kdamoe.posttraining.run_recipe`); names resolve in ``kdamoe/configs/posttrain/``
+    (``sft``, ``grpo``, ``grpo_tools``, ``grpo_single_turn``, ``dpo``, ``rloo``, ``ppo``). A bad config value
+    is a usage error (exit 2) naming it. Prints the ``final/`` folder.
+    """
+    parser = argparse.ArgumentParser(prog="kdamoe-posttrain",
+                                     description="Post-train a KDAMoE model with a TRL recipe from a YAML config.")
+    parser.add_argument("--config", required=True,
+                        help="YAML file, or the name of one in kdamoe/configs/posttrain/ (sft, grpo, dpo, rloo, ...)")
+    parser.add_argument("--output-dir", default=None, help="overrides output_dir of the config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. --set trainer.max_steps=2 (repeatable)")
+    parser.add_argument("--no-resume", action="store_true", help="ignore checkpoint-N folders already in output_dir")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    from kdamoe.posttraining import load_posttrain_config, run_recipe
+
+    overrides = list(args.overrides) + ([f"output_dir={args.output_dir}"] if args.output_dir else [])
+    try:
+        cfg = load_posttrain_config(args.config, overrides)
+    except ValueError as err:
+        parser.error(str(err))
+    try:
+        summary = run_recipe(cfg, resume=not args.no_resume)
+    except ValueError as err:  # a value that does not fit the model (aux loss, completion budget)
+        print(f"kdamoe-posttrain: error: {err}", file=sys.stderr)
+        return 1
+    print(summary["final"])
+    return 0
 
 
 def generate_main(argv: list[str] | None = None) -> int:

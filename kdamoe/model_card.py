@@ -8,6 +8,7 @@ validation results as ``model-index`` (Hub metadata spec: https://huggingface.co
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
@@ -66,7 +67,9 @@ def render_model_card(config, *, repo_id: str, total: int, active: int, adapter:
                       tokens: int | None = None, trained_context: int | None = None,
                       evaluation: dict | None = None, extra_tags: list[str] | None = None,
                       license: str = "apache-2.0", language: str | list[str] | None = "en",
-                      chat_template: bool = False) -> ModelCard:
+                      chat_template: bool = False, recipe: str | None = None, base_model_path: str | None = None,
+                      reward_curve: list[tuple[int, float]] | None = None,
+                      reward_curve_image: str | None = None) -> ModelCard:
     """Render the card of a model (or, with ``adapter=True``, a PEFT adapter) repository.
 
     Args:
@@ -82,13 +85,18 @@ def render_model_card(config, *, repo_id: str, total: int, active: int, adapter:
         stages: rows of the training table, dicts with ``name``, ``kind``, ``seq_len``, ``batch_size``,
             ``steps``, ``lr``.
         tokens: training tokens in all; ``trained_context``: the longest training row.
+        recipe: the post-training recipe, e.g. ``"grpo (environment) with TRL GRPOTrainer"``.
+        base_model_path: a base model given as a local folder (shown in the text; Hub metadata takes only ids).
+        reward_curve: RL recipes: ``(optimizer step, mean reward over the step's rollouts)`` rows, a table;
+            ``reward_curve_image``: the file name of its plot in the folder (e.g. ``reward_curve.png``).
         evaluation: ``{"dataset": str, "dataset_type": str, "split": str, "ppl": float, "bpb": float,
             "baselines": [{"name", "ppl", "bpb"}, ...]}``: the validation perplexity and bits per byte of
             this model (written as ``model-index``) and the rows of comparison.
     Returns:
         A ``huggingface_hub.ModelCard`` (``.save(path)`` writes it).
     Raises:
-        ValueError: ``adapter`` without ``base_model``, or an unknown ``base_model_relation``.
+        ValueError: ``adapter`` without ``base_model``, an unknown ``base_model_relation``, or a reward curve row
+            that is not ``(int step, finite float)``.
     """
     if adapter and not base_model:
         raise ValueError("an adapter card needs base_model (the Hub id of the model the adapter applies to)")
@@ -96,6 +104,18 @@ def render_model_card(config, *, repo_id: str, total: int, active: int, adapter:
     if relation is not None and relation not in BASE_MODEL_RELATIONS:
         raise ValueError(f"base_model_relation={relation!r}: expected one of {BASE_MODEL_RELATIONS}")
     name = repo_id.split("/")[-1]
+    curve = None
+    if reward_curve is not None:
+        curve = []
+        for row in reward_curve:
+            try:
+                step, reward = row
+                step, reward = int(step), float(reward)
+            except (TypeError, ValueError):
+                raise ValueError(f"reward_curve row {row!r}: expected (step, mean reward)") from None
+            if not math.isfinite(reward):
+                raise ValueError(f"reward_curve row {row!r}: the mean reward is not finite")
+            curve.append({"step": step, "reward": reward})
     eval_results = None
     if evaluation is not None:
         common = dict(task_type="text-generation", task_name="Causal language modeling",
@@ -122,4 +142,5 @@ def render_model_card(config, *, repo_id: str, total: int, active: int, adapter:
         card_data, template_path=str(TEMPLATE), model_id=name, repo_id=repo_id, adapter=adapter,
         base_model=base_model, datasets=datasets, data_note=data_note, training_description=training_description,
         stages=stages, tokens=tokens, evaluation=None if rows is None else {**evaluation, "rows": rows},
-        chat_template=chat_template, **values)
+        chat_template=chat_template, recipe=recipe, base_model_path=base_model_path, reward_curve=curve,
+        reward_curve_image=reward_curve_image, **values)

@@ -1,0 +1,192 @@
+"""The post-training job's configuration (``kdamoe-posttrain``): one dataclass, loaded from YAML.
+
+``load_posttrain_config(path_or_name, overrides)`` reads a YAML file (a path, or the name of a file shipped
+in ``kdamoe/configs/posttrain/``), applies ``dotted.key=value`` overrides (values parsed as YAML, e.g.
+``trainer.max_steps=2``) and validates every field. Any problem raises ``ValueError`` naming the field and
+the bad value, before a model is loaded:
+
+* ``recipe`` is one of :data:`RECIPES`; ``grpo.mode`` one of :data:`GRPO_MODES`;
+* ``trainer`` keys are fields of the recipe's TRL config class (``SFTConfig``, ``GRPOConfig``, ...), with a
+  "did you mean" hint (the values are checked by that class when the recipe builds it);
+* ``peft`` builds a ``peft.LoraConfig``;
+* ``data`` ranges are those :func:`kdamoe.posttraining.environment.make_tasks` accepts.
+
+Checks that need the model (the aux-loss coefficient against Quantile Balancing, the GRPO completion budget
+against the context) run when the recipe is built (:mod:`kdamoe.posttraining.recipes.common`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..training.config import _apply_override, _build
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "posttrain"
+RECIPES = ("sft", "grpo", "dpo", "rloo", "ppo")
+GRPO_MODES = ("single_turn", "tools", "environment")
+ROUTER_BIASES = ("update", "freeze")
+# Set from the top-level fields of the config; a value under `trainer:` would be a second source of truth.
+RESERVED_TRAINER_KEYS = ("output_dir", "seed")
+
+
+@dataclass
+class TaskDataConfig:
+    """The generated arithmetic tasks (:func:`kdamoe.posttraining.environment.make_tasks`) a recipe trains on.
+
+    ``hasty_fraction`` is the share of SFT demonstrations by the hasty agent (:func:`~kdamoe.posttraining.data.sft_dataset`).
+    ``seed`` fixes the tasks; the held-out evaluation draws its own tasks with ``exclude=`` these.
+    """
+
+    num_tasks: int = 64
+    min_ops: int = 1
+    max_ops: int = 3
+    max_operand: int = 9
+    hasty_fraction: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class GRPOSection:
+    """``mode``: ``single_turn`` (no tools; reward: the completion states the answer), ``tools`` (TRL ``tools=``:
+    stateless calculator functions; reward: the submitted value against the row's ``answer``) or
+    ``environment`` (TRL ``environment_factory=ArithmeticEnvironment``; reward: its ``get_reward``)."""
+
+    mode: str = "environment"
+
+
+@dataclass
+class PostTrainConfig:
+    """Everything one ``kdamoe-posttrain`` run needs (module docstring).
+
+    Attributes:
+        recipe: ``sft`` | ``grpo`` | ``dpo`` | ``rloo`` | ``ppo``.
+        model: base model folder (``save_pretrained`` layout, e.g. a pretraining ``final/``) or Hub id.
+        output_dir: TRL ``output_dir``: ``checkpoint-N/`` folders, then ``final/`` (and ``adapter/``), ``summary.json``.
+        seed: the trainer's seed (``TrainingArguments.seed``).
+        data: the generated tasks.
+        grpo: GRPO's mode (ignored by other recipes).
+        router_biases: ``update``: Quantile Balancing keeps moving the router biases once per optimizer step
+            during full fine-tuning; ``freeze``: they stay as the base has them. Under PEFT they are always frozen
+            (an adapter carries no buffers, docs/architecture.md §8).
+        peft: ``None`` (full fine-tuning) or ``peft.LoraConfig`` keyword arguments (``target_parameters`` reaches
+            the fused experts' ``gate_up_proj`` / ``down_proj``).
+        trainer: keyword arguments of the recipe's TRL config class; they override the recipe's defaults.
+        ppo: the PPO recipe's own section (value / reward model), validated by that recipe.
+    """
+
+    recipe: str = "sft"
+    model: str = "outputs/cpu_default/final"
+    output_dir: str | None = None
+    seed: int = 0
+    data: TaskDataConfig = field(default_factory=TaskDataConfig)
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+    router_biases: str = "update"
+    peft: dict[str, Any] | None = None
+    trainer: dict[str, Any] = field(default_factory=dict)
+    ppo: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> "PostTrainConfig":
+        """Check every field (module docstring); raises ``ValueError`` naming the first bad one. Returns ``self``."""
+        def need(ok: bool, name: str, why: str):
+            if not ok:
+                raise ValueError(f"config field {name}: {why}")
+
+        need(self.recipe in RECIPES, "recipe", f"{self.recipe!r} is not one of {RECIPES}")
+        need(self.grpo.mode in GRPO_MODES, "grpo.mode", f"{self.grpo.mode!r} is not one of {GRPO_MODES}")
+        need(self.router_biases in ROUTER_BIASES, "router_biases", f"{self.router_biases!r} is not one of {ROUTER_BIASES}")
+        need(bool(self.model), "model", "must name a base model folder or Hub id")
+        if self.output_dir is None:
+            self.output_dir = f"outputs/posttrain/{self.recipe}"
+        d = self.data
+        need(d.num_tasks >= 1, "data.num_tasks", f"must be at least 1, got {d.num_tasks}")
+        need(1 <= d.min_ops <= d.max_ops, "data.min_ops", f"need 1 <= min_ops <= max_ops, got {d.min_ops}, {d.max_ops}")
+        need(d.max_operand >= 2, "data.max_operand", f"must be at least 2, got {d.max_operand}")
+        need(0.0 <= d.hasty_fraction <= 1.0, "data.hasty_fraction", f"must lie in [0, 1], got {d.hasty_fraction}")
+        self._check_trainer()
+        if self.peft is not None:
+            lora_config(self.peft)
+        return self
+
+    def _check_trainer(self) -> None:
+        from .recipes import config_class
+
+        cls = config_class(self.recipe)
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        fields = list(types)
+        for key, value in self.trainer.items():
+            if key in RESERVED_TRAINER_KEYS:
+                raise ValueError(f"config field trainer.{key}: set the top-level `{key}` instead")
+            if key not in fields:
+                close = difflib.get_close_matches(key, fields, n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                raise ValueError(f"config field trainer.{key}: not a field of {cls.__name__}{hint}")
+            if isinstance(value, str) and _takes_float(types[key]):
+                try:
+                    self.trainer[key] = float(value)  # YAML reads 1e-5 (no dot) as a string
+                except ValueError:
+                    raise ValueError(f"config field trainer.{key}: expected a number, got {value!r}") from None
+
+
+def _takes_float(tp) -> bool:
+    """A dataclass field annotation that is ``float`` or a union with ``float`` (also written as a string)."""
+    if isinstance(tp, str):
+        return "float" in tp.replace(" ", "").split("|")
+    return tp is float or float in typing.get_args(tp)
+
+
+def lora_config(section: dict[str, Any]):
+    """``peft.LoraConfig(**section)`` with ``task_type="CAUSAL_LM"`` by default.
+
+    Raises:
+        ValueError: naming the section when LoraConfig rejects a key or a value.
+    """
+    from peft import LoraConfig
+
+    try:
+        return LoraConfig(**{"task_type": "CAUSAL_LM", **section})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"config field peft: {err}") from err
+
+
+def resolve_posttrain_config_path(path_or_name: str | Path) -> Path:
+    """A YAML path as given, else ``kdamoe/configs/posttrain/<name>.yaml``.
+
+    Raises:
+        ValueError: neither exists (the message lists the shipped names).
+    """
+    p = Path(path_or_name)
+    for candidate in (p, CONFIG_DIR / p, CONFIG_DIR / f"{p}.yaml"):
+        if candidate.is_file():
+            return candidate
+    shipped = sorted(f.stem for f in CONFIG_DIR.glob("*.yaml"))
+    raise ValueError(f"post-training config {path_or_name}: no such file (shipped: {shipped})")
+
+
+def load_posttrain_config(path_or_name: str | Path, overrides: list[str] | None = None) -> PostTrainConfig:
+    """Read, override and validate a post-training configuration (module docstring).
+
+    Args:
+        path_or_name: a YAML file, or the name of one shipped in ``kdamoe/configs/posttrain/`` (``sft``, ``grpo``,
+            ``grpo_tools``, ``grpo_single_turn``, ``dpo``, ``rloo``, ``ppo``).
+        overrides: ``dotted.key=value`` strings, values parsed as YAML.
+    Raises:
+        ValueError: naming the file, the override or the field.
+    """
+    data = yaml.safe_load(resolve_posttrain_config_path(path_or_name).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"post-training config {path_or_name}: expected a mapping at the top, got {data!r}")
+    for assignment in overrides or []:
+        _apply_override(data, assignment)
+    return _build(PostTrainConfig, data, "").validate()
+
+
+def posttrain_config_to_dict(cfg: PostTrainConfig) -> dict:
+    """Plain-data form of a config (``summary.json``, the card)."""
+    return dataclasses.asdict(cfg)

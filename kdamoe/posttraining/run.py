@@ -1,0 +1,194 @@
+"""Run one post-training recipe end to end: load the base, build TRL's trainer, train (resuming), save.
+
+:func:`run_recipe` writes into ``cfg.output_dir``:
+
+* ``checkpoint-N/`` — the Trainer's own checkpoints (model with its router-bias buffers in
+  ``model.safetensors``, optimizer, scheduler, RNG, ``trainer_state.json``); a rerun resumes from the newest
+  complete one (it has ``trainer_state.json``, written last);
+* ``final/`` — the trained model, reloadable with ``AutoModelForCausalLM.from_pretrained(final,
+  trust_remote_code=True)`` (:func:`kdamoe.hub.write_model_folder`), with a model card naming the recipe, the
+  base model, the data and, for RL recipes, the reward curve (a table and ``reward_curve.png``). Under PEFT
+  it is the merged model, and ``adapter/`` holds the LoRA adapter for the base;
+* ``summary.json`` — the config, the paths, the log history and the reward curve.
+
+``final/``, ``adapter/`` and ``summary.json`` are written to a temporary name and renamed into place, so a
+crash leaves either the previous complete version or none — never a half-written folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+RL_RECIPES = ("grpo", "rloo", "ppo")
+TRL_TRAINERS = {"sft": "SFTTrainer", "grpo": "GRPOTrainer", "dpo": "DPOTrainer", "rloo": "RLOOTrainer",
+                "ppo": "PPOTrainer"}
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def newest_checkpoint(output_dir: str | Path) -> str | None:
+    """The newest complete Trainer checkpoint (``checkpoint-N`` holding ``trainer_state.json``) or ``None``."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in folder.iterdir()
+             if (m := _CHECKPOINT.match(p.name)) and (p / "trainer_state.json").is_file()]
+    return str(max(found)[1]) if found else None
+
+
+def reward_curve(log_history: list[dict]) -> list[tuple[int, float]]:
+    """``(step, mean reward)`` of every training log row that has TRL's ``reward`` metric, in step order."""
+    return [(int(row["step"]), float(row["reward"])) for row in log_history if "reward" in row and "step" in row]
+
+
+@contextmanager
+def _atomic_folder(dest: Path):
+    """Yield a temporary sibling of ``dest`` to fill; on success it replaces ``dest`` by renames."""
+    tmp, old = dest.with_name(f".{dest.name}.tmp"), dest.with_name(f".{dest.name}.old")
+    for leftover in (tmp, old):
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    tmp.mkdir(parents=True)
+    yield tmp
+    if dest.exists():
+        dest.rename(old)
+    tmp.rename(dest)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def _plot_reward_curve(curve: list[tuple[int, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot([s for s, _ in curve], [r for _, r in curve], marker="o")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("mean reward")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _is_local(path: str) -> bool:
+    return Path(path).expanduser().exists()
+
+
+def _card(cfg, model, curve, image: str | None):
+    from ..model_card import count_parameters, render_model_card
+
+    d = cfg.data
+    mode = f" ({cfg.grpo.mode})" if cfg.recipe == "grpo" else ""
+    recipe = f"`{cfg.recipe}`{mode} with TRL's `{TRL_TRAINERS[cfg.recipe]}`"
+    if cfg.peft is not None:
+        recipe += " and a LoRA adapter (merged into these weights)"
+    biases = ("frozen" if cfg.peft is not None or cfg.router_biases == "freeze"
+              else "updated by Quantile Balancing once per optimizer step")
+    description = (
+        f"Data: {d.num_tasks} generated chained-arithmetic tasks (seed {d.seed}, {d.min_ops}-{d.max_ops} operations, "
+        f"operands 2-{d.max_operand}) with calculator tools"
+        + (f", {d.hasty_fraction:.0%} of the demonstrations by a hasty agent" if cfg.recipe == "sft" else "")
+        + f"; nothing downloaded. Router biases {biases}.")
+    total, active = count_parameters(model)
+    local = _is_local(cfg.model)
+    return render_model_card(
+        model.config, repo_id=f"kdamoe/{Path(cfg.output_dir).name}", total=total, active=active,
+        base_model=None if local else cfg.model, base_model_path=cfg.model if local else None,
+        training_description=description, recipe=recipe, reward_curve=curve or None, reward_curve_image=image,
+        extra_tags=["trl", cfg.recipe], chat_template=True)
+
+
+def _save(cfg, trainer, tokenizer, padding_side: str, curve) -> tuple[Path, Path | None, object]:
+    """Write ``final/`` (and ``adapter/`` under PEFT); return their paths and the saved model."""
+    from ..hub import write_model_folder
+
+    out = Path(cfg.output_dir)
+    tokenizer.padding_side = padding_side  # GRPO / RLOO pad on the left; the shipped tokenizer keeps its own
+    model, adapter_dir = trainer.model, None
+    if cfg.peft is not None:
+        adapter_dir = out / "adapter"
+        with _atomic_folder(adapter_dir) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        model = model.merge_and_unload()
+    final = out / "final"
+    with _atomic_folder(final) as tmp:
+        image = None
+        if curve:
+            _plot_reward_curve(curve, tmp / "reward_curve.png")
+            image = "reward_curve.png"
+        write_model_folder(model, tokenizer, tmp, _card(cfg, model, curve, image))
+    return final, adapter_dir, model
+
+
+def load_base(cfg):
+    """``(model, tokenizer)`` of ``cfg.model``: ``KDAMoEForCausalLM.from_pretrained`` (float32) and ``AutoTokenizer``."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from .. import KDAMoEForCausalLM
+
+    model = KDAMoEForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    return model, tokenizer
+
+
+def run_recipe(cfg, resume: bool = True) -> dict:
+    """Train ``cfg.recipe`` from ``cfg.model`` and save it (module docstring).
+
+    Args:
+        cfg: a validated :class:`~kdamoe.posttraining.config.PostTrainConfig`.
+        resume: continue from the newest complete ``checkpoint-N`` in ``cfg.output_dir`` when there is one.
+    Returns:
+        ``{"final": str, "adapter": str | None, "summary": str, "log_history": list[dict], "train_runtime":
+        float (seconds), "global_step": int, "reward_curve": [(step, mean reward)], "resumed_from": str | None,
+        "model": the saved model (merged under PEFT), "trainer": the TRL trainer}``.
+    Raises:
+        ValueError: a config value that does not fit the model (aux loss next to Quantile Balancing, a completion
+            budget past the context), naming it.
+    """
+    from transformers import set_seed
+
+    from ..callbacks import RouterBiasUpdateCallback, add_router_bias_callback
+    from .config import posttrain_config_to_dict
+    from .recipes import build_trainer
+    from .recipes.common import check_aux_loss
+
+    set_seed(cfg.seed)
+    model, tokenizer = load_base(cfg)
+    check_aux_loss(cfg, model.config)
+    padding_side = tokenizer.padding_side
+    trainer = build_trainer(cfg, model, tokenizer)
+    add_router_bias_callback(trainer, RouterBiasUpdateCallback(freeze_biases=cfg.router_biases == "freeze"))
+    checkpoint = newest_checkpoint(cfg.output_dir) if resume else None
+    if checkpoint:
+        logger.warning(f"resuming from {checkpoint}")
+    result = trainer.train(resume_from_checkpoint=checkpoint)
+    history = list(trainer.state.log_history)
+    curve = reward_curve(history) if cfg.recipe in RL_RECIPES else []
+    final, adapter, saved = _save(cfg, trainer, tokenizer, padding_side, curve)
+    summary = {
+        "recipe": cfg.recipe, "config": posttrain_config_to_dict(cfg), "final": str(final),
+        "adapter": None if adapter is None else str(adapter), "resumed_from": checkpoint,
+        "global_step": trainer.state.global_step, "train_runtime": float(result.metrics.get("train_runtime", 0.0)),
+        "reward_curve": curve, "log_history": history,
+    }
+    summary_path = Path(cfg.output_dir) / "summary.json"
+    _write_json(summary_path, summary)
+    return {**summary, "summary": str(summary_path), "model": saved, "trainer": trainer}

@@ -1,0 +1,305 @@
+"""Post-training recipes (TRL 1.16) on a tiny KDAMoE base folder: SFT, GRPO (tools / environment), DPO, RLOO,
+LoRA on the fused experts, config errors, the kdamoe-posttrain CLI with resume.
+
+The GRPO tool tests drive TRL's real tool loop with a *scripted* policy (the model's ``generate`` replaced by a
+careful / hasty agent reading the rendered conversation), since a tiny random model never writes a tool call;
+the policy takes each operand from the last tool result, so a right answer needs the tools to have run.
+"""
+
+import json
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kdamoe import KDAMoEForCausalLM
+from kdamoe.callbacks import RouterBiasUpdateCallback, add_router_bias_callback
+from kdamoe.posttraining import load_posttrain_config, run_recipe
+from kdamoe.posttraining.data import tool_schemas
+from kdamoe.posttraining.environment import make_tasks
+from kdamoe.posttraining.recipes import build_trainer
+from kdamoe.posttraining.recipes import grpo as grpo_recipe
+from kdamoe.training.tokenizer import train_tokenizer
+
+from tests.helpers import tiny_config
+
+FAST = ["trainer.max_steps=1", "trainer.warmup_steps=0", "trainer.per_device_train_batch_size=2", "trainer.save_strategy='no'",
+        "data.num_tasks=4", "data.max_ops=1", "data.max_operand=5"]
+RL_FAST = FAST + ["trainer.num_generations=2"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny base folder: a 4-layer KDAMoE (Quantile Balancing) and a 300-token tokenizer trained on task text."""
+    folder = tmp_path_factory.mktemp("base")
+    tasks = make_tasks(40, seed=5, max_ops=2, max_operand=5)
+    texts = [t.prompt() + ' <tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call> submitted Done.'
+             for t in tasks]
+    tokenizer = train_tokenizer(texts, vocab_size=300, min_frequency=1)
+    torch.manual_seed(0)
+    config = tiny_config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         max_position_embeddings=1024, kda_head_dim=16)  # final/ reloads with kernel_backend="auto"
+    KDAMoEForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _cfg(name, base, tmp_path, *overrides):
+    return load_posttrain_config(name, [f"model={base}", f"output_dir={tmp_path / name}", *overrides])
+
+
+def _biases(model):
+    return torch.stack([r.e_score_correction_bias.detach().clone() for r in model._routers()])
+
+
+# ---------------------------------------------------------------------------------------------------- SFT
+
+
+def _token_loss_sum(trainer):
+    """(sum of per-token cross entropies, number of scored tokens) over the first batch, float64 sums."""
+    batch = next(iter(trainer.get_train_dataloader()))
+    labels = batch.pop("labels")
+    with torch.no_grad():
+        logits = trainer.model.eval()(**batch).logits.double()
+    targets = labels[:, 1:]
+    keep = targets != -100
+    losses = torch.nn.functional.cross_entropy(logits[:, :-1][keep], targets[keep], reduction="none")
+    return losses.sum().item(), int(keep.sum())
+
+
+def test_sft_padding_free_and_packing_give_the_padded_loss(base, tmp_path):
+    sums = {}
+    for name, extra in {"padded": [], "padding_free": ["trainer.padding_free=true"],
+                        "packing": ["trainer.packing=true"]}.items():
+        cfg = _cfg("sft", base, tmp_path / name, *FAST, "data.max_ops=2", "trainer.per_device_train_batch_size=8",
+                   *extra)
+        torch.manual_seed(0)
+        model = KDAMoEForCausalLM.from_pretrained(base, dtype=torch.float32)
+        trainer = build_trainer(cfg, model, AutoTokenizer.from_pretrained(base))
+        sums[name] = _token_loss_sum(trainer)
+    assert sums["padded"][1] > 20  # assistant tokens of 4 episodes
+    for name in ("padding_free", "packing"):
+        assert sums[name][1] == sums["padded"][1], name
+        assert sums[name][0] == pytest.approx(sums["padded"][0], rel=1e-5), name
+
+
+# --------------------------------------------------------------------------------- GRPO with a scripted policy
+
+_RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.S)
+
+
+def _assistant_text(tokenizer, message):
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, message], tokenize=False)
+    return rendered.rsplit("<|im_start|>assistant\n", 1)[1].rstrip("\n")
+
+
+def _script(model, tokenizer, tasks, steps_of):
+    """Replace ``model.generate``: each row continues as an agent doing ``steps_of(task)`` operations (reading each
+    operand from the last tool result), then submitting the value it has, then saying Done."""
+    by_prompt = {t.prompt(): t for t in tasks}
+
+    def next_message(text):
+        task = next(t for p, t in by_prompt.items() if p in text)
+        results = _RESPONSE.findall(text)
+        if results and results[-1] == "submitted":
+            return {"role": "assistant", "content": "Done."}
+        current = int(results[-1]) if results else task.start
+        if len(results) < steps_of(task):
+            name, operand = task.ops[len(results)]
+            call = {"name": name, "arguments": {"a": current, "b": operand}}
+        else:
+            call = {"name": "submit", "arguments": {"answer": current}}
+        return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
+
+    def generate(input_ids, attention_mask=None, **kwargs):
+        rows = []
+        for ids, mask in zip(input_ids, attention_mask):
+            text = tokenizer.decode(ids[mask.bool()], skip_special_tokens=False)
+            reply = _assistant_text(tokenizer, next_message(text))
+            rows.append(torch.tensor(tokenizer(reply, add_special_tokens=False)["input_ids"]))
+        new = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=tokenizer.pad_token_id)
+        return torch.cat([input_ids, new.to(input_ids)], dim=1)
+
+    model.generate = generate
+
+
+def _grpo_trainer(cfg, base, steps_of):
+    model = KDAMoEForCausalLM.from_pretrained(base, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    trainer = build_trainer(cfg, model, tokenizer)
+    _script(model, tokenizer, make_tasks(cfg.data.num_tasks, cfg.data.seed, min_ops=cfg.data.min_ops,
+                                         max_ops=cfg.data.max_ops, max_operand=cfg.data.max_operand), steps_of)
+    seen = []
+    calculate = trainer._calculate_rewards
+
+    def recording(inputs, *args):
+        rewards = calculate(inputs, *args)
+        seen.extend(zip([row["task"] for row in inputs], rewards[:, 0].tolist()))
+        return rewards
+
+    trainer._calculate_rewards = recording
+    return trainer, seen
+
+
+def _expected_env_reward(task, steps):
+    """The environment's reward rule restated (environment module docstring); chains strictly increase
+    (operands >= 2), so a hasty agent never submits the answer."""
+    return 1.0 if steps == task.n_ops else 0.5 * steps / task.n_ops
+
+
+def test_grpo_environment_rewards_are_the_environment_rewards(base, tmp_path):
+    cfg = _cfg("grpo", base, tmp_path, *RL_FAST, "data.max_ops=2", "data.num_tasks=4")
+    steps_of = lambda task: task.n_ops if task.start % 2 else task.n_ops - 1  # careful or one step short  # noqa: E731
+    trainer, seen = _grpo_trainer(cfg, base, steps_of)
+    trainer.train()
+    assert seen
+    from kdamoe.posttraining.environment import ArithmeticTask
+
+    for task_json, reward in seen:
+        task = ArithmeticTask.from_json(task_json)
+        assert reward == pytest.approx(_expected_env_reward(task, steps_of(task))), task
+    row = trainer.state.log_history[0]
+    assert row["tools/call_frequency"] > 0 and row["tools/failure_frequency"] == 0
+
+
+def test_grpo_tools_executes_tool_calls(base, tmp_path):
+    cfg = _cfg("grpo_tools", base, tmp_path, *RL_FAST)
+    trainer, seen = _grpo_trainer(cfg, base, lambda task: task.n_ops)
+    trainer.train()
+    # the careful agent read each operand from the tool's result: 1.0 means the calculator tools ran
+    assert seen and all(reward == 1.0 for _, reward in seen)
+    row = trainer.state.log_history[0]
+    assert row["tools/call_frequency"] >= 2 and row["tools/failure_frequency"] == 0
+
+
+def test_grpo_tools_have_the_environment_schemas():
+    from transformers.utils import get_json_schema
+
+    assert [get_json_schema(f) for f in grpo_recipe.TOOLS] == tool_schemas()
+
+
+def test_rewards_of_single_turn_and_tools_modes():
+    assert grpo_recipe.stated_answer_reward([[{"role": "assistant", "content": "7 + 5 = 12"}], "it is 13", "none"],
+                                            answer=[12, 12, 12]) == [1.0, 0.0, 0.0]
+    submit = lambda v: {"role": "assistant", "tool_calls": [  # noqa: E731
+        {"type": "function", "function": {"name": "submit", "arguments": {"answer": v}}}]}
+    assert grpo_recipe.submitted_answer_reward([[submit(3), submit(12)], [submit("12")], [submit(11)], []],
+                                               answer=[12, 12, 12, 12]) == [1.0, 1.0, 0.0, 0.0]
+
+
+# ----------------------------------------------------------------------------- DPO, RLOO, the bias callback
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("recipe, extra", [
+    ("sft", []), ("dpo", []), ("rloo", ["trainer.num_generations=2", "trainer.max_completion_length=8"]),
+    ("grpo_single_turn", ["trainer.num_generations=2", "trainer.max_completion_length=8"]),
+])
+def test_recipe_steps_move_weights_and_router_biases(base, tmp_path, recipe, extra):
+    results = {}
+    for biases in ("update", "freeze"):
+        cfg = _cfg(recipe, base, tmp_path / biases, *FAST, "trainer.learning_rate=1e-2", f"router_biases={biases}",
+                   *extra)
+        model = KDAMoEForCausalLM.from_pretrained(base, dtype=torch.float32)
+        before, bias_before = _params(model), _biases(model)
+        trainer = build_trainer(cfg, model, AutoTokenizer.from_pretrained(base))
+        add_router_bias_callback(trainer, RouterBiasUpdateCallback(freeze_biases=biases == "freeze"))
+        trainer.train()
+        moved = max((p - before[n]).abs().max().item() for n, p in model.named_parameters())
+        results[biases] = (moved, (_biases(model) - bias_before).abs().max().item())
+    if recipe in ("sft", "dpo"):  # RL steps with equal rewards in a group have zero advantage: no weight change
+        assert results["update"][0] > 0
+    assert results["update"][1] > 0
+    assert results["freeze"][1] == 0
+
+
+def test_lora_on_experts_keeps_biases_and_reloads(base, tmp_path):
+    peft = json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "o_proj"],
+                       "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]})
+    cfg = _cfg("sft", base, tmp_path, *FAST, "trainer.learning_rate=1e-2", f"peft={peft}")
+    bias_before = _biases(KDAMoEForCausalLM.from_pretrained(base, dtype=torch.float32))
+    result = run_recipe(cfg)
+    ids = torch.randint(10, 290, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        trained = result["model"].eval()(ids).logits
+        final = AutoModelForCausalLM.from_pretrained(result["final"], trust_remote_code=True).eval()
+        from peft import PeftModel
+
+        on_base = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), result["adapter"]).eval()
+        base_logits = AutoModelForCausalLM.from_pretrained(base).eval()(ids).logits
+        adapter_logits = on_base(ids).logits
+        assert (trained - base_logits).abs().max() > 1e-4  # the adapter learned something
+        torch.testing.assert_close(final(ids).logits, trained, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(adapter_logits, trained, atol=1e-5, rtol=1e-5)
+    assert torch.equal(_biases(final), bias_before)  # frozen under PEFT
+    names = [n for n, _ in on_base.named_parameters() if "lora" in n]
+    assert any("experts" in n for n in names)
+
+
+# ------------------------------------------------------------------------------------------ config errors
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["trainer.max_stpes=2"], "max_stpes"),
+    (["recipe=ppoo"], "ppoo"),
+    (["grpo.mode=multi"], "multi"),
+    (["router_biases=thaw"], "thaw"),
+    (["trainer.output_dir=x"], "output_dir"),
+    (["peft={\"rank\": 4}"], "peft"),
+])
+def test_config_errors_name_the_value(overrides, needle):
+    with pytest.raises(ValueError, match=needle):
+        load_posttrain_config("grpo", overrides)
+
+
+def test_unknown_trainer_key_has_a_hint():
+    with pytest.raises(ValueError, match="did you mean max_steps"):
+        load_posttrain_config("sft", ["trainer.max_stpes=2"])
+
+
+def test_aux_loss_with_quantile_balancing_and_too_long_budget_are_refused(base, tmp_path):
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.01"):
+        run_recipe(_cfg("sft", base, tmp_path, *FAST, "trainer.router_aux_loss_coef=0.01"))
+    with pytest.raises(ValueError, match="max_completion_length=1000"):
+        run_recipe(_cfg("grpo", base, tmp_path, *RL_FAST, "trainer.max_completion_length=1000"))
+
+
+# -------------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_runs_sft_then_resumes(base, tmp_path, capsys):
+    from kdamoe.cli import posttrain_main
+
+    out = tmp_path / "run"
+    args = ["--config", "sft", "--output-dir", str(out), "--set", f"model={base}", "--set", "data.num_tasks=4",
+            "--set", "data.max_ops=1", "--set", "trainer.per_device_train_batch_size=2", "--set", "trainer.save_steps=1"]
+    assert posttrain_main([*args, "--set", "trainer.max_steps=2"]) == 0
+    assert capsys.readouterr().out.strip().endswith("final")
+    first = json.loads((out / "summary.json").read_text())
+    assert first["global_step"] == 2 and first["resumed_from"] is None
+    assert posttrain_main([*args, "--set", "trainer.max_steps=3"]) == 0
+    second = json.loads((out / "summary.json").read_text())
+    assert second["global_step"] == 3 and second["resumed_from"].endswith("checkpoint-2")
+    model = AutoModelForCausalLM.from_pretrained(out / "final", trust_remote_code=True)
+    assert model.config.model_type == "kda_moe"
+    card = (out / "final" / "README.md").read_text()
+    assert "`sft`" in card and str(base) in card
+    assert not list(out.glob(".final*"))  # no temporary folder left behind
+
+
+def test_card_renders_the_reward_curve():
+    from kdamoe.model_card import render_model_card
+
+    card = str(render_model_card(tiny_config(), repo_id="kdamoe/x", total=10, active=5, recipe="`grpo` (environment)",
+                                 base_model_path="outputs/base", reward_curve=[(1, 0.25), (2, 0.5)],
+                                 reward_curve_image="reward_curve.png"))
+    assert "| 1 | 0.2500 |\n| 2 | 0.5000 |" in card and "](reward_curve.png)" in card
+    assert "Recipe: `grpo` (environment), from the base model `outputs/base`." in card
+    assert "mean reward" not in str(render_model_card(tiny_config(), repo_id="kdamoe/x", total=10, active=5))
+    with pytest.raises(ValueError, match="nan"):
+        render_model_card(tiny_config(), repo_id="kdamoe/x", total=10, active=5, reward_curve=[(1, float("nan"))])
