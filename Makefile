@@ -1,10 +1,11 @@
 # Two entry points (see README): `make train` sets up and runs the main job; `make test` sets up
 # and runs the test suite. Both create .venv on first use; PYTHON picks the interpreter.
+# `make ppo-env` / `make test-ppo`: the PPO recipe's own venv (.venv-ppo, trl==1.12.0; see requirements-ppo.txt).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup data train test
+.PHONY: setup data train test ppo-env test-ppo
 
 $(BIN)/kdamoe-train: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -24,3 +25,21 @@ train: data
 
 test: setup
 	$(BIN)/python -m pytest -n 2 -q --durations=20 tests $(ARGS)
+
+# TRL removed PPO after 1.12, so the ppo recipe has its own venv. The package goes in with --no-deps: its
+# unpinned `trl` must not pull 1.16 over the pinned 1.12. --no-compile skips byte-compiling torch & co.
+PPO_VENV ?= .venv-ppo
+PPO_BIN  := $(PPO_VENV)/bin
+
+$(PPO_BIN)/.installed: requirements-ppo.txt setup.py
+	rm -rf $(PPO_VENV)
+	$(PYTHON) -m venv $(PPO_VENV)
+	$(PPO_BIN)/pip install -q --no-compile -r requirements-ppo.txt
+	$(PPO_BIN)/pip install -q --no-compile --no-deps -e .
+	$(PPO_BIN)/python -c "import trl, trl.experimental.ppo; assert trl.__version__ == '1.12.0', trl.__version__"
+	touch $@
+
+ppo-env: $(PPO_BIN)/.installed
+
+test-ppo: ppo-env
+	$(PPO_BIN)/python -m pytest -q --durations=5 tests/test_ppo.py $(ARGS)

@@ -13,6 +13,7 @@ receives (the Trainer lists reporters before user callbacks and calls ``on_log``
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 
 from torch import nn
@@ -45,7 +46,10 @@ def find_kdamoe_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
         seen.add(id(module))
         if _is_kdamoe_model(module):
             found.append((path, module))
-            return  # do not descend: nested KDAMoE modules belong to this one
+            # Nested KDAMoE modules belong to this one, also where a wrapper lists one again as its own child
+            # (TRL's PPO wrapper holds the value model and, as `critic_backbone`, its backbone).
+            seen.update(id(m) for m in module.modules())
+            return
         for name, child in module.named_children():
             visit(child, f"{path}.{name}" if path else name)
 
@@ -157,11 +161,16 @@ class RouterBiasUpdateCallback(TrainerCallback):
         if logs is None or not self._pending:
             return control
         row = state.log_history[-1] if state.log_history else None
-        if row is not None and row.get("step") == state.global_step and all(row.get(k) == v for k, v in logs.items()):
+        if row is not None and row.get("step") == state.global_step and all(_same(row.get(k), v) for k, v in logs.items()):
             row.update(self._pending)  # the row Trainer.log stored for these logs
         logs.update(self._pending)
         self._pending = {}
         return control
+
+
+def _same(a, b) -> bool:
+    """Equal, or both NaN (a NaN metric, e.g. a variance over one value, would otherwise never match its row)."""
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
 def add_router_bias_callback(trainer, callback: RouterBiasUpdateCallback | None = None) -> RouterBiasUpdateCallback:

@@ -123,3 +123,28 @@ def test_expert_load_metrics_reach_log_history_and_report_to(tmp_path, monkeypat
         assert "train/loss" in acc.Tags()["scalars"]
         values = [e.value for e in acc.Scalars("train/expert_load/max_over_mean")]
         assert values == pytest.approx([max(h) for h in callback.history])
+
+
+def test_a_backbone_a_wrapper_lists_again_is_not_a_second_model():
+    # TRL 1.12's PPO wrapper holds the value model and, as `critic_backbone`, that model's backbone.
+    wrapper = torch.nn.Module()
+    wrapper.policy = KDAMoEForCausalLM(tiny_config())
+    wrapper.value_model = KDAMoEForCausalLM(tiny_config())
+    wrapper.critic_backbone = wrapper.value_model.model
+    assert [p for p, _ in find_kdamoe_models(wrapper)] == ["policy", "value_model"]
+
+
+def test_metrics_reach_a_log_history_row_that_holds_a_nan():
+    from transformers import TrainerControl, TrainerState
+
+    torch.manual_seed(0)
+    model = KDAMoEForCausalLM(tiny_config())
+    model.train()
+    model(torch.randint(3, 97, (2, 16), generator=torch.Generator().manual_seed(2)), use_cache=False)
+    callback = RouterBiasUpdateCallback(warn_threshold=100.0)
+    logs = {"loss": 1.0, "val/ratio_var": float("nan")}  # e.g. a variance over one value
+    state = TrainerState()
+    state.log_history.append({**logs, "step": 0})
+    callback.on_step_end(None, state, TrainerControl(), model=model)
+    callback.on_log(None, state, TrainerControl(), logs=logs, model=model)
+    assert state.log_history[-1]["expert_load/max_over_mean"] == logs["expert_load/max_over_mean"]
