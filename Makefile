@@ -1,11 +1,12 @@
 # Two entry points (see README): `make train` sets up and runs the main job; `make test` sets up
 # and runs the test suite. Both create .venv on first use; PYTHON picks the interpreter.
+# `make posttrain` (after `make train`): the post-training demo, SFT then GRPO with TRL.
 # `make ppo-env` / `make test-ppo`: the PPO recipe's own venv (.venv-ppo, trl==1.12.0; see requirements-ppo.txt).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup data train test ppo-env test-ppo
+.PHONY: setup data train test posttrain ppo-env test-ppo
 
 $(BIN)/kdamoe-train: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +26,11 @@ train: data
 
 test: setup
 	$(BIN)/python -m pytest -n 2 -q --durations=20 tests $(ARGS)
+
+# After `make train`: SFT then GRPO in the key-hunt environment, scored on held-out tasks
+# (docs/post-training.md). `make posttrain ARGS="--seeds 3"` runs three seeds.
+posttrain: setup
+	$(BIN)/kdamoe-posttrain-demo $(ARGS)
 
 # TRL removed PPO after 1.12, so the ppo recipe has its own venv. The package goes in with --no-deps: its
 # unpinned `trl` must not pull 1.16 over the pinned 1.12. --no-compile skips byte-compiling torch & co.

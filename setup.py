@@ -41,6 +41,7 @@ setup(
             "kdamoe-posttrain=kdamoe.cli:posttrain_main",
             "kdamoe-generate=kdamoe.cli:generate_main",
             "kdamoe-push=kdamoe.cli:push_main",
+            "kdamoe-posttrain-demo=kdamoe.cli:posttrain_demo_main",
         ]
     },
 )

@@ -67,6 +67,39 @@ def posttrain_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def posttrain_demo_main(argv: list[str] | None = None) -> int:
+    """``kdamoe-posttrain-demo [--seeds N] [--base DIR] [--output-dir DIR] [--held-out N]``: what ``make posttrain`` runs.
+
+    SFT then GRPO in the key-hunt environment from the pretrained model, scored on held-out tasks
+    (:mod:`kdamoe.posttraining.demo`). Exit 0 when GRPO beat SFT on held-out success on every seed, else 1.
+    """
+    parser = argparse.ArgumentParser(prog="kdamoe-posttrain-demo",
+                                     description="SFT then GRPO in the key-hunt environment, scored on held-out tasks.")
+    parser.add_argument("--seeds", type=int, default=1, help="run seeds 0..N-1 (default 1; the issue's check uses 3)")
+    parser.add_argument("--base", default="outputs/cpu_default/final", help="the pretrained model folder (make train)")
+    parser.add_argument("--output-dir", default="outputs/posttrain", help="where the stages and results.json go")
+    parser.add_argument("--held-out", type=int, default=200, help="held-out tasks (each needs >= 2 tool calls)")
+    parser.add_argument("--sft-set", dest="sft_overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field of the shipped sft config (repeatable)")
+    parser.add_argument("--grpo-set", dest="grpo_overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field of the shipped grpo config (repeatable)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.seeds < 1:
+        parser.error(f"--seeds must be >= 1 (got {args.seeds})")
+    if args.held_out < 1:
+        parser.error(f"--held-out must be >= 1 (got {args.held_out})")
+
+    from kdamoe.posttraining.demo import run_demo
+
+    try:
+        summary = run_demo(args.base, args.output_dir, seeds=tuple(range(args.seeds)), n_held_out=args.held_out,
+                           sft_overrides=args.sft_overrides, grpo_overrides=args.grpo_overrides)
+    except ValueError as err:
+        parser.error(str(err))
+    return 0 if summary["grpo_beats_sft_every_seed"] else 1
+
+
 def generate_main(argv: list[str] | None = None) -> int:
     """``kdamoe-generate --model DIR --prompt TEXT [--max-new-tokens N] [--greedy] [--chat] ...``: stream a continuation."""
     parser = argparse.ArgumentParser(prog="kdamoe-generate", description="Stream text from a saved KDAMoE folder.")

@@ -17,7 +17,7 @@ from kdamoe import KDAMoEForCausalLM
 from kdamoe.callbacks import RouterBiasUpdateCallback, add_router_bias_callback
 from kdamoe.posttraining import load_posttrain_config, run_recipe
 from kdamoe.posttraining.data import tool_schemas
-from kdamoe.posttraining.environment import make_tasks
+from kdamoe.posttraining.environment import ArithmeticEnvironment, make_tasks
 from kdamoe.posttraining.recipes import build_trainer
 from kdamoe.posttraining.recipes import grpo as grpo_recipe
 from kdamoe.training.tokenizer import train_tokenizer
@@ -25,7 +25,7 @@ from kdamoe.training.tokenizer import train_tokenizer
 from tests.helpers import tiny_config
 
 FAST = ["trainer.max_steps=1", "trainer.warmup_steps=0", "trainer.per_device_train_batch_size=2", "trainer.save_strategy='no'",
-        "data.num_tasks=4", "data.max_ops=1", "data.max_operand=5"]
+        "data.num_tasks=4", "data.environment=arithmetic", "data.max_calls=1", "data.max_operand=5"]
 RL_FAST = FAST + ["trainer.num_generations=2"]
 
 
@@ -73,7 +73,7 @@ def test_sft_padding_free_and_packing_give_the_padded_loss(base, tmp_path):
     sums = {}
     for name, extra in {"padded": [], "padding_free": ["trainer.padding_free=true"],
                         "packing": ["trainer.packing=true"]}.items():
-        cfg = _cfg("sft", base, tmp_path / name, *FAST, "data.max_ops=2", "trainer.per_device_train_batch_size=8",
+        cfg = _cfg("sft", base, tmp_path / name, *FAST, "data.max_calls=2", "trainer.per_device_train_batch_size=8",
                    *extra)
         torch.manual_seed(0)
         model = KDAMoEForCausalLM.from_pretrained(base, dtype=torch.float32)
@@ -129,8 +129,8 @@ def _grpo_trainer(cfg, base, steps_of):
     model = KDAMoEForCausalLM.from_pretrained(base, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(base)
     trainer = build_trainer(cfg, model, tokenizer)
-    _script(model, tokenizer, make_tasks(cfg.data.num_tasks, cfg.data.seed, min_ops=cfg.data.min_ops,
-                                         max_ops=cfg.data.max_ops, max_operand=cfg.data.max_operand), steps_of)
+    _script(model, tokenizer, make_tasks(cfg.data.num_tasks, cfg.data.seed, min_ops=cfg.data.min_calls,
+                                         max_ops=cfg.data.max_calls, max_operand=cfg.data.max_operand), steps_of)
     seen = []
     calculate = trainer._calculate_rewards
 
@@ -150,7 +150,7 @@ def _expected_env_reward(task, steps):
 
 
 def test_grpo_environment_rewards_are_the_environment_rewards(base, tmp_path):
-    cfg = _cfg("grpo", base, tmp_path, *RL_FAST, "data.max_ops=2", "data.num_tasks=4")
+    cfg = _cfg("grpo", base, tmp_path, *RL_FAST, "data.max_calls=2", "data.num_tasks=4")
     steps_of = lambda task: task.n_ops if task.start % 2 else task.n_ops - 1  # careful or one step short  # noqa: E731
     trainer, seen = _grpo_trainer(cfg, base, steps_of)
     trainer.train()
@@ -177,7 +177,7 @@ def test_grpo_tools_executes_tool_calls(base, tmp_path):
 def test_grpo_tools_have_the_environment_schemas():
     from transformers.utils import get_json_schema
 
-    assert [get_json_schema(f) for f in grpo_recipe.TOOLS] == tool_schemas()
+    assert [get_json_schema(f) for f in grpo_recipe.TOOLS] == tool_schemas(ArithmeticEnvironment)
 
 
 def test_rewards_of_single_turn_and_tools_modes():
@@ -277,7 +277,7 @@ def test_cli_runs_sft_then_resumes(base, tmp_path, capsys):
 
     out = tmp_path / "run"
     args = ["--config", "sft", "--output-dir", str(out), "--set", f"model={base}", "--set", "data.num_tasks=4",
-            "--set", "data.max_ops=1", "--set", "trainer.per_device_train_batch_size=2", "--set", "trainer.save_steps=1"]
+            "--set", "data.max_calls=1", "--set", "data.environment=arithmetic", "--set", "trainer.per_device_train_batch_size=2", "--set", "trainer.save_steps=1"]
     assert posttrain_main([*args, "--set", "trainer.max_steps=2"]) == 0
     assert capsys.readouterr().out.strip().endswith("final")
     first = json.loads((out / "summary.json").read_text())

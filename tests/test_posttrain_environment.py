@@ -46,9 +46,9 @@ def test_reward_comes_from_the_environment_state():
     task = ArithmeticTask(3, (("add", 4), ("multiply", 5)))  # 3 + 4 = 7, 7 * 5 = 35
     env = ArithmeticEnvironment()
     careful = [("add", {"a": 3, "b": 4}), ("multiply", {"a": 7, "b": 5}), ("submit", {"answer": 35})]
-    assert _run(env, task, careful) == 1.0 and env.calculator_calls == 2
+    assert _run(env, task, careful) == 1.0 and env.tool_calls_before_submit == 2
     assert _run(env, task, careful[:1] + [("submit", {"answer": 7})]) == 0.25  # 1 of 2 steps, wrong answer
-    assert _run(env, task, [("submit", {"answer": 35})]) == 1.0  # the right value is all `submit` checks
+    assert _run(env, task, [("submit", {"answer": 35})]) == 0.0  # the right value without the tools: no credit
     assert _run(env, task, [("submit", {"answer": 34})]) == 0.0
     assert _run(env, task, [("multiply", {"a": 3, "b": 4}), ("submit", {"answer": 12})]) == 0.0  # wrong tool
     assert _run(env, task, [("add", {"a": "4", "b": "3"}), ("submit", {"answer": 1})]) == 0.25  # operands any order
@@ -93,7 +93,7 @@ def test_tokenizer_passes_trl_template_checks(tokenizer):
 def test_episode_renders_prefix_by_prefix(tokenizer):
     task = ArithmeticTask(3, (("add", 4), ("multiply", 5)))
     messages = sft_dataset([task])[0]["messages"]
-    tools = tool_schemas()
+    tools = tool_schemas(ArithmeticEnvironment)
     full = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
     for n in range(1, len(messages)):
         assert full.startswith(tokenizer.apply_chat_template(messages[:n], tools=tools, tokenize=False))

@@ -55,7 +55,7 @@ def test_ppo_moves_policy_and_value_not_reward_or_reference(base_folder, tmp_pat
     folder, tokenizer = base_folder
     cfg = SimpleNamespace(
         recipe="ppo", model=str(folder), output_dir=str(tmp_path / "run"), seed=0, router_biases="update",
-        data=SimpleNamespace(num_tasks=4, seed=0, min_ops=1, max_ops=1, max_operand=9),
+        data=SimpleNamespace(environment="arithmetic", num_tasks=4, seed=0, min_calls=1, max_calls=1, max_operand=9),
         trainer=dict(per_device_train_batch_size=2, max_steps=2, num_ppo_epochs=1, response_length=8,
                      learning_rate=1e-3, save_strategy="no", local_rollout_forward_batch_size=2),
         ppo=PPOSection(reward_steps=2, reward_batch_size=2, reward_learning_rate=1e-3),

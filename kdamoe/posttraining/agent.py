@@ -7,7 +7,8 @@ tokenizer's ``response_template``), every tool call is executed on the episode's
 environment (:func:`kdamoe.posttraining.data.environment_class` of the task; a raised error becomes the tool's
 ``{"error": ...}`` result), and the next turn continues from the token ids so far plus the rendered tool
 turn — no re-tokenisation of generated text. Differences, on purpose: decoding is greedy (an evaluation,
-not a rollout), an episode ends as soon as ``submit`` was called (its reward is fixed then), and it also
+not a rollout) unless ``do_sample``, an episode ends as soon as its final tool (``submit`` / ``take_key``) was
+called (its reward is fixed then), and it also
 ends when the context (``config.max_position_embeddings``) or the turn limit would be passed.
 
 Metrics (:func:`evaluate_agent`), on the tasks that need at least ``min_calls`` tool calls before the
@@ -61,8 +62,10 @@ def _run_tool_calls(env, tool_calls: list[dict]) -> list[dict]:
 
 @torch.no_grad()
 def run_episodes(model, tokenizer, tasks: list, *, batch_size: int = 64, max_new_tokens: int = 64,
-                 max_turns: int | None = None) -> list[dict]:
-    """Greedy multi-turn episodes, one per task, in batches.
+                 max_turns: int | None = None, do_sample: bool = False, temperature: float = 1.0,
+                 seed: int = 0) -> list[dict]:
+    """Multi-turn episodes, one per task, in batches: greedy, or sampled (``do_sample``) at ``temperature``
+    from a generator seeded with ``seed`` (the same tasks and seed give the same episodes).
 
     Args:
         model: a causal LM (``KDAMoEForCausalLM`` or the remote-code class); put in eval mode here.
@@ -72,8 +75,8 @@ def run_episodes(model, tokenizer, tasks: list, *, batch_size: int = 64, max_new
         max_new_tokens: tokens per assistant turn.
         max_turns: assistant turns per episode (default: the task's ``calls_needed + 2``).
     Returns:
-        One dict per task, in order: ``task`` (the task), ``reward``, ``submitted``, ``calls_before_submit``,
-        ``tool_calls``, ``turns``, ``tokens`` (final sequence length), ``ended`` (``"submitted"``,
+        One dict per task, in order: ``task`` (the task), ``reward``, ``calls_before_submit``,
+        ``tool_calls``, ``turns``, ``tokens`` (final sequence length), ``ended`` (``"done"`` (the final tool),
         ``"no_tool_call"``, ``"context"`` or ``"turns"``).
     Raises:
         ValueError: ``batch_size`` / ``max_new_tokens`` < 1, a tokenizer without ``response_template``.
@@ -82,6 +85,10 @@ def run_episodes(model, tokenizer, tasks: list, *, batch_size: int = 64, max_new
 
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
+    if do_sample and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    if do_sample:
+        torch.manual_seed(seed)
     if getattr(tokenizer, "response_template", None) is None:
         raise ValueError("the tokenizer has no response_template: tool calls cannot be parsed (use kdamoe's tokenizer)")
     was_training = model.training
@@ -118,8 +125,9 @@ def run_episodes(model, tokenizer, tasks: list, *, batch_size: int = 64, max_new
                 input_ids[row, width - len(ids[i]):] = torch.tensor(ids[i])
                 attention_mask[row, width - len(ids[i]):] = 1
             out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                 max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_k=None,
-                                 top_p=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+                                 max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                 temperature=temperature if do_sample else None, top_k=None, top_p=None,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
             for row, i in enumerate(active):
                 generated = out[row, width:].tolist()
                 if tokenizer.eos_token_id in generated:
@@ -134,13 +142,13 @@ def run_episodes(model, tokenizer, tasks: list, *, batch_size: int = 64, max_new
                     ended[i] = "no_tool_call"
                     continue
                 tool_messages = _run_tool_calls(envs[i], calls)
-                if envs[i].submitted is not None:
-                    ended[i] = "submitted"
+                if envs[i].done:
+                    ended[i] = "done"
                     continue
                 ids[i] = ids[i] + _tool_suffix_ids(tokenizer, tool_messages)
             active = [i for i in active if ended[i] is None]
         for i, (task, env) in enumerate(zip(batch, envs)):
-            results.append(dict(task=task, reward=env.get_reward(), submitted=env.submitted,
+            results.append(dict(task=task, reward=env.get_reward(),
                                 calls_before_submit=env.tool_calls_before_submit, tool_calls=len(env.calls), turns=turns[i],
                                 tokens=len(ids[i]), prompt_tokens=prompt_lengths[i], ended=ended[i]))
     model.train(was_training)

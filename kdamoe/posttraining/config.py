@@ -9,7 +9,7 @@ the bad value, before a model is loaded:
 * ``trainer`` keys are fields of the recipe's TRL config class (``SFTConfig``, ``GRPOConfig``, ...), with a
   "did you mean" hint (the values are checked by that class when the recipe builds it);
 * ``peft`` builds a ``peft.LoraConfig``;
-* ``data`` ranges are those :func:`kdamoe.posttraining.environment.make_tasks` accepts.
+* ``data`` names a task family and ranges its generator accepts.
 
 Checks that need the model (the aux-loss coefficient against Quantile Balancing, the GRPO completion budget
 against the context) run when the recipe is built (:mod:`kdamoe.posttraining.recipes.common`).
@@ -38,15 +38,19 @@ RESERVED_TRAINER_KEYS = ("output_dir", "seed")
 
 @dataclass
 class TaskDataConfig:
-    """The generated arithmetic tasks (:func:`kdamoe.posttraining.environment.make_tasks`) a recipe trains on.
+    """The generated tasks a recipe trains on (:func:`kdamoe.posttraining.data.make_family_tasks`).
 
-    ``hasty_fraction`` is the share of SFT demonstrations by the hasty agent (:func:`~kdamoe.posttraining.data.sft_dataset`).
-    ``seed`` fixes the tasks; the held-out evaluation draws its own tasks with ``exclude=`` these.
+    ``environment``: ``keyhunt`` (:mod:`kdamoe.posttraining.keyhunt`) or ``arithmetic``
+    (:mod:`kdamoe.posttraining.environment`). ``min_calls`` / ``max_calls``: tool calls a task needs before its
+    final call (key hunt: doors to open before ``take_key``; arithmetic: operations before ``submit``). ``max_operand``: arithmetic operands lie in
+    ``[2, max_operand]``. ``hasty_fraction``: share of SFT demonstrations by the hasty agent
+    (:func:`~kdamoe.posttraining.data.sft_dataset`). ``seed`` fixes the tasks.
     """
 
+    environment: str = "keyhunt"
     num_tasks: int = 64
-    min_ops: int = 1
-    max_ops: int = 3
+    min_calls: int = 1
+    max_calls: int = 3
     max_operand: int = 9
     hasty_fraction: float = 0.0
     seed: int = 0
@@ -56,7 +60,7 @@ class TaskDataConfig:
 class GRPOSection:
     """``mode``: ``single_turn`` (no tools; reward: the completion states the answer), ``tools`` (TRL ``tools=``:
     stateless calculator functions; reward: the submitted value against the row's ``answer``) or
-    ``environment`` (TRL ``environment_factory=ArithmeticEnvironment``; reward: its ``get_reward``)."""
+    ``environment`` (TRL ``environment_factory=`` the data's environment class; reward: its ``get_reward``)."""
 
     mode: str = "environment"
 
@@ -106,7 +110,16 @@ class PostTrainConfig:
             self.output_dir = f"outputs/posttrain/{self.recipe}"
         d = self.data
         need(d.num_tasks >= 1, "data.num_tasks", f"must be at least 1, got {d.num_tasks}")
-        need(1 <= d.min_ops <= d.max_ops, "data.min_ops", f"need 1 <= min_ops <= max_ops, got {d.min_ops}, {d.max_ops}")
+        from .data import ENVIRONMENTS
+
+        need(d.environment in ENVIRONMENTS, "data.environment", f"{d.environment!r} is not one of {list(ENVIRONMENTS)}")
+        need(1 <= d.min_calls <= d.max_calls, "data.min_calls",
+             f"need 1 <= min_calls <= max_calls, got {d.min_calls}, {d.max_calls}")
+        need(d.environment != "keyhunt" or d.max_calls <= 8, "data.max_calls",
+             f"a key hunt has at most 8 rooms, got {d.max_calls}")
+        need(self.recipe != "grpo" or self.grpo.mode != "tools" or d.environment == "arithmetic", "grpo.mode",
+             "'tools' (stateless functions) needs data.environment: arithmetic; a key hunt's map lives in its "
+             "environment (grpo.mode: environment)")
         need(d.max_operand >= 2, "data.max_operand", f"must be at least 2, got {d.max_operand}")
         need(0.0 <= d.hasty_fraction <= 1.0, "data.hasty_fraction", f"must lie in [0, 1], got {d.hasty_fraction}")
         self._check_trainer()

@@ -32,6 +32,27 @@ from .keyhunt import KeyHuntEnvironment, KeyHuntTask
 ENVIRONMENTS = {"keyhunt": (KeyHuntTask, KeyHuntEnvironment), "arithmetic": (ArithmeticTask, ArithmeticEnvironment)}
 
 
+def make_family_tasks(environment: str, n: int, seed: int, *, min_calls: int = 1, max_calls: int = 3,
+                      max_operand: int = 9, exclude: set | None = None) -> list:
+    """``n`` distinct tasks of one family that need ``min_calls``–``max_calls`` tool calls before ``submit``.
+
+    ``environment="keyhunt"``: :func:`~kdamoe.posttraining.keyhunt.make_keyhunt_tasks` with rooms = calls;
+    ``"arithmetic"``: :func:`~kdamoe.posttraining.environment.make_tasks` with operations = calls and operands in
+    ``[2, max_operand]``.
+
+    Raises:
+        ValueError: an unknown ``environment`` or a range the family's generator refuses.
+    """
+    from .environment import make_tasks
+    from .keyhunt import make_keyhunt_tasks
+
+    if environment == "keyhunt":
+        return make_keyhunt_tasks(n, seed, min_rooms=min_calls, max_rooms=max_calls, exclude=exclude)
+    if environment == "arithmetic":
+        return make_tasks(n, seed, min_ops=min_calls, max_ops=max_calls, max_operand=max_operand, exclude=exclude)
+    raise ValueError(f"environment={environment!r} is not one of {list(ENVIRONMENTS)}")
+
+
 def environment_class(task) -> type:
     """The environment class of a task (by its type). Raises ``ValueError`` for an unknown task type."""
     for task_cls, env_cls in ENVIRONMENTS.values():
@@ -49,12 +70,24 @@ def environment_tools(env) -> list:
             if name not in ("reset", "get_reward") and not name.startswith("_")]
 
 
-def tool_schemas(env_cls: type = KeyHuntEnvironment) -> list[dict]:
+def tool_schemas(env_cls: type) -> list[dict]:
     """JSON schemas of an environment's tools, exactly as TRL renders them for ``environment_factory``
     (:func:`environment_tools` through transformers' ``get_json_schema``)."""
     from transformers.utils import get_json_schema
 
     return [get_json_schema(tool) for tool in environment_tools(env_cls())]
+
+
+def task_tool_schemas(tasks: list) -> list[dict]:
+    """:func:`tool_schemas` of the one environment the ``tasks`` belong to.
+
+    Raises:
+        ValueError: the tasks belong to two environments.
+    """
+    classes = {environment_class(t) for t in tasks}
+    if len(classes) != 1:
+        raise ValueError(f"tasks mix environments {sorted(c.__name__ for c in classes)}; use one family per dataset")
+    return tool_schemas(classes.pop())
 
 
 def tool_call_message(name: str, arguments: dict) -> dict:
@@ -74,11 +107,14 @@ def user_message(task) -> dict:
     return {"role": "user", "content": task.prompt()}
 
 
+def episode_messages(task, steps: int | None = None) -> list[dict]:
+    """The assistant / tool turns of ``task``'s scripted episode (``task.episode_messages``): all the calls it
+    needs (the careful agent), or only the first ``steps`` before submitting (the hasty agent)."""
+    return task.episode_messages(steps)
+
+
 def _tools_json(tasks) -> str:
-    classes = {environment_class(t) for t in tasks}
-    if len(classes) != 1:
-        raise ValueError(f"tasks mix environments {sorted(c.__name__ for c in classes)}; use one family per dataset")
-    return json.dumps(tool_schemas(classes.pop()))
+    return json.dumps(task_tool_schemas(tasks))
 
 
 def sft_dataset(tasks: list, *, hasty_fraction: float = 0.0, seed: int = 0) -> Dataset:
@@ -101,11 +137,13 @@ def sft_dataset(tasks: list, *, hasty_fraction: float = 0.0, seed: int = 0) -> D
 
 
 def prompt_dataset(tasks: list) -> Dataset:
-    """GRPO / RLOO prompts: ``prompt`` (conversational), ``task`` (JSON) and ``answer``."""
+    """GRPO / RLOO prompts: ``prompt`` (conversational), ``task`` (JSON) and ``answer`` (the arithmetic result;
+    ``None`` for a key hunt, whose reward comes from its environment alone)."""
     if not tasks:
         raise ValueError("prompt_dataset needs at least one task")
     _tools_json(tasks)
-    return Dataset.from_list([{"prompt": [user_message(t)], "task": t.to_json(), "answer": t.answer} for t in tasks])
+    return Dataset.from_list([{"prompt": [user_message(t)], "task": t.to_json(), "answer": getattr(t, "answer", None)}
+                               for t in tasks])
 
 
 def preference_dataset(tasks: list, seed: int = 0) -> Dataset:

@@ -15,8 +15,9 @@ renders), and ``get_reward()`` returns the episode's reward. The same class driv
 evaluation loop (:mod:`kdamoe.posttraining.agent`) so training and evaluation score episodes
 identically.
 
-Reward (one number in ``[0, 1]``): ``1.0`` when the submitted value equals the chain's result;
-otherwise ``0.5 × (operations carried out correctly, in order) / n_ops``, a partial credit that
+Reward (one number in ``[0, 1]``): ``1.0`` when the submitted value equals the chain's result and every
+operation was carried out with the tools, in order, with the right operands (a right number typed without
+the tools earns no more than partial credit); otherwise ``0.5 × (operations carried out correctly, in order) / n_ops``, a partial credit that
 separates an agent that did some of the work from one that did none (GRPO needs differences
 within a group to learn anything).
 """
@@ -246,12 +247,19 @@ class ArithmeticEnvironment:
 
     def get_reward(self) -> float:
         """The episode's reward from the environment's state (module docstring): 1.0 for the right submitted
-        value, else ``0.5 × correct steps / n_ops``; 0.0 before any reset."""
+        value reached through the tools (every operation called in order with the right operands), else
+        ``0.5 × correct steps / n_ops``; 0.0 before any reset."""
         if self.task is None:
             return 0.0
-        if self.submitted is not None and self.submitted == self.task.answer:
+        steps = self._correct_steps()
+        if self.submitted is not None and self.submitted == self.task.answer and steps == self.task.n_ops:
             return 1.0
-        return 0.5 * self._correct_steps() / self.task.n_ops
+        return 0.5 * steps / self.task.n_ops
+
+    @property
+    def done(self) -> bool:
+        """``submit`` was called: the episode is over."""
+        return self.submitted is not None
 
     @property
     def tool_calls_before_submit(self) -> int:

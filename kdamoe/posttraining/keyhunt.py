@@ -1,20 +1,26 @@
-"""Key hunt: a multi-turn environment where only the tools reveal the way (no network, no data files).
+"""Key hunt: a multi-turn environment where only the tools tell how far to go (no network, no data files).
 
-A task is a hidden chain of rooms ``start → r1 → … → rh`` whose last room holds a key. The agent is told
-the start room and must call ``open_door(room)`` on each room in turn: the tool answers ``"room N"`` (the
-door leads to room N) or ``"key K"`` (the key is here), and the agent then calls ``submit(key)``. A task
-with ``h`` hops needs ``h + 1`` ``open_door`` calls before the ``submit``; nothing in the prompt tells how
-many, so an agent that stops early can only submit a wrong number.
+A task is a hidden row of rooms in a building; the key lies in the last one. The agent calls
+``open_door()`` to walk into the next room — the tool describes the room and says whether it holds
+``another door`` or ``the key`` — and ends the task with ``take_key()``. A task with ``n`` rooms needs
+``n`` ``open_door`` calls before ``take_key``; nothing in the prompt tells ``n``, so an agent that takes the
+key early fails. The reward is read from the environment's state (the rooms entered, whether the key had
+been found when ``take_key`` was called), never from the text.
 
-This is the environment of the post-training demo (``make posttrain``, docs/post-training.md): each step
-copies a number from the last tool result into the next call (what a model of a few hundred thousand
-parameters learns in minutes), and the one decision that matters — open the next door or submit — is
-read off the tool result. The same contract as :class:`~kdamoe.posttraining.environment.ArithmeticEnvironment`
-(TRL's ``environment_factory``: ``reset(task=json)``, tools as public methods with type hints and
-Google-style docstrings, ``get_reward()`` from the episode's state).
+This is the environment of the post-training demo (``make posttrain``, docs/post-training.md). Its tools
+take no arguments on purpose: the CPU demo's model (0.7 M parameters, a few minutes of SFT) does not learn
+to copy numbers from a tool result into the next call — measured: after 120 SFT steps on numbered rooms
+it wrote the same room number whatever the tool had said — while the decision this task is about, open the
+next door or stop, is read off the last tool result. :mod:`kdamoe.posttraining.environment` (chained
+arithmetic) is the environment whose tools take arguments.
 
-Reward (``[0, 1]``): ``1.0`` when the submitted value is the key; otherwise ``0.5 × (rooms of the chain
-opened in order, from the start) / (h + 1)``.
+The same contract as :class:`~kdamoe.posttraining.environment.ArithmeticEnvironment` (TRL's
+``environment_factory``: ``reset(task=json)``, tools as public methods with type hints and Google-style
+docstrings, ``get_reward()``).
+
+Reward (``[0, 1]``): ``1.0`` when ``take_key`` came after the key was found; ``0.5 × rooms entered / n``
+when it came too early; ``0.0`` when the agent never called it. An unfinished task earns nothing — measured:
+with partial credit for rooms entered alone, GRPO learned to open every door and never take the key.
 """
 
 from __future__ import annotations
@@ -23,10 +29,10 @@ import json
 import random
 from dataclasses import dataclass
 
-from .environment import _as_int, _maybe_int
-
-ROOMS = (1, 9)    # room numbers: one token each, so reading a room off the last tool result is a one-token copy
-KEYS = (10, 99)   # key numbers: never a room number, so a submitted room is always wrong
+PLACES = ("old mill", "castle", "tower", "manor", "abbey", "farmhouse", "palace", "inn", "chapel", "fort",
+          "library", "harbour house")
+ROOMS = ("hall", "cellar", "kitchen", "study", "gallery", "pantry", "stable", "attic", "parlour", "armoury",
+         "chamber", "vault")
 
 
 @dataclass(frozen=True)
@@ -34,96 +40,93 @@ class KeyHuntTask:
     """One key-hunt task.
 
     Attributes:
-        rooms: the chain, ``rooms[0]`` the start; distinct numbers in :data:`ROOMS`.
-        key: the key in ``rooms[-1]``, in :data:`KEYS`.
+        place: the building, named in the prompt (one of :data:`PLACES`).
+        rooms: the rooms behind the doors, in order (each one of :data:`ROOMS`); the key is in the last.
     """
 
-    rooms: tuple[int, ...]
-    key: int
+    place: str
+    rooms: tuple[str, ...]
 
     def __post_init__(self):
+        if self.place not in PLACES:
+            raise ValueError(f"KeyHuntTask.place={self.place!r} is not one of {PLACES}")
         if not self.rooms:
-            raise ValueError("KeyHuntTask.rooms must hold at least the start room")
-        if len(set(self.rooms)) != len(self.rooms):
-            raise ValueError(f"KeyHuntTask.rooms={self.rooms}: rooms must be distinct")
-        for r in self.rooms:
-            if not (isinstance(r, int) and not isinstance(r, bool) and ROOMS[0] <= r <= ROOMS[1]):
-                raise ValueError(f"KeyHuntTask: room {r!r} is not an int in {list(ROOMS)}")
-        if not (isinstance(self.key, int) and not isinstance(self.key, bool) and KEYS[0] <= self.key <= KEYS[1]):
-            raise ValueError(f"KeyHuntTask.key={self.key!r} is not an int in {list(KEYS)}")
-
-    @property
-    def hops(self) -> int:
-        return len(self.rooms) - 1
+            raise ValueError("KeyHuntTask.rooms must hold at least one room")
+        for room in self.rooms:
+            if room not in ROOMS:
+                raise ValueError(f"KeyHuntTask: room {room!r} is not one of {ROOMS}")
 
     @property
     def calls_needed(self) -> int:
-        """``open_door`` calls before ``submit``: one per room of the chain."""
+        """``open_door`` calls before ``take_key``: one per room."""
         return len(self.rooms)
 
-    @property
-    def answer(self) -> int:
-        return self.key
-
-    def door(self, room: int) -> str:
-        """What ``open_door(room)`` answers: ``"room N"``, ``"key K"``, or ``"locked"`` off the chain."""
-        if room not in self.rooms:
-            return "locked"
-        i = self.rooms.index(room)
-        return f"key {self.key}" if i == len(self.rooms) - 1 else f"room {self.rooms[i + 1]}"
+    def door(self, entered: int) -> str:
+        """What the ``entered``-th ``open_door`` call (1-based) answers."""
+        if entered > len(self.rooms):
+            return "no more doors"
+        room = self.rooms[entered - 1]
+        room = ("an " if room[0] in "aeiou" else "a ") + room
+        return f"{room} with the key" if entered == len(self.rooms) else f"{room} with another door"
 
     def prompt(self) -> str:
         """The user message stating the task."""
-        return f"Find the key. Start in room {self.rooms[0]}."
+        return f"Find the key hidden in the {self.place}."
 
     def to_json(self) -> str:
-        return json.dumps({"rooms": list(self.rooms), "key": self.key})
+        return json.dumps({"place": self.place, "rooms": list(self.rooms)})
 
     @classmethod
     def from_json(cls, text: str) -> "KeyHuntTask":
         """Inverse of :meth:`to_json`. Raises ``ValueError`` on malformed text."""
         try:
             data = json.loads(text)
-            return cls(rooms=tuple(data["rooms"]), key=data["key"])
+            return cls(place=data["place"], rooms=tuple(data["rooms"]))
         except (TypeError, KeyError, json.JSONDecodeError) as err:
             raise ValueError(f"task {text!r} is not a KeyHuntTask JSON string: {err}") from None
 
     def episode_messages(self, steps: int | None = None) -> list[dict]:
-        """Assistant / tool turns of an agent that opens the first ``steps`` rooms (default: all) and then
-        submits the last number it read (the key when it opened every room; a room number — wrong — when it
-        stopped early; the start room when ``steps == 0``). Arguments are JSON text (see
-        :func:`kdamoe.posttraining.data.tool_call_message`)."""
+        """Assistant / tool turns of an agent that opens ``steps`` doors (default: all; fewer is the hasty
+        agent, who then takes a key that is not there) and calls ``take_key``, then says ``Done.``"""
         from .data import tool_call_message, tool_result_message
 
         steps = self.calls_needed if steps is None else steps
         if not 0 <= steps <= self.calls_needed:
             raise ValueError(f"steps={steps} outside [0, {self.calls_needed}]")
-        out, last = [], self.rooms[0]
-        for room in self.rooms[:steps]:
-            result = self.door(room)
-            out += [tool_call_message("open_door", {"room": room}), tool_result_message("open_door", result)]
-            last = int(result.split()[1])
-        out += [tool_call_message("submit", {"key": last}), tool_result_message("submit", "submitted"),
+        out = []
+        for entered in range(1, steps + 1):
+            out += [tool_call_message("open_door", {}), tool_result_message("open_door", self.door(entered))]
+        found = steps == self.calls_needed
+        out += [tool_call_message("take_key", {}), tool_result_message("take_key", _take_result(found)),
                 {"role": "assistant", "content": "Done."}]
         return out
 
 
-def make_keyhunt_tasks(n: int, seed: int, *, min_hops: int = 0, max_hops: int = 3,
+def _take_result(found: bool) -> str:
+    return "you have the key" if found else "there is no key here"
+
+
+def make_keyhunt_tasks(n: int, seed: int, *, min_rooms: int = 1, max_rooms: int = 3,
                        exclude: set[KeyHuntTask] | None = None) -> list[KeyHuntTask]:
-    """``n`` distinct random tasks (fixed by ``seed``), hops drawn uniformly from ``[min_hops, max_hops]``.
+    """``n`` distinct random tasks (fixed by ``seed``), room counts drawn uniformly from ``[min_rooms, max_rooms]``.
 
     Raises:
-        ValueError: a bad hop range (``0 <= min_hops <= max_hops <= 10``) or ``n < 0``.
+        ValueError: a bad range (``1 <= min_rooms <= max_rooms <= 8``), ``n < 0``, or fewer than ``n`` distinct
+            tasks left after ``exclude``.
     """
-    if not 0 <= min_hops <= max_hops <= 10:
-        raise ValueError(f"need 0 <= min_hops <= max_hops <= 10, got min_hops={min_hops}, max_hops={max_hops}")
+    if not 1 <= min_rooms <= max_rooms <= 8:
+        raise ValueError(f"need 1 <= min_rooms <= max_rooms <= 8, got min_rooms={min_rooms}, max_rooms={max_rooms}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    exclude = set(exclude or ())
+    possible = sum(len(PLACES) * len(ROOMS) ** k for k in range(min_rooms, max_rooms + 1))
+    if n > possible - len(exclude):
+        raise ValueError(f"asked for {n} distinct tasks but only {possible} exist with {min_rooms}-{max_rooms} rooms "
+                         f"({len(exclude)} excluded)")
     rng = random.Random(seed)
-    out, seen = [], set(exclude or ())
+    out, seen = [], exclude
     while len(out) < n:
-        rooms = tuple(rng.sample(range(ROOMS[0], ROOMS[1] + 1), rng.randint(min_hops, max_hops) + 1))
-        task = KeyHuntTask(rooms, rng.randint(*KEYS))
+        task = KeyHuntTask(rng.choice(PLACES), tuple(rng.choice(ROOMS) for _ in range(rng.randint(min_rooms, max_rooms))))
         if task not in seen:
             seen.add(task)
             out.append(task)
@@ -133,18 +136,21 @@ def make_keyhunt_tasks(n: int, seed: int, *, min_hops: int = 0, max_hops: int = 
 class KeyHuntEnvironment:
     """Key-hunt environment for TRL's ``environment_factory`` and :mod:`kdamoe.posttraining.agent`.
 
-    Tools: :meth:`open_door`, :meth:`submit`. Calls after ``submit`` are refused (the episode is over).
+    Tools: :meth:`open_door`, :meth:`take_key`. Calls after ``take_key`` are refused (the episode is over).
 
     Attributes:
         task: the current :class:`KeyHuntTask` (``None`` before the first reset).
         calls: every tool call of the episode, ``(name, arguments dict)`` in order.
-        submitted: the value passed to ``submit`` (``None`` until then).
+        entered: rooms entered so far.
+        done: ``take_key`` was called.
     """
 
     def __init__(self):
         self.task: KeyHuntTask | None = None
         self.calls: list[tuple[str, dict]] = []
-        self.submitted: int | None = None
+        self.entered = 0
+        self.done = False
+        self.found_when_taken = False
 
     def reset(self, task: str | KeyHuntTask | None = None, **row) -> str | None:
         """Start an episode from the row's ``task`` column (JSON text) or a :class:`KeyHuntTask`.
@@ -155,60 +161,52 @@ class KeyHuntEnvironment:
         if task is None:
             raise ValueError("KeyHuntEnvironment.reset needs the row's `task` column (KeyHuntTask.to_json())")
         self.task = task if isinstance(task, KeyHuntTask) else KeyHuntTask.from_json(task)
-        self.calls, self.submitted = [], None
+        self.calls, self.entered, self.done, self.found_when_taken = [], 0, False, False
         return None
 
     def _check_open(self) -> None:
         if self.task is None:
             raise ValueError("no episode: call reset(task=...) first")
-        if self.submitted is not None:
-            raise ValueError("the key was already submitted; the episode is over")
+        if self.done:
+            raise ValueError("the key was already taken; the episode is over")
 
-    def open_door(self, room: int) -> str:
-        """Open the door of a room.
-
-        Args:
-            room: The room number.
+    def open_door(self) -> str:
+        """Open the next door and walk through it.
 
         Returns:
-            Where the door leads ("room N") or the key found there ("key K").
+            The room behind it, and whether it holds another door or the key.
         """
         self._check_open()
-        self.calls.append(("open_door", {"room": room}))
-        return self.task.door(_as_int(room, "room"))
+        self.calls.append(("open_door", {}))
+        if self.entered < self.task.calls_needed:
+            self.entered += 1
+            return self.task.door(self.entered)
+        return self.task.door(self.entered + 1)
 
-    def submit(self, key: int) -> str:
-        """Submit the key. This ends the task.
-
-        Args:
-            key: The key number.
+    def take_key(self) -> str:
+        """Take the key from the room you are in. This ends the task.
 
         Returns:
-            A confirmation.
+            Whether you got the key.
         """
         self._check_open()
-        self.calls.append(("submit", {"key": key}))
-        self.submitted = _as_int(key, "key")
-        return "submitted"
-
-    def _rooms_opened_in_order(self) -> int:
-        done = 0
-        opened = [args.get("room") for name, args in self.calls if name == "open_door"]
-        for got, want in zip(opened, self.task.rooms):
-            if _maybe_int(got) != want:
-                break
-            done += 1
-        return done
+        self.calls.append(("take_key", {}))
+        self.done = True
+        self.found_when_taken = self.entered == self.task.calls_needed
+        return _take_result(self.found_when_taken)
 
     def get_reward(self) -> float:
-        """1.0 for the right key, else ``0.5 × rooms opened in order / (hops + 1)``; 0.0 before any reset."""
+        """1.0 when the key was taken after it was found; ``0.5 × rooms entered / rooms`` when it was taken too
+        early; 0.0 when it was never taken (or before a reset)."""
         if self.task is None:
             return 0.0
-        if self.submitted is not None and self.submitted == self.task.key:
+        if not self.done:
+            return 0.0
+        if self.found_when_taken:
             return 1.0
-        return 0.5 * self._rooms_opened_in_order() / self.task.calls_needed
+        return 0.5 * self.entered / self.task.calls_needed
 
     @property
     def tool_calls_before_submit(self) -> int:
-        """``open_door`` calls in this episode."""
+        """``open_door`` calls in this episode (the final ``take_key`` not counted)."""
         return sum(name == "open_door" for name, _ in self.calls)

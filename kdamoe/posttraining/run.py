@@ -100,9 +100,12 @@ def _card(cfg, model, curve, image: str | None):
         recipe += " and a LoRA adapter (merged into these weights)"
     biases = ("frozen" if cfg.peft is not None or cfg.router_biases == "freeze"
               else "updated by Quantile Balancing once per optimizer step")
+    family = ("key-hunt tasks (a hidden chain of rooms opened with `open_door`, then `submit` the key)"
+              if d.environment == "keyhunt" else
+              f"chained-arithmetic tasks (operands 2-{d.max_operand}, calculator tools)")
     description = (
-        f"Data: {d.num_tasks} generated chained-arithmetic tasks (seed {d.seed}, {d.min_ops}-{d.max_ops} operations, "
-        f"operands 2-{d.max_operand}) with calculator tools"
+        f"Data: {d.num_tasks} generated {family}, seed {d.seed}, {d.min_calls}-{d.max_calls} tool calls before the "
+        "submit"
         + (f", {d.hasty_fraction:.0%} of the demonstrations by a hasty agent" if cfg.recipe == "sft" else "")
         + f"; nothing downloaded. Router biases {biases}.")
     total, active = count_parameters(model)

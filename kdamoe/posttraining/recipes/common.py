@@ -20,8 +20,7 @@ import logging
 import torch
 
 from ..config import lora_config
-from ..data import tool_schemas, user_message, episode_messages
-from ..environment import ArithmeticTask, make_tasks
+from ..data import episode_messages, make_family_tasks, task_tool_schemas, user_message
 
 logger = logging.getLogger(__name__)
 
@@ -32,21 +31,26 @@ COMPLETION_MARGIN = 32
 def device_defaults() -> dict:
     """Precision keywords of a TRL / ``TrainingArguments`` config for this machine's device.
 
-    Returns ``{"use_cpu": True, "bf16": False, "fp16": False}`` without CUDA, ``{"bf16": True, "fp16": False}``
+    Returns ``{"use_cpu": True, "bf16": False, "fp16": False, "gradient_checkpointing": False}`` without CUDA, ``{"bf16": True, "fp16": False}``
     on a CUDA device that supports bfloat16, else ``{"bf16": False, "fp16": False}`` (float32).
     """
     if not torch.cuda.is_available():
-        return {"use_cpu": True, "bf16": False, "fp16": False}
+        # TRL turns gradient checkpointing on by default; the small CPU models have no activation memory to
+        # save and would pay a second forward per step.
+        return {"use_cpu": True, "bf16": False, "fp16": False, "gradient_checkpointing": False}
     return {"bf16": bool(torch.cuda.is_bf16_supported()), "fp16": False}
 
 
-def trainer_args(cfg, config_class: type, **recipe_defaults):
-    """The recipe's TRL config: safe defaults (module docstring) < ``recipe_defaults`` < ``cfg.trainer``.
+def trainer_args(cfg, config_class: type, trainer: dict | None = None, **recipe_defaults):
+    """The recipe's TRL config: safe defaults (module docstring) < ``recipe_defaults`` < ``trainer``.
 
     Args:
         cfg: the :class:`~kdamoe.posttraining.config.PostTrainConfig`.
         config_class: a ``TrainingArguments`` subclass (``trl.SFTConfig``, ``trl.GRPOConfig``, ...).
-        recipe_defaults: the recipe's own defaults (e.g. ``assistant_only_loss=True``).
+        trainer: the user's keyword arguments (default ``cfg.trainer``; PPO passes ``{}`` for its reward model's
+            ``RewardConfig``, which ``cfg.trainer`` does not describe).
+        recipe_defaults: the recipe's own defaults (e.g. ``assistant_only_loss=True``); ``output_dir`` may be
+            among them (PPO's reward model trains in a sub-folder).
     Returns:
         An instance of ``config_class`` with ``output_dir=cfg.output_dir`` and ``seed=cfg.seed``.
     Raises:
@@ -57,9 +61,10 @@ def trainer_args(cfg, config_class: type, **recipe_defaults):
     kwargs.update(device_defaults())
     if "router_aux_loss_coef" in fields:
         kwargs["router_aux_loss_coef"] = 0.0
+    kwargs.update(output_dir=cfg.output_dir)
     kwargs.update(recipe_defaults)
-    kwargs.update(cfg.trainer)
-    kwargs.update(output_dir=cfg.output_dir, seed=cfg.seed)
+    kwargs.update(cfg.trainer if trainer is None else trainer)
+    kwargs.update(seed=cfg.seed)
     unknown = sorted(set(kwargs) - fields)
     if unknown:
         raise ValueError(f"config field trainer.{unknown[0]}: not a field of {config_class.__name__}")
@@ -92,24 +97,25 @@ def peft_config(cfg):
     return None if cfg.peft is None else lora_config(cfg.peft)
 
 
-def training_tasks(cfg) -> list[ArithmeticTask]:
-    """The recipe's tasks, from ``cfg.data`` (:func:`~kdamoe.posttraining.environment.make_tasks`)."""
+def training_tasks(cfg) -> list:
+    """The recipe's tasks, from ``cfg.data`` (:func:`~kdamoe.posttraining.data.make_family_tasks`)."""
     d = cfg.data
-    return make_tasks(d.num_tasks, d.seed, min_ops=d.min_ops, max_ops=d.max_ops, max_operand=d.max_operand)
+    return make_family_tasks(d.environment, d.num_tasks, d.seed, min_calls=d.min_calls, max_calls=d.max_calls,
+                             max_operand=d.max_operand)
 
 
 def _n_tokens(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def episode_token_lengths(tokenizer, tasks: list[ArithmeticTask], with_tools: bool) -> list[tuple[int, int]]:
+def episode_token_lengths(tokenizer, tasks: list, with_tools: bool) -> list[tuple[int, int]]:
     """``(prompt tokens, completion tokens)`` of each task's careful episode, rendered with the chat template.
 
     The prompt is the user turn plus the generation prompt (and the tool preamble when ``with_tools``); the
     completion is everything after it — assistant calls *and* tool results, which TRL's tool loop counts in
     ``max_completion_length``.
     """
-    tools = tool_schemas() if with_tools else None
+    tools = task_tool_schemas(tasks) if with_tools else None
     out = []
     for task in tasks:
         prompt = [user_message(task)]
@@ -120,7 +126,7 @@ def episode_token_lengths(tokenizer, tasks: list[ArithmeticTask], with_tools: bo
     return out
 
 
-def completion_budget(cfg, tokenizer, model_config, tasks: list[ArithmeticTask], with_tools: bool) -> int:
+def completion_budget(cfg, tokenizer, model_config, tasks: list, with_tools: bool) -> int:
     """``max_completion_length`` of a GRPO / RLOO run, checked against the context.
 
     Default (``cfg.trainer`` sets none): the longest careful episode's completion over ``tasks`` (tool results
@@ -141,7 +147,7 @@ def completion_budget(cfg, tokenizer, model_config, tasks: list[ArithmeticTask],
         raise ValueError(
             f"max_completion_length={budget}: the longest prompt ({longest_prompt} tokens) plus it reaches the "
             f"model's max_position_embeddings={limit}; TRL's tool loop would drop tool results past that. Use fewer "
-            f"operations (data.max_ops={cfg.data.max_ops}) or a smaller trainer.max_completion_length")
+            f"tool calls (data.max_calls={cfg.data.max_calls}) or a smaller trainer.max_completion_length")
     if budget < longest_completion:
         logger.warning(f"max_completion_length={budget} is shorter than the longest careful episode "
                        f"({longest_completion} tokens): such episodes are cut before they submit")

@@ -28,7 +28,7 @@ def build_trainer(cfg, model, tokenizer) -> DPOTrainer:
     tasks = training_tasks(cfg)
     longest = max(p + c for p, c in episode_token_lengths(tokenizer, tasks, with_tools=True))
     if longest > limit:
-        raise ValueError(f"data.max_ops={cfg.data.max_ops}: the longest chosen episode has {longest} tokens, more "
+        raise ValueError(f"data.max_calls={cfg.data.max_calls}: the longest chosen episode has {longest} tokens, more "
                          f"than the model's max_position_embeddings={limit}")
     args = trainer_args(cfg, DPOConfig, max_length=limit)
     return DPOTrainer(model=model, args=args, train_dataset=preference_dataset(tasks, seed=cfg.data.seed),

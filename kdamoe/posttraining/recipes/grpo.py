@@ -1,9 +1,10 @@
-"""GRPO recipe: TRL's ``GRPOTrainer`` (Shao et al. 2024, arXiv:2402.03300) on the arithmetic tasks, in three modes.
+"""GRPO recipe: TRL's ``GRPOTrainer`` (Shao et al. 2024, arXiv:2402.03300) on the generated tasks, in three modes.
 
-* ``environment`` — ``environment_factory=ArithmeticEnvironment``: one environment per rollout, reset from
+* ``environment`` — ``environment_factory=`` the data's environment class (``KeyHuntEnvironment`` or
+  ``ArithmeticEnvironment``): one environment per rollout, reset from
   the row's ``task`` column; its public methods are the tools and its ``get_reward()`` (computed from what the
   tools saw, not from the text) is the reward.
-* ``tools`` — ``tools=[add, multiply, submit]``: stateless calculator functions (the same signatures and
+* ``tools`` — ``tools=[add, multiply, submit]`` (arithmetic tasks only): stateless calculator functions (the same signatures and
   docstrings as the environment's, so the prompt is the one SFT trained on); reward
   :func:`submitted_answer_reward`: 1.0 when the last ``submit`` call of the completion passes the row's
   ``answer``.
@@ -13,7 +14,7 @@
 Budget: TRL counts the whole multi-turn completion (tool results included) in ``max_completion_length`` and
 stops a rollout at ``model.config.max_position_embeddings``; the default budget and its check are
 :func:`kdamoe.posttraining.recipes.common.completion_budget`. ``max_tool_calling_iterations`` defaults to
-``data.max_ops + 2`` (one call per operation, ``submit``, and one spare).
+``data.max_calls + 2`` (the calls a task needs, ``submit``, and one spare).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import re
 from trl import GRPOConfig, GRPOTrainer
 
 from ..data import prompt_dataset
-from ..environment import ArithmeticEnvironment, _as_int
+from ..data import ENVIRONMENTS
+from ..environment import _as_int
 from .common import completion_budget, peft_config, trainer_args, training_tasks
 
 CONFIG_CLASS = GRPOConfig
@@ -136,13 +138,13 @@ def build_trainer(cfg, model, tokenizer) -> GRPOTrainer:
     budget = completion_budget(cfg, tokenizer, model.config, tasks, with_tools=mode != "single_turn")
     defaults = dict(max_completion_length=budget)
     if mode != "single_turn":
-        defaults["max_tool_calling_iterations"] = cfg.data.max_ops + 2
+        defaults["max_tool_calling_iterations"] = cfg.data.max_calls + 2
     args = trainer_args(cfg, GRPOConfig, **defaults)
     tokenizer.padding_side = "left"
     kwargs = dict(model=model, args=args, train_dataset=prompt_dataset(tasks), processing_class=tokenizer,
                   peft_config=peft_config(cfg))
     if mode == "environment":
-        kwargs["environment_factory"] = ArithmeticEnvironment
+        kwargs["environment_factory"] = ENVIRONMENTS[cfg.data.environment][1]
     elif mode == "tools":
         kwargs.update(tools=TOOLS, reward_funcs=[submitted_answer_reward])
     else:

@@ -52,8 +52,8 @@ from trl.experimental.ppo import PPOConfig, PPOTrainer
 
 from kdamoe import KDAMoEForSequenceClassification
 from kdamoe.callbacks import add_router_bias_callback
-from kdamoe.posttraining.data import episode_messages, preference_dataset, tool_schemas, user_message
-from kdamoe.posttraining.environment import make_tasks
+from kdamoe.posttraining.data import episode_messages, preference_dataset, task_tool_schemas, user_message
+from kdamoe.posttraining.recipes.common import trainer_args, training_tasks
 
 logger = logging.getLogger(__name__)
 
@@ -123,31 +123,6 @@ class PPOSection:
 # ----------------------------------------------------------------------------------------------------
 # Private helpers (candidates for recipes/common.py)
 # ----------------------------------------------------------------------------------------------------
-def _device_defaults() -> dict:
-    """CPU: float32 (``use_cpu``, no bf16 / fp16: TRL's configs default ``bf16=True`` even there); CUDA
-    with bf16 support: ``bf16=True``."""
-    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-        return {"bf16": True, "fp16": False}
-    return {"use_cpu": not torch.cuda.is_available(), "bf16": False, "fp16": False}
-
-
-def _trainer_args(cfg, config_class, trainer: dict, **recipe_defaults):
-    """``config_class`` built from safe defaults, then the recipe's, then the config's ``trainer`` mapping.
-
-    Raises:
-        ValueError: a ``trainer`` key that is not a field of ``config_class`` (with the closest name).
-    """
-    names = [f.name for f in dataclasses.fields(config_class)]
-    for key in trainer:
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown key trainer.{key} for {config_class.__name__}{hint}")
-    values = {"output_dir": str(cfg.output_dir), "seed": cfg.seed, "report_to": "none", "save_strategy": "steps",
-              "save_total_limit": 2, "logging_steps": 1, **_device_defaults(), **recipe_defaults, **trainer}
-    return config_class(**values)
-
-
 def _check_no_aux_loss(model) -> None:
     """Refuse a load-balancing aux loss next to a router-bias rule (Quantile Balancing replaces it)."""
     config = model.config
@@ -156,12 +131,6 @@ def _check_no_aux_loss(model) -> None:
             f"router_aux_loss_coef={config.router_aux_loss_coef} with router_bias_update={config.router_bias_update!r}: "
             "the router-bias update balances the experts; set router_aux_loss_coef to 0"
         )
-
-
-def _tasks(cfg):
-    data = cfg.data
-    return make_tasks(data.num_tasks, data.seed, min_ops=data.min_ops, max_ops=data.max_ops,
-                      max_operand=data.max_operand)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -188,13 +157,13 @@ def train_reward_model(cfg, section: PPOSection, tokenizer: PreTrainedTokenizerB
         logger.info(f"reusing the reward model in {out}")
         return out
     model = _load_score_model(cfg.model, dtype, tokenizer.pad_token_id)
-    args = _trainer_args(
-        cfg, RewardConfig, {}, output_dir=str(Path(cfg.output_dir) / "reward_training"), save_strategy="no",
+    args = trainer_args(
+        cfg, RewardConfig, trainer={}, output_dir=str(Path(cfg.output_dir) / "reward_training"), save_strategy="no",
         max_steps=section.reward_steps, learning_rate=section.reward_learning_rate,
         per_device_train_batch_size=section.reward_batch_size, max_length=None,
     )
     trainer = RewardTrainer(model=model, args=args, processing_class=tokenizer,
-                            train_dataset=preference_dataset(_tasks(cfg), seed=cfg.data.seed))
+                            train_dataset=preference_dataset(training_tasks(cfg), seed=cfg.data.seed))
     if getattr(cfg, "router_biases", "update") == "update":
         add_router_bias_callback(trainer)
     trainer.train()
@@ -206,8 +175,8 @@ def train_reward_model(cfg, section: PPOSection, tokenizer: PreTrainedTokenizerB
 # ----------------------------------------------------------------------------------------------------
 # Prompts and response budget
 # ----------------------------------------------------------------------------------------------------
-def _encode(tokenizer, messages, **kwargs) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, tools=tool_schemas(), tokenize=True, return_dict=True,
+def _encode(tokenizer, messages, tools, **kwargs) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
                                               **kwargs)["input_ids"])
 
 
@@ -216,17 +185,18 @@ def prompt_token_dataset(tasks, tokenizer):
     preamble and the assistant generation prompt (TRL's PPO takes tokenized prompts, no text)."""
     from datasets import Dataset
 
-    return Dataset.from_dict({"input_ids": [_encode(tokenizer, [user_message(t)], add_generation_prompt=True)
+    tools = task_tool_schemas(tasks)
+    return Dataset.from_dict({"input_ids": [_encode(tokenizer, [user_message(t)], tools, add_generation_prompt=True)
                                             for t in tasks]})
 
 
 def careful_response_length(tasks, tokenizer) -> int:
     """Tokens of the longest careful episode after its prompt (assistant calls, tool results, final turn):
     the whole episode is one PPO response, since no tool runs during PPO's generation."""
-    longest = 0
+    longest, tools = 0, task_tool_schemas(tasks)
     for task in tasks:
-        prompt = _encode(tokenizer, [user_message(task)], add_generation_prompt=True)
-        full = _encode(tokenizer, [user_message(task), *episode_messages(task)])
+        prompt = _encode(tokenizer, [user_message(task)], tools, add_generation_prompt=True)
+        full = _encode(tokenizer, [user_message(task), *episode_messages(task)], tools)
         longest = max(longest, len(full) - len(prompt))
     return longest
 
@@ -303,8 +273,7 @@ def build_trainer(cfg, model, tokenizer) -> KDAMoEPPOTrainer:
     """The PPO trainer for ``model`` (a ``KDAMoEForCausalLM``) on the arithmetic prompts of ``cfg.data``.
 
     ``cfg`` is a post-training config (recipe ``ppo``): ``output_dir``, ``seed``, ``model`` (the base folder,
-    also the start of a reward model trained here), ``data`` (``num_tasks``, ``seed``, ``min_ops``,
-    ``max_ops``, ``max_operand``), ``trainer`` (``PPOConfig`` keyword arguments), ``ppo``
+    also the start of a reward model trained here), ``data`` (the generated tasks), ``trainer`` (``PPOConfig`` keyword arguments), ``ppo``
     (:class:`PPOSection` or its mapping) and ``router_biases``. Recipe defaults: ``stop_token="eos"`` (a
     response ends at the end of the assistant turn), ``missing_eos_penalty=1.0``, ``num_sample_generations=0``
     (no eval set), ``response_length`` = longest careful episode + :data:`RESPONSE_MARGIN`, and, since TRL's
@@ -328,7 +297,7 @@ def build_trainer(cfg, model, tokenizer) -> KDAMoEPPOTrainer:
             "TRL's PPO treats every pad id as padding, so an eos that is also pad would vanish from the responses"
         )
 
-    tasks = _tasks(cfg)
+    tasks = training_tasks(cfg)
     trainer_kwargs = dict(cfg.trainer or {})
     if "response_length" not in trainer_kwargs:
         trainer_kwargs["response_length"] = careful_response_length(tasks, tokenizer) + RESPONSE_MARGIN
@@ -346,7 +315,7 @@ def build_trainer(cfg, model, tokenizer) -> KDAMoEPPOTrainer:
         rollout = (trainer_kwargs.get("per_device_train_batch_size", 8)
                    * trainer_kwargs.get("gradient_accumulation_steps", 1) * world)
         defaults["total_episodes"] = max_steps * rollout
-    args = _trainer_args(cfg, PPOConfig, trainer_kwargs, **defaults)
+    args = trainer_args(cfg, PPOConfig, trainer=trainer_kwargs, **defaults)
 
     dtype = model.dtype
     reward_source = section.reward_model or train_reward_model(cfg, section, tokenizer, dtype)

@@ -34,7 +34,7 @@ def build_trainer(cfg, model, tokenizer) -> SFTTrainer:
     tasks = training_tasks(cfg)
     longest = max(p + c for p, c in episode_token_lengths(tokenizer, tasks, with_tools=True))
     if longest > limit:
-        raise ValueError(f"data.max_ops={cfg.data.max_ops}: the longest SFT episode has {longest} tokens, more than "
+        raise ValueError(f"data.max_calls={cfg.data.max_calls}: the longest SFT episode has {longest} tokens, more than "
                          f"the model's max_position_embeddings={limit}")
     padding_free = cfg.trainer.get("padding_free", False) and not cfg.trainer.get("packing", False)
     args = trainer_args(cfg, SFTConfig, assistant_only_loss=True, max_length=None if padding_free else limit)
