@@ -56,7 +56,7 @@ def posttrain_main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides) + ([f"output_dir={args.output_dir}"] if args.output_dir else [])
     try:
         cfg = load_posttrain_config(args.config, overrides)
-    except ValueError as err:
+    except (ValueError, ImportError) as err:  # ImportError: the ppo recipe outside its venv (make ppo-env)
         parser.error(str(err))
     try:
         summary = run_recipe(cfg, resume=not args.no_resume)

@@ -1,4 +1,4 @@
-"""Held-out evaluation of an agent in the arithmetic environment: batched multi-turn episodes with tool calls.
+"""Held-out evaluation of an agent in an environment: batched multi-turn episodes with tool calls.
 
 The loop mirrors TRL's GRPO tool loop (``GRPOTrainer._tool_call_loop``, TRL 1.16) so a model is scored
 the way it was trained: the prompt is rendered by the chat template with the environment's tools, each

@@ -121,6 +121,12 @@ class PostTrainConfig:
              "'tools' (stateless functions) needs data.environment: arithmetic; a key hunt's map lives in its "
              "environment (grpo.mode: environment)")
         need(d.max_operand >= 2, "data.max_operand", f"must be at least 2, got {d.max_operand}")
+        single_turn = self.recipe == "rloo" or (self.recipe == "grpo" and self.grpo.mode == "single_turn")
+        need(not single_turn or d.environment == "arithmetic", "data.environment",
+             f"{d.environment!r}: a single-turn reward needs an answer in the text, and only arithmetic tasks have "
+             "one (a key hunt is solved through its environment's tools)")
+        need(self.recipe != "ppo" or self.peft is None, "peft",
+             "the ppo recipe trains the full policy and value model (TRL 1.12's PPO here takes no PEFT config)")
         need(0.0 <= d.hasty_fraction <= 1.0, "data.hasty_fraction", f"must lie in [0, 1], got {d.hasty_fraction}")
         self._check_trainer()
         if self.peft is not None:

@@ -1,4 +1,4 @@
-"""Generated post-training data for the arithmetic environment: SFT conversations, RL prompts, preference pairs.
+"""Generated post-training data for the task families: SFT conversations, RL prompts, preference pairs.
 
 Everything here is produced from generated tasks (:func:`kdamoe.posttraining.keyhunt.make_keyhunt_tasks`,
 :func:`kdamoe.posttraining.environment.make_tasks`) with a seed; nothing is downloaded. A task family is a

@@ -43,9 +43,18 @@ def newest_checkpoint(output_dir: str | Path) -> str | None:
     return str(max(found)[1]) if found else None
 
 
+# The mean reward per step as each TRL trainer logs it: GRPO / RLOO `reward`, PPO (TRL 1.12) `objective/scores`.
+REWARD_KEYS = ("reward", "objective/scores")
+
+
 def reward_curve(log_history: list[dict]) -> list[tuple[int, float]]:
-    """``(step, mean reward)`` of every training log row that has TRL's ``reward`` metric, in step order."""
-    return [(int(row["step"]), float(row["reward"])) for row in log_history if "reward" in row and "step" in row]
+    """``(step, mean reward)`` of every training log row with a reward metric (:data:`REWARD_KEYS`), in step order."""
+    out = []
+    for row in log_history:
+        key = next((k for k in REWARD_KEYS if k in row), None)
+        if key is not None and "step" in row:
+            out.append((int(row["step"]), float(row[key])))
+    return out
 
 
 @contextmanager
@@ -100,12 +109,12 @@ def _card(cfg, model, curve, image: str | None):
         recipe += " and a LoRA adapter (merged into these weights)"
     biases = ("frozen" if cfg.peft is not None or cfg.router_biases == "freeze"
               else "updated by Quantile Balancing once per optimizer step")
-    family = ("key-hunt tasks (a hidden chain of rooms opened with `open_door`, then `submit` the key)"
+    family = ("key-hunt tasks (walk through hidden rooms with `open_door` until the key, then `take_key`)"
               if d.environment == "keyhunt" else
               f"chained-arithmetic tasks (operands 2-{d.max_operand}, calculator tools)")
     description = (
         f"Data: {d.num_tasks} generated {family}, seed {d.seed}, {d.min_calls}-{d.max_calls} tool calls before the "
-        "submit"
+        "final one"
         + (f", {d.hasty_fraction:.0%} of the demonstrations by a hasty agent" if cfg.recipe == "sft" else "")
         + f"; nothing downloaded. Router biases {biases}.")
     total, active = count_parameters(model)
@@ -123,7 +132,9 @@ def _save(cfg, trainer, tokenizer, padding_side: str, curve) -> tuple[Path, Path
 
     out = Path(cfg.output_dir)
     tokenizer.padding_side = padding_side  # GRPO / RLOO pad on the left; the shipped tokenizer keeps its own
-    model, adapter_dir = trainer.model, None
+    # TRL's PPO trains a wrapper of policy and value model; the policy is what the run produces.
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    model, adapter_dir = getattr(model, "policy", model), None
     if cfg.peft is not None:
         adapter_dir = out / "adapter"
         with _atomic_folder(adapter_dir) as tmp:

@@ -270,7 +270,7 @@ class KDAMoEPPOTrainer(PPOTrainer):
 
 
 def build_trainer(cfg, model, tokenizer) -> KDAMoEPPOTrainer:
-    """The PPO trainer for ``model`` (a ``KDAMoEForCausalLM``) on the arithmetic prompts of ``cfg.data``.
+    """The PPO trainer for ``model`` (a ``KDAMoEForCausalLM``) on the prompts of ``cfg.data``'s tasks.
 
     ``cfg`` is a post-training config (recipe ``ppo``): ``output_dir``, ``seed``, ``model`` (the base folder,
     also the start of a reward model trained here), ``data`` (the generated tasks), ``trainer`` (``PPOConfig`` keyword arguments), ``ppo``
