@@ -141,9 +141,12 @@ def make_tasks(n: int, seed: int, *, min_ops: int = 1, max_ops: int = 3, max_ope
     values = max_operand - 1
     possible = sum(values * (len(OPERATIONS) * values) ** k for k in range(min_ops, max_ops + 1))
     exclude = exclude or set()
-    if n > possible - len(exclude):
+    # only excluded tasks these ranges could draw shrink the pool (a training set may have other chain lengths)
+    excluded = sum(isinstance(t, ArithmeticTask) and min_ops <= t.n_ops <= max_ops
+                   and all(2 <= v <= max_operand for v in (t.start, *(o for _, o in t.ops))) for t in exclude)
+    if n > possible - excluded:
         raise ValueError(f"asked for {n} distinct tasks but only {possible} exist with ops in [{min_ops}, {max_ops}] "
-                         f"and operands in [2, {max_operand}] ({len(exclude)} excluded)")
+                         f"and operands in [2, {max_operand}] ({excluded} of them excluded)")
     rng = random.Random(seed)
     out, seen = [], set(exclude)
     while len(out) < n:

@@ -121,9 +121,11 @@ def make_keyhunt_tasks(n: int, seed: int, *, min_rooms: int = 1, max_rooms: int 
         raise ValueError(f"n must be >= 0, got {n}")
     exclude = set(exclude or ())
     possible = sum(len(PLACES) * len(ROOMS) ** k for k in range(min_rooms, max_rooms + 1))
-    if n > possible - len(exclude):
+    # only excluded tasks this range could draw shrink the pool (a training set may have other room counts)
+    excluded = sum(isinstance(t, KeyHuntTask) and min_rooms <= t.calls_needed <= max_rooms for t in exclude)
+    if n > possible - excluded:
         raise ValueError(f"asked for {n} distinct tasks but only {possible} exist with {min_rooms}-{max_rooms} rooms "
-                         f"({len(exclude)} excluded)")
+                         f"({excluded} of them excluded)")
     rng = random.Random(seed)
     out, seen = [], exclude
     while len(out) < n:
