@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 HELD_OUT_SEED = 20261201
+TURN_TOKENS = 40  # tokens per assistant turn: a tool call is ~25 with the 512-token vocabulary
 STAGES = ("pretrained", "sft", "grpo")
 
 
@@ -46,9 +47,10 @@ def _score(model, tokenizer, tasks, seed: int, batch_size: int) -> dict:
     from .agent import run_episodes, summarize_episodes
 
     start = time.perf_counter()
-    sampled = summarize_episodes(run_episodes(model, tokenizer, tasks, batch_size=batch_size, max_new_tokens=40,
+    sampled = summarize_episodes(run_episodes(model, tokenizer, tasks, batch_size=batch_size, max_new_tokens=TURN_TOKENS,
                                               do_sample=True, temperature=1.0, seed=seed))
-    greedy = summarize_episodes(run_episodes(model, tokenizer, tasks, batch_size=batch_size, max_new_tokens=40))
+    greedy = summarize_episodes(run_episodes(model, tokenizer, tasks, batch_size=batch_size,
+                                             max_new_tokens=TURN_TOKENS))
     return {**sampled, "greedy_success": greedy["success"], "greedy_mean_reward": greedy["mean_reward"],
             "eval_seconds": round(time.perf_counter() - start, 1)}
 
@@ -72,6 +74,7 @@ def run_seed(base: str, output_dir: Path, seed: int, n_held_out: int, sft_overri
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = KDAMoEForCausalLM.from_pretrained(base, dtype=torch.float32)
     rows["pretrained"] = _score(model, tokenizer, tasks, seed, batch_size)
+    print(_line("pretrained", rows["pretrained"]), flush=True)
     for name, cfg in (("sft", sft_cfg), ("grpo", grpo_cfg)):
         start = time.perf_counter()
         result = run_recipe(cfg)

@@ -63,7 +63,9 @@ class KeyHuntTask:
         return len(self.rooms)
 
     def door(self, entered: int) -> str:
-        """What the ``entered``-th ``open_door`` call (1-based) answers."""
+        """What the ``entered``-th ``open_door`` call (1-based) answers. Raises ``ValueError`` for ``entered < 1``."""
+        if entered < 1:
+            raise ValueError(f"entered={entered}: doors are counted from 1")
         if entered > len(self.rooms):
             return "no more doors"
         room = self.rooms[entered - 1]
