@@ -131,6 +131,11 @@ def _grpo_trainer(cfg, base, steps_of):
     trainer = build_trainer(cfg, model, tokenizer)
     _script(model, tokenizer, make_tasks(cfg.data.num_tasks, cfg.data.seed, min_ops=cfg.data.min_calls,
                                          max_ops=cfg.data.max_calls, max_operand=cfg.data.max_operand), steps_of)
+    return trainer, record_rewards(trainer)
+
+
+def record_rewards(trainer) -> list:
+    """Wrap the GRPO trainer's reward computation; the returned list fills with ``(task JSON, reward)`` pairs."""
     seen = []
     calculate = trainer._calculate_rewards
 
@@ -140,7 +145,7 @@ def _grpo_trainer(cfg, base, steps_of):
         return rewards
 
     trainer._calculate_rewards = recording
-    return trainer, seen
+    return seen
 
 
 def _expected_env_reward(task, steps):

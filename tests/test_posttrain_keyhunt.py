@@ -21,6 +21,7 @@ from kdamoe.posttraining.recipes import build_trainer
 from kdamoe.training.tokenizer import train_tokenizer
 
 from tests.helpers import tiny_config
+from tests.test_posttrain import record_rewards
 
 
 def expected_reward(n_rooms: int, opened: int | None) -> float:
@@ -312,15 +313,7 @@ def test_grpo_environment_on_key_hunts_gives_the_restated_rewards(base, tmp_path
     tokenizer = AutoTokenizer.from_pretrained(base)
     trainer = build_trainer(cfg, model, tokenizer)
     script_generate(model, tokenizer)
-    seen = []
-    calculate = trainer._calculate_rewards
-
-    def recording(inputs, *args):
-        rewards = calculate(inputs, *args)
-        seen.extend(zip([row["task"] for row in inputs], rewards[:, 0].tolist()))
-        return rewards
-
-    trainer._calculate_rewards = recording
+    seen = record_rewards(trainer)
     trainer.train()
     assert len(seen) == 4  # one batch: 2 prompts x 2 generations
     plans = set()

@@ -126,6 +126,22 @@ def episode_token_lengths(tokenizer, tasks: list, with_tools: bool) -> list[tupl
     return out
 
 
+def check_episodes_fit(cfg, tokenizer, model_config, tasks: list, what: str) -> int:
+    """The longest careful episode of ``tasks`` in tokens (prompt with tools + completion); SFT and DPO train on
+    whole episodes, and a cut one would teach calls without their end.
+
+    Raises:
+        ValueError: it is longer than ``model_config.max_position_embeddings`` (``what`` names the data in the
+            message, e.g. "SFT episode").
+    """
+    limit = model_config.max_position_embeddings
+    longest = max(p + c for p, c in episode_token_lengths(tokenizer, tasks, with_tools=True))
+    if longest > limit:
+        raise ValueError(f"data.max_calls={cfg.data.max_calls}: the longest {what} has {longest} tokens, more than "
+                         f"the model's max_position_embeddings={limit}")
+    return longest
+
+
 def completion_budget(cfg, tokenizer, model_config, tasks: list, with_tools: bool) -> int:
     """``max_completion_length`` of a GRPO / RLOO run, checked against the context.
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from trl import DPOConfig, DPOTrainer
 
 from ..data import preference_dataset
-from .common import episode_token_lengths, peft_config, trainer_args, training_tasks
+from .common import check_episodes_fit, peft_config, trainer_args, training_tasks
 
 CONFIG_CLASS = DPOConfig
 
@@ -26,10 +26,7 @@ def build_trainer(cfg, model, tokenizer) -> DPOTrainer:
     """
     limit = model.config.max_position_embeddings
     tasks = training_tasks(cfg)
-    longest = max(p + c for p, c in episode_token_lengths(tokenizer, tasks, with_tools=True))
-    if longest > limit:
-        raise ValueError(f"data.max_calls={cfg.data.max_calls}: the longest chosen episode has {longest} tokens, more "
-                         f"than the model's max_position_embeddings={limit}")
+    check_episodes_fit(cfg, tokenizer, model.config, tasks, "chosen episode")
     args = trainer_args(cfg, DPOConfig, max_length=limit)
     return DPOTrainer(model=model, args=args, train_dataset=preference_dataset(tasks, seed=cfg.data.seed),
                       processing_class=tokenizer, peft_config=peft_config(cfg))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from trl import SFTConfig, SFTTrainer
 
 from ..data import sft_dataset
-from .common import episode_token_lengths, peft_config, trainer_args, training_tasks
+from .common import check_episodes_fit, peft_config, trainer_args, training_tasks
 
 CONFIG_CLASS = SFTConfig
 
@@ -32,10 +32,7 @@ def build_trainer(cfg, model, tokenizer) -> SFTTrainer:
     """
     limit = model.config.max_position_embeddings
     tasks = training_tasks(cfg)
-    longest = max(p + c for p, c in episode_token_lengths(tokenizer, tasks, with_tools=True))
-    if longest > limit:
-        raise ValueError(f"data.max_calls={cfg.data.max_calls}: the longest SFT episode has {longest} tokens, more than "
-                         f"the model's max_position_embeddings={limit}")
+    check_episodes_fit(cfg, tokenizer, model.config, tasks, "SFT episode")
     padding_free = cfg.trainer.get("padding_free", False) and not cfg.trainer.get("packing", False)
     args = trainer_args(cfg, SFTConfig, assistant_only_loss=True, max_length=None if padding_free else limit)
     dataset = sft_dataset(tasks, hasty_fraction=cfg.data.hasty_fraction, seed=cfg.data.seed)
