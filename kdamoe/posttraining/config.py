@@ -82,7 +82,7 @@ class PostTrainConfig:
         peft: ``None`` (full fine-tuning) or ``peft.LoraConfig`` keyword arguments (``target_parameters`` reaches
             the fused experts' ``gate_up_proj`` / ``down_proj``).
         trainer: keyword arguments of the recipe's TRL config class; they override the recipe's defaults.
-        ppo: the PPO recipe's own section (value / reward model), validated by that recipe.
+        ppo: the PPO recipe's own section (value / reward model), :class:`~kdamoe.posttraining.recipes.ppo.PPOSection`.
     """
 
     recipe: str = "sft"
@@ -129,6 +129,10 @@ class PostTrainConfig:
              "the ppo recipe trains the full policy and value model (TRL 1.12's PPO here takes no PEFT config)")
         need(0.0 <= d.hasty_fraction <= 1.0, "data.hasty_fraction", f"must lie in [0, 1], got {d.hasty_fraction}")
         self._check_trainer()
+        if self.recipe == "ppo":  # importable only in the PPO venv; _check_trainer has already imported it
+            from .recipes.ppo import PPOSection
+
+            PPOSection.from_dict(self.ppo)
         if self.peft is not None:
             lora_config(self.peft)
         return self

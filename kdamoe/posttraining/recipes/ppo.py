@@ -57,6 +57,8 @@ from kdamoe.posttraining.recipes.common import trainer_args, training_tasks
 
 logger = logging.getLogger(__name__)
 
+CONFIG_CLASS = PPOConfig
+
 VALUE_MODEL_SOURCES = ("reward", "base")
 RESPONSE_MARGIN = 16  # tokens beyond the longest careful episode: room for a slightly different wording
 
@@ -117,11 +119,18 @@ class PPOSection:
                 close = difflib.get_close_matches(str(key), names, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else f"; fields: {names}"
                 raise ValueError(f"unknown key ppo.{key}{hint}")
+        data = dict(data)
+        rate = data.get("reward_learning_rate")
+        if isinstance(rate, str):  # YAML reads 1e-4 (no dot) as a string
+            try:
+                data["reward_learning_rate"] = float(rate)
+            except ValueError:
+                pass  # __post_init__ names the bad value
         return cls(**data)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Private helpers (candidates for recipes/common.py)
+# Private helpers
 # ----------------------------------------------------------------------------------------------------
 def _check_no_aux_loss(model) -> None:
     """Refuse a load-balancing aux loss next to a router-bias rule (Quantile Balancing replaces it)."""
