@@ -60,7 +60,7 @@ def plan_reply(plan, results):
     """The scripted agent's next assistant message given the tool results so far."""
     if results and results[-1] in _TAKEN:
         return {"role": "assistant", "content": "Done."}
-    found = bool(results) and results[-1].endswith("with the key")
+    found = bool(results) and results[-1].endswith("The key lies here!")
     if plan == "errors" and len(results) < 2:
         return _call("open_window") if not results else _call("open_door", door=2)
     if plan in ("careful", "errors"):
@@ -195,7 +195,7 @@ def test_tool_errors_reach_the_model_and_the_loop_goes_on(model, tokenizer):
     seen = [_RESPONSE.findall(tokenizer.decode(ids)) for ids in inputs]
     assert seen[1] == ["{'error': 'Tool open_window not found.'}"]
     assert seen[2][1] == str({"error": _bad_arguments_error()}) and "door" in seen[2][1]
-    assert seen[3][2] == "an armoury with the key"
+    assert seen[3][2] == "An armoury. The key lies here!"
     assert (episode["ended"], episode["reward"], episode["turns"]) == ("done", 1.0, 4)
 
 
@@ -290,7 +290,7 @@ def test_run_demo_end_to_end(tokenizer, tmp_path):
     assert result["seed"] == 0 and result["held_out"] == 4 and set(result["rows"]) == set(STAGES)
     for name, row in result["rows"].items():
         assert row["n"] == 4, name  # every held-out task needs >= 2 doors
-        for metric in ("success", "mean_reward", "multi_call_share", "greedy_success", "greedy_mean_reward"):
+        for metric in ("success", "mean_reward", "multi_call_share"):
             assert 0.0 <= row[metric] <= 1.0, (name, metric)
     for name in ("sft", "grpo"):
         final = result["rows"][name]["final"]

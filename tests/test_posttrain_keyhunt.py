@@ -26,11 +26,11 @@ from tests.test_posttrain import record_rewards
 
 def expected_reward(n_rooms: int, opened: int | None) -> float:
     """The key-hunt rule (keyhunt module docstring) restated: ``opened`` doors before ``take_key`` (``None``: the
-    key was never taken). 1.0 when at least ``n_rooms`` doors were opened first, else a quarter of the share of
-    rooms entered; 0.0 without ``take_key``."""
+    key was never taken). 1.0 when at least ``n_rooms`` doors were opened first, else half the share of rooms
+    entered; 0.0 without ``take_key``."""
     if opened is None:
         return 0.0
-    return 1.0 if opened >= n_rooms else 0.25 * opened / n_rooms
+    return 1.0 if opened >= n_rooms else 0.5 * opened / n_rooms
 
 
 def _play(env, task, opened, take=True):
@@ -62,7 +62,7 @@ def test_careful_agent_gets_the_key_and_full_reward():
     task = KeyHuntTask("castle", ("hall", "attic", "vault"))
     env = KeyHuntEnvironment()
     results = _play(env, task, 3)
-    assert results == ["a hall with another door", "an attic with another door", "a vault with the key",
+    assert results == ["A hall. Another door leads on.", "An attic. Another door leads on.", "A vault. The key lies here!",
                        "you have the key"]
     assert env.get_reward() == expected_reward(3, 3) == 1.0
     assert env.tool_calls_before_submit == 3 and env.done
@@ -75,7 +75,7 @@ def test_hasty_agent_at_every_early_stop(n_rooms):
     for opened in range(n_rooms):
         results = _play(env, task, opened)
         assert results[-1] == "there is no key here", opened
-        assert all("another door" in r for r in results[:-1]), opened
+        assert all("Another door leads on." in r for r in results[:-1]), opened
         assert env.get_reward() == pytest.approx(expected_reward(n_rooms, opened)), opened
         assert env.get_reward() < 0.5 and env.tool_calls_before_submit == opened
 
@@ -94,7 +94,7 @@ def test_extra_doors_after_the_key():
     task = KeyHuntTask("fort", ("kitchen",))
     env = KeyHuntEnvironment()
     results = _play(env, task, 3)
-    assert results == ["a kitchen with the key", "no more doors", "no more doors", "you have the key"]
+    assert results == ["A kitchen. The key lies here!", "no more doors", "no more doors", "you have the key"]
     assert env.get_reward() == expected_reward(1, 3) == 1.0
     assert env.tool_calls_before_submit == 3 and env.entered == 1
     assert env.calls == [("open_door", {})] * 3 + [("take_key", {})]
@@ -109,7 +109,7 @@ def test_calls_after_take_key_and_bad_resets_are_refused():
     for tool in (env.open_door, env.take_key):
         with pytest.raises(ValueError, match="already taken"):
             tool()
-    assert env.get_reward() == 0.125 and len(env.calls) == 2  # refused calls change nothing
+    assert env.get_reward() == 0.25 and len(env.calls) == 2  # refused calls change nothing
     with pytest.raises(ValueError, match="task"):
         env.reset()
     for bad in ("not json", '{"place": "castle"}', '["castle", ["hall"]]', "null",
@@ -206,7 +206,7 @@ def test_template_renders_key_hunt_tools_and_episode(tokenizer):
     assert full.count('<tool_call>\n{"name": "open_door", "arguments": {}}\n</tool_call>') == 2
     assert full.count('{"name": "take_key", "arguments": {}}') == 1
     assert re.findall(r"<tool_response>\n(.*?)\n</tool_response>", full) == [
-        "a hall with another door", "an armoury with the key", "you have the key"]
+        "A hall. Another door leads on.", "An armoury. The key lies here!", "you have the key"]
     assert full.endswith("<|im_start|>assistant\nDone.<|im_end|>\n")
     full_ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
     for k in range(1, len(messages)):
@@ -238,11 +238,11 @@ def test_sft_dataset_careful_and_hasty(tokenizer):
         assert json.loads(c["tools"]) == tool_schemas(KeyHuntEnvironment)
         opened, taken, results = _opens_and_take(c["messages"])
         assert opened == task.calls_needed and taken == "you have the key"
-        assert [r.split(" with ")[0].split(" ", 1)[1] for r in results[:-1]] == list(task.rooms)
+        assert [r.split(". ")[0].split(" ", 1)[1] for r in results[:-1]] == list(task.rooms)
         assert expected_reward(task.calls_needed, opened) == 1.0
         opened, taken, results = _opens_and_take(h["messages"])
         assert opened < task.calls_needed and taken == "there is no key here"
-        assert all(r.endswith("with another door") for r in results[:-1])
+        assert all(r.endswith("Another door leads on.") for r in results[:-1])
         stops.add(opened)
     assert stops == {0, 1, 2}  # the hasty agent stops at random points, none of them at the key
 
@@ -270,7 +270,7 @@ def scripted_reply(text):
     if results and results[-1] in ("you have the key", "there is no key here"):
         return {"role": "assistant", "content": "Done."}
     stop = hasty_stop(place)
-    found = bool(results) and results[-1].endswith("with the key")
+    found = bool(results) and results[-1].endswith("The key lies here!")
     name = "take_key" if found or (stop is not None and len(results) >= stop) else "open_door"
     return {"role": "assistant", "content": "",
             "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {}}}]}

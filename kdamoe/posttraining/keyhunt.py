@@ -18,8 +18,8 @@ The same contract as :class:`~kdamoe.posttraining.environment.ArithmeticEnvironm
 ``environment_factory``: ``reset(task=json)``, tools as public methods with type hints and Google-style
 docstrings, ``get_reward()``).
 
-Reward (``[0, 1]``): ``1.0`` when ``take_key`` came after the key was found; ``0.25 × rooms entered / n``
-(:data:`EARLY_CREDIT`) when it came too early; ``0.0`` when the agent never called it. An unfinished task earns nothing — measured:
+Reward (``[0, 1]``): ``1.0`` when ``take_key`` came after the key was found; ``0.5 × rooms entered / n``
+(:data:`EARLY_CREDIT`) when it came too early (every room entered before giving up is worth something); ``0.0`` when the agent never called it. An unfinished task earns nothing — measured:
 with partial credit for rooms entered alone, GRPO learned to open every door and never take the key.
 """
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 PLACES = ("old mill", "castle", "tower", "manor", "abbey", "farmhouse", "palace", "inn", "chapel", "fort",
           "library", "harbour house")
-EARLY_CREDIT = 0.25  # reward share per room entered when the key is taken too early
+EARLY_CREDIT = 0.5  # reward share per room entered when the key is taken too early
 ROOMS = ("hall", "cellar", "kitchen", "study", "gallery", "pantry", "stable", "attic", "parlour", "armoury",
          "chamber", "vault")
 
@@ -69,8 +69,10 @@ class KeyHuntTask:
         if entered > len(self.rooms):
             return "no more doors"
         room = self.rooms[entered - 1]
-        room = ("an " if room[0] in "aeiou" else "a ") + room
-        return f"{room} with the key" if entered == len(self.rooms) else f"{room} with another door"
+        room = ("An " if room[0] in "aeiou" else "A ") + room
+        # The two endings share no word with each other, the prompt or the tool lines, so whether the key was
+        # found is one token's presence in the context, which attention reads without positions (NoPE).
+        return f"{room}. The key lies here!" if entered == len(self.rooms) else f"{room}. Another door leads on."
 
     def prompt(self) -> str:
         """The user message stating the task."""
@@ -106,7 +108,7 @@ class KeyHuntTask:
 
 
 def _take_result(found: bool) -> str:
-    return "you have the key" if found else "there is no key here"
+    return "you have the key" if found else "there is no key here"  # the episode is over either way
 
 
 def make_keyhunt_tasks(n: int, seed: int, *, min_rooms: int = 1, max_rooms: int = 3,
