@@ -18,8 +18,9 @@ The same contract as :class:`~kdamoe.posttraining.environment.ArithmeticEnvironm
 ``environment_factory``: ``reset(task=json)``, tools as public methods with type hints and Google-style
 docstrings, ``get_reward()``).
 
-Reward (``[0, 1]``): ``1.0`` when ``take_key`` came after the key was found; ``0.5 × rooms entered / n``
-(:data:`EARLY_CREDIT`) when it came too early (every room entered before giving up is worth something); ``0.0`` when the agent never called it. An unfinished task earns nothing — measured:
+Reward (``[0, 1]``): ``1.0`` when ``take_key`` came after the key was found; ``0.2 + 0.3 × rooms entered / n``
+(:data:`EARLY_BASE`, :data:`EARLY_CREDIT`) when it came too early (finishing beats not finishing, and every
+room entered before giving up is worth something); ``0.0`` when the agent never called it. An unfinished task earns nothing — measured:
 with partial credit for rooms entered alone, GRPO learned to open every door and never take the key.
 """
 
@@ -31,7 +32,12 @@ from dataclasses import dataclass
 
 PLACES = ("old mill", "castle", "tower", "manor", "abbey", "farmhouse", "palace", "inn", "chapel", "fort",
           "library", "harbour house")
-EARLY_CREDIT = 0.5  # reward share per room entered when the key is taken too early
+# Taking the key too early earns EARLY_BASE plus EARLY_CREDIT per share of rooms entered (< 0.5 in all): a
+# finished task beats an unfinished one (0.0), so a policy gradient that pushes a too-early `take_key` down
+# does not push the policy into writing no tool call at all — measured: with 0.0 for an immediate take, the
+# same as for no call, GRPO at learning rate 6e-4 stopped calling tools within 10 steps.
+EARLY_BASE = 0.2
+EARLY_CREDIT = 0.3
 ROOMS = ("hall", "cellar", "kitchen", "study", "gallery", "pantry", "stable", "attic", "parlour", "armoury",
          "chamber", "vault")
 
@@ -203,15 +209,15 @@ class KeyHuntEnvironment:
         return _take_result(self.found_when_taken)
 
     def get_reward(self) -> float:
-        """1.0 when the key was taken after it was found; ``EARLY_CREDIT × rooms entered / rooms`` when it was
-        taken too early; 0.0 when it was never taken (or before a reset)."""
+        """1.0 when the key was taken after it was found; ``EARLY_BASE + EARLY_CREDIT × rooms entered / rooms``
+        when it was taken too early; 0.0 when it was never taken (or before a reset)."""
         if self.task is None:
             return 0.0
         if not self.done:
             return 0.0
         if self.found_when_taken:
             return 1.0
-        return EARLY_CREDIT * self.entered / self.task.calls_needed
+        return EARLY_BASE + EARLY_CREDIT * self.entered / self.task.calls_needed
 
     @property
     def tool_calls_before_submit(self) -> int:
