@@ -33,6 +33,18 @@ def train_main(argv: list[str] | None = None) -> int:
     return 0 if summary["finished"] or args.stop_after is not None else 1
 
 
+_THREADS_HELP = ("torch intra-op threads on the CPU (default 1: the small models gain ~20%% from a second thread "
+                 "on an idle machine and lose over 5x when another job shares the cores)")
+
+
+def _set_threads(parser: argparse.ArgumentParser, n: int) -> None:
+    if n < 1:
+        parser.error(f"--num-threads must be >= 1 (got {n})")
+    import torch
+
+    torch.set_num_threads(n)
+
+
 def posttrain_main(argv: list[str] | None = None) -> int:
     """``kdamoe-posttrain --config NAME|FILE [--output-dir DIR] [--set key=value ...] [--no-resume]``.
 
@@ -48,8 +60,10 @@ def posttrain_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field, e.g. --set trainer.max_steps=2 (repeatable)")
     parser.add_argument("--no-resume", action="store_true", help="ignore checkpoint-N folders already in output_dir")
+    parser.add_argument("--num-threads", type=int, default=1, help=_THREADS_HELP)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _set_threads(parser, args.num_threads)
 
     from kdamoe.posttraining import load_posttrain_config, run_recipe
 
@@ -83,8 +97,10 @@ def posttrain_demo_main(argv: list[str] | None = None) -> int:
                         help="override a field of the shipped sft config (repeatable)")
     parser.add_argument("--grpo-set", dest="grpo_overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a field of the shipped grpo config (repeatable)")
+    parser.add_argument("--num-threads", type=int, default=1, help=_THREADS_HELP)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _set_threads(parser, args.num_threads)
     if args.seeds < 1:
         parser.error(f"--seeds must be >= 1 (got {args.seeds})")
     if args.held_out < 1:
