@@ -34,7 +34,7 @@ def train_main(argv: list[str] | None = None) -> int:
 
 
 _THREADS_HELP = ("torch intra-op threads on the CPU (default 1: the small models gain ~20%% from a second thread "
-                 "on an idle machine and lose over 5x when another job shares the cores)")
+                 "on an idle machine and lose several-fold when another job shares the cores)")
 
 
 def _set_threads(parser: argparse.ArgumentParser, n: int) -> None:
