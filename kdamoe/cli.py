@@ -89,7 +89,7 @@ def posttrain_demo_main(argv: list[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(prog="kdamoe-posttrain-demo",
                                      description="SFT then GRPO in the key-hunt environment, scored on held-out tasks.")
-    parser.add_argument("--seeds", type=int, default=1, help="run seeds 0..N-1 (default 1; the issue's check uses 3)")
+    parser.add_argument("--seeds", type=int, default=1, help="run seeds 0..N-1 (default 1)")
     parser.add_argument("--base", default="outputs/cpu_default/final", help="the pretrained model folder (make train)")
     parser.add_argument("--output-dir", default="outputs/posttrain", help="where the stages and results.json go")
     parser.add_argument("--held-out", type=int, default=200, help="held-out tasks (each needs >= 2 tool calls)")

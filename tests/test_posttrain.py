@@ -25,7 +25,7 @@ from kdamoe.training.tokenizer import train_tokenizer
 from tests.helpers import tiny_config
 
 FAST = ["trainer.max_steps=1", "trainer.warmup_steps=0", "trainer.per_device_train_batch_size=2", "trainer.save_strategy='no'",
-        "data.num_tasks=4", "data.environment=arithmetic", "data.max_calls=1", "data.max_operand=5"]
+        "data.num_tasks=4", "data.environment=arithmetic", "data.min_calls=1", "data.max_calls=1", "data.max_operand=5"]
 RL_FAST = FAST + ["trainer.num_generations=2"]
 
 
@@ -308,3 +308,11 @@ def test_card_renders_the_reward_curve():
     assert "mean reward" not in str(render_model_card(tiny_config(), repo_id="kdamoe/x", total=10, active=5))
     with pytest.raises(ValueError, match="nan"):
         render_model_card(tiny_config(), repo_id="kdamoe/x", total=10, active=5, reward_curve=[(1, float("nan"))])
+
+
+def test_a_missing_base_folder_is_named(tmp_path):
+    # Before: the shipped grpo config without a prior sft run ended in huggingface_hub's HFValidationError traceback.
+    cfg = load_posttrain_config("grpo", [f"model={tmp_path / 'outputs' / 'posttrain' / 'sft' / 'final'}",
+                                         f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ValueError, match="no model folder there.*kdamoe-posttrain --config sft"):
+        run_recipe(cfg)

@@ -113,7 +113,7 @@ class PostTrainConfig:
         from .data import ENVIRONMENTS
 
         need(d.environment in ENVIRONMENTS, "data.environment", f"{d.environment!r} is not one of {list(ENVIRONMENTS)}")
-        need(1 <= d.min_calls <= d.max_calls, "data.min_calls",
+        need(1 <= d.min_calls <= d.max_calls, "data.min_calls / data.max_calls",
              f"need 1 <= min_calls <= max_calls, got {d.min_calls}, {d.max_calls}")
         need(d.environment != "keyhunt" or d.max_calls <= 8, "data.max_calls",
              f"a key hunt has at most 8 rooms, got {d.max_calls}")

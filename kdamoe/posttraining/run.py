@@ -158,6 +158,12 @@ def load_base(cfg):
 
     from .. import KDAMoEForCausalLM
 
+    folder = Path(cfg.model).expanduser()
+    looks_local = folder.exists() or cfg.model.startswith(("/", ".", "~", "outputs")) or cfg.model.count("/") > 1
+    if looks_local and not (folder / "config.json").is_file():
+        raise ValueError(f"model={cfg.model}: no model folder there (no config.json). The shipped grpo / dpo / rloo "
+                         "configs start from outputs/posttrain/sft/final: run `kdamoe-posttrain --config sft` first, "
+                         "or pass --set model=FOLDER")
     model = KDAMoEForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     return model, tokenizer

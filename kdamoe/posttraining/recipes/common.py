@@ -162,8 +162,8 @@ def completion_budget(cfg, tokenizer, model_config, tasks: list, with_tools: boo
     if longest_prompt + budget >= limit:
         raise ValueError(
             f"max_completion_length={budget}: the longest prompt ({longest_prompt} tokens) plus it reaches the "
-            f"model's max_position_embeddings={limit}; TRL's tool loop would drop tool results past that. Use fewer "
-            f"tool calls (data.max_calls={cfg.data.max_calls}) or a smaller trainer.max_completion_length")
+            f"model's max_position_embeddings={limit}; TRL's tool loop would drop tool results past that. Lower "
+            f"data.max_calls (now {cfg.data.max_calls}) or trainer.max_completion_length")
     if budget < longest_completion:
         logger.warning(f"max_completion_length={budget} is shorter than the longest careful episode "
                        f"({longest_completion} tokens): such episodes are cut before they submit")
