@@ -30,6 +30,7 @@ from transformers.integrations import use_kernel_forward_from_hub
 from transformers.utils import logging
 
 from .kda_torch import causal_conv1d_torch, chunk_kda_torch, conv_final_state, recurrent_kda_torch
+from .mla_torch import latent_attention_torch
 from .moe_torch import moe_experts_torch, moe_route_torch
 
 logger = logging.get_logger(__name__)
@@ -267,3 +268,21 @@ def moe_route_op(backend: str, device: torch.device):
     if resolve(backend, device, "moe_route") == "kdamoe":
         return kdamoe_kernels().moe_route
     return moe_route_torch
+
+
+# ----------------------------------------------------------------------------------------------------
+# MLA latent attention
+# ----------------------------------------------------------------------------------------------------
+def latent_attention(q, latent, seq_len, scale, key_mask=None, *, backend="auto"):
+    """Causal multi-query attention over the MLA latent cache (keys = values = ``latent``, absorbed
+    up-projections): ``o_lat [B, T, H, R]`` in q's dtype.
+
+    Semantics, shapes and errors of :func:`mla_torch.latent_attention_torch`: q ``[B, T, H, R]``, latent
+    ``[B, S_cap, R]``, seq_len an int32/int64 device tensor ``[]`` / ``[1]`` (valid rows, the T new tokens
+    included), optional key_mask ``[B, S_mask]``. The kdamoe kernel (flash-decoding, Triton) runs on CUDA or
+    under the interpreter with ``backend="triton"``; fla has no such kernel, so ``"fla"`` runs the torch op.
+    Neither path synchronises with the host (CUDA-graph capturable).
+    """
+    if resolve(backend, q.device, "latent_attention") == "kdamoe":
+        return kdamoe_kernels().latent_attention(q, latent, seq_len, scale, key_mask)
+    return latent_attention_torch(q, latent, seq_len, scale, key_mask)
