@@ -46,6 +46,7 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 COMBINE_BLOCK_R = 32  # R chunk of one combine program: 8 rows × (256 / 32) = 64 programs at B = 1, T = 1
 COMBINE_CHUNK_P = 64  # splits merged per combine step ([64, 32] fp32 tile)
 PROGRAMS_PER_SM = 2  # split programs per SM at B = 1: enough loads in flight to saturate HBM
+NUM_STAGES = 3  # software-pipelined key tiles in flight per split program
 
 
 @triton.jit
@@ -217,7 +218,7 @@ def latent_attention(q, latent, seq_len, scale, key_mask=None):
         q, latent, seq_len, mask_arg, acc_ws, m_ws, l_ws, T, H, M, P, S_lim, scale * 1.4426950408889634,
         q.stride(0), latent.stride(0), latent.stride(1), mask_strides[0], mask_strides[1],
         R=R, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=key_mask is not None, IEEE=q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=3)
+        num_warps=num_warps, num_stages=NUM_STAGES)
     block_r = min(R, COMBINE_BLOCK_R)
     _combine_kernel[(M, R // block_r, B)](
         acc_ws, m_ws, l_ws, o, seq_len, T, H, M, P, S_lim, o.stride(0),
