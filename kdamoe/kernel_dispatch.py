@@ -7,7 +7,7 @@ device of the inputs:
   flash-linear-attention (``fla``) when it imports, else PyTorch; on any other device always PyTorch.
 * ``"triton"``: ``kdamoe.kernels`` or an error (CUDA tensors, or CPU under ``TRITON_INTERPRET=1``).
 * ``"fla"``: fla or an error (CUDA tensors). The MoE experts have no fla kernel and run in PyTorch.
-* ``"torch"``: the pure-PyTorch reference ops of ``kda_torch`` / ``moe_torch``.
+* ``"torch"``: the pure-PyTorch reference ops of ``kda_torch`` / ``moe_torch`` / ``mla_torch``.
 
 The choice is per call and per device, unlike transformers' ``use_kernel_func_from_hub_with_fallback``,
 which binds the package once at import time whatever the device. On top of that chain the three layer
@@ -287,10 +287,18 @@ def moe_route_op(backend: str, device: torch.device):
 
 
 # ----------------------------------------------------------------------------------------------------
-# MLA latent attention (TEMPORARY until the kernel branch lands)
+# MLA latent attention
 # ----------------------------------------------------------------------------------------------------
 def latent_attention(q, latent, seq_len, scale, key_mask=None, *, backend="auto"):
-    """See ``mla_torch.latent_attention_torch``."""
+    """Causal multi-query attention over the MLA latent cache (keys = values = ``latent``, absorbed
+    up-projections): ``o_lat [B, T, H, R]`` in q's dtype.
+
+    Semantics, shapes and errors of :func:`mla_torch.latent_attention_torch`: q ``[B, T, H, R]``, latent
+    ``[B, S_cap, R]``, seq_len an int32/int64 device tensor ``[]`` / ``[1]`` (valid rows, the T new tokens
+    included), optional key_mask ``[B, S_mask]``. The kdamoe kernel (flash-decoding, Triton) runs on CUDA or
+    under the interpreter with ``backend="triton"``; fla has no such kernel, so ``"fla"`` runs the torch op.
+    Neither path synchronises with the host (CUDA-graph capturable).
+    """
     if resolve(backend, q.device, "latent_attention") == "kdamoe":
         return kdamoe_kernels().latent_attention(q, latent, seq_len, scale, key_mask)
     return latent_attention_torch(q, latent, seq_len, scale, key_mask)

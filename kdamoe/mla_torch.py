@@ -67,8 +67,8 @@ def latent_attention_torch(q, latent, seq_len, scale, key_mask=None):
 
         o[b, t, h] = Σ_{s visible} exp(scale · q[b,t,h]·latent[b,s]) latent[b,s] / Σ_{s visible} exp(...)
 
-    and ``o = 0`` where no key is visible. Rows of ``latent`` at or after ``seq_len`` are never read into the
-    result (a preallocated buffer may hold NaN there): they are zeroed before any product. Math in float32
+    and ``o = 0`` where no key is visible. Rows of ``latent`` at or after ``seq_len`` or under the mask are never
+    read into the result (a preallocated buffer may hold NaN there): they are zeroed before any product. Math in float32
     (float64 for float64 inputs). No host synchronisation: ``seq_len`` stays on its device, so the op can be
     captured in a CUDA graph. ``seq_len`` is not range-checked (that would sync); it is clamped to the buffer
     length ``min(S_cap, S_mask)``.

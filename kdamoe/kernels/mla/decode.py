@@ -1,0 +1,232 @@
+"""Flash-decoding of MLA attention in the latent space: keys = values = the cached latent, shared by all heads.
+
+Semantics are those of ``kdamoe.mla_torch.latent_attention_torch`` (its reference): ``q [B, T, H, R]`` absorbed
+queries, ``latent [B, S_cap, R]`` the cache buffer, ``seq_len`` a device tensor (valid rows, the T new tokens
+included), causal over ``p_t = seq_len − T + t``, an optional padding ``key_mask``.
+
+Design (Dao et al., "Flash-Decoding for long-context inference", 2023; the online softmax of FlashAttention-2,
+Dao 2023, §3.1):
+
+* The ``T·H`` query rows of a batch row form one matrix (row ``t·H + h``); every latent block loaded is used by
+  all of them, so the cache is read once per row block (multi-query attention). Rows are blocked by
+  ``BLOCK_M ≥ 16`` (``tl.dot``'s minimum; ``T·H = 8`` is padded to 16 with masked rows).
+* Stage 1, ``_split_kernel``, grid ``(row blocks, P splits, B)``: split ``j`` takes the key blocks
+  ``j, j + P, j + 2P, …`` of ``BLOCK_N`` keys (round robin), so any ``seq_len`` spreads over all splits: a
+  short sequence in a long buffer still uses ``min(P, blocks)`` programs instead of one. For each block:
+  ``S = Q Kᵀ`` (fp32 accumulation), mask (causal, ``key_mask``, ``s < seq_len``) to ``−inf`` before the
+  exponential, online softmax, ``acc += P K``. Keys at or after ``seq_len`` and masked keys are loaded as 0
+  (never NaN · 0). It writes the unnormalised ``acc``, running max and sum to a float32 workspace
+  ``[B, P, T·H, R]`` / ``[B, P, T·H]``; a split that starts at or after the block's last visible key exits.
+* Stage 2, ``_combine_kernel``, one program per (row, R chunk, b): log-sum-exp merge of the splits the row can
+  see, ``o = Σ_j e^{m_j − M} acc_j / Σ_j e^{m_j − M} l_j`` (0 when no key is visible).
+
+The grid and the workspace depend only on shapes (B, T, H, R, S_cap): ``seq_len`` and ``key_mask`` are read
+on the device, so a call is capturable in a CUDA graph and replays with a new value in the same ``seq_len``
+tensor. Out-of-range ``seq_len`` values are clamped in the kernel to ``min(S_cap, S_mask)`` (a value check
+would sync).
+
+Bytes and FLOPs (B = 1, H = 8, T = 1, R = 256, bf16, seq_len = 2^20): the cache read is
+2^20 · 256 · 2 B = 512 MiB; ``2 · 2 · H · R = 8 KFLOP`` of useful work per key (16 KFLOP with the rows padded to
+16), i.e. ≈ 32 FLOP/B against the H200's ≈ 165 FLOP/B balance point (≈ 790 TFLOP/s / 4.8 TB/s): memory bound,
+≈ 0.11 ms at peak bandwidth. The workspace adds ``P · T·H · R · 4`` bytes written and read once (2 MiB at
+P = 264), small against the cache; B = 8 reads 8× the bytes. At seq_len = 4096 (2 MiB) the two launches dominate.
+
+Measured on one H200 (Triton 3.6, CUDA-graph replay, ``triton.testing.do_bench`` with its L2 flush), with the
+block sizes below: B = 1, seq_len = S_cap = 2^20: 142 µs (3.8 TB/s of cache read); seq_len = 4096: 11 µs, the
+same in a 2^20-row buffer; B = 8 at 2^20: 0.95 ms (4.5 TB/s); T = 64 at 65536 keys: 102 µs (≈ 340 TFLOP/s,
+compute bound). Sweeping BLOCK_N ∈ {32, 64, 128}, 2–8 warps, 2–4 stages and 1, 2 or 4 programs per SM gave
+no faster setting for these shapes (4 per SM: 182 µs at 2^20; 1 per SM: 1.48 ms at B = 8).
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ...mla_torch import check_latent_attention_args
+from ..utils import is_interpreter
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+COMBINE_BLOCK_R = 32  # R chunk of one combine program: 8 rows × (256 / 32) = 64 programs at B = 1, T = 1
+COMBINE_CHUNK_P = 64  # splits merged per combine step ([64, 32] fp32 tile)
+PROGRAMS_PER_SM = 2  # split programs per SM at B = 1: enough loads in flight to saturate HBM
+NUM_STAGES = 3  # software-pipelined key tiles in flight per split program
+
+
+@triton.jit
+def _split_kernel(q, latent, seq_len, key_mask, acc_ws, m_ws, l_ws,
+                  T, H, M, P, S_lim, qk_scale,
+                  stride_qb, stride_lb, stride_ls, stride_kb, stride_ks,
+                  R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
+    i_m, i_p, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = tl.minimum(tl.load(seq_len), S_lim).to(tl.int32)
+    rows = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    pos = tl.where(row_ok, n - T + rows // H, -1)  # last key each row sees; padded rows see none
+    last_row = tl.minimum(i_m * BLOCK_M + BLOCK_M, M) - 1
+    hi = tl.minimum(n - T + last_row // H + 1, n)  # keys [0, hi) are all this block may see
+    if i_p * BLOCK_N >= hi:
+        return  # no block of this split is visible to these rows; the combine skips it too
+    cols_r = tl.arange(0, R)
+    q_off = i_b.to(tl.int64) * stride_qb + rows[:, None].to(tl.int64) * R + cols_r[None, :]
+    q_tile = tl.load(q + q_off, mask=row_ok[:, None], other=0.)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, R], dtype=tl.float32)
+    lat_base = latent + i_b.to(tl.int64) * stride_lb
+    for blk in range(i_p, tl.cdiv(hi, BLOCK_N), P):
+        keys = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_ok = keys < hi
+        if HAS_MASK:
+            km = tl.load(key_mask + i_b.to(tl.int64) * stride_kb + keys.to(tl.int64) * stride_ks, mask=key_ok, other=0)
+            key_ok = key_ok & (km != 0)
+        k_tile = tl.load(lat_base + keys[:, None].to(tl.int64) * stride_ls + cols_r[None, :],
+                         mask=key_ok[:, None], other=0.)  # garbage and padded rows load as 0
+        if IEEE:
+            s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee")
+        else:
+            s = tl.dot(q_tile, tl.trans(k_tile))
+        visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
+        s = tl.where(visible, s * qk_scale, float("-inf"))  # masked before the exponential
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0., m_new)  # a row with nothing visible yet: exp2(-inf) = 0
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, k_tile, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(k_tile.dtype), k_tile)
+        m_i = m_new
+
+    ws_rows = (i_b * P + i_p).to(tl.int64) * M + rows
+    tl.store(acc_ws + ws_rows[:, None] * R + cols_r[None, :], acc, mask=row_ok[:, None])
+    tl.store(m_ws + ws_rows, m_i, mask=row_ok)
+    tl.store(l_ws + ws_rows, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(acc_ws, m_ws, l_ws, o, seq_len, T, H, M, P, S_lim, stride_ob,
+                    R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_P: tl.constexpr,
+                    BLOCK_R: tl.constexpr):
+    row, i_r, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = tl.minimum(tl.load(seq_len), S_lim).to(tl.int32)
+    pos = n - T + row // H
+    # Split j wrote this row iff its first block j·BLOCK_N holds a key <= pos (the split kernel's exit test).
+    n_split = tl.minimum(P, tl.maximum(tl.cdiv(pos + 1, BLOCK_N), 0))
+    base = (i_b * P).to(tl.int64) * M + row
+    splits = tl.arange(0, BLOCK_P)
+    m_all = tl.load(m_ws + base + splits.to(tl.int64) * M, mask=splits < n_split, other=float("-inf"))
+    m_max = tl.max(m_all, 0)
+    m_max = tl.where(m_max == float("-inf"), 0., m_max)
+    cols = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    denom = tl.zeros([CHUNK_P], dtype=tl.float32)
+    for start in range(0, n_split, CHUNK_P):
+        j = start + tl.arange(0, CHUNK_P)
+        ok = j < n_split
+        off = base + j.to(tl.int64) * M
+        w = tl.exp2(tl.load(m_ws + off, mask=ok, other=float("-inf")) - m_max)
+        denom += w * tl.load(l_ws + off, mask=ok, other=0.)
+        part = tl.load(acc_ws + off[:, None] * R + cols[None, :], mask=ok[:, None], other=0.)
+        acc += tl.sum(w[:, None] * part, 0)
+    total = tl.sum(denom, 0)
+    out = tl.where(total > 0, acc / tl.where(total > 0, total, 1.), 0.)
+    tl.store(o + i_b.to(tl.int64) * stride_ob + row.to(tl.int64) * R + cols, out.to(o.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a host-side property, no sync); 1 under the interpreter."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def block_sizes(M: int, R: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps)`` of the split kernel for ``M = T·H`` query rows of width ``R``.
+
+    Fixed, not autotuned: the autotuner would time the first call, whose ``seq_len`` (a device value it cannot
+    see) is often tiny. Chosen by the H200 sweep of the module docstring. ``BLOCK_M`` grows with ``M`` (more rows per loaded key block) while the fp32
+    accumulator ``[BLOCK_M, R]`` stays ≤ 64 registers per thread; the key tile ``[BLOCK_N, R]`` is 32 KiB.
+    """
+    block_m = 16 if M <= 16 else 32 if (M <= 32 or R >= 512) else 64
+    block_n = max(16, min(128, 16384 // R))
+    num_warps = 4 if block_m * R <= 16 * 256 else 8
+    return block_m, block_n, num_warps
+
+
+def num_splits(B: int, row_blocks: int, key_blocks: int, sms: int) -> int:
+    """Splits ``P`` of the key axis: about ``PROGRAMS_PER_SM`` programs per SM over ``B · row_blocks · P``,
+    at most one split per key block of the buffer. Depends on shapes only (CUDA-graph safe)."""
+    return max(1, min(key_blocks, triton.cdiv(PROGRAMS_PER_SM * sms, B * row_blocks)))
+
+
+def _validate(q, latent, seq_len, key_mask):
+    """The shape / dtype / device checks of the torch op, plus the kernel's limits (R, dtype, device)."""
+    check_latent_attention_args(q, latent, seq_len, key_mask, floats=_FLOATS)
+    R = q.shape[3]
+    if R < 16 or R > 512 or R & (R - 1):
+        raise ValueError(f"q's R (kv_lora_rank) must be a power of two in [16, 512] for the kernel, got {R}")
+    if q.device.type != "cuda" and not (q.device.type == "cpu" and is_interpreter()):
+        raise ValueError(f"q is on {q.device}: the Triton kernels need a CUDA tensor (or CPU with TRITON_INTERPRET=1)")
+
+
+def latent_attention(q, latent, seq_len, scale, key_mask=None):
+    r"""Causal multi-query attention over the latent cache (keys = values = ``latent``), flash-decoding in Triton.
+
+    Query ``t`` sits at ``p_t = seq_len − T + t`` and sees key ``s`` iff ``s ≤ p_t`` and ``key_mask[b, s] ≠ 0``::
+
+        o[b, t, h] = Σ_{s visible} softmax_s(scale · q[b, t, h] · latent[b, s]) · latent[b, s]
+
+    0 for a query with no visible key. float32 accumulation; rows of ``latent`` at or after ``seq_len`` are
+    never read into the result. No host synchronisation (CUDA-graph capturable; the launch depends on shapes
+    only). Forward only.
+
+    Args:
+        q: ``[B, T, H, R]`` float16 / bfloat16 / float32 absorbed queries, R a power of two in [16, 512].
+        latent: ``[B, S_cap, R]`` q's dtype, last dim contiguous (the cache buffer; the T new tokens are
+            already written at rows ``seq_len − T … seq_len − 1``).
+        seq_len: int32 / int64 tensor of shape ``[]`` or ``[1]`` on q's device; expected in
+            ``[T, min(S_cap, S_mask)]`` and clamped to ``min(S_cap, S_mask)`` in the kernel.
+        scale: softmax scale (Python float).
+        key_mask: optional ``[B, S_mask]`` bool / int8 / int32 / int64 padding mask (nonzero = attend).
+
+    Returns:
+        ``o_lat [B, T, H, R]`` in q's dtype.
+
+    Raises:
+        ValueError: a wrong rank, shape, dtype or device, or R outside the kernel's sizes, naming the argument.
+    """
+    _validate(q, latent, seq_len, key_mask)
+    B, T, H, R = q.shape
+    M, S_cap = T * H, latent.shape[1]
+    S_lim = S_cap if key_mask is None else min(S_cap, key_mask.shape[1])
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if S_lim == 0:
+        return o.zero_()
+    q = q.contiguous()
+    if key_mask is not None and key_mask.dtype == torch.bool:
+        key_mask = key_mask.view(torch.uint8)  # same bytes, a plain integer pointer for Triton
+    block_m, block_n, num_warps = block_sizes(M, R)
+    row_blocks = triton.cdiv(M, block_m)
+    P = num_splits(B, row_blocks, triton.cdiv(S_lim, block_n), _sm_count(q.device))
+    acc_ws = torch.empty(B, P, M, R, dtype=torch.float32, device=q.device)
+    m_ws = torch.empty(B, P, M, dtype=torch.float32, device=q.device)
+    l_ws = torch.empty(B, P, M, dtype=torch.float32, device=q.device)
+    mask_arg = key_mask if key_mask is not None else seq_len  # never read without HAS_MASK
+    mask_strides = key_mask.stride() if key_mask is not None else (0, 0)
+    _split_kernel[(row_blocks, P, B)](
+        q, latent, seq_len, mask_arg, acc_ws, m_ws, l_ws, T, H, M, P, S_lim, scale * 1.4426950408889634,
+        q.stride(0), latent.stride(0), latent.stride(1), mask_strides[0], mask_strides[1],
+        R=R, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=key_mask is not None, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=NUM_STAGES)
+    block_r = min(R, COMBINE_BLOCK_R)
+    _combine_kernel[(M, R // block_r, B)](
+        acc_ws, m_ws, l_ws, o, seq_len, T, H, M, P, S_lim, o.stride(0),
+        R=R, BLOCK_N=block_n, BLOCK_P=triton.next_power_of_2(P), CHUNK_P=COMBINE_CHUNK_P, BLOCK_R=block_r,
+        num_warps=4)
+    return o

@@ -1,0 +1,125 @@
+"""On a CUDA machine: decode steps replayed from a CUDA graph against the same steps run eagerly, and generate()
+with graphs, beams, left padding and the latent cache.
+
+Skipped unless ``KDAMOE_TEST_ON_GPU=1`` and CUDA is available (the CPU suite covers the latent cache and chunked
+prefill in ``tests/test_long_context.py``). The eager step is the reference: a replay runs the same kernels on the
+same buffers, so the logits must agree to the bit; greedy tokens with and without graphs must be equal.
+"""
+
+import os
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs KDAMOE_TEST_ON_GPU=1 and CUDA")
+
+
+def _model(dtype=torch.bfloat16, **overrides):
+    from kdamoe import KDAMoEForCausalLM
+    from tests.helpers import tiny_config
+
+    torch.manual_seed(0)
+    fields = dict(hidden_size=128, kda_num_heads=2, kda_head_dim=64, num_hidden_layers=4, num_attention_heads=4,
+                  kv_lora_rank=64, qk_head_dim=32, num_experts=8, num_experts_per_tok=2, moe_latent_size=64,
+                  kernel_backend="auto", vocab_size=512)
+    fields.update(overrides)
+    return KDAMoEForCausalLM(tiny_config(**fields)).cuda().to(dtype).eval()
+
+
+def _ids(seed, B, T, vocab=512):
+    return torch.randint(3, vocab, (B, T), generator=torch.Generator().manual_seed(seed)).cuda()
+
+
+def _steps(model, ids, prompt, graphs, mask=None):
+    model.config.decode_cuda_graphs = graphs
+    kwargs = {} if mask is None else {"attention_mask": mask[:, :prompt]}
+    out = model(ids[:, :prompt], use_cache=True, **kwargs)
+    logits = []
+    for t in range(prompt, ids.shape[1]):
+        kwargs = {} if mask is None else {"attention_mask": mask[:, : t + 1]}
+        out = model(ids[:, t : t + 1], cache=out.cache, use_cache=True, **kwargs)
+        logits.append(out.logits)
+    return torch.cat(logits, 1), out.cache
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_graph_replay_equals_eager_steps(with_mask):
+    model = _model()
+    ids = _ids(0, 3, 40)
+    mask = torch.ones_like(ids) if with_mask else None
+    if with_mask:
+        mask[1, :7] = 0
+        mask[2, :3] = 0
+    with torch.no_grad():
+        eager, eager_cache = _steps(model, ids, 30, graphs=False, mask=mask)
+        graphed, cache = _steps(model, ids, 30, graphs=True, mask=mask)
+    assert not eager_cache.graphs and len(cache.graphs) == 1, "the graph path did not run"
+    torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
+
+
+def test_graph_follows_parameters_that_move_and_a_cache_that_grows():
+    model = _model()
+    ids = _ids(1, 1, 24)
+    with torch.no_grad():
+        out = model(ids[:, :8], use_cache=True)
+        cache = out.cache
+        capacity = cache.layers[3].capacity
+        reference = model(ids, use_cache=False, prefill_chunk_size=0).logits
+        logits = [out.logits[:, -1:]]
+        for t in range(8, 23):
+            if t == 15:  # new storage for every parameter: the captured addresses are stale
+                model.to(torch.float32).to(torch.bfloat16)
+            logits.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits)
+        assert cache.layers[3].capacity == capacity and cache.graphs
+        # grow past the preallocated rows: the graph is dropped, the step runs eagerly, the next one recaptures
+        for _ in range(capacity - cache.get_seq_length() + 2):
+            model(ids[:, :1], cache=cache, use_cache=True)
+        assert cache.layers[3].capacity > capacity and cache.graphs
+    got = torch.cat(logits, 1).float()
+    torch.testing.assert_close(got, reference[:, 7:23].float(), rtol=0.05, atol=0.05)
+
+
+def test_greedy_generate_is_unchanged_by_graphs_chunking_and_the_latent_cache():
+    model = _model()
+    model.generation_config.eos_token_id = None
+    ids = _ids(2, 2, 150)
+    with torch.no_grad():
+        model.config.decode_cuda_graphs, model.config.prefill_chunk_size = False, 0
+        plain = model.generate(ids, max_new_tokens=32, do_sample=False, cache=DynamicCache(config=model.config))
+        model.config.decode_cuda_graphs, model.config.prefill_chunk_size = True, 37
+        fast = model.generate(ids, max_new_tokens=32, do_sample=False, prefill_chunk_size=None)
+    assert torch.equal(fast, plain)
+
+
+def test_beam_search_and_left_padding_with_graphs():
+    model = _model(dtype=torch.float32)
+    ids = _ids(3, 2, 20)
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    with torch.no_grad():
+        results = {}
+        for graphs in (False, True):
+            model.config.decode_cuda_graphs = graphs
+            results[graphs] = (
+                model.generate(ids, attention_mask=mask, max_new_tokens=12, num_beams=3, do_sample=False),
+                model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False),
+            )
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])
+
+
+def test_latent_cache_agrees_with_the_per_head_cache_in_bfloat16():
+    model = _model()
+    ids = _ids(4, 2, 300)
+    with torch.no_grad():
+        model.config.decode_cuda_graphs = False
+        out = model(ids[:, :280], use_cache=True)
+        per_head = model(ids[:, :280], cache=DynamicCache(config=model.config), use_cache=True)
+        a, b = out.cache, per_head.cache
+        la, lb = [], []
+        for t in range(280, 299):
+            la.append(model(ids[:, t : t + 1], cache=a, use_cache=True).logits.float())
+            lb.append(model(ids[:, t : t + 1], cache=b, use_cache=True).logits.float())
+    torch.testing.assert_close(torch.cat(la, 1), torch.cat(lb, 1), rtol=0.03, atol=0.03)
