@@ -72,6 +72,13 @@ class KDAMoEConfig(PreTrainedConfig):
             `"triton"`, `"fla"` or `"torch"` to force one. Any backend but `"torch"` needs `kda_head_dim` in
             {16, 32, 64, 128, 256}.
         use_cache (`bool`, defaults to True): return the cache from forward.
+        prefill_chunk_size (`int` or None, defaults to 32768): an inference forward (no grad) longer than this
+            many tokens per row runs in chunks of this length, carrying the KDA / conv states and the MLA latent
+            cache between them, so activation memory is bounded by the chunk (docs/long-context.md); `0` or
+            None runs every forward in one pass. `forward(..., prefill_chunk_size=...)` overrides it per call.
+        decode_cuda_graphs (`bool`, defaults to True): one-token decode steps on CUDA with the Triton kernels
+            and a `KDAMoECache` replay a captured CUDA graph (the first step on a cache runs eagerly as warm-up);
+            False runs every step eagerly.
 
     Raises:
         ValueError: naming the field, for a bad `layer_types`, `num_experts_per_tok`, `kda_lower_bound`,
@@ -127,6 +134,8 @@ class KDAMoEConfig(PreTrainedConfig):
         router_aux_loss_coef=0.0,
         kernel_backend="auto",
         use_cache=True,
+        prefill_chunk_size=32768,
+        decode_cuda_graphs=True,
         pad_token_id=None,
         bos_token_id=None,
         eos_token_id=None,
@@ -172,6 +181,8 @@ class KDAMoEConfig(PreTrainedConfig):
         self.router_aux_loss_coef = router_aux_loss_coef
         self.kernel_backend = kernel_backend
         self.use_cache = use_cache
+        self.prefill_chunk_size = prefill_chunk_size
+        self.decode_cuda_graphs = decode_cuda_graphs
         # Names transformers' attention utilities look for (MLA expands K/V per head: no grouping).
         self.num_key_value_heads = num_attention_heads
         self.head_dim = self.qk_head_dim
@@ -244,7 +255,10 @@ class KDAMoEConfig(PreTrainedConfig):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}")
-        for name in ("tie_word_embeddings", "output_router_logits", "use_cache"):
+        chunk = self.prefill_chunk_size
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0):
+            raise ValueError(f"`prefill_chunk_size` must be None or an integer >= 0 (0 = no chunking), got {chunk!r}")
+        for name in ("tie_word_embeddings", "output_router_logits", "use_cache", "decode_cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
         if self.kernel_backend != "torch" and self.kda_head_dim not in KERNEL_HEAD_DIMS:

@@ -30,6 +30,7 @@ from transformers.integrations import use_kernel_forward_from_hub
 from transformers.utils import logging
 
 from .kda_torch import causal_conv1d_torch, chunk_kda_torch, conv_final_state, recurrent_kda_torch
+from .mla_torch import latent_attention_torch
 from .moe_torch import moe_experts_torch, moe_route_torch
 
 logger = logging.get_logger(__name__)
@@ -114,6 +115,22 @@ def resolve(backend: str, device: torch.device, op: str) -> str:
     have_kdamoe = kernels is not None and hasattr(kernels, op)
     have_fla = op in _FLA_OPS and getattr(fla_kernels(), op, None) is not None
     return select_backend(backend, device.type, have_kdamoe, have_fla, _interpreter_on())
+
+
+# The ops of a one-token decode step. Their kdamoe kernels read no device value on the host, which is what lets the
+# step be captured in a CUDA graph (decode_graph.py); fla's and the PyTorch ops are not checked for that.
+_DECODE_OPS = ("causal_conv1d", "fused_recurrent_kda", "moe_route", "moe_experts", "latent_attention")
+
+
+def decode_graphs_supported(backend: str, device: torch.device) -> bool:
+    """True when every op of a decode step runs a kdamoe kernel on ``device`` (CUDA only): the condition for
+    replaying decode steps from a CUDA graph."""
+    if device.type != "cuda":
+        return False
+    try:
+        return all(resolve(backend, device, op) == "kdamoe" for op in _DECODE_OPS)
+    except (RuntimeError, ValueError):
+        return False
 
 
 
@@ -267,3 +284,13 @@ def moe_route_op(backend: str, device: torch.device):
     if resolve(backend, device, "moe_route") == "kdamoe":
         return kdamoe_kernels().moe_route
     return moe_route_torch
+
+
+# ----------------------------------------------------------------------------------------------------
+# MLA latent attention (TEMPORARY until the kernel branch lands)
+# ----------------------------------------------------------------------------------------------------
+def latent_attention(q, latent, seq_len, scale, key_mask=None, *, backend="auto"):
+    """See ``mla_torch.latent_attention_torch``."""
+    if resolve(backend, q.device, "latent_attention") == "kdamoe":
+        return kdamoe_kernels().latent_attention(q, latent, seq_len, scale, key_mask)
+    return latent_attention_torch(q, latent, seq_len, scale, key_mask)

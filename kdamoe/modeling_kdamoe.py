@@ -7,12 +7,14 @@ Formulas and their sources are in docs/architecture.md and in the flat modules t
 ``kernel_dispatch`` alone.
 """
 
+import contextlib
 import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
@@ -32,7 +34,17 @@ from transformers.utils import can_return_tuple, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_kdamoe import KDAMoEConfig
-from .kernel_dispatch import causal_conv1d, chunk_kda, fused_recurrent_kda, moe_experts_op, moe_route_op
+from .cache_kdamoe import KDAMoECache, KDAMoELatentCacheLayer
+from .decode_graph import DecodeGraph
+from .kernel_dispatch import (
+    causal_conv1d,
+    chunk_kda,
+    decode_graphs_supported,
+    fused_recurrent_kda,
+    latent_attention,
+    moe_experts_op,
+    moe_route_op,
+)
 from .moe_torch import GLUActivation, moe_experts_torch
 from .quantile_balancing import all_reduce_sum, histogram_range, quantile_balancing_update, sign_update
 
@@ -219,10 +231,20 @@ class KDAMoEDeltaAttention(nn.Module):
 class KDAMoEAttention(nn.Module):
     """MLA with NoPE (DeepSeek-V2 §2.1 without the decoupled RoPE; Kimi Linear report).
 
-    ``q = W_q x`` (or ``W_qb RMSNorm(W_qa x)``), latent ``c = RMSNorm(W_dkv x)`` of width
-    ``kv_lora_rank``, per head ``k = W_uk c``, ``v = W_uv c`` (fused as ``kv_b_proj``), causal softmax
-    attention scaled by ``qk_head_dim^-1/2`` through transformers' attention interface (eager, sdpa).
-    Keys/values are cached per head in the ``DynamicCache``.
+    ``q = W_q x`` (or ``W_qb RMSNorm(W_qa x)``), latent ``c = RMSNorm(W_dkv x)`` of width ``kv_lora_rank``, per head
+    ``k = W_uk c``, ``v = W_uv c`` (fused as ``kv_b_proj``), causal softmax attention scaled by ``qk_head_dim^-1/2``.
+
+    Two exact ways to attend (docs/long-context.md):
+
+    * **expanded** (prefill, training, long continuations): the keys and values of every visible token are expanded
+      per head and attended with SDPA — a causal kernel aligned to the last query when a cache precedes the chunk, the
+      mask from transformers' utilities when there is padding, packing or ``attn_implementation="eager"``;
+    * **latent** (decoding, short continuations of a :class:`KDAMoECache`): with no positional encoding
+      ``q·k_t = (W_uk^T q)·c_t`` and ``Σ p_t v_t = W_uv (Σ p_t c_t)`` (DeepSeek-V2 §2.1.2), so the query is absorbed
+      into the latent space and the attention reads only the cached latents (``kernel_dispatch.latent_attention``).
+
+    With a :class:`KDAMoECache` the layer caches latents only; with a plain ``DynamicCache`` it caches per-head
+    keys and values as any transformers model.
     """
 
     def __init__(self, config: KDAMoEConfig, layer_idx: int):
@@ -248,24 +270,75 @@ class KDAMoEAttention(nn.Module):
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.qk_head_dim + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, d, bias=False)
 
-    def forward(self, hidden_states, attention_mask=None, cache: Cache | None = None, **kwargs) -> torch.Tensor:
+    def forward(self, hidden_states, masks: dict | None = None, cache: Cache | None = None, **kwargs):
+        """``hidden_states [B, T, d]`` → ``([B, T, d], attention weights or None)``.
+
+        ``masks`` (built by :class:`KDAMoEModel`): ``"full_attention"`` a 4-D mask or None (None = plain causal),
+        ``"latent"`` whether to attend in the latent space, ``"key_mask"`` the ``[B, ≥ past+T]`` padding mask the
+        latent path reads (or None).
+        """
+        masks = masks or {"full_attention": None, "latent": False, "key_mask": None}
         B, T, _ = hidden_states.shape
         if self.config.q_lora_rank is None:
             q = self.q_proj(hidden_states)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        q = q.view(B, T, self.num_heads, self.qk_head_dim).transpose(1, 2)
-        latent = self.kv_a_layernorm(self.kv_a_proj(hidden_states))
-        kv = self.kv_b_proj(latent).view(B, T, self.num_heads, self.qk_head_dim + self.v_head_dim).transpose(1, 2)
-        k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
-        if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
+        q = q.view(B, T, self.num_heads, self.qk_head_dim)
+        latent = self.kv_a_layernorm(self.kv_a_proj(hidden_states))  # [B, T, kv_lora_rank]
+        layer_cache = cache.layers[self.layer_idx] if cache is not None else None
+        if isinstance(layer_cache, KDAMoELatentCacheLayer):
+            latent, _ = layer_cache.update(latent)  # every visible latent, [B, past + T, R]
+            if masks["latent"]:
+                return self._latent_attention(q, layer_cache, masks["key_mask"]), None
 
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        out, attn_weights = attention_interface(self, q, k, v, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs)
+        kv = self.kv_b_proj(latent).view(B, -1, self.num_heads, self.qk_head_dim + self.v_head_dim).transpose(1, 2)
+        k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
+        if layer_cache is not None and not isinstance(layer_cache, KDAMoELatentCacheLayer):
+            k, v = cache.update(k, v, self.layer_idx)  # a per-head DynamicCache passed by the user
+        q = q.transpose(1, 2)
+        mask = masks["full_attention"]
+        if mask is None and self.config._attn_implementation == "sdpa":
+            out, attn_weights = _causal_sdpa(q, k, v, self.scaling), None
+        else:
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+            out, attn_weights = attention_interface(self, q, k, v, mask, scaling=self.scaling, dropout=0.0, **kwargs)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.v_head_dim)), attn_weights
+
+    def _absorbed_weights(self, like: torch.Tensor) -> torch.Tensor:
+        """``[R, H, qk_head_dim + v_head_dim]``: ``kv_b_proj`` applied to the identity, i.e. its effective weight —
+        also when PEFT wraps the projection (a LoRA delta is linear too)."""
+        R = self.config.kv_lora_rank
+        eye = torch.eye(R, dtype=like.dtype, device=like.device)
+        return self.kv_b_proj(eye).view(R, self.num_heads, self.qk_head_dim + self.v_head_dim)
+
+    def _latent_attention(self, q, layer_cache, key_mask) -> torch.Tensor:
+        B, T = q.shape[:2]
+        w = self._absorbed_weights(q)
+        w_uk, w_uv = w[..., : self.qk_head_dim], w[..., self.qk_head_dim :]
+        q_latent = torch.einsum("bthd,rhd->bthr", q, w_uk)
+        seq_len = layer_cache.cache.past_length + T
+        latents = layer_cache.latents  # under autocast the normed latent is float32 while q is not
+        o_latent = latent_attention(
+            q_latent.to(latents.dtype), latents, seq_len, self.scaling, key_mask, backend=self.config.kernel_backend
+        )
+        out = torch.einsum("bthr,rhv->bthv", o_latent.to(w_uv.dtype), w_uv)
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.v_head_dim))
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal SDPA of ``q [B, H, T, D]`` over ``k, v [B, H, S, D]`` (``S ≥ T``: the last ``T`` keys are the queries'
+    own), the causal diagonal aligned to the last query — no mask tensor, so a chunk after a long cache runs the
+    fused kernels. Returns ``[B, T, H, Dv]`` like transformers' attention functions."""
+    T, S = q.shape[-2], k.shape[-2]
+    if S == T:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=scaling)
+    elif T == 1:
+        out = F.scaled_dot_product_attention(q, k, v, scale=scaling)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), scale=scaling)
+    return out.transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -509,7 +582,7 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
     def _mix(self, hidden_states, attention_mask, cache, packed, **kwargs):
         if self.layer_type == "linear_attention":
             return self.self_attn(hidden_states, attention_mask["linear_attention"], cache, packed)
-        out, _ = self.self_attn(hidden_states, attention_mask["full_attention"], cache, **kwargs)
+        out, _ = self.self_attn(hidden_states, attention_mask, cache, **kwargs)
         return out
 
     def _mlp(self, hidden_states, token_mask):
@@ -527,7 +600,8 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
         token_mask: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        attention_mask = attention_mask or {"linear_attention": None, "full_attention": None}
+        attention_mask = attention_mask or {"linear_attention": None, "full_attention": None, "latent": False,
+                                            "key_mask": None}
         if not self.use_attnres:
             residual = hidden_states
             mixed = self._mix(self.input_layernorm(hidden_states), attention_mask, cache, packed, **kwargs)
@@ -725,6 +799,12 @@ def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, posi
         raise ValueError(f"`position_ids` has shape {list(position_ids.shape)}; expected [{B}, {T}]")
 
 
+# Continuations of a KDAMoECache up to this many tokens per row attend in the latent space (decode steps, short
+# tool-result turns); longer ones expand keys / values per head, where SDPA's fused kernels win (the latent path costs
+# (R + R) / (qk + v) = 2x the FLOPs of the expanded one for the preset's R = 256, qk = v = 128).
+LATENT_ATTENTION_MAX_TOKENS = 64
+
+
 def _last_document_start(packed: dict, past: int) -> int:
     """Key position (cached tokens included) where every row's last packed document starts.
 
@@ -774,26 +854,34 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         past_key_values: Cache | None = None,
+        prefill_chunk_size: int | None = None,
         **kwargs,
     ) -> MoeModelOutputWithPast:
         """Run the stack. Inputs ``input_ids [B, T]`` (or ``inputs_embeds [B, T, d]``), optional 2-D
         ``attention_mask [B, past+T]`` (1 = token, 0 = padding) and ``position_ids [B, T]`` (restarts at 0
         mark packed documents when no mask is given; honoured with or without a cache). ``use_cache``
         defaults to ``config.use_cache`` except in a training forward (training mode with grad enabled),
-        which builds no cache. Returns ``last_hidden_state [B, T, d]``, the ``cache`` and, when asked,
-        ``router_logits`` (tuple of ``[B·T, E]`` float32, one per MoE layer), ``attentions`` (eager
-        attention only: one ``[B, H, T, past+T]`` per MLA layer; KDA layers have no attention matrix) and
-        ``hidden_states`` (``L + 1`` tensors ``[B, T, d]``: the embeddings, the residual stream after each
-        layer — with Block AttnRes the sum of the embeddings and every sublayer output so far — and, last,
-        the final normed state equal to ``last_hidden_state``).
+        which builds no cache; the cache built is a :class:`KDAMoECache` (latent-only MLA layers).
+        ``prefill_chunk_size`` (default ``config.prefill_chunk_size``; 0 = off): a forward without grad longer
+        than this runs in chunks of that many tokens, with the same result (docs/long-context.md); packed inputs
+        and forwards with grad always run in one pass (autograd keeps every chunk's activations anyway).
+
+        Returns ``last_hidden_state [B, T, d]``, the ``cache`` and, when asked, ``router_logits`` (tuple of
+        ``[B·T, E]`` float32, one per MoE layer), ``attentions`` (eager attention only: one ``[B, H, T, past+T]``
+        per MLA layer; KDA layers have no attention matrix) and ``hidden_states`` (``L + 1`` tensors ``[B, T, d]``:
+        the embeddings, the residual stream after each layer — with Block AttnRes the sum of the embeddings and
+        every sublayer output so far — and, last, the final normed state equal to ``last_hidden_state``).
 
         Raises:
-            ValueError: for malformed inputs (see :func:`validate_model_inputs`) or ``output_attentions=True``
-                with an attention implementation that returns no weights.
+            ValueError: for malformed inputs (see :func:`validate_model_inputs`), a bad ``prefill_chunk_size``,
+                ``output_attentions=True`` with an attention implementation that returns no weights, or router
+                logits / attention weights asked of a chunked forward.
         """
         cache = cache if cache is not None else past_key_values
-        kwargs.pop("output_router_logits", None)  # recorded by capture_outputs
-        if kwargs.pop("output_attentions", self.config.output_attentions) and self.config._attn_implementation != "eager":
+        want_router = kwargs.pop("output_router_logits", None)  # recorded by capture_outputs
+        want_router = self.config.output_router_logits if want_router is None else want_router
+        want_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
+        if want_attentions and self.config._attn_implementation != "eager":
             raise ValueError(
                 f"output_attentions=True needs attn_implementation='eager' (got {self.config._attn_implementation!r}, "
                 "which returns no weights); only the MLA layers have attention weights"
@@ -805,33 +893,101 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         if not use_cache:
             cache = None
         has_full_attention = "full_attention" in self.config.layer_types
+        managed = isinstance(cache, KDAMoECache) and cache.step_managed  # a DecodeGraph capturing this step
         # Only attention layers count cached tokens; without one the cache cannot tell (None; NoPE needs no
         # position, so only the mask-length check is relaxed).
         past = 0
         if cache is not None:
             past = cache.get_seq_length() if has_full_attention else None
-        validate_model_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past)
+        if not managed:  # the graph validates the real ids before each replay
+            validate_model_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past)
+            rows = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+            if isinstance(cache, KDAMoECache) and cache.batch_size not in (None, rows):
+                raise ValueError(
+                    f"the cache holds {cache.batch_size} rows but the inputs have batch size {rows}; pass a cache of "
+                    "this batch (or reorder / select its rows first)"
+                )
+        past = past or 0
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
+        chunk = self.config.prefill_chunk_size if prefill_chunk_size is None else prefill_chunk_size
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0):
+            raise ValueError(f"prefill_chunk_size must be None or an integer >= 0 (0 = no chunking), got {chunk!r}")
+        B, T = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=device).unsqueeze(0)
+        position_ids = position_ids.expand(B, T)
+        packed = attention_mask is None and T > 1 and bool((position_ids[:, 1:] == 0).any())
+        mask_4d = attention_mask is not None and attention_mask.dim() == 4  # a custom mask, passed through as is
+        chunked = bool(chunk) and T > chunk and not packed and not mask_4d and not torch.is_grad_enabled()
+        if chunked and (want_router or want_attentions):
+            raise ValueError(
+                f"router logits and attention weights are not collected by a chunked forward ({T} tokens > "
+                f"prefill_chunk_size={chunk}); pass prefill_chunk_size=0 to run it in one pass"
+            )
+        if use_cache and cache is None:
+            cache = KDAMoECache(self.config)
+        if attention_mask is not None and not mask_4d and not managed and T > 1 and bool(attention_mask.all()):
+            attention_mask = None  # no padding: the plain causal kernels apply
+        run_cache = cache if cache is not None or not chunked else KDAMoECache(self.config)  # carries the chunks
+
+        if not chunked:
+            hidden_states, all_hidden_states = self._forward_tokens(
+                input_ids, inputs_embeds, attention_mask, position_ids, run_cache, past, packed, output_hidden_states,
+                kwargs,
+            )
+        else:
+            hidden_states, per_chunk = None, []
+            for start in range(0, T, chunk):
+                end = min(T, start + chunk)
+                ids = input_ids[:, start:end] if input_ids is not None else None
+                embeds = inputs_embeds[:, start:end] if inputs_embeds is not None else None
+                mask = attention_mask[:, : past + end] if attention_mask is not None else None
+                out, states = self._forward_tokens(
+                    ids, embeds, mask, position_ids[:, start:end], run_cache, past + start, False,
+                    output_hidden_states, kwargs,
+                )
+                if hidden_states is None:
+                    hidden_states = out.new_empty(B, T, out.shape[-1])
+                hidden_states[:, start:end] = out
+                per_chunk.append(states)
+            all_hidden_states = [torch.cat(layer_states, 1) for layer_states in zip(*per_chunk)]
+
+        hidden_states_out = None
+        if output_hidden_states:
+            hidden_states_out = tuple(all_hidden_states[:-1]) + (hidden_states,)
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache, hidden_states=hidden_states_out)
+
+    def _forward_tokens(self, input_ids, inputs_embeds, attention_mask, position_ids, cache, past, packed,
+                        output_hidden_states, kwargs):
+        """One pass of the stack over ``T`` tokens per row after ``past`` cached ones; returns ``(normed hidden
+        states [B, T, d], the per-layer hidden states or [])``. ``attention_mask`` is None (no padding) or 2-D."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         B, T, _ = inputs_embeds.shape
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        past = past or 0
-        if position_ids is None:
-            position_ids = torch.arange(past, past + T, device=inputs_embeds.device).unsqueeze(0)
-        position_ids = position_ids.expand(B, T)
+        packed = packed_sequence_info(position_ids) if packed else None
+        latent_cache = isinstance(cache, KDAMoECache)
+        managed = latent_cache and cache.step_managed
+        mask_2d = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        if mask_2d is not None and mask_2d.dtype.is_floating_point:
+            mask_2d = mask_2d != 0  # the latent kernel reads an integer / bool padding mask
+        if latent_cache and not managed:
+            cache.begin_forward(T, inputs_embeds.device)
 
-        packed = None
-        if attention_mask is None and T > 1 and bool((position_ids[:, 1:] == 0).any()):
-            packed = packed_sequence_info(position_ids)
         masks = {
             "linear_attention": create_recurrent_attention_mask(self.config, inputs_embeds, attention_mask, cache),
             "full_attention": None,
+            # Short continuations of a latent cache attend in the latent space (reads R values per cached token
+            # instead of H·(qk + v)); the kernel takes the 2-D padding mask itself.
+            "latent": latent_cache and T <= LATENT_ATTENTION_MAX_TOKENS and packed is None
+            and self.config._attn_implementation != "eager" and (attention_mask is None or mask_2d is not None),
+            "key_mask": kwargs.get("latent_key_mask", mask_2d),
         }
-        if has_full_attention:
+        if "full_attention" in self.config.layer_types and not masks["latent"] and (
+            attention_mask is not None or packed is not None or self.config._attn_implementation != "sdpa"
+        ):
             same_document = None
             if packed is not None:
                 doc_ids = packed["seq_idx"]
@@ -843,19 +999,20 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
                 and_mask_function=same_document,
             )
         token_mask = None
-        if attention_mask is not None and attention_mask.dim() == 2:
-            token_mask = attention_mask[:, -T:].reshape(-1).bool()
+        if mask_2d is not None:
+            token_mask = mask_2d[:, -T:].reshape(-1).bool()
         keep_from = None
-        if packed is not None and cache is not None and has_full_attention:
+        if packed is not None and cache is not None and "full_attention" in self.config.layer_types:
             keep_from = _last_document_start(packed, past)
 
         layer_kwargs = dict(attention_mask=masks, cache=cache, packed=packed, token_mask=token_mask)
-        all_hidden_states = [inputs_embeds]
+        all_hidden_states = [inputs_embeds] if output_hidden_states else []
         if self.config.attnres_num_blocks == 0:
             hidden_states = inputs_embeds
             for layer in self.layers:
                 hidden_states = layer(hidden_states, None, **layer_kwargs)
-                all_hidden_states.append(hidden_states)
+                if output_hidden_states:
+                    all_hidden_states.append(hidden_states)
         else:
             blocks, partial = [inputs_embeds], None
             block_size = self.config.attnres_block_size
@@ -868,18 +1025,20 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
                     partial = None
             hidden_states = self.final_res(torch.stack(blocks))
 
+        if latent_cache and not managed:
+            cache.end_forward(T)
         if keep_from:
             # A cache continues each row's last document only (the KDA and conv states already are that
             # document's); drop the earlier documents' keys/values so later steps cannot attend to them.
             for i, layer_type in enumerate(self.config.layer_types):
-                if layer_type == "full_attention":
+                if layer_type != "full_attention":
+                    continue
+                if isinstance(cache.layers[i], KDAMoELatentCacheLayer):
+                    cache.layers[i].drop_first(keep_from)
+                else:
                     cache.layers[i].keys = cache.layers[i].keys[:, :, keep_from:]
                     cache.layers[i].values = cache.layers[i].values[:, :, keep_from:]
-        hidden_states = self.norm(hidden_states)
-        hidden_states_out = None
-        if output_hidden_states:
-            hidden_states_out = tuple(all_hidden_states[:-1]) + (hidden_states,)
-        return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache, hidden_states=hidden_states_out)
+        return self.norm(hidden_states), all_hidden_states
 
 
 class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
@@ -923,16 +1082,25 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
         output_router_logits = (
             output_router_logits if output_router_logits is not None else self.config.output_router_logits
         )
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache if cache is not None else past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_router_logits=output_router_logits,
-            **kwargs,
-        )
+        cache = cache if cache is not None else past_key_values
+        if self._decode_graph_applies(input_ids, inputs_embeds, attention_mask, cache, labels, use_cache,
+                                      output_router_logits, logits_to_keep, kwargs):
+            return MoeCausalLMOutputWithPast(logits=self._graph_decode(input_ids, attention_mask, cache), cache=cache)
+        warm_up = self._decode_graph_applies(input_ids, inputs_embeds, attention_mask, cache, labels, use_cache,
+                                             output_router_logits, logits_to_keep, kwargs, warm_up=True)
+        with _capture_stream(cache) if warm_up else contextlib.nullcontext():
+            outputs = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                inputs_embeds=inputs_embeds,
+                use_cache=use_cache,
+                output_router_logits=output_router_logits,
+                **kwargs,
+            )
+        if isinstance(outputs.cache, KDAMoECache) and (input_ids if input_ids is not None else inputs_embeds).shape[1] == 1:
+            outputs.cache.decode_steps += 1
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])
@@ -950,6 +1118,78 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
             loss=loss, aux_loss=aux_loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
             attentions=outputs.attentions, router_logits=outputs.router_logits,
         )
+
+    # ------------------------------------------------------------------------------------------------
+    # Decoding: the latent cache for generate(), and one-token steps replayed from a CUDA graph
+    # ------------------------------------------------------------------------------------------------
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        """``generate()`` builds a :class:`KDAMoECache` preallocated to its ``max_length`` unless the user passed a
+        cache or asked for another ``cache_implementation`` (then transformers decides, as for any model)."""
+        if (model_kwargs.get("cache") is None and generation_config.use_cache is not False
+                and generation_config.cache_implementation in (None, "dynamic")):
+            model_kwargs["cache"] = KDAMoECache(self.config, max_cache_len=max_cache_length)
+            return
+        return super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )
+
+    def _decode_graph_applies(self, input_ids, inputs_embeds, attention_mask, cache, labels, use_cache,
+                              output_router_logits, logits_to_keep, kwargs, warm_up: bool = False) -> bool:
+        """Whether this forward is a one-token inference step that a CUDA graph can replay (``warm_up``: the first
+        such step on the cache, run eagerly on the capture stream). Anything unusual runs eagerly."""
+        if not (self.config.decode_cuda_graphs and isinstance(cache, KDAMoECache) and input_ids is not None
+                and inputs_embeds is None and input_ids.dim() == 2 and input_ids.shape[1] == 1 and input_ids.is_cuda):
+            return False
+        if self.training or torch.is_grad_enabled() or labels is not None or use_cache is False or output_router_logits:
+            return False
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or self.config.output_hidden_states:
+            return False
+        if attention_mask is not None and attention_mask.dim() != 2:
+            return False
+        if not isinstance(logits_to_keep, int) or logits_to_keep not in (0, 1) or getattr(self, "_hf_hook", None):
+            return False
+        if torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
+            return False
+        if not decode_graphs_supported(self.config.kernel_backend, input_ids.device):
+            return False
+        if warm_up:
+            return cache.decode_steps == 0
+        past = cache.get_seq_length() if cache.latent_layers else 0
+        return cache.decode_steps > 0 and all(layer.capacity > past for layer in cache.latent_layers)
+
+    def _graph_decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: KDAMoECache):
+        """Validate the ids (one host sync, before the replay), capture the step if needed, replay it."""
+        past = cache.get_seq_length() if cache.latent_layers else None
+        validate_model_inputs(self.config, input_ids, None, attention_mask, None, past)
+        key = (input_ids.shape[0], attention_mask is not None)
+        graph = cache.graphs.get(key)
+        if graph is not None and not graph.valid_for(self):
+            cache.drop_graphs()
+            graph = None
+        if graph is None:
+            with _capture_stream(cache):
+                graph = cache.graphs[key] = DecodeGraph(self, cache, *key)
+        cache.decode_steps += 1
+        return graph.replay(input_ids, attention_mask)
+
+    def _decode_step(self, input_ids: torch.Tensor, cache: KDAMoECache, key_mask: torch.Tensor | None):
+        """The function a :class:`DecodeGraph` captures: the ordinary forward of one token, logits ``[B, 1, V]``."""
+        out = self.model(input_ids=input_ids, cache=cache, use_cache=True, latent_key_mask=key_mask)
+        return self.lm_head(out.last_hidden_state)
+
+
+@contextlib.contextmanager
+def _capture_stream(cache: KDAMoECache):
+    """Run on the cache's side stream, the one its graphs are captured on (PyTorch's recommended warm-up: the first
+    step's lazy initialisations — cuBLAS workspaces, Triton autotuning — then happen on the capture stream)."""
+    if cache.capture_stream is None:
+        cache.capture_stream = torch.cuda.Stream()
+    stream = cache.capture_stream
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
 
 
 class KDAMoEForSequenceClassification(KDAMoEPreTrainedModel):

@@ -1,0 +1,296 @@
+"""KDAMoE's generation cache: a latent-only MLA layer and in-place linear-attention states (transformers ``Cache`` API).
+
+Why a cache of our own (docs/long-context.md):
+
+* **MLA layers keep only the latent.** With no positional encoding, ``k_h = W_uk,h c`` and ``v_h = W_uv,h c`` are
+  linear in the latent ``c`` (DeepSeek-V2 §2.1.2, "absorbed" projections): the cache stores ``c [B, L, kv_lora_rank]``
+  per MLA layer instead of per-head keys and values (for the 1.68 B preset at 1M tokens: 2 GiB for four layers instead
+  of 16 GiB), and decoding attends in the latent space.
+* **Preallocated, written in place.** The latent buffer has room for ``max_cache_len`` tokens (``generate`` passes its
+  ``max_length``) and grows by one copy of the history with 1/8 headroom when a forward outgrows it, so a decode step
+  never copies the history, unlike ``DynamicLayer``'s concatenation.
+* **Fixed addresses.** Every update, beam reorder and reset writes into the same tensors, so a captured CUDA graph
+  of a decode step (``decode_graph.py``) stays valid; a change of shape (batch repeat / select, growth) drops the
+  graphs captured on this cache.
+
+The cache counts tokens on the host (``get_seq_length``) and mirrors the count at the start of the running forward in
+a device tensor, :attr:`KDAMoECache.past_length`, which the MLA layers read (so a graph replays with the current
+length). ``begin_forward`` / ``end_forward`` are called by the model around its layers, or by the decode graph around
+a replay.
+"""
+
+import torch
+from transformers.cache_utils import CacheLayerMixin, DynamicCache, LinearAttentionLayer
+
+# Latent rows are allocated in multiples of this (keeps the decode kernel's splits aligned and growth rare).
+_ALIGN = 256
+
+
+def _round_up(n: int, multiple: int = _ALIGN) -> int:
+    return -(-n // multiple) * multiple
+
+
+class KDAMoELatentCacheLayer(CacheLayerMixin):
+    """Latent-only cache of one MLA layer: ``latents [B, capacity, kv_lora_rank]``, the first ``length`` rows valid.
+
+    Follows ``CacheLayerMixin`` (``get_seq_length``, ``get_mask_sizes``, ``reorder_cache``, ``crop``,
+    ``batch_repeat_interleave``, ``batch_select_indices``, ``reset``); ``update(latent)`` appends like
+    ``DynamicLayer.update`` but returns ``(latents[:, :length], None)``, there being no separate values.
+
+    Args:
+        max_cache_len: rows to preallocate on the first update (at least what that update needs); ``None`` sizes the
+            buffer from the first update (its length plus 1/8, at least 256 rows of headroom).
+    """
+
+    is_compileable = False  # graphs are captured by kdamoe itself; transformers' compile path would build 4-D masks
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, max_cache_len: int | None = None, **kwargs):
+        super().__init__()
+        if max_cache_len is not None and max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be a positive number of tokens, got {max_cache_len}")
+        self.max_cache_len = max_cache_len
+        self.latents: torch.Tensor | None = None
+        self.length = 0
+        self.cache: "KDAMoECache | None" = None  # set by KDAMoECache, which owns the device length
+
+    # transformers reads `keys` to tell an initialised layer (offloading, `is_initialized`); the latent is our key.
+    @property
+    def keys(self):
+        return self.latents
+
+    @keys.setter
+    def keys(self, value):
+        if value is not None:
+            raise AttributeError("KDAMoELatentCacheLayer stores latents; write through update()")
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.latents is None else self.latents.shape[1]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def reserve(self, needed: int, like: torch.Tensor | None = None) -> bool:
+        """Make room for ``needed`` rows (one copy of the valid rows if the buffer grows); True if it moved."""
+        if self.latents is not None and needed <= self.capacity:
+            return False
+        if self.latents is None and like is None:
+            return False  # nothing known yet about batch, width, dtype; the first update allocates
+        ref = self.latents if self.latents is not None else like
+        if self.latents is None and self.max_cache_len is not None and needed <= self.max_cache_len:
+            capacity = _round_up(self.max_cache_len)
+        else:
+            capacity = _round_up(needed + max(_ALIGN, needed // 8))
+        grown = ref.new_empty(ref.shape[0], capacity, ref.shape[-1])
+        if self.latents is not None and self.length:
+            grown[:, : self.length].copy_(self.latents[:, : self.length])
+        self.latents = grown
+        if self.cache is not None:
+            self.cache.drop_graphs()
+        return True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs):
+        """Write ``key_states [B, T, R]`` (the new latents) at rows ``length … length+T−1``.
+
+        The rows are written at the device position :attr:`KDAMoECache.past_length` (so a CUDA graph replays at the
+        current length); the host count advances in :meth:`KDAMoECache.end_forward`. Returns
+        ``(latents[:, :length+T], None)``.
+
+        Raises:
+            ValueError: the batch size, width or dtype differs from the cached latents.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states)
+        B, T, R = key_states.shape
+        if self.latents is not None and (self.latents.shape[0] != B or self.latents.shape[2] != R
+                                         or self.latents.dtype != key_states.dtype):
+            raise ValueError(
+                f"the cache holds latents of shape [B={self.latents.shape[0]}, *, R={self.latents.shape[2]}] "
+                f"({self.latents.dtype}); got new latents {list(key_states.shape)} ({key_states.dtype})"
+            )
+        self.reserve(self.length + T, like=key_states)
+        position = self.cache.past_length + torch.arange(T, device=key_states.device)
+        self.latents.index_copy_(1, position, key_states)
+        return self.latents[:, : self.length + T], None
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1  # grows on demand
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def offload(self):
+        if self.latents is not None:
+            self.latents = self.latents.to("cpu", non_blocking=True)
+
+    def prefetch(self):
+        if self.latents is not None and self.latents.device != self.device:
+            self.latents = self.latents.to(self.device, non_blocking=True)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``b`` becomes row ``beam_idx[b]``, in place (the buffer keeps its address)."""
+        if self.length:
+            valid = self.latents[:, : self.length]
+            valid.copy_(valid.index_select(0, beam_idx.to(valid.device)))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def drop_first(self, n: int) -> None:
+        """Forget the first ``n`` tokens (a packed batch's earlier documents); the rest move to the front."""
+        if n > 0 and self.length:
+            kept = self.latents[:, n : self.length].clone()
+            self.latents[:, : kept.shape[1]].copy_(kept)
+            self.length = kept.shape[1]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.latents is not None:
+            self.latents = self.latents.repeat_interleave(repeats, dim=0)
+            self.cache.drop_graphs()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.latents is not None:
+            self.latents = self.latents[indices].contiguous()
+            self.cache.drop_graphs()
+
+
+class KDAMoELinearAttentionLayer(LinearAttentionLayer):
+    """transformers' ``LinearAttentionLayer`` (conv + recurrent state, updated in place) whose beam reorder also
+    writes in place, plus the batch repeat / select that the base class lacks."""
+
+    def _states(self):
+        for states, initialised in ((self.conv_states, self.is_conv_states_initialized),
+                                    (self.recurrent_states, self.is_recurrent_states_initialized)):
+            for i in range(self.number_of_states):
+                if initialised[i]:
+                    yield states, i
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        for states, i in self._states():
+            states[i].copy_(states[i].index_select(0, beam_idx.to(states[i].device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for states, i in self._states():
+            states[i] = states[i].repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for states, i in self._states():
+            states[i] = states[i][indices].contiguous()
+
+
+class KDAMoECache(DynamicCache):
+    """The cache KDAMoE builds by default (``forward(use_cache=True)``, ``generate``): one
+    :class:`KDAMoELinearAttentionLayer` per KDA layer and one :class:`KDAMoELatentCacheLayer` per MLA layer.
+
+    A ``DynamicCache`` in every respect transformers relies on (``get_seq_length``, ``get_mask_sizes``,
+    ``reorder_cache``, ``crop``, ``batch_repeat_interleave``, ``batch_select_indices``, ``reset``), so ``generate``,
+    beam search and multi-turn continuation (pass the returned cache with the new tokens) work unchanged. A plain
+    ``DynamicCache(config=...)`` passed by the user still works: the MLA layers then cache per-head keys and values.
+
+    Args:
+        config: the model's ``KDAMoEConfig`` (its ``layer_types``).
+        max_cache_len: tokens to preallocate per MLA layer (``generate`` passes its ``max_length``); the buffers grow
+            past it when needed.
+
+    Raises:
+        ValueError: an unknown entry in ``config.layer_types`` or a non-positive ``max_cache_len``.
+    """
+
+    def __init__(self, config, max_cache_len: int | None = None):
+        layers = []
+        for layer_type in config.layer_types:
+            if layer_type == "linear_attention":
+                layers.append(KDAMoELinearAttentionLayer())
+            elif layer_type == "full_attention":
+                layers.append(KDAMoELatentCacheLayer(max_cache_len=max_cache_len))
+            else:
+                raise ValueError(f"config.layer_types holds {layer_type!r}; expected 'linear_attention' or 'full_attention'")
+        super().__init__()
+        self.layers = layers
+        self.layer_class_to_replicate = None
+        for layer in self.latent_layers:
+            layer.cache = self
+        self.max_cache_len = max_cache_len
+        self.past_length: torch.Tensor | None = None  # [] int64 on the model's device: tokens before this forward
+        self.graphs: dict = {}  # decode_graph.DecodeGraph per (batch size, has_mask); dropped on any reshape
+        self.graph_pool = None
+        self.capture_stream = None  # the side stream the graphs are warmed up and captured on
+        self.tokens_seen = 0
+        self.decode_steps = 0  # one-token forwards run on this cache (the first one warms up the kernels)
+        self.step_managed = False  # True while a DecodeGraph captures: it does the bookkeeping itself
+
+    @property
+    def latent_layers(self) -> list[KDAMoELatentCacheLayer]:
+        return [layer for layer in self.layers if isinstance(layer, KDAMoELatentCacheLayer)]
+
+    def __iter__(self):
+        raise TypeError("KDAMoECache holds latents and recurrent states, not (key, value) pairs: it cannot be iterated")
+
+    @property
+    def batch_size(self) -> int | None:
+        """Rows the cached tensors hold, or None before the first forward."""
+        for layer in self.layers:
+            if isinstance(layer, KDAMoELatentCacheLayer) and layer.latents is not None:
+                return layer.latents.shape[0]
+            if isinstance(layer, KDAMoELinearAttentionLayer):
+                for states, i in layer._states():
+                    return states[i].shape[0]
+        return None
+
+    def drop_graphs(self) -> None:
+        """Forget the captured decode graphs (their buffers moved or changed shape)."""
+        self.graphs.clear()
+
+    def begin_forward(self, num_tokens: int, device: torch.device) -> None:
+        """Before a forward of ``num_tokens`` per row: publish the current length on ``device`` and make room.
+
+        ``fill_`` from a host integer costs no synchronisation.
+        """
+        if self.past_length is None or self.past_length.device != device:
+            self.past_length = torch.zeros((), dtype=torch.long, device=device)
+        past = self.get_seq_length() if self.latent_layers else 0
+        self.past_length.fill_(past)
+        for layer in self.latent_layers:
+            layer.reserve(past + num_tokens)
+
+    def end_forward(self, num_tokens: int) -> None:
+        """After the forward: the host count of every MLA layer advances by ``num_tokens``."""
+        for layer in self.latent_layers:
+            layer.length += num_tokens
+        self.tokens_seen += num_tokens
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens cached per row. Also answers for a model without MLA layers (transformers' ``Cache`` raises
+        there), from the tokens the forwards reported — ``generate``'s chunked prefill asks."""
+        if not self.latent_layers:
+            return self.tokens_seen
+        return super().get_seq_length(layer_idx)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        for layer in self.layers:
+            layer.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        self.drop_graphs()
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        super().batch_select_indices(indices)
+        self.drop_graphs()
+
+    def reset(self):
+        super().reset()
+        self.tokens_seen = 0
+        self.decode_steps = 0

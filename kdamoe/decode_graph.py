@@ -1,0 +1,68 @@
+"""One-token decode steps replayed from a captured CUDA graph (docs/long-context.md, "Decoding").
+
+A decode step of the 1.68 B preset is ~1,700 small kernels: launched one by one from Python its wall time is the
+host's, not the GPU's (150 ms of wall for 5 ms of GPU work before this module). A CUDA graph records the launches
+once and replays them with one call (NVIDIA, "CUDA Graphs", CUDA C++ Programming Guide §3.2.8.7).
+
+What makes the step capturable: every tensor it writes has a fixed address (the cache writes in place, see
+``cache_kdamoe``), the only values that change between steps live in device tensors (the token ids, the cache length
+``KDAMoECache.past_length``, the padding mask copied into :attr:`DecodeGraph.key_mask`), and no op in the step reads
+a device value on the host. The graph belongs to one cache and one batch size; it is dropped when the cache changes
+shape and re-captured when the model's parameters move (a new ``data_ptr``).
+
+The first one-token step on a cache runs eagerly (it autotunes the kernels and initialises every state); the second
+captures the graph, and every later step replays it.
+"""
+
+import torch
+
+
+class DecodeGraph:
+    """A captured ``model(input_ids [B, 1], cache=cache)`` returning logits ``[B, 1, vocab]``.
+
+    Args:
+        model: the ``KDAMoEForCausalLM`` (eval mode, no grad).
+        cache: the ``KDAMoECache`` whose buffers the graph writes.
+        batch_size: ``B``.
+        has_mask: whether steps pass a 2-D ``attention_mask`` (its first ``past + 1`` columns are copied into
+            :attr:`key_mask` before each replay; the MLA layers read it, the KDA layers need none for one token).
+    """
+
+    def __init__(self, model, cache, batch_size: int, has_mask: bool):
+        self.cache = cache
+        self.has_mask = has_mask
+        self.param_ptrs = _param_ptrs(model)
+        device = model.device
+        self.input_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        capacity = max((layer.capacity for layer in cache.latent_layers), default=0)
+        self.key_mask = torch.ones(batch_size, max(capacity, 1), dtype=torch.int8, device=device) if has_mask else None
+        if cache.graph_pool is None:
+            cache.graph_pool = torch.cuda.graph_pool_handle()
+        self.graph = torch.cuda.CUDAGraph()
+        cache.begin_forward(1, device)  # the length tensor and the room the step writes into (not recorded)
+        cache.step_managed = True
+        try:
+            with torch.cuda.graph(self.graph, pool=cache.graph_pool, stream=cache.capture_stream):
+                self.logits = model._decode_step(self.input_ids, cache, self.key_mask)
+        finally:
+            cache.step_managed = False
+
+    def valid_for(self, model) -> bool:
+        """Whether the parameters the graph reads are still the model's (same storage)."""
+        return self.param_ptrs == _param_ptrs(model)
+
+    def replay(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Run one step: ``input_ids [B, 1]`` int64, ``attention_mask [B, past + 1]`` (or None) → logits (a copy)."""
+        cache = self.cache
+        past = cache.get_seq_length() if cache.latent_layers else 0
+        cache.begin_forward(1, input_ids.device)
+        self.input_ids.copy_(input_ids)
+        if self.has_mask:
+            self.key_mask[:, : past + 1].copy_(attention_mask[:, : past + 1])
+        self.graph.replay()
+        cache.end_forward(1)
+        return self.logits.clone()
+
+
+def _param_ptrs(model) -> tuple[int, ...]:
+    return tuple(p.data_ptr() for p in model.parameters())
