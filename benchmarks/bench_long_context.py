@@ -176,8 +176,10 @@ def make_rows(raw: dict) -> list[dict]:
         value = _num(entry, field)
         return None if value is None else (value * 1e3 if field == "s" else value)
 
-    def why(entry):
-        return entry if isinstance(entry, str) else (entry or {}).get("error", "").strip().splitlines()[-1:] or None
+    def why(entry):  # a skip's reason, or the last line of an error
+        if isinstance(entry, str):
+            return entry
+        return entry["error"].strip().splitlines()[-1] if isinstance(entry, dict) and "error" in entry else None
 
     lengths = sorted({int(k.split("_T")[1]) for k in ours.keys() | native.keys() if k.startswith("prefill_T")
                       and "_chunk" not in k})
@@ -251,13 +253,15 @@ def render_markdown(doc: dict) -> str:
         lines.append(f"| {name} | {_fmt(r['ours_ms'], 4)} | {r['peer']} | {_fmt(r['peer_ms'], 4)} | "
                      f"{_fmt(r['ratio'])} | {_fmt(r.get('ours_peak_gib'))} | {_fmt(r.get('peer_peak_gib'))} | "
                      f"{note[:160]} |")
-    lines += ["", "## Decode details", "", "| model | case | median ms | min ms | max ms | rows agree | cache expanded by |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "## Decode details", "",
+              "| model | case | median ms | min ms | max ms | rows agree | graphs captured | cache expanded by |",
+              "|---|---|---|---|---|---|---|---|"]
     for model in ("kdamoe", "native"):
         for key, e in raw.get(model, {}).items():
             if key.startswith("decode_b") and isinstance(e, dict) and "median_ms" in e:
                 lines.append(f"| {model} | {key} | {_fmt(e['median_ms'], 4)} | {_fmt(min(e['steps_ms']), 4)} | "
-                             f"{_fmt(max(e['steps_ms']), 4)} | {e.get('rows_agree', '—')} | {e.get('cache_expand', '—')} |")
+                             f"{_fmt(max(e['steps_ms']), 4)} | {e.get('rows_agree', '—')} | "
+                             f"{_fmt(e.get('graphs_captured'))} | {e.get('cache_expand', '—')} |")
     floor = raw.get("floor", {}).get("sdpa")
     if isinstance(floor, dict):
         lines += ["", "## Floor: the MLA layers' causal attention alone", "",
@@ -409,7 +413,8 @@ def decode(bench: Bench, model, cache, token: torch.Tensor, warmup: int, steps: 
     """``warmup + steps`` one-token steps, each one's greedy token fed to the next; wall time per step between
     two synchronizations. Returns ``({"median_ms", "steps_ms", "warmup", "rows_agree"}, cache, last token)``;
     ``rows_agree``: every row chose the same token at every step (the rows of an expanded cache are copies, so
-    a row that drifts points at a broken expansion or a stale captured graph)."""
+    a row that drifts points at a broken expansion or a stale captured graph); ``graphs_captured``: how many
+    decode graphs the cache holds afterwards (``None`` for a cache without them)."""
     times, agree = [], True
     for i in range(warmup + steps):
         bench.sync()
@@ -421,7 +426,9 @@ def decode(bench: Bench, model, cache, token: torch.Tensor, warmup: int, steps: 
             times.append((time.perf_counter() - t0) * 1e3)
         agree = agree and bool((token == token[:1]).all())
         cache = out.cache
-    return {"median_ms": statistics.median(times), "steps_ms": times, "warmup": warmup, "rows_agree": agree}, cache, token
+    graphs = getattr(cache, "graphs", None)  # KDAMoECache: the captured decode graphs (none: every step ran eagerly)
+    return {"median_ms": statistics.median(times), "steps_ms": times, "warmup": warmup, "rows_agree": agree,
+            "graphs_captured": None if graphs is None else len(graphs)}, cache, token
 
 
 def expand_cache(cache, batch: int, repeats: int) -> str:
@@ -465,9 +472,11 @@ def run_model(bench: Bench, name: str) -> None:
         info = {"params": sum(p.numel() for p in model.parameters()),
                 "attn_implementation": getattr(model.config, "_attn_implementation", None)}
         if name == "kdamoe":
-            info["prefill_chunk_size"] = getattr(model.config, "prefill_chunk_size", None)
-            info["decode_cuda_graphs"] = getattr(model.config, "decode_cuda_graphs", None)
-            rec.settings["kdamoe_prefill_chunk"] = info["prefill_chunk_size"]
+            info["config_prefill_chunk_size"] = model.config.prefill_chunk_size
+            if a.chunk is not None:
+                model.config.prefill_chunk_size = a.chunk
+            info["prefill_chunk_size"] = rec.settings["kdamoe_prefill_chunk"] = model.config.prefill_chunk_size
+            info["decode_cuda_graphs"] = model.config.decode_cuda_graphs
         rec.put(name, "model", info)
         print(name, info, flush=True)
     except Exception:
@@ -476,12 +485,8 @@ def run_model(bench: Bench, name: str) -> None:
     chunk = getattr(model.config, "prefill_chunk_size", None) or 0
     per_token = 35.0 / M if name == "native" else 30.0 / M  # prefill seconds per token for the deadline (1M: 31 s / 22 s)
     step_s = 0.25 if name == "native" else 0.05  # decode seconds per step, B=8 at 128K, generous
-    try:  # compile and autotune outside the timed calls: a prefill past the chunk, and decode steps
-        warm_T = a.warm_t if not chunk else chunk + a.warm_t
-        stats, out = prefill(bench, model, warm_T)
-        _, cache, tok = decode(bench, model, out.cache, out.logits[:, -1:].argmax(-1), a.warmup, 1)
-        rec.put(name, "warmup", {"T": warm_T, "s": stats["s"]})
-        del out, cache, tok
+    try:
+        warm_up(bench, model, a.warm_t if not chunk else chunk + a.warm_t, name)
     except Exception:
         rec.error(name, "warmup")
     bench.free()
@@ -494,6 +499,7 @@ def run_model(bench: Bench, name: str) -> None:
         try:
             stats, out = prefill(bench, model, T)
             stats["chunk"] = chunk if name == "kdamoe" else None
+            stats["cache_class"] = type(out.cache).__name__
             if T in a.prefill_t:
                 rec.put(name, key, stats)
             print(name, "prefill", label(T), f"{stats['s']:.2f} s, peak {stats['peak_gib']} GiB", flush=True)
@@ -527,6 +533,28 @@ def run_model(bench: Bench, name: str) -> None:
     bench.free()
 
 
+def warm_up(bench: Bench, model, T: int, name: str) -> None:
+    """Compile and autotune outside the timed calls: a prefill of ``T`` tokens (past kdamoe's chunk, so a chunk that
+    continues a cache runs too), decode steps at B=1 as a user runs them (kdamoe: eager, then graph capture and
+    replay), then eager steps at B=``--batch``. The eager B=8 steps are there because a ``KDAMoECache`` expanded
+    after decode steps captures its B=8 graph on the first B=8 step, with no eager step at that batch size before
+    it, so any kernel that autotunes for the new shape would do so inside the capture."""
+    a = bench.args
+    stats, out = prefill(bench, model, T)
+    _, cache, tok = decode(bench, model, out.cache, out.logits[:, -1:].argmax(-1), a.warmup, 1)
+    del out
+    expand_cache(cache, 1, a.batch)
+    graphs = getattr(model.config, "decode_cuda_graphs", None)
+    try:
+        if graphs is not None:
+            model.config.decode_cuda_graphs = False
+        decode(bench, model, cache, tok.repeat_interleave(a.batch, 0), 1, 1)
+    finally:
+        if graphs is not None:
+            model.config.decode_cuda_graphs = graphs
+    bench.rec.put(name, "warmup", {"T": T, "s": stats["s"], "eager_batch": a.batch})
+
+
 def decode_set(bench: Bench, name: str, model, cache, tok, T: int, step_s: float):
     """After a prefill of ``T``: B=1 decode; kdamoe also eager at ``--eager-t``; then B=8 from the same cache."""
     a, rec = bench.args, bench.rec
@@ -540,7 +568,7 @@ def decode_set(bench: Bench, name: str, model, cache, tok, T: int, step_s: float
     except Exception:
         rec.error(name, key)
         return cache, tok
-    if name == "kdamoe" and T in a.eager_t and rec.need(name, key + "_eager", bench.est(n * step_s)):
+    if name == "kdamoe" and T in a.eager_t and rec.need(name, key + "_eager", bench.est(n * 0.25)):
         graphs = model.config.decode_cuda_graphs if hasattr(model.config, "decode_cuda_graphs") else None
         try:
             model.config.decode_cuda_graphs = False
@@ -817,6 +845,8 @@ def parse_args(argv=None):
     p.add_argument("--prefill-t", type=ints, default=None, help="prefill lengths (default 128K,512K,1M)")
     p.add_argument("--decode-t", type=ints, default=None, help="decode after these lengths (default 4K,128K,1M)")
     p.add_argument("--eager-t", type=ints, default=None, help="kdamoe eager decode after these (default 4K,1M)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="kdamoe's prefill_chunk_size (default: the config's; --tiny: 100)")
     p.add_argument("--chunk2", type=ints, default=ints(os.environ.get("LC_CHUNK2", "")),
                    help="kdamoe prefill chunk lengths to try at the longest length besides the default (env LC_CHUNK2)")
     p.add_argument("--batch", type=int, default=8, help="the batched decode's rows")
@@ -840,6 +870,8 @@ def parse_args(argv=None):
             setattr(a, name, value)
     if small and not a.chunk2:
         a.chunk2 = [48]
+    if small and a.chunk is None:
+        a.chunk = 100
     a.only = [x.strip() for x in a.only.split(",") if x.strip()]
     bad = [x for x in a.only if x not in PARTS]
     if bad:
@@ -855,11 +887,22 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     a = parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
+    if a.tiny and a.device == "cpu":
+        torch.set_num_threads(1)  # tiny ops: a second thread only adds contention on a shared machine
     settings = {"tiny": a.tiny, "shape": asdict(TINY if a.tiny else Shape()), "warmup": a.warmup, "steps": a.steps,
                 "tcache_restored": os.environ.get("LC_TCACHE_RESTORED") == "1"}
     rec = Recorder(a.out, a.budget_s, settings)
     bench = Bench(a, rec)
     rec.stack = stack_versions(bench)
+    n_layers = bench.shape.num_hidden_layers
+    rec.notes.update(
+        native_layer_types=f"native gets kdamoe's layer_types (full attention at 0-based layers "
+                           f"{[i for i, t in enumerate(bench.shape.layer_types) if t == 'full_attention']}); "
+                           f"transformers' default would put it at {[i for i in range(n_layers) if i and i % 4 == 0]}",
+        native_qk_head_dim=f"native's query/key head dim is {bench.shape.head_dim} + {bench.shape.native_rope_dim} "
+                           f"(qk_rope_head_dim, a shared key part it does not rotate); ours {bench.shape.head_dim}",
+        warmup="each model: one untimed prefill past kdamoe's chunk, decode steps at B=1, eager steps at B=8 "
+               "(see warm_up in the script)")
     rec.save()
     print("stack:", rec.stack, flush=True)
     runners = {"kdamoe": lambda: run_model(bench, "kdamoe"), "native": lambda: run_model(bench, "native"),

@@ -9,10 +9,11 @@
 # tcache.part.* files the previous call returned: compiled Triton kernels and autotune choices).
 # Environment: LC_TOTAL_S (570: the whole call, s), LC_TRAIN (1; 0 skips training and the greedy check),
 # LC_TRAIN_STEPS (150), LC_TRAIN_ARGS (more kdamoe-train arguments, e.g. "--set train.stages.0.seq_len=1024"),
-# LC_TRAIN_RESERVE_S (200: kept from the bench for training + greedy), LC_ONLY (the bench
-# parts before training; default kdamoe,native,floor,profile), LC_CHUNK2 (extra kdamoe chunk lengths at 1M,
-# e.g. 131072). Files back: long_context.json, long_context.md, bench.log (all three steps' output) and at most
-# five 15 MB parts of the Triton cache (more would pass the 8 files a call returns; then none are kept).
+# LC_TRAIN_RESERVE_S (200: kept from the bench for training + greedy), LC_ONLY (the bench parts before training;
+# default kdamoe,native,floor,profile), LC_CHUNK2 (extra kdamoe chunk lengths at 1M, e.g. 131072), LC_MODEL_DIR
+# (a carried final/ folder: LC_TRAIN=0 LC_ONLY=greedy checks it).
+# Files back: long_context.json, long_context.md, bench.log (the output of every step) and at most five 15 MB
+# parts of the Triton cache (more would pass the 8 files a call returns; then none are kept).
 set -u
 T0=$(date +%s)
 END=$(( T0 + ${LC_TOTAL_S:-570} - 30 ))  # the last 30 s pack the Triton cache
@@ -53,6 +54,7 @@ if [ "$train" = 1 ]; then
     echo "greedy exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
 fi
 
+rm -f "$OUT"/*.tmp  # a JSON write cut short by a timeout
 timeout 40 tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15m - "$OUT/tcache.part."
 parts=$(ls "$OUT"/tcache.part.* 2>/dev/null | wc -l)
 if [ "$parts" -gt 5 ]; then
