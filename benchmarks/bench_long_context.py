@@ -52,9 +52,9 @@ invocations (the device script's bench, then ``--only greedy`` after training) e
 """
 
 import argparse
+import contextlib
 import gc
 import json
-import math
 import os
 import statistics
 import sys
@@ -610,7 +610,8 @@ def run_floor(bench: Bench) -> None:
         return
     times = {}
     try:
-        q, k, v = (torch.randn(1, H, T, d, generator=bench.gen).to(bench.device, bench.dtype) for _ in range(3))
+        gen = torch.Generator(device=bench.device).manual_seed(1)  # drawn on the device: 3 x 1G values at 1M
+        q, k, v = (torch.randn(1, H, T, d, generator=gen, device=bench.device, dtype=bench.dtype) for _ in range(3))
         backends = {"default": None}
         if bench.cuda:
             backends.update(flash=SDPBackend.FLASH_ATTENTION, cudnn=SDPBackend.CUDNN_ATTENTION)
@@ -618,7 +619,7 @@ def run_floor(bench: Bench) -> None:
             if not rec.need("floor", f"sdpa_{name}", bench.est(12)):
                 continue
             try:
-                ctx = sdpa_kernel([backend]) if backend is not None else _nullcontext()
+                ctx = sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()
                 with ctx, torch.no_grad():
                     short = min(T, 16 * K)  # load and compile the kernel outside the timed call
                     F.scaled_dot_product_attention(q[:, :, :short], k[:, :, :short], v[:, :, :short], is_causal=True)
@@ -640,14 +641,6 @@ def run_floor(bench: Bench) -> None:
                                   "layers": layers, "flops": flops, "one_call_ms": times,
                                   "best_backend": best, "floor_ms": times[best] * layers,
                                   "tflops": flops / (times[best] * layers / 1e3) / 1e12})
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
