@@ -1,0 +1,919 @@
+"""Long context on one GPU: kdamoe against transformers' native KimiLinear (+ fla), prefill and decode to 1M tokens.
+
+One device call (``benchmarks/device_long_context.sh``) runs the parts below; each measurement is one function,
+each is caught on its own (an error is recorded and the run goes on), and ``long_context.json`` is rewritten
+after every one, so a crash or the deadline loses nothing measured before it.
+
+Both models have the same shape (1.68B total / 0.36B active parameters): vocab 32000, hidden 1024, 16 layers,
+every 4th layer MLA (kdamoe's default ``layer_types``; native gets the same list: its own default puts full
+attention at layers 4, 8 and 12, three layers, not four), 8 MLA heads, ``kv_lora_rank`` 256, value head dim 128
+(query/key head dim: ours 128; native 128 + a 64-wide shared part, ``qk_rope_head_dim`` 64, which it does not
+rotate), 8 KDA heads x 128, 64 experts top-8 + 1 shared (``moe_intermediate_size`` 512), the first layer dense
+(2816), bf16, random weights from a fixed seed and random token ids (never zeros).
+
+Parts (``--only``, comma list; default all):
+
+``kdamoe``, ``native``
+    Prefill at T = 128K, 512K, 1M (B=1, ``logits_to_keep=1``, no grad, ``use_cache=True``): wall seconds
+    (synchronized before and after) and peak memory (``torch.cuda.max_memory_allocated`` after
+    ``reset_peak_memory_stats``; it includes the weights, ``allocated_before_gib`` says how much). kdamoe runs
+    its default ``prefill_chunk_size``; ``--chunk2`` adds the 1M prefill at other chunk lengths. Decode after
+    4K, 128K and 1M tokens: median wall time of ``--steps`` steps after ``--warmup`` steps, greedy token fed
+    back, synchronized per step. B=1, then B=8 from the same cache repeated 8 times per row
+    (``Cache.batch_repeat_interleave``; transformers 5.24's ``LinearAttentionLayer`` lacks it, so native's
+    cache is expanded with ``reorder_cache`` on repeated indices, which copies the same rows). Native skips B=8
+    at 1M: every step expands the MLA latent of every cached token into per-head keys and values (the number of
+    GiB is computed and recorded). kdamoe also decodes with ``config.decode_cuda_graphs=False`` at 4K and 1M.
+    Before the first timed prefill each model runs one untimed prefill longer than kdamoe's chunk plus decode
+    steps, so compilation and autotuning stay out of the numbers (autotuning keyed on the length still is not;
+    ``settings.tcache_restored`` says whether the Triton cache of an earlier call was restored).
+``floor``
+    The four MLA layers' causal attention alone at 1M: ``F.scaled_dot_product_attention(q, k, v,
+    is_causal=True)`` on bf16 ``[1, 8, 1M, 128]`` (PyTorch's default choice, then the flash and cuDNN
+    backends forced; the fastest is the floor), one call x 4; FLOP = 4 layers x 2·2·H·d·T²/2 (QK and PV
+    products, causal half).
+``profile``
+    One kdamoe decode step after 32K (B=1) under ``torch.profiler`` with CUDA activity, 5 steps, CUDA graph
+    replay and eager: unprofiled wall per step against summed GPU kernel time per step, kernels run and host
+    launch calls per step, the top kernels.
+``greedy``
+    A model trained by the GPU preset (``--model-dir``, its ``final/`` folder, loaded with
+    ``AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)``): greedy 64 new tokens after ~4K tokens
+    of the preset's held-out plays, (a) ``prefill_chunk_size=0``, graphs off, (b) a small odd chunk, graphs on;
+    equal or the first index where they differ (with run (a)'s top-1 margin there), in float32 and bfloat16.
+
+Writes ``long_context.json`` (``rows``: ``{name, ours_ms, peer, peer_ms, ratio}`` with ratio = ours/peer, peer
+``native+fla``, ``floor`` or ``eager``; prefill rows add ``ours_peak_gib`` / ``peer_peak_gib``; ``raw``: every
+number) and ``long_context.md`` into ``--out``. An existing ``long_context.json`` there is extended, so two
+invocations (the device script's bench, then ``--only greedy`` after training) end in one file.
+
+    python3 benchmarks/bench_long_context.py --out "$OUT"            # H200; deadline LC_BUDGET_S (default 480)
+    python benchmarks/bench_long_context.py --tiny --out /some/dir   # CPU smoke test: tiny shapes, < 60 s
+"""
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+K, M = 1 << 10, 1 << 20
+GIB = float(1 << 30)
+PARTS = ("kdamoe", "native", "floor", "profile", "greedy")
+NATIVE = "native+fla"
+
+
+@dataclass
+class Shape:
+    """The model shape both implementations are built with (see the module docstring)."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 1024
+    num_hidden_layers: int = 16
+    num_attention_heads: int = 8
+    kv_lora_rank: int = 256
+    head_dim: int = 128  # MLA value (and our query/key) head dim; native's nope part of the key
+    native_rope_dim: int = 64  # native's shared key part (transformers default)
+    kda_num_heads: int = 8
+    kda_head_dim: int = 128
+    num_experts: int = 64
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    intermediate_size: int = 2816
+
+    @property
+    def layer_types(self) -> list[str]:
+        return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(self.num_hidden_layers)]
+
+
+TINY = Shape(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, kv_lora_rank=32,
+             head_dim=16, native_rope_dim=8, kda_num_heads=2, kda_head_dim=16, num_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=32, intermediate_size=128)
+
+
+def label(T: int) -> str:
+    """``131072`` -> ``128K``, ``1048576`` -> ``1M``, others as they are."""
+    if T >= M and T % M == 0:
+        return f"{T // M}M"
+    if T >= K and T % K == 0:
+        return f"{T // K}K"
+    return str(T)
+
+
+# ------------------------------------------------------------------------------------------------ recording
+
+
+class Recorder:
+    """Raw numbers, skips and errors of one run; ``save()`` rewrites the JSON and the markdown (after every
+    measurement). ``need(key, seconds)`` is False, and records ``skipped: time``, when the deadline is nearer."""
+
+    def __init__(self, out_dir: str, budget_s: float, settings: dict):
+        self.out_dir = out_dir
+        self.deadline = time.time() + budget_s
+        self.path = os.path.join(out_dir, "long_context.json")
+        old = json.load(open(self.path)) if os.path.exists(self.path) else {}
+        self.raw: dict = old.get("raw", {})
+        self.notes: dict = old.get("notes", {})
+        self.stack: dict = old.get("stack", {})
+        self.settings = {**old.get("settings", {}), **settings}
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def put(self, group: str, key: str, value) -> None:
+        self.raw.setdefault(group, {})[key] = value
+        self.save()
+
+    def need(self, group: str, key: str, seconds: float) -> bool:
+        if self.left() >= seconds:
+            return True
+        self.put(group, key, f"skipped: time ({self.left():.0f} s left, needs ~{seconds:.0f} s)")
+        print(f"{group}/{key}: skipped: time", flush=True)
+        return False
+
+    def error(self, group: str, key: str) -> None:
+        text = traceback.format_exc()
+        print(text, flush=True)
+        self.put(group, key, {"error": text[-1500:]})
+
+    def save(self) -> None:
+        doc = {"stack": self.stack, "settings": self.settings, "rows": make_rows(self.raw), "raw": self.raw,
+               "notes": self.notes}
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, self.path)  # a kill mid-write leaves the previous file whole
+        with open(os.path.join(self.out_dir, "long_context.md"), "w") as f:
+            f.write(render_markdown(doc))
+
+
+def _num(entry, field):
+    return entry.get(field) if isinstance(entry, dict) else None
+
+
+def _row(name, ours, peer, peer_ms, **extra):
+    ratio = ours / peer_ms if ours is not None and peer_ms else None
+    return {"name": name, "ours_ms": ours, "peer": peer, "peer_ms": peer_ms, "ratio": ratio, **extra}
+
+
+def make_rows(raw: dict) -> list[dict]:
+    """The comparison rows, derived from ``raw`` (kdamoe is "ours"; a missing side is ``None``, with the reason)."""
+    ours, native, rows = raw.get("kdamoe", {}), raw.get("native", {}), []
+
+    def ms(entry, field="s"):
+        value = _num(entry, field)
+        return None if value is None else (value * 1e3 if field == "s" else value)
+
+    def why(entry):  # a skip's reason, or the last line of an error
+        if isinstance(entry, str):
+            return entry
+        return entry["error"].strip().splitlines()[-1] if isinstance(entry, dict) and "error" in entry else None
+
+    lengths = sorted({int(k.split("_T")[1]) for k in ours.keys() | native.keys() if k.startswith("prefill_T")
+                      and "_chunk" not in k})
+    for T in lengths:
+        o, p = ours.get(f"prefill_T{T}"), native.get(f"prefill_T{T}")
+        if o is None and p is None:
+            continue
+        rows.append(_row(f"prefill {label(T)}", ms(o), NATIVE, ms(p), ours_peak_gib=_num(o, "peak_gib"),
+                         peer_peak_gib=_num(p, "peak_gib"), ours_chunk=_num(o, "chunk"),
+                         **({"peer_note": why(p)} if ms(p) is None else {}),
+                         **({"ours_note": why(o)} if ms(o) is None else {})))
+    for key in sorted(k for k in ours if k.startswith("prefill_T") and "_chunk" in k):
+        T, chunk = (int(x) for x in key[len("prefill_T"):].split("_chunk"))
+        p = native.get(f"prefill_T{T}")
+        rows.append(_row(f"prefill {label(T)} (kdamoe chunk {chunk})", ms(ours[key]), NATIVE, ms(p),
+                         ours_peak_gib=_num(ours[key], "peak_gib"), peer_peak_gib=_num(p, "peak_gib"),
+                         **({"ours_note": why(ours[key])} if ms(ours[key]) is None else {})))
+    decodes = sorted({(int(k.split("_")[1][1:]), int(k.split("_T")[1].split("_")[0]))
+                      for k in ours.keys() | native.keys() if k.startswith("decode_b") and not k.endswith("_eager")},
+                     key=lambda bt: (bt[0], bt[1]))
+    for B, T in decodes:
+        o, p = ours.get(f"decode_b{B}_T{T}"), native.get(f"decode_b{B}_T{T}")
+        rows.append(_row(f"decode B={B} after {label(T)}", ms(o, "median_ms"), NATIVE, ms(p, "median_ms"),
+                         **({"peer_note": why(p)} if ms(p, "median_ms") is None else {}),
+                         **({"ours_note": why(o)} if ms(o, "median_ms") is None else {})))
+    for key in sorted((k for k in ours if k.endswith("_eager")), key=lambda k: int(k.split("_T")[1].split("_")[0])):
+        graph = ours.get(key[: -len("_eager")])
+        T = int(key.split("_T")[1].split("_")[0])
+        rows.append(_row(f"decode B=1 after {label(T)}: CUDA graph vs eager", ms(graph, "median_ms"), "eager",
+                         ms(ours[key], "median_ms")))
+    floor = raw.get("floor", {}).get("sdpa")
+    if isinstance(floor, dict):
+        T = floor["T"]
+        rows.append(_row(f"prefill {label(T)} vs its {floor['layers']} MLA layers' causal attention alone",
+                         ms(ours.get(f"prefill_T{T}")), "floor", floor["floor_ms"]))
+        p = ms(native.get(f"prefill_T{T}"))
+        if p is not None:
+            rows.append({**_row(f"native prefill {label(T)} vs the same floor", p, "floor", floor["floor_ms"]),
+                         "ours": NATIVE})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ markdown
+
+
+def _fmt(x, digits=3):
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}" if abs(x) < 1000 else f"{x:.0f}"
+    return str(x)
+
+
+def render_markdown(doc: dict) -> str:
+    """``long_context.md``: the rows table, the stack line, decode details, the floor, the profiles, the greedy check."""
+    st, raw = doc["stack"], doc["raw"]
+    lines = ["# Long context on one GPU: kdamoe vs transformers' native KimiLinear (+ fla)", ""]
+    if st:
+        lines += [f"Stack: {st.get('gpu')}, torch {st.get('torch')}, triton {st.get('triton')}, transformers "
+                  f"{st.get('transformers')}, fla {st.get('fla')} (native's chunk_kda from {st.get('native_kda_from')}, "
+                  f"causal conv from {st.get('native_conv_from')}), CUDA {st.get('cuda')}.", ""]
+    s = doc["settings"]
+    lines += [f"Shape: {s.get('shape')}. B=1 unless named; decode: median of {s.get('steps')} steps after "
+              f"{s.get('warmup')} warm-up steps; kdamoe prefill chunk {s.get('kdamoe_prefill_chunk')}; Triton cache "
+              f"restored: {s.get('tcache_restored')}; tiny: {s.get('tiny')}.", "",
+              "| case | kdamoe ms | peer | peer ms | kdamoe/peer | kdamoe peak GiB | peer peak GiB | note |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        note = "; ".join(str(r[k]) for k in ("ours_note", "peer_note") if r.get(k))
+        name = r["name"] if r.get("ours") is None else f"{r['name']} (ours = {r['ours']})"
+        lines.append(f"| {name} | {_fmt(r['ours_ms'], 4)} | {r['peer']} | {_fmt(r['peer_ms'], 4)} | "
+                     f"{_fmt(r['ratio'])} | {_fmt(r.get('ours_peak_gib'))} | {_fmt(r.get('peer_peak_gib'))} | "
+                     f"{note[:160]} |")
+    lines += ["", "## Decode details", "",
+              "| model | case | median ms | min ms | max ms | rows agree | graphs captured | cache expanded by |",
+              "|---|---|---|---|---|---|---|---|"]
+    for model in ("kdamoe", "native"):
+        for key, e in raw.get(model, {}).items():
+            if key.startswith("decode_b") and isinstance(e, dict) and "median_ms" in e:
+                lines.append(f"| {model} | {key} | {_fmt(e['median_ms'], 4)} | {_fmt(min(e['steps_ms']), 4)} | "
+                             f"{_fmt(max(e['steps_ms']), 4)} | {e.get('rows_agree', '—')} | "
+                             f"{_fmt(e.get('graphs_captured'))} | {e.get('cache_expand', '—')} |")
+    floor = raw.get("floor", {}).get("sdpa")
+    if isinstance(floor, dict):
+        lines += ["", "## Floor: the MLA layers' causal attention alone", "",
+                  f"`scaled_dot_product_attention(q, k, v, is_causal=True)`, {floor['dtype']} [1, {floor['H']}, {floor['T']}, "
+                  f"{floor['d']}], {floor['layers']} layers; {floor['flops']:.3g} FLOP in all. Per backend, one call "
+                  "(ms): " + ", ".join(f"{b} {_fmt(t, 4)}" for b, t in floor["one_call_ms"].items()) +
+                  f". Floor: {floor['best_backend']}, {_fmt(floor['floor_ms'], 4)} ms for {floor['layers']} layers, "
+                  f"{_fmt(floor['tflops'])} TFLOP/s."]
+    for kind, prof in (raw.get("profile") or {}).items():
+        if not isinstance(prof, dict) or "table" not in prof:
+            continue
+        lines += ["", f"## Profile: one kdamoe decode step after {label(prof['T'])}, {kind}", "",
+                  f"Wall per step (unprofiled median of {prof['timed_steps']}): {_fmt(prof['wall_ms'], 4)} ms; under the "
+                  f"profiler {_fmt(prof['profiled_wall_ms'], 4)} ms. GPU kernel time per step (sum): "
+                  f"{_fmt(prof['kernel_ms'], 4)} ms ({_fmt(prof['busy_share'])} of the unprofiled wall). Kernels run "
+                  f"per step: {_fmt(prof['kernels_per_step'])}; host launch calls per step: "
+                  + ", ".join(f"{n} {_fmt(c)}" for n, c in prof["launch_calls_per_step"].items()) + ".", "",
+                  "| kernel | calls/step | µs/step | share |", "|---|---|---|---|"]
+        lines += [f"| `{r['name']}` | {_fmt(r['calls'])} | {_fmt(r['us'])} | {_fmt(r['share'])} |" for r in prof["table"]]
+    for dtype, g in (raw.get("greedy") or {}).items():
+        if isinstance(g, dict) and "equal" in g:
+            lines += ["", f"## Greedy check ({dtype})", "",
+                      f"{g['new_tokens']} new tokens after a {g['prompt_tokens']}-token prompt ({g['prompt']}), "
+                      f"model {g['model_dir']}: "
+                      f"(a) {g['a']} vs (b) {g['b']}: equal = {g['equal']}"
+                      + ("" if g["equal"] else f", first difference at new token {g['first_diff']} (run (a)'s top-1 "
+                         f"margin there: {_fmt(g['margin_a'])})")
+                      + f"; relative L2 difference of the first step's logits: {_fmt(g['step0_logits_rel_diff'])}."]
+    problems = [(f"{group}/{key}", v if isinstance(v, str) else v["error"].strip().splitlines()[-1])
+                for group, entries in raw.items() if isinstance(entries, dict) for key, v in entries.items()
+                if isinstance(v, str) or (isinstance(v, dict) and "error" in v)]
+    if problems:
+        lines += ["", "## Skipped or failed", ""] + [f"- {k}: {v[:300]}" for k, v in problems]
+    if doc.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {k}: {v}" for k, v in doc["notes"].items()]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def build_kdamoe(shape: Shape, device, dtype):
+    """``KDAMoEForCausalLM`` of ``shape`` (no latent experts, no AttnRes: the native model has neither)."""
+    from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
+
+    cfg = KDAMoEConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                       num_hidden_layers=shape.num_hidden_layers, layer_types=shape.layer_types,
+                       num_attention_heads=shape.num_attention_heads, kv_lora_rank=shape.kv_lora_rank,
+                       qk_head_dim=shape.head_dim, v_head_dim=shape.head_dim, kda_num_heads=shape.kda_num_heads,
+                       kda_head_dim=shape.kda_head_dim, num_experts=shape.num_experts,
+                       num_experts_per_tok=shape.num_experts_per_tok, num_shared_experts=1,
+                       moe_intermediate_size=shape.moe_intermediate_size, moe_latent_size=None,
+                       first_k_dense_replace=1, intermediate_size=shape.intermediate_size, attnres_num_blocks=0,
+                       max_position_embeddings=1 << 20, kernel_backend="auto", pad_token_id=0, bos_token_id=1,
+                       eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(device):  # initialise on the GPU: the CPU takes tens of seconds for 1.7B parameters
+        model = KDAMoEForCausalLM(cfg)
+    return model.to(dtype).eval()
+
+
+def build_native(shape: Shape, device, dtype):
+    """transformers' ``KimiLinearForCausalLM`` of ``shape`` (transformers defaults otherwise; fla kernels when installed)."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    cfg = KimiLinearConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                           intermediate_size=shape.intermediate_size, moe_intermediate_size=shape.moe_intermediate_size,
+                           num_hidden_layers=shape.num_hidden_layers, layer_types=shape.layer_types,
+                           num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_attention_heads,
+                           kv_lora_rank=shape.kv_lora_rank, qk_nope_head_dim=shape.head_dim,
+                           qk_rope_head_dim=shape.native_rope_dim, v_head_dim=shape.head_dim,
+                           num_local_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
+                           n_shared_experts=1, linear_num_heads=shape.kda_num_heads, linear_head_dim=shape.kda_head_dim,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = KimiLinearForCausalLM(cfg)
+    return model.to(dtype).eval()
+
+
+def implementation_module(fn) -> str:
+    """Where the kernel behind one of transformers' ``use_kernel_func_from_hub_with_fallback`` wrappers comes from:
+    the module of the ``implementation`` it closes over (transformers 5.24), ``torch fallback`` when that is
+    transformers' own PyTorch function."""
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+    if "implementation" not in cells:
+        return "unknown (no implementation in the wrapper's closure)"
+    target = cells["implementation"].cell_contents
+    if "torch_function" in cells and target is cells["torch_function"].cell_contents:
+        return "torch fallback (transformers)"
+    return f"{target.__module__}.{target.__name__}"
+
+
+# ------------------------------------------------------------------------------------------------ measurements
+
+
+class Bench:
+    """What every measurement needs: device, dtype, shape, step counts and the recorder."""
+
+    def __init__(self, args, rec: Recorder):
+        self.args, self.rec = args, rec
+        self.device = torch.device(args.device)
+        self.cuda = self.device.type == "cuda"
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.shape = TINY if args.tiny else Shape()
+        self.gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def free(self):
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def ids(self, batch: int, T: int) -> torch.Tensor:
+        """Random token ids ``[batch, T]`` away from the special ids 0-2."""
+        return torch.randint(3, self.shape.vocab_size, (batch, T), generator=self.gen).to(self.device)
+
+    def est(self, seconds_full: float) -> float:
+        """Seconds a step needs in full mode (the deadline's yardstick); the tiny mode always fits."""
+        return 0.0 if self.args.tiny else seconds_full
+
+
+@torch.no_grad()
+def prefill(bench: Bench, model, T: int, **kwargs) -> tuple[dict, object]:
+    """One prefill of ``T`` random tokens (B=1, ``logits_to_keep=1``, ``use_cache=True``).
+
+    Returns ``({"s", "peak_gib", "allocated_before_gib"}, output)``; ``s`` is host wall time between two
+    synchronizations, ``peak_gib`` the peak of allocated memory during the call (weights included).
+    """
+    ids = bench.ids(1, T)
+    bench.free()
+    if bench.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() / GIB if bench.cuda else None
+    bench.sync()
+    t0 = time.perf_counter()
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **kwargs)
+    bench.sync()
+    seconds = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / GIB if bench.cuda else None
+    return {"s": seconds, "peak_gib": peak, "allocated_before_gib": before}, out
+
+
+@torch.no_grad()
+def decode(bench: Bench, model, cache, token: torch.Tensor, warmup: int, steps: int):
+    """``warmup + steps`` one-token steps, each one's greedy token fed to the next; wall time per step between
+    two synchronizations. Returns ``({"median_ms", "steps_ms", "warmup", "rows_agree"}, cache, last token)``;
+    ``rows_agree``: every row chose the same token at every step (the rows of an expanded cache are copies, so
+    a row that drifts points at a broken expansion or a stale captured graph); ``graphs_captured``: how many
+    decode graphs the cache holds afterwards (``None`` for a cache without them)."""
+    times, agree = [], True
+    for i in range(warmup + steps):
+        bench.sync()
+        t0 = time.perf_counter()
+        out = model(input_ids=token, cache=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        bench.sync()
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+        agree = agree and bool((token == token[:1]).all())
+        cache = out.cache
+    graphs = getattr(cache, "graphs", None)  # KDAMoECache: the captured decode graphs (none: every step ran eagerly)
+    return {"median_ms": statistics.median(times), "steps_ms": times, "warmup": warmup, "rows_agree": agree,
+            "graphs_captured": None if graphs is None else len(graphs)}, cache, token
+
+
+def expand_cache(cache, batch: int, repeats: int) -> str:
+    """Repeat each of the ``batch`` rows of ``cache`` ``repeats`` times in place; returns the method used.
+
+    ``Cache.batch_repeat_interleave`` where every layer has it; else ``reorder_cache`` with each row index
+    repeated (transformers 5.24's ``LinearAttentionLayer``, native KimiLinear's KDA layers, has no
+    ``batch_repeat_interleave``; ``index_select`` on repeated indices makes the same copies).
+    """
+    layers = getattr(cache, "layers", None)
+    if layers is None or all(hasattr(layer, "batch_repeat_interleave") for layer in layers):
+        cache.batch_repeat_interleave(repeats)
+        return "batch_repeat_interleave"
+    device = next(t.device for t in _cache_tensors(cache))
+    cache.reorder_cache(torch.arange(batch, device=device).repeat_interleave(repeats))
+    return "reorder_cache"
+
+
+def _cache_tensors(cache):
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            if isinstance(getattr(layer, name, None), torch.Tensor):
+                yield getattr(layer, name)
+        for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+            yield from (t for t in states.values() if isinstance(t, torch.Tensor))
+
+
+def native_b8_kv_gib(shape: Shape, batch: int, T: int) -> float:
+    """GiB of the per-head keys and values native KimiLinear expands from its MLA latent in one layer and step."""
+    width = shape.head_dim + shape.native_rope_dim + shape.head_dim
+    return batch * shape.num_attention_heads * T * width * 2 / GIB
+
+
+def run_model(bench: Bench, name: str) -> None:
+    """Prefill and decode of one model at every length, in increasing order (see the module docstring)."""
+    a, rec = bench.args, bench.rec
+    if not rec.need(name, "build", bench.est(40)):
+        return
+    try:
+        model = (build_kdamoe if name == "kdamoe" else build_native)(bench.shape, bench.device, bench.dtype)
+        info = {"params": sum(p.numel() for p in model.parameters()),
+                "attn_implementation": getattr(model.config, "_attn_implementation", None)}
+        if name == "kdamoe":
+            info["config_prefill_chunk_size"] = model.config.prefill_chunk_size
+            if a.chunk is not None:
+                model.config.prefill_chunk_size = a.chunk
+            info["prefill_chunk_size"] = rec.settings["kdamoe_prefill_chunk"] = model.config.prefill_chunk_size
+            info["decode_cuda_graphs"] = model.config.decode_cuda_graphs
+        rec.put(name, "model", info)
+        print(name, info, flush=True)
+    except Exception:
+        rec.error(name, "build")
+        return
+    chunk = getattr(model.config, "prefill_chunk_size", None) or 0
+    per_token = 35.0 / M if name == "native" else 30.0 / M  # prefill seconds per token for the deadline (1M: 31 s / 22 s)
+    step_s = 0.25 if name == "native" else 0.05  # decode seconds per step, B=8 at 128K, generous
+    try:
+        warm_up(bench, model, a.warm_t if not chunk else chunk + a.warm_t, name)
+    except Exception:
+        rec.error(name, "warmup")
+    bench.free()
+
+    for T in sorted(set(a.prefill_t) | set(a.decode_t)):
+        key = f"prefill_T{T}" if T in a.prefill_t else f"context_T{T}"
+        if not rec.need(name, key, bench.est(5 + per_token * T + (3 * step_s * 30 if T in a.decode_t else 0))):
+            continue
+        out = cache = tok = None
+        try:
+            stats, out = prefill(bench, model, T)
+            stats["chunk"] = chunk if name == "kdamoe" else None
+            stats["cache_class"] = type(out.cache).__name__
+            if T in a.prefill_t:
+                rec.put(name, key, stats)
+            print(name, "prefill", label(T), f"{stats['s']:.2f} s, peak {stats['peak_gib']} GiB", flush=True)
+            cache, tok = out.cache, out.logits[:, -1:].argmax(-1)
+            out = None
+        except Exception:
+            rec.error(name, key)
+        if cache is None or T not in a.decode_t:
+            del out, cache, tok
+            bench.free()
+            continue
+        cache, tok = decode_set(bench, name, model, cache, tok, T, step_s)
+        del out, cache, tok
+        bench.free()
+
+    if name == "kdamoe":
+        for c in a.chunk2:
+            T = max(a.prefill_t)
+            key = f"prefill_T{T}_chunk{c}"
+            if not rec.need(name, key, bench.est(5 + per_token * T)):
+                continue
+            try:
+                stats, out = prefill(bench, model, T, prefill_chunk_size=c)
+                rec.put(name, key, {**stats, "chunk": c})
+                print(name, "prefill", label(T), "chunk", c, f"{stats['s']:.2f} s", flush=True)
+                del out
+            except Exception:
+                rec.error(name, key)
+            bench.free()
+    del model
+    bench.free()
+
+
+def warm_up(bench: Bench, model, T: int, name: str) -> None:
+    """Compile and autotune outside the timed calls: a prefill of ``T`` tokens (past kdamoe's chunk, so a chunk that
+    continues a cache runs too), decode steps at B=1 as a user runs them (kdamoe: eager, then graph capture and
+    replay), then eager steps at B=``--batch``. The eager B=8 steps are there because a ``KDAMoECache`` expanded
+    after decode steps captures its B=8 graph on the first B=8 step, with no eager step at that batch size before
+    it, so any kernel that autotunes for the new shape would do so inside the capture."""
+    a = bench.args
+    stats, out = prefill(bench, model, T)
+    _, cache, tok = decode(bench, model, out.cache, out.logits[:, -1:].argmax(-1), a.warmup, 1)
+    del out
+    expand_cache(cache, 1, a.batch)
+    graphs = getattr(model.config, "decode_cuda_graphs", None)
+    try:
+        if graphs is not None:
+            model.config.decode_cuda_graphs = False
+        decode(bench, model, cache, tok.repeat_interleave(a.batch, 0), 1, 1)
+    finally:
+        if graphs is not None:
+            model.config.decode_cuda_graphs = graphs
+    bench.rec.put(name, "warmup", {"T": T, "s": stats["s"], "eager_batch": a.batch})
+
+
+def decode_set(bench: Bench, name: str, model, cache, tok, T: int, step_s: float):
+    """After a prefill of ``T``: B=1 decode; kdamoe also eager at ``--eager-t``; then B=8 from the same cache."""
+    a, rec = bench.args, bench.rec
+    n = a.warmup + a.steps
+    key = f"decode_b1_T{T}"
+    try:
+        stats, cache, tok = decode(bench, model, cache, tok, a.warmup, a.steps)
+        stats["graphs"] = getattr(model.config, "decode_cuda_graphs", None)
+        rec.put(name, key, stats)
+        print(name, key, f"{stats['median_ms']:.3f} ms", flush=True)
+    except Exception:
+        rec.error(name, key)
+        return cache, tok
+    if name == "kdamoe" and T in a.eager_t and rec.need(name, key + "_eager", bench.est(n * 0.25)):
+        graphs = model.config.decode_cuda_graphs if hasattr(model.config, "decode_cuda_graphs") else None
+        try:
+            model.config.decode_cuda_graphs = False
+            stats, cache, tok = decode(bench, model, cache, tok, a.warmup, a.steps)
+            rec.put(name, key + "_eager", {**stats, "graphs": False})
+            print(name, key, "eager", f"{stats['median_ms']:.3f} ms", flush=True)
+        except Exception:
+            rec.error(name, key + "_eager")
+        finally:
+            model.config.decode_cuda_graphs = graphs
+    B = a.batch
+    key = f"decode_b{B}_T{T}"
+    if name == "native" and T >= M:
+        gib = native_b8_kv_gib(bench.shape, B, T)
+        rec.put(name, key, f"skipped: does not fit: each step expands the MLA latent of all {T} cached tokens into "
+                           f"per-head keys and values, {gib:.0f} GiB per layer at B={B}")
+        return cache, tok
+    if not rec.need(name, key, bench.est(n * step_s * 4)):
+        return cache, tok
+    try:
+        method = expand_cache(cache, 1, B)
+        stats, cache, tok = decode(bench, model, cache, tok.repeat_interleave(B, 0), a.warmup, a.steps)
+        rec.put(name, key, {**stats, "cache_expand": method, "graphs": getattr(model.config, "decode_cuda_graphs", None)})
+        print(name, key, f"{stats['median_ms']:.3f} ms", method, flush=True)
+    except Exception:
+        rec.error(name, key)
+    return cache, tok
+
+
+def run_floor(bench: Bench) -> None:
+    """The MLA layers' causal attention alone at the longest prefill length (module docstring, ``floor``)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    s, rec = bench.shape, bench.rec
+    T, H, d = max(bench.args.prefill_t), s.num_attention_heads, s.head_dim
+    layers = s.layer_types.count("full_attention")
+    flops = layers * 2 * 2 * H * d * T * T / 2
+    if not rec.need("floor", "sdpa", bench.est(45)):
+        return
+    times = {}
+    try:
+        gen = torch.Generator(device=bench.device).manual_seed(1)  # drawn on the device: 3 x 1G values at 1M
+        q, k, v = (torch.randn(1, H, T, d, generator=gen, device=bench.device, dtype=bench.dtype) for _ in range(3))
+        backends = {"default": None}
+        if bench.cuda:
+            backends.update(flash=SDPBackend.FLASH_ATTENTION, cudnn=SDPBackend.CUDNN_ATTENTION)
+        for name, backend in backends.items():
+            if not rec.need("floor", f"sdpa_{name}", bench.est(12)):
+                continue
+            try:
+                ctx = sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()
+                with ctx, torch.no_grad():
+                    short = min(T, 16 * K)  # load and compile the kernel outside the timed call
+                    F.scaled_dot_product_attention(q[:, :, :short], k[:, :, :short], v[:, :, :short], is_causal=True)
+                    bench.sync()
+                    t0 = time.perf_counter()
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    bench.sync()
+                    times[name] = (time.perf_counter() - t0) * 1e3
+                print("floor sdpa", name, f"{times[name]:.1f} ms", flush=True)
+            except Exception:
+                rec.error("floor", f"sdpa_{name}")
+        del q, k, v
+    except Exception:
+        rec.error("floor", "sdpa")
+    bench.free()
+    if times:
+        best = min(times, key=times.get)
+        rec.put("floor", "sdpa", {"T": T, "H": H, "d": d, "dtype": str(bench.dtype).replace("torch.", ""),
+                                  "layers": layers, "flops": flops, "one_call_ms": times,
+                                  "best_backend": best, "floor_ms": times[best] * layers,
+                                  "tflops": flops / (times[best] * layers / 1e3) / 1e12})
+
+
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+                "cudaMemcpyAsync", "cudaMemsetAsync")
+
+
+@torch.no_grad()
+def profile_steps(bench: Bench, model, cache, tok, steps: int):
+    """``steps`` decode steps under ``torch.profiler`` (CPU + CUDA activity); parsed from the exported trace.
+
+    Returns ``(summary, cache, token)``: profiled wall per step, summed GPU kernel (and memcpy/memset) time per
+    step, kernels run per step, host launch calls per step by API name, and the top kernels by time.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.cuda else [])
+    with profile(activities=activities) as prof:
+        bench.sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = model(input_ids=tok, cache=cache, use_cache=True)
+            tok, cache = out.logits[:, -1:].argmax(-1), out.cache
+        bench.sync()
+        wall = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.get("name", "?"), []).append(float(e.get("dur", 0.0)))
+    total_us = sum(sum(v) for v in by_name.values())
+    table = sorted(({"name": n if len(n) <= 90 else n[:87] + "...", "calls": len(v) / steps, "us": sum(v) / steps,
+                     "share": sum(v) / total_us if total_us else None} for n, v in by_name.items()),
+                   key=lambda r: -r["us"])[:15]
+    launches = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("name") in LAUNCH_CALLS:
+            launches[e["name"]] = launches.get(e["name"], 0) + 1 / steps
+    return {"profiled_wall_ms": wall / steps * 1e3, "kernel_ms": total_us / steps / 1e3,
+            "kernels_per_step": len(kernels) / steps, "launch_calls_per_step": launches, "table": table}, cache, tok
+
+
+def run_profile(bench: Bench) -> None:
+    """kdamoe decode after ``--profile-t`` tokens, CUDA graph replay then eager (module docstring, ``profile``)."""
+    a, rec = bench.args, bench.rec
+    if not rec.need("profile", "graph", bench.est(50)):
+        return
+    try:
+        model = build_kdamoe(bench.shape, bench.device, bench.dtype)
+        _, out = prefill(bench, model, a.profile_t)
+        cache, tok = out.cache, out.logits[:, -1:].argmax(-1)
+        del out
+        for kind, graphs in (("graph", True), ("eager", False)):
+            if kind == "eager" and not rec.need("profile", kind, bench.est(20)):
+                continue
+            try:
+                model.config.decode_cuda_graphs = graphs
+                timed, cache, tok = decode(bench, model, cache, tok, a.warmup, a.steps)
+                prof, cache, tok = profile_steps(bench, model, cache, tok, a.profile_steps)
+                wall = timed["median_ms"]
+                rec.put("profile", kind, {"T": a.profile_t, "graphs": graphs, "wall_ms": wall,
+                                          "timed_steps": a.steps, **prof,
+                                          "busy_share": prof["kernel_ms"] / wall if wall else None})
+                print("profile", kind, f"wall {wall:.3f} ms, kernels {prof['kernel_ms']:.3f} ms", flush=True)
+            except Exception:
+                rec.error("profile", kind)
+        del model, cache, tok
+    except Exception:
+        rec.error("profile", "graph")
+    bench.free()
+
+
+# ------------------------------------------------------------------------------------------------ greedy check
+
+
+def held_out_prompt(tokenizer, n_tokens: int) -> torch.Tensor:
+    """``[1, n_tokens]``: bos + the start of the GPU preset's held-out plays (``data.val_documents``)."""
+    from kdamoe.training import load_config
+    from kdamoe.training.corpus import load_corpus
+
+    _, val = load_corpus(load_config("gpu_h200.yaml").data)
+    text = "\n\n".join(d.text for d in val)
+    ids = tokenizer(text[: 40 * n_tokens], add_special_tokens=False)["input_ids"][: n_tokens - 1]
+    if len(ids) < n_tokens - 1:
+        raise ValueError(f"held-out text gives {len(ids) + 1} tokens, fewer than the {n_tokens} asked for")
+    return torch.tensor([[tokenizer.bos_token_id, *ids]])
+
+
+def tiny_model_folder(bench: Bench, folder: str) -> str:
+    """A random tiny kdamoe saved with its code (the tiny mode's stand-in for a trained ``final/`` folder)."""
+    model = build_kdamoe(bench.shape, "cpu", torch.float32)
+    model.save_pretrained(folder)
+    return folder
+
+
+@torch.no_grad()
+def greedy_pair(bench: Bench, model, ids: torch.Tensor, new_tokens: int, chunk: int) -> dict:
+    """Greedy ``generate`` twice: (a) single-pass prefill, eager decode; (b) prefill in ``chunk``-token pieces,
+    CUDA-graph decode. Returns whether the new tokens are equal, the first index where they differ, run (a)'s
+    top-1 margin there, and the relative L2 difference of the first step's logits."""
+    runs = {}
+    for tag, c, graphs in (("a", 0, False), ("b", chunk, True)):
+        model.config.prefill_chunk_size = c
+        model.config.decode_cuda_graphs = graphs
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, output_logits=True,
+                             return_dict_in_generate=True)
+        runs[tag] = (out.sequences[0, ids.shape[1]:].tolist(), [l[0].float() for l in out.logits])
+    (ta, la), (tb, lb) = runs["a"], runs["b"]
+    first = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+    margin = None
+    if first is not None:
+        top = la[first].topk(2).values
+        margin = float(top[0] - top[1])
+    return {"a": "prefill_chunk_size=0, decode_cuda_graphs=False", "b": f"prefill_chunk_size={chunk}, decode_cuda_graphs=True",
+            "prompt_tokens": ids.shape[1], "new_tokens": new_tokens, "equal": ta == tb and first is None,
+            "first_diff": first, "margin_a": margin,
+            "step0_logits_rel_diff": float((la[0] - lb[0]).norm() / la[0].norm()), "tokens_a": ta, "tokens_b": tb}
+
+
+def run_greedy(bench: Bench) -> None:
+    """The greedy check on the trained model of ``--model-dir`` (module docstring, ``greedy``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    a, rec = bench.args, bench.rec
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            if a.tiny and not a.model_dir:
+                folder, prompt = tiny_model_folder(bench, tmp), "random token ids"
+                ids = bench.ids(1, a.greedy_prompt).cpu()
+            else:
+                if not a.model_dir or not os.path.isdir(a.model_dir):
+                    rec.put("greedy", "model", f"skipped: no trained model folder ({a.model_dir!r})")
+                    return
+                folder, prompt = a.model_dir, "the GPU preset's held-out plays"
+                ids = held_out_prompt(AutoTokenizer.from_pretrained(folder), a.greedy_prompt)
+        except Exception:
+            rec.error("greedy", "model")
+            return
+        for dtype in (torch.float32, torch.bfloat16) if bench.cuda else (torch.float32,):
+            key = str(dtype).replace("torch.", "")
+            if not rec.need("greedy", key, bench.est(40)):
+                continue
+            try:
+                model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=dtype)
+                model = model.to(bench.device).eval()
+                result = greedy_pair(bench, model, ids.to(bench.device), a.greedy_new, a.greedy_chunk)
+                name = "a random tiny model" if folder == tmp else os.path.basename(os.path.normpath(folder))
+                rec.put("greedy", key, {**result, "prompt": prompt, "model_dir": name})
+                print("greedy", key, "equal:", result["equal"], "first diff:", result["first_diff"], flush=True)
+                del model
+            except Exception:
+                rec.error("greedy", key)
+            bench.free()
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def stack_versions(bench: Bench) -> dict:
+    import importlib.metadata as md
+
+    import transformers
+    import triton
+
+    try:
+        fla = md.version("fla-core")
+    except md.PackageNotFoundError:
+        fla = None
+    out = {"gpu": torch.cuda.get_device_name() if bench.cuda else "cpu", "torch": torch.__version__,
+           "triton": triton.__version__, "transformers": transformers.__version__, "fla": fla,
+           "cuda": torch.version.cuda}
+    try:
+        from transformers.models.kimi_linear import modeling_kimi_linear as kl
+
+        out["native_kda_from"] = implementation_module(kl.chunk_kimi_delta_attention)
+        out["native_conv_from"] = implementation_module(kl.causal_conv1d_fn)
+    except Exception as err:  # an older transformers without kimi_linear: the native part will say why
+        out["native_kda_from"] = repr(err)
+    return out
+
+
+def parse_args(argv=None):
+    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for long_context.{json,md}")
+    p.add_argument("--only", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes and lengths (CPU smoke test)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--budget-s", type=float, default=float(os.environ.get("LC_BUDGET_S", "480")),
+                   help="deadline: measurements that do not fit in what is left are recorded as 'skipped: time'")
+    p.add_argument("--prefill-t", type=ints, default=None, help="prefill lengths (default 128K,512K,1M)")
+    p.add_argument("--decode-t", type=ints, default=None, help="decode after these lengths (default 4K,128K,1M)")
+    p.add_argument("--eager-t", type=ints, default=None, help="kdamoe eager decode after these (default 4K,1M)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="kdamoe's prefill_chunk_size (default: the config's; --tiny: 100)")
+    p.add_argument("--chunk2", type=ints, default=ints(os.environ.get("LC_CHUNK2", "")),
+                   help="kdamoe prefill chunk lengths to try at the longest length besides the default (env LC_CHUNK2)")
+    p.add_argument("--batch", type=int, default=8, help="the batched decode's rows")
+    p.add_argument("--warmup", type=int, default=None, help="decode warm-up steps (default 3)")
+    p.add_argument("--steps", type=int, default=None, help="timed decode steps (default 16)")
+    p.add_argument("--warm-t", type=int, default=None, help="untimed warm-up prefill length, past the chunk (default 8K)")
+    p.add_argument("--profile-t", type=int, default=None, help="profiled decode after this many tokens (default 32K)")
+    p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--model-dir", default=os.environ.get("LC_MODEL_DIR"), help="trained final/ folder for the greedy check")
+    p.add_argument("--greedy-prompt", type=int, default=None, help="prompt tokens (default 4096)")
+    p.add_argument("--greedy-new", type=int, default=None, help="new tokens (default 64)")
+    p.add_argument("--greedy-chunk", type=int, default=None, help="run (b)'s prefill chunk (default 1000)")
+    a = p.parse_args(argv)
+    small = a.tiny
+    defaults = dict(prefill_t=[64, 256] if small else [128 * K, 512 * K, M], decode_t=[64, 256] if small else [4 * K, 128 * K, M],
+                    eager_t=[64, 256] if small else [4 * K, M], warmup=1 if small else 3, steps=3 if small else 16,
+                    warm_t=32 if small else 8 * K, profile_t=64 if small else 32 * K,
+                    greedy_prompt=96 if small else 4 * K, greedy_new=6 if small else 64, greedy_chunk=37 if small else 1000)
+    for name, value in defaults.items():
+        if getattr(a, name) is None:
+            setattr(a, name, value)
+    if small and not a.chunk2:
+        a.chunk2 = [48]
+    if small and a.chunk is None:
+        a.chunk = 100
+    a.only = [x.strip() for x in a.only.split(",") if x.strip()]
+    bad = [x for x in a.only if x not in PARTS]
+    if bad:
+        p.error(f"--only: unknown part(s) {bad}; choose from {', '.join(PARTS)}")
+    for name in ("warmup", "steps", "batch", "profile_steps", "greedy_new"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
+    if a.profile_steps < 1 or min(a.prefill_t + a.decode_t) < 2:
+        p.error("lengths must be >= 2")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    if a.tiny and a.device == "cpu":
+        torch.set_num_threads(1)  # tiny ops: a second thread only adds contention on a shared machine
+    settings = {"tiny": a.tiny, "shape": asdict(TINY if a.tiny else Shape()), "warmup": a.warmup, "steps": a.steps,
+                "tcache_restored": os.environ.get("LC_TCACHE_RESTORED") == "1"}
+    rec = Recorder(a.out, a.budget_s, settings)
+    bench = Bench(a, rec)
+    rec.stack = stack_versions(bench)
+    n_layers = bench.shape.num_hidden_layers
+    rec.notes.update(
+        native_layer_types=f"native gets kdamoe's layer_types (full attention at 0-based layers "
+                           f"{[i for i, t in enumerate(bench.shape.layer_types) if t == 'full_attention']}); "
+                           f"transformers' default would put it at {[i for i in range(n_layers) if i and i % 4 == 0]}",
+        native_qk_head_dim=f"native's query/key head dim is {bench.shape.head_dim} + {bench.shape.native_rope_dim} "
+                           f"(qk_rope_head_dim, a shared key part it does not rotate); ours {bench.shape.head_dim}",
+        warmup="each model: one untimed prefill past kdamoe's chunk, decode steps at B=1, eager steps at B=8 "
+               "(see warm_up in the script)")
+    rec.save()
+    print("stack:", rec.stack, flush=True)
+    runners = {"kdamoe": lambda: run_model(bench, "kdamoe"), "native": lambda: run_model(bench, "native"),
+               "floor": lambda: run_floor(bench), "profile": lambda: run_profile(bench), "greedy": lambda: run_greedy(bench)}
+    for part in PARTS:
+        if part in a.only:
+            t0 = time.time()
+            try:
+                runners[part]()
+            except Exception:
+                rec.error(part, "part")
+            bench.free()
+            print(f"part {part}: {time.time() - t0:.0f} s; {rec.left():.0f} s left", flush=True)
+    rec.save()
+    with open(os.path.join(a.out, "long_context.md")) as f:
+        print(f.read())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
