@@ -7,7 +7,7 @@
 # Carry .whl/ (transformers 5.24.0 and fla_core 0.6.0 wheels; the device reaches no registry), data/shakespeare
 # (the corpus, for the training run and the held-out prompt) and, from the second call on, .tcache/ (the
 # tcache.part.* files the previous call returned: compiled Triton kernels and autotune choices).
-# Environment: LC_TOTAL_S (570: the whole call, s), LC_TRAIN (1; 0 skips training and the greedy check),
+# Environment: LC_TOTAL_S (570: the whole call, s), LC_PYTEST (1: the GPU tests first, LC_PYTEST_S 200), LC_TRAIN (1; 0 skips training and the greedy check),
 # LC_TRAIN_STEPS (150), LC_TRAIN_ARGS (more kdamoe-train arguments, e.g. "--set train.stages.0.seq_len=1024"),
 # LC_TRAIN_RESERVE_S (200: kept from the bench for training + greedy), LC_ONLY (the bench parts before training;
 # default kdamoe,native,floor,profile), LC_CHUNK2 (extra kdamoe chunk lengths at 1M, e.g. 131072), LC_MODEL_DIR
@@ -30,6 +30,11 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SCRATCH/site" .whl/*.whl
 export PYTHONPATH=$SCRATCH/site:$PWD
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv > "$LOG" 2>&1
+if [ "${LC_PYTEST:-1}" = 1 ]; then  # the GPU tests of graph decoding and the latent kernel, first
+    KDAMOE_TEST_ON_GPU=1 timeout "${LC_PYTEST_S:-200}" python3 -m pytest -q -p no:cacheprovider -x \
+        tests/test_gpu_long_context.py tests/kernels/test_mla_decode.py >> "$LOG" 2>&1
+    echo "pytest exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
+fi
 
 train=${LC_TRAIN:-1}
 budget=$(( $(left) - (train == 1 ? ${LC_TRAIN_RESERVE_S:-200} : 0) ))

@@ -226,6 +226,7 @@ class KDAMoECache(DynamicCache):
         self.past_length: torch.Tensor | None = None  # [] int64 on the model's device: tokens before this forward
         self.graphs: dict = {}  # decode_graph.DecodeGraph per (batch size, has_mask); dropped on any reshape
         self.graph_pool = None
+        self.graphs_disabled = False  # a capture failed: this cache decodes eagerly
         self.capture_stream = None  # the side stream the graphs are warmed up and captured on
         self.tokens_seen = 0
         self.decode_steps = 0  # one-token forwards run on this cache (the first one warms up the kernels)
@@ -250,8 +251,10 @@ class KDAMoECache(DynamicCache):
         return None
 
     def drop_graphs(self) -> None:
-        """Forget the captured decode graphs (their buffers moved or changed shape)."""
+        """Forget the captured decode graphs (their buffers moved or changed shape); the next one-token step runs
+        eagerly again, warming the kernels up for the new shapes before a graph is captured."""
         self.graphs.clear()
+        self.decode_steps = 0
 
     def begin_forward(self, num_tokens: int, device: torch.device) -> None:
         """Before a forward of ``num_tokens`` per row: publish the current length on ``device`` and make room.

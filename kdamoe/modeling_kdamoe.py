@@ -1085,7 +1085,9 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
         cache = cache if cache is not None else past_key_values
         if self._decode_graph_applies(input_ids, inputs_embeds, attention_mask, cache, labels, use_cache,
                                       output_router_logits, logits_to_keep, kwargs):
-            return MoeCausalLMOutputWithPast(logits=self._graph_decode(input_ids, attention_mask, cache), cache=cache)
+            logits = self._graph_decode(input_ids, attention_mask, cache)
+            if logits is not None:
+                return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
         warm_up = self._decode_graph_applies(input_ids, inputs_embeds, attention_mask, cache, labels, use_cache,
                                              output_router_logits, logits_to_keep, kwargs, warm_up=True)
         with _capture_stream(cache) if warm_up else contextlib.nullcontext():
@@ -1138,7 +1140,8 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
                               output_router_logits, logits_to_keep, kwargs, warm_up: bool = False) -> bool:
         """Whether this forward is a one-token inference step that a CUDA graph can replay (``warm_up``: the first
         such step on the cache, run eagerly on the capture stream). Anything unusual runs eagerly."""
-        if not (self.config.decode_cuda_graphs and isinstance(cache, KDAMoECache) and input_ids is not None
+        if not (self.config.decode_cuda_graphs and isinstance(cache, KDAMoECache) and not cache.graphs_disabled
+                and input_ids is not None
                 and inputs_embeds is None and input_ids.dim() == 2 and input_ids.shape[1] == 1 and input_ids.is_cuda):
             return False
         if self.training or torch.is_grad_enabled() or labels is not None or use_cache is False or output_router_logits:
@@ -1168,8 +1171,13 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
             cache.drop_graphs()
             graph = None
         if graph is None:
-            with _capture_stream(cache):
-                graph = cache.graphs[key] = DecodeGraph(self, cache, *key)
+            try:
+                with _capture_stream(cache):
+                    graph = cache.graphs[key] = DecodeGraph(self, cache, *key)
+            except RuntimeError as error:  # an op that cannot be captured: say so once, decode eagerly
+                logger.warning_once(f"decode step capture failed ({error}); decoding without CUDA graphs on this cache")
+                cache.graphs_disabled = True
+                return None
         cache.decode_steps += 1
         return graph.replay(input_ids, attention_mask)
 
