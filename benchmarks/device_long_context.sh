@@ -8,9 +8,9 @@
 # (the corpus, for the training run and the held-out prompt) and, from the second call on, .tcache/ (the
 # tcache.part.* files the previous call returned: compiled Triton kernels and autotune choices).
 # Environment: LC_TOTAL_S (570: the whole call, s), LC_PYTEST (1: the GPU tests first, LC_PYTEST_S 200), LC_TRAIN (1; 0 skips training and the greedy check),
-# LC_TRAIN_STEPS (150), LC_TRAIN_ARGS (more kdamoe-train arguments, e.g. "--set train.stages.0.seq_len=1024"),
+# LC_TRAIN_STEPS (60), LC_TRAIN_ARGS (more kdamoe-train arguments, e.g. "--set train.stages.0.seq_len=1024"),
 # LC_TRAIN_RESERVE_S (200: kept from the bench for training + greedy), LC_ONLY (the bench parts before training;
-# default kdamoe,native,floor,profile), LC_CHUNK2 (extra kdamoe chunk lengths at 1M, e.g. 131072), LC_MODEL_DIR
+# default profile,floor,variants,kdamoe,native), LC_CHUNK2 (extra kdamoe chunk lengths at 1M, e.g. 131072), LC_MODEL_DIR
 # (a carried final/ folder: LC_TRAIN=0 LC_ONLY=greedy checks it).
 # Files back: long_context.json, long_context.md, bench.log (the output of every step) and at most five 15 MB
 # parts of the Triton cache (more would pass the 8 files a call returns; then none are kept).
@@ -32,7 +32,7 @@ export PYTHONPATH=$SCRATCH/site:$PWD
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv > "$LOG" 2>&1
 if [ "${LC_PYTEST:-1}" = 1 ]; then  # the GPU tests of graph decoding and the latent kernel, first
     KDAMOE_TEST_ON_GPU=1 timeout "${LC_PYTEST_S:-200}" python3 -m pytest -q -p no:cacheprovider -x \
-        tests/test_gpu_long_context.py tests/kernels/test_mla_decode.py >> "$LOG" 2>&1
+        ${LC_PYTEST_TESTS:-tests/test_gpu_long_context.py tests/kernels/test_mla_decode.py} >> "$LOG" 2>&1
     echo "pytest exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
 fi
 
@@ -40,7 +40,7 @@ train=${LC_TRAIN:-1}
 budget=$(( $(left) - (train == 1 ? ${LC_TRAIN_RESERVE_S:-200} : 0) ))
 echo "== bench, budget $budget s (Triton cache restored: $LC_TCACHE_RESTORED)" >> "$LOG"
 timeout $(( budget + 30 )) python3 benchmarks/bench_long_context.py --out "$OUT" --budget-s "$budget" \
-    --only "${LC_ONLY:-kdamoe,native,floor,profile}" "$@" >> "$LOG" 2>&1
+    --only "${LC_ONLY:-profile,floor,variants,kdamoe,native}" "$@" >> "$LOG" 2>&1
 echo "bench exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
 
 if [ "$train" = 1 ]; then
@@ -48,7 +48,7 @@ if [ "$train" = 1 ]; then
     train_s=$(( $(left) - 60 ))  # the greedy check gets the last minute
     echo "== training, limit $train_s s" >> "$LOG"
     timeout "$train_s" python3 -m kdamoe.cli --config gpu_h200.yaml --output-dir "$RUN" --no-resume \
-        --set "train.stages=[{name: short, seq_len: 2048, batch_size: 16, steps: ${LC_TRAIN_STEPS:-150}, lr: 1.5e-3, warmup_steps: 15}]" \
+        --set "train.stages=[{name: short, seq_len: 2048, batch_size: 16, steps: ${LC_TRAIN_STEPS:-60}, lr: 1.5e-3, warmup_steps: 6}]" \
         --set train.checkpoint_every=0 --set eval.max_rows=8 --set generate.max_new_tokens=32 ${LC_TRAIN_ARGS:-} \
         >> "$LOG" 2>&1
     echo "training exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"

@@ -9,6 +9,7 @@ Formulas and their sources are in docs/architecture.md and in the flat modules t
 
 import contextlib
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -337,8 +338,37 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: flo
     elif T == 1:
         out = F.scaled_dot_product_attention(q, k, v, scale=scaling)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), scale=scaling)
+        variant = os.environ.get("KDAMOE_CHUNK_SDPA", "merge")  # TEMPORARY: measured on the H200, then one kept
+        if variant == "lower_right":
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), scale=scaling)
+        else:
+            out = _prefix_then_causal(q, k, v, scaling, cudnn=variant == "merge_cudnn")
     return out.transpose(1, 2)
+
+
+def _attention_with_lse(q, k, v, scaling, causal, cudnn=False):
+    """``(out [B, H, T, D] q.dtype, logsumexp [B, H, T] float32)`` from the fused kernels' aten ops."""
+    if q.is_cuda and cudnn:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                         scale=scaling)[:2]
+    elif q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scaling)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scaling)[:2]
+    return out, lse.reshape(q.shape[:3])
+
+
+def _prefix_then_causal(q, k, v, scaling, cudnn=False):
+    """Attention of a chunk ``q [B, H, T, D]`` over ``S − T`` cached keys (all visible) and its own ``T`` keys
+    (causal): two fused-kernel calls on square / unmasked problems, merged by their log-sum-exps
+    (``o = Σ_i e^{lse_i − m} o_i / Σ_i e^{lse_i − m}``, the split-softmax identity of FlashAttention, Dao et al. 2022)."""
+    T, S = q.shape[-2], k.shape[-2]
+    o_past, lse_past = _attention_with_lse(q, k[:, :, : S - T], v[:, :, : S - T], scaling, False, cudnn)
+    o_own, lse_own = _attention_with_lse(q, k[:, :, S - T :], v[:, :, S - T :], scaling, True, cudnn)
+    m = torch.maximum(lse_past, lse_own)
+    w_past, w_own = torch.exp(lse_past - m).unsqueeze(-1), torch.exp(lse_own - m).unsqueeze(-1)
+    out = (o_past.float() * w_past + o_own.float() * w_own) / (w_past + w_own)
+    return out.to(q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------

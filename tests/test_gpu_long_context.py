@@ -82,7 +82,9 @@ def test_graph_follows_parameters_that_move_and_a_cache_that_grows():
 
 
 def test_greedy_generate_is_unchanged_by_graphs_chunking_and_the_latent_cache():
-    model = _model()
+    # float32: an untrained bf16 model's top-2 logits sit within bf16 rounding of each other (measured on the H200:
+    # the bf16 version diverged after 20 tokens); bf16 greedy equality is checked on a trained model by the benchmark
+    model = _model(dtype=torch.float32)
     model.generation_config.eos_token_id = None
     ids = _ids(2, 2, 150)
     with torch.no_grad():

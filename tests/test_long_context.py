@@ -45,10 +45,11 @@ def _left_pad(ids, pads):
 # Chunked prefill equals the single pass
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("attnres_num_blocks", [0, 2])
-@pytest.mark.parametrize("chunk", [5, 7, 16])
+@pytest.mark.parametrize("chunk", [5, 7, LATENT_ATTENTION_MAX_TOKENS + 3])
 def test_chunked_forward_equals_single_pass(chunk, attnres_num_blocks):
+    """Chunks of up to 64 tokens attend in the latent space, longer ones expand keys / values (prefix + causal)."""
     model = _model(attnres_num_blocks=attnres_num_blocks)
-    ids = _ids(1, 2, 37)
+    ids = _ids(1, 2, 2 * chunk + 23)
     with torch.no_grad():
         full = model(ids, use_cache=False, prefill_chunk_size=0, output_hidden_states=True)
         for use_cache in (False, True):
@@ -58,7 +59,7 @@ def test_chunked_forward_equals_single_pass(chunk, attnres_num_blocks):
                 torch.testing.assert_close(got, want, **TOL)
             assert (out.cache is None) == (not use_cache)
             if use_cache:
-                assert out.cache.get_seq_length() == 37
+                assert out.cache.get_seq_length() == ids.shape[1]
 
 
 def test_chunked_forward_of_a_left_padded_batch_equals_single_pass():
