@@ -71,7 +71,7 @@ sys.path.insert(0, REPO)
 
 K, M = 1 << 10, 1 << 20
 GIB = float(1 << 30)
-PARTS = ("variants", "kdamoe", "native", "floor", "profile", "greedy")
+PARTS = ("kdamoe", "native", "floor", "profile", "greedy")
 NATIVE = "native+fla"
 
 
@@ -460,38 +460,6 @@ def native_b8_kv_gib(shape: Shape, batch: int, T: int) -> float:
     """GiB of the per-head keys and values native KimiLinear expands from its MLA latent in one layer and step."""
     width = shape.head_dim + shape.native_rope_dim + shape.head_dim
     return batch * shape.num_attention_heads * T * width * 2 / GIB
-
-
-@torch.no_grad()
-def run_variants(bench: Bench) -> None:
-    """The attention of a prefill chunk after a cache, three ways (``KDAMOE_CHUNK_SDPA``), timed on one prefill of
-    ``LC_VARIANT_T`` tokens each (after an untimed warm-up of every variant); the fastest is kept for the parts
-    that follow in this process (it sets the variable)."""
-    rec = bench.rec
-    T = int(os.environ.get("LC_VARIANT_T", str(1 << 19)))
-    if not rec.need("variants", "build", bench.est(40 + 3 * 30.0 * T / (1 << 20))):
-        return
-    model = build_kdamoe(bench.shape, bench.device, bench.dtype)
-    times = {}
-    for variant in ("merge", "merge_cudnn", "lower_right"):
-        os.environ["KDAMOE_CHUNK_SDPA"] = variant
-        try:
-            prefill(bench, model, 2 * model.config.prefill_chunk_size + 1000)  # compile / plan outside the timing
-            stats, out = prefill(bench, model, T)
-            del out
-            times[variant] = stats["s"]
-            rec.put("variants", f"prefill_T{T}_{variant}", stats)
-            print("variant", variant, f"prefill {T}: {stats['s']:.2f} s, peak {stats['peak_gib']} GiB", flush=True)
-        except Exception:
-            rec.error("variants", variant)
-        bench.free()
-    if times:
-        best = min(times, key=times.get)
-        os.environ["KDAMOE_CHUNK_SDPA"] = best
-        rec.put("variants", "chosen", best)
-        print("variant chosen:", best, flush=True)
-    del model
-    bench.free()
 
 
 def run_model(bench: Bench, name: str) -> None:
@@ -930,7 +898,7 @@ def main(argv=None) -> int:
                "(see warm_up in the script)")
     rec.save()
     print("stack:", rec.stack, flush=True)
-    runners = {"variants": lambda: run_variants(bench), "kdamoe": lambda: run_model(bench, "kdamoe"), "native": lambda: run_model(bench, "native"),
+    runners = {"kdamoe": lambda: run_model(bench, "kdamoe"), "native": lambda: run_model(bench, "native"),
                "floor": lambda: run_floor(bench), "profile": lambda: run_profile(bench), "greedy": lambda: run_greedy(bench)}
     for part in a.only:  # in the order asked
         if part in PARTS:

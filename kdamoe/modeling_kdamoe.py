@@ -9,7 +9,6 @@ Formulas and their sources are in docs/architecture.md and in the flat modules t
 
 import contextlib
 import math
-import os
 from collections.abc import Callable
 
 import torch
@@ -330,41 +329,48 @@ class KDAMoEAttention(nn.Module):
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
     """Causal SDPA of ``q [B, H, T, D]`` over ``k, v [B, H, S, D]`` (``S ≥ T``: the last ``T`` keys are the queries'
-    own), the causal diagonal aligned to the last query — no mask tensor, so a chunk after a long cache runs the
-    fused kernels. Returns ``[B, T, H, Dv]`` like transformers' attention functions."""
+    own) with no mask tensor, so the fused kernels run. Returns ``[B, T, H, Dv]`` like transformers' attention
+    functions.
+
+    A chunk after a cache (``S > T > 1``) is split into its unmasked part over the ``S − T`` cached keys and its
+    causal part over its own keys, merged by log-sum-exp (:func:`_prefix_then_causal`). Measured on an H200 (bf16,
+    8 heads of 128, 512K tokens in 32K chunks, the whole prefill): 6.8 s with cuDNN's kernels merged this way, 8.6 s
+    with FlashAttention-2's merged, 8.9 s as one call with a bottom-right causal mask (``causal_lower_right``, which
+    torch runs on the memory-efficient kernel) — benchmarks/results/long_context_h200.md. cuDNN and the CPU's flash
+    kernel return the log-sum-exp; float32 on CUDA (cuDNN takes half precision only) uses the masked single call.
+    """
     T, S = q.shape[-2], k.shape[-2]
     if S == T:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=scaling)
     elif T == 1:
         out = F.scaled_dot_product_attention(q, k, v, scale=scaling)
+    elif q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), scale=scaling)
     else:
-        variant = os.environ.get("KDAMOE_CHUNK_SDPA", "merge")  # TEMPORARY: measured on the H200, then one kept
-        if variant == "lower_right":
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), scale=scaling)
-        else:
-            out = _prefix_then_causal(q, k, v, scaling, cudnn=variant == "merge_cudnn")
+        out = _prefix_then_causal(q, k, v, scaling)
     return out.transpose(1, 2)
 
 
-def _attention_with_lse(q, k, v, scaling, causal, cudnn=False):
-    """``(out [B, H, T, D] q.dtype, logsumexp [B, H, T] float32)`` from the fused kernels' aten ops."""
-    if q.is_cuda and cudnn:
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
-                                                                         scale=scaling)[:2]
-    elif q.is_cuda:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scaling)[:2]
+def _attention_with_lse(q, k, v, scaling: float, causal: bool):
+    """``(out [B, H, T, D] in q.dtype, logsumexp [B, H, T] float32)``: cuDNN's fused attention on CUDA (half
+    precision), the CPU's flash kernel elsewhere — the aten ops behind SDPA that also return the log-sum-exp."""
+    if q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scaling
+        )[:2]
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scaling)[:2]
-    return out, lse.reshape(q.shape[:3])
+    return out, lse.reshape(q.shape[:3]).float()
 
 
-def _prefix_then_causal(q, k, v, scaling, cudnn=False):
+def _prefix_then_causal(q, k, v, scaling: float) -> torch.Tensor:
     """Attention of a chunk ``q [B, H, T, D]`` over ``S − T`` cached keys (all visible) and its own ``T`` keys
-    (causal): two fused-kernel calls on square / unmasked problems, merged by their log-sum-exps
-    (``o = Σ_i e^{lse_i − m} o_i / Σ_i e^{lse_i − m}``, the split-softmax identity of FlashAttention, Dao et al. 2022)."""
+    (causal): two fused calls on an unmasked and a square causal problem, merged by their log-sum-exps
+    (``o = Σ_i e^{lse_i − m} o_i / Σ_i e^{lse_i − m}``, the split-softmax identity behind FlashAttention, Dao et al.
+    2022, and flash-decoding)."""
     T, S = q.shape[-2], k.shape[-2]
-    o_past, lse_past = _attention_with_lse(q, k[:, :, : S - T], v[:, :, : S - T], scaling, False, cudnn)
-    o_own, lse_own = _attention_with_lse(q, k[:, :, S - T :], v[:, :, S - T :], scaling, True, cudnn)
+    o_past, lse_past = _attention_with_lse(q, k[:, :, : S - T], v[:, :, : S - T], scaling, False)
+    o_own, lse_own = _attention_with_lse(q, k[:, :, S - T :], v[:, :, S - T :], scaling, True)
     m = torch.maximum(lse_past, lse_own)
     w_past, w_own = torch.exp(lse_past - m).unsqueeze(-1), torch.exp(lse_own - m).unsqueeze(-1)
     out = (o_past.float() * w_past + o_own.float() * w_own) / (w_past + w_own)

@@ -125,3 +125,17 @@ def test_latent_cache_agrees_with_the_per_head_cache_in_bfloat16():
             la.append(model(ids[:, t : t + 1], cache=a, use_cache=True).logits.float())
             lb.append(model(ids[:, t : t + 1], cache=b, use_cache=True).logits.float())
     torch.testing.assert_close(torch.cat(la, 1), torch.cat(lb, 1), rtol=0.03, atol=0.03)
+
+
+@pytest.mark.parametrize("T, S", [(300, 1000), (4096, 40000)])
+def test_chunk_attention_after_a_cache_equals_the_masked_reference(T, S):
+    """The cuDNN prefix + causal merge against float32 attention with an explicit bottom-right causal mask."""
+    from kdamoe.modeling_kdamoe import _causal_sdpa
+
+    g = torch.Generator(device="cuda").manual_seed(T)
+    q, k, v = (torch.randn(1, 8, n, 128, device="cuda", generator=g, dtype=torch.bfloat16) for n in (T, S, S))
+    got = _causal_sdpa(q, k, v, 128**-0.5).float()
+    visible = torch.arange(S, device="cuda")[None, :] <= torch.arange(S - T, S, device="cuda")[:, None]
+    scores = (q.float() @ k.float().transpose(-1, -2)) * 128**-0.5
+    want = (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v.float()).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
