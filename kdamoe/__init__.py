@@ -12,6 +12,7 @@ _MODEL_NAMES = (
     "KDAMoEModel",
     "KDAMoEForCausalLM",
     "KDAMoEForSequenceClassification",
+    "KDAMoECache",
 )
 
 try:
@@ -22,6 +23,7 @@ try:
         AutoModelForSequenceClassification,
     )
 
+    from .cache_kdamoe import KDAMoECache
     from .configuration_kdamoe import KDAMoEConfig
     from .modeling_kdamoe import (
         KDAMoEForCausalLM,

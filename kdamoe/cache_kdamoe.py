@@ -48,8 +48,9 @@ class KDAMoELatentCacheLayer(CacheLayerMixin):
 
     def __init__(self, max_cache_len: int | None = None, **kwargs):
         super().__init__()
-        if max_cache_len is not None and max_cache_len < 1:
-            raise ValueError(f"max_cache_len must be a positive number of tokens, got {max_cache_len}")
+        if max_cache_len is not None and (not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool)
+                                          or max_cache_len < 1):
+            raise ValueError(f"max_cache_len must be None or a positive integer number of tokens, got {max_cache_len!r}")
         self.max_cache_len = max_cache_len
         self.latents: torch.Tensor | None = None
         self.length = 0
@@ -281,15 +282,51 @@ class KDAMoECache(DynamicCache):
             return self.tokens_seen
         return super().get_seq_length(layer_idx)
 
+    @property
+    def is_compileable(self) -> bool:
+        """False: decode steps are captured by kdamoe itself (``decode_graph``); transformers' compile path would
+        build 4-D masks in ``prepare_inputs_for_generation``."""
+        return False
+
+    @property
+    def is_linear(self) -> list[bool]:
+        """transformers' per-layer flags; all False for a model without MLA layers, because this cache still counts
+        its tokens (``get_seq_length``), so ``generate`` may trim the ids it has already seen on a continuation."""
+        if not self.latent_layers:
+            return [False] * len(self.layers)
+        return super().is_linear
+
+    def _check_rows(self, indices: torch.Tensor, what: str) -> None:
+        rows = self.batch_size
+        if rows is not None and indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= rows):
+            raise ValueError(f"{what} holds row indices {indices.tolist()} but the cache has {rows} rows")
+
     def reorder_cache(self, beam_idx: torch.LongTensor):
+        self._check_rows(beam_idx, "reorder_cache")
         for layer in self.layers:
             layer.reorder_cache(beam_idx)
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Refused when the model has KDA layers: their recurrent state cannot be rewound (transformers' assisted
+        generation refuses stateful models for the same reason). An MLA layer alone can be cropped:
+        ``cache.layers[i].crop(-n)``."""
+        if not self.latent_layers or len(self.latent_layers) < len(self.layers):
+            raise ValueError("KDAMoECache cannot crop: the KDA layers' recurrent state cannot be rewound to an earlier "
+                             "token; keep a copy of the cache (or re-prefill) to go back")
+        for layer in self.layers:
+            layer.crop(tokens_to_remove)
+
+    def activate_past_recording(self):
+        raise ValueError("KDAMoECache does not record past states: the KDA layers' recurrent state cannot be rewound")
+
     def batch_repeat_interleave(self, repeats: int):
+        if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+            raise ValueError(f"batch_repeat_interleave needs a positive integer, got {repeats!r}")
         super().batch_repeat_interleave(repeats)
         self.drop_graphs()
 
     def batch_select_indices(self, indices: torch.Tensor):
+        self._check_rows(torch.as_tensor(indices), "batch_select_indices")
         super().batch_select_indices(indices)
         self.drop_graphs()
 

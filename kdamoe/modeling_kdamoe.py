@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation, use_kernelized_func
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -841,6 +841,46 @@ def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, posi
 LATENT_ATTENTION_MAX_TOKENS = 64
 
 
+def check_cache_matches(config, cache: Cache, rows: int) -> None:
+    """Raise ``ValueError`` when ``cache`` was not built for this model and batch: its layer count, each layer's kind
+    (KDA state vs attention cache), the KDA state shapes, the MLA latent width and the rows it holds must match
+    ``config`` and the ``rows`` of the inputs (a mismatch would otherwise fail deep in a kernel or, for some
+    shapes, give wrong logits silently). Reads shapes only."""
+    if len(cache.layers) != config.num_hidden_layers:
+        raise ValueError(f"the cache has {len(cache.layers)} layers but the model has {config.num_hidden_layers}; pass a "
+                         "cache built for this model (or none)")
+    H, K = config.kda_num_heads, config.kda_head_dim
+    for i, (layer, layer_type) in enumerate(zip(cache.layers, config.layer_types)):
+        linear = isinstance(layer, LinearAttentionCacheLayerMixin)
+        if linear != (layer_type == "linear_attention"):
+            raise ValueError(f"cache layer {i} is a {type(layer).__name__} but model layer {i} is {layer_type!r}; pass a "
+                             "cache built for this model (or none)")
+        found = None
+        if linear:
+            state = layer.recurrent_states.get(0)
+            conv = layer.conv_states.get(0)
+            if state is not None and tuple(state.shape[1:]) != (H, K, K):
+                found = f"a KDA state of shape {list(state.shape)} (the model's is [B, {H}, {K}, {K}])"
+            elif conv is not None and conv.shape[1] != 3 * H * K:
+                found = f"a conv state of {conv.shape[1]} channels (the model's has {3 * H * K})"
+            batch = next((t.shape[0] for t in (state, conv) if t is not None), None)
+        elif isinstance(layer, KDAMoELatentCacheLayer):
+            batch = None if layer.latents is None else layer.latents.shape[0]
+            if layer.latents is not None and layer.latents.shape[-1] != config.kv_lora_rank:
+                found = f"latents of width {layer.latents.shape[-1]} (the model's kv_lora_rank is {config.kv_lora_rank})"
+        else:
+            keys = getattr(layer, "keys", None)
+            batch = keys.shape[0] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else None
+            if batch is not None and tuple(keys.shape[1:2]) + tuple(keys.shape[3:]) != (config.num_attention_heads,
+                                                                                   config.qk_head_dim):
+                found = f"keys of shape {list(keys.shape)}"
+        if found:
+            raise ValueError(f"cache layer {i} holds {found}; pass a cache built for this model (or none)")
+        if batch is not None and batch != rows:
+            raise ValueError(f"the cache holds {batch} rows but the inputs have batch size {rows}; pass a cache of "
+                             "this batch (or reorder / select its rows first)")
+
+
 def _last_document_start(packed: dict, past: int) -> int:
     """Key position (cached tokens included) where every row's last packed document starts.
 
@@ -937,12 +977,8 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
             past = cache.get_seq_length() if has_full_attention else None
         if not managed:  # the graph validates the real ids before each replay
             validate_model_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past)
-            rows = (input_ids if input_ids is not None else inputs_embeds).shape[0]
-            if isinstance(cache, KDAMoECache) and cache.batch_size not in (None, rows):
-                raise ValueError(
-                    f"the cache holds {cache.batch_size} rows but the inputs have batch size {rows}; pass a cache of "
-                    "this batch (or reorder / select its rows first)"
-                )
+            if cache is not None:
+                check_cache_matches(self.config, cache, (input_ids if input_ids is not None else inputs_embeds).shape[0])
         past = past or 0
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
@@ -1088,6 +1124,10 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+        if self.generation_config is not None:
+            # transformers copies config fields named like generation fields; `prefill_chunk_size` would switch on
+            # generate()'s own chunked prefill (which needs a cache and ids). The forward chunks by the config.
+            self.generation_config.prefill_chunk_size = None
 
     def get_output_embeddings(self):
         return self.lm_head

@@ -264,3 +264,70 @@ def test_multi_turn_generate_continues_the_returned_cache():
         second = model.generate(turn, cache=first.cache, max_new_tokens=4, do_sample=False)
         fresh = model.generate(turn, max_new_tokens=4, do_sample=False)
     assert torch.equal(second, fresh)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Regressions found by a fresh-user run
+# ---------------------------------------------------------------------------------------------------------------
+def test_generate_without_a_cache_from_embeddings_and_with_chunking_off():
+    """The config's ``prefill_chunk_size`` once reached generate()'s own chunked prefill (same field name), which
+    refused ``use_cache=False``, broke ``inputs_embeds`` and crashed on 0."""
+    model = _model()
+    model.generation_config.eos_token_id = None
+    ids = _ids(20, 2, 12)
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=4, do_sample=False)
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False), want)
+        embeds = model.get_input_embeddings()(ids)
+        assert torch.equal(model.generate(inputs_embeds=embeds, max_new_tokens=4, do_sample=False), want[:, 12:])
+        model.config.prefill_chunk_size = 0
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), want)
+    assert model.generation_config.prefill_chunk_size is None
+
+
+def test_multi_turn_generate_of_a_model_without_mla_layers():
+    """generate() trims the ids a cache has seen only when the cache can count them; an all-KDA cache now can."""
+    model = _model(layer_types=["linear_attention"] * 4)
+    model.generation_config.eos_token_id = None
+    ids = _ids(21, 2, 10)
+    with torch.no_grad():
+        first = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+        turn = torch.cat([first.sequences, _ids(22, 2, 3)], 1)
+        continued = model.generate(turn, cache=first.cache, max_new_tokens=4, do_sample=False)
+        fresh = model.generate(turn, max_new_tokens=4, do_sample=False)
+    assert torch.equal(continued, fresh)
+
+
+def test_caches_built_for_another_model_or_batch_are_refused():
+    model = _model()
+    ids = _ids(23, 2, 8)
+    with torch.no_grad():
+        per_head = model(ids, cache=DynamicCache(config=model.config), use_cache=True).cache
+        with pytest.raises(ValueError, match="2 rows but the inputs have batch size 3"):
+            model(_ids(24, 3, 1), cache=per_head, use_cache=True)
+        others = {
+            "8 layers": _model(num_hidden_layers=8),
+            "is a KDAMoELinearAttentionLayer": _model(layer_types=["linear_attention"] * 4),
+            "KDA state of shape": _model(kda_num_heads=4),
+            "latents of width": _model(kv_lora_rank=8, layer_types=["linear_attention"] * 3 + ["full_attention"]),
+        }
+        for message, other in others.items():
+            with pytest.raises(ValueError, match=message):
+                model(_ids(25, 2, 1), cache=other(ids, use_cache=True).cache, use_cache=True)
+
+
+def test_hybrid_cache_refuses_what_it_cannot_do():
+    model = _model()
+    with torch.no_grad():
+        cache = model(_ids(26, 2, 8), use_cache=True).cache
+    with pytest.raises(ValueError, match="cannot crop"):
+        cache.crop(-2)
+    with pytest.raises(ValueError, match="does not record"):
+        cache.activate_past_recording()
+    with pytest.raises(ValueError, match=r"row indices \[0, 5\]"):
+        cache.reorder_cache(torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="positive integer"):
+        cache.batch_repeat_interleave(0)
+    for bad in (2.5, "10", 0):
+        with pytest.raises(ValueError, match="max_cache_len"):
+            KDAMoECache(model.config, max_cache_len=bad)
