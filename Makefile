@@ -25,7 +25,7 @@ train: data
 	$(BIN)/kdamoe-train $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -n 2 -q --durations=20 tests $(ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=20 tests $(ARGS)
 
 # After `make train`: SFT then GRPO in the key-hunt environment, scored on held-out tasks
 # (docs/post-training.md). `make posttrain ARGS="--seeds 3"` runs three seeds.

@@ -449,19 +449,33 @@ class KDAMoETopkRouter(nn.Module):
             return torch.zeros(self.num_experts, device=self.e_score_correction_bias.device)
         return self.tokens_per_expert.float()
 
-    @torch.no_grad()
-    def update_bias(self) -> None:
-        """Apply the configured bias rule to the statistics gathered since the last call, then reset them.
+    def statistics(self) -> torch.Tensor:
+        """``[E + E·qb_num_bins]`` float64: the token counts then the QB histogram gathered since the last update
+        (zeros when nothing was counted, so every rank contributes the same shape to the all-reduce)."""
+        E, bins = self.num_experts, self.config.qb_num_bins
+        flat = torch.zeros(E + E * bins, dtype=torch.float64, device=self.e_score_correction_bias.device)
+        if self.tokens_per_expert is not None:
+            flat[:E] = self.tokens_per_expert
+            flat[E:] = self.qb_counts.flatten()
+        return flat
 
-        Counts are summed over data-parallel ranks first, so every rank computes the same bias.
+    @torch.no_grad()
+    def update_bias(self, statistics: torch.Tensor | None = None) -> None:
+        """Apply the configured bias rule, then reset the statistics.
+
+        ``statistics`` are :meth:`statistics` summed over the data-parallel ranks (what
+        :meth:`KDAMoEPreTrainedModel.update_router_biases` passes); None sums this router's own with one
+        all-reduce. Every rank then computes the same bias.
         """
         rule = self.config.router_bias_update
-        if self.tokens_per_expert is not None and rule != "none":
-            load = all_reduce_sum(self.tokens_per_expert.clone())
+        if statistics is None and rule != "none":
+            statistics = all_reduce_sum(self.statistics())
+        if rule != "none":
+            E = self.num_experts
+            load, counts = statistics[:E], statistics[E:].view(E, self.config.qb_num_bins)
             bias = self.e_score_correction_bias
             if rule == "quantile":
                 lo, hi = histogram_range(bias)
-                counts = all_reduce_sum(self.qb_counts.clone())
                 if counts.sum() > 0:
                     bias.copy_(quantile_balancing_update(counts, lo, hi, self.top_k).to(bias.dtype))
             elif load.sum() > 0:
@@ -763,8 +777,17 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         statistics across data-parallel ranks, updates every router's ``e_score_correction_bias`` and
         resets the counts. Eval / inference forwards never count, so they never move the biases.
         """
-        for router in self._routers():
-            router.update_bias()
+        routers = self._routers()
+        if not routers or self.config.router_bias_update == "none":
+            for router in routers:
+                router.reset_statistics()
+            return
+        # One all-reduce for every router's counts and histogram (docs/architecture.md §4): a rank that counted
+        # nothing still takes part (zeros), so no rank waits on a collective the others skipped.
+        device = routers[0].e_score_correction_bias.device  # (routers may sit on several devices)
+        stats = all_reduce_sum(torch.stack([router.statistics().to(device) for router in routers]))
+        for router, own in zip(routers, stats):
+            router.update_bias(own.to(router.e_score_correction_bias.device))
 
 
 def _dt_bias_init(dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:

@@ -5,6 +5,7 @@ histogram and compared with the exact quantile of both ranks' r values pooled (â
 import math
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -69,5 +70,6 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.xdist_group("distributed")
 def test_qb_histogram_all_reduce_two_ranks():
     mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
