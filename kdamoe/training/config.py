@@ -23,11 +23,16 @@ DEFAULT_CONFIG = "cpu_default.yaml"
 
 @dataclass
 class StageConfig:
-    """One context-length stage: its own row length, batch, step count and warmup + cosine LR schedule."""
+    """One context-length stage: its own row length, batch, step count and warmup + cosine LR schedule.
+
+    ``batch_size`` is PER PROCESS: one optimizer step consumes ``batch_size × processes × train.grad_accum_steps``
+    rows, and N processes with ``batch_size = B / N`` train what one process with ``B`` trains, up to float32
+    summation order (docs/pretraining.md, "Data-parallel runs").
+    """
 
     name: str
     seq_len: int  # tokens per row
-    batch_size: int  # rows per micro-batch per process
+    batch_size: int  # rows per micro-batch per process (the global micro-batch is batch_size × processes)
     steps: int  # optimizer steps
     lr: float  # peak learning rate
     warmup_steps: int = 0

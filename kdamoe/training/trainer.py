@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -36,7 +37,7 @@ from .checkpoint import (
 from .checkpoint import find_checkpoint
 from .config import RunConfig, StageConfig, config_to_dict
 from .corpus import load_corpus
-from .data import pack_documents, stage_loader, tokenize_documents
+from .data import IGNORE_INDEX, pack_documents, stage_loader, tokenize_documents
 from .evaluate import BigramBaseline, evaluate_lm
 from .export import export_model, print_samples, reload_model
 from .monitoring import TrainingMonitor
@@ -219,20 +220,26 @@ def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, d
     for batch in batches:
         if progress.global_step == stop_at:
             return False
+        # The loss is the token mean over the GLOBAL micro-batch (every process's rows): DDP averages the
+        # processes' gradients, so each one divides its token-loss sum by (global count / processes) — the
+        # ``num_items_in_batch`` of transformers' loss functions. One process: its own count, the plain mean.
+        targets = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()  # the model shifts the labels by one
+        per_process = accelerator.reduce(targets, "sum") / accelerator.num_processes
         with accelerator.accumulate(model):
-            loss = model(**batch, use_cache=False).loss
+            loss = model(**batch, use_cache=False, num_items_in_batch=per_process).loss
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad()
-        step_loss += loss.item() / t.grad_accum_steps
+        # the global micro-batch's loss: the mean over processes of their (rescaled) losses
+        step_loss += accelerator.reduce(loss.detach(), "mean").item() / t.grad_accum_steps
         step_tokens += batch["input_ids"].numel() * accelerator.num_processes
         if not accelerator.sync_gradients:
             continue
         lr = scheduler.get_last_lr()[0]  # the rate this step used
         scheduler.step()
-        load = raw_model.expert_load()  # read before the update resets the counts
+        load = accelerator.reduce(raw_model.expert_load(), "sum")  # all processes' tokens; before the update resets them
         raw_model.update_router_biases()
         progress.step, progress.global_step = progress.step + 1, progress.global_step + 1
         progress.tokens += step_tokens
@@ -276,8 +283,14 @@ def run(cfg: RunConfig, resume: bool = True, stop_after_steps: int | None = None
         torch.set_num_threads(cfg.train.num_threads)
     use_bf16 = cfg.train.mixed_precision == "bf16" or (
         cfg.train.mixed_precision == "auto" and torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no",
+    # cpu=True without CUDA: accelerate 1.15 then reads torchrun's LOCAL_RANK / WORLD_SIZE as a multi-CPU (gloo,
+    # DDP) run; with cpu=False it would treat every CPU process as a lone run training on its own.
+    accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", cpu=not torch.cuda.is_available(),
                               gradient_accumulation_steps=cfg.train.grad_accum_steps)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerator.num_processes:
+        raise ValueError(f"WORLD_SIZE={launched} processes were launched but accelerate set up "
+                         f"{accelerator.num_processes} ({accelerator.distributed_type}); see docs/pretraining.md")
     set_seed(cfg.seed)
     checkpoint = find_checkpoint(out_dir / "checkpoints", say=lambda line: _say(accelerator, line)) if resume else None
     if resume and checkpoint is None and list_checkpoints(out_dir / "checkpoints"):
