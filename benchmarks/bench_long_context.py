@@ -145,8 +145,8 @@ class Recorder:
 
     def error(self, group: str, key: str) -> None:
         text = traceback.format_exc()
-        print(text, flush=True)
-        self.put(group, key, {"error": text[-1500:]})
+        print(text, flush=True)  # the whole traceback goes to the log; the results keep the exception line only
+        self.put(group, key, {"error": text.strip().splitlines()[-1][:500]})
 
     def save(self) -> None:
         doc = {"stack": self.stack, "settings": self.settings, "rows": make_rows(self.raw), "raw": self.raw,
