@@ -169,6 +169,22 @@ def load_base(cfg):
     return model, tokenizer
 
 
+def check_world_size(trainer) -> None:
+    """Refuse a launch whose ``WORLD_SIZE`` (set by ``torchrun``) differs from the processes the Trainer set up.
+
+    Without this, N processes that each built a one-process Trainer would train N unrelated copies and race on
+    ``output_dir`` (docs/post-training.md, "Several processes").
+
+    Raises:
+        ValueError: ``WORLD_SIZE`` != ``trainer.accelerator.num_processes``, naming both.
+    """
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != trainer.accelerator.num_processes:
+        raise ValueError(f"WORLD_SIZE={launched} processes were launched but the Trainer set up "
+                         f"{trainer.accelerator.num_processes} ({trainer.accelerator.distributed_type}); on CPUs "
+                         "the recipes need use_cpu=True (their default without CUDA) for a gloo DDP run")
+
+
 def run_recipe(cfg, resume: bool = True) -> dict:
     """Train ``cfg.recipe`` from ``cfg.model`` and save it (module docstring).
 
@@ -195,6 +211,7 @@ def run_recipe(cfg, resume: bool = True) -> dict:
     check_aux_loss(cfg, model.config)
     padding_side = tokenizer.padding_side
     trainer = build_trainer(cfg, model, tokenizer)
+    check_world_size(trainer)
     add_router_bias_callback(trainer, RouterBiasUpdateCallback(freeze_biases=cfg.router_biases == "freeze"))
     checkpoint = newest_checkpoint(cfg.output_dir) if resume else None
     if checkpoint:
@@ -202,7 +219,12 @@ def run_recipe(cfg, resume: bool = True) -> dict:
     result = trainer.train(resume_from_checkpoint=checkpoint)
     history = list(trainer.state.log_history)
     curve = reward_curve(history) if cfg.recipe in RL_RECIPES else []
-    final, adapter, saved = _save(cfg, trainer, tokenizer, padding_side, curve)
+    if trainer.is_world_process_zero():  # one writer: every rank holds the same weights and biases
+        final, adapter, saved = _save(cfg, trainer, tokenizer, padding_side, curve)
+    else:
+        final = Path(cfg.output_dir) / "final"
+        adapter = Path(cfg.output_dir) / "adapter" if cfg.peft is not None else None
+        saved = trainer.accelerator.unwrap_model(trainer.model)
     summary = {
         "recipe": cfg.recipe, "config": posttrain_config_to_dict(cfg), "final": str(final),
         "adapter": None if adapter is None else str(adapter), "resumed_from": checkpoint,
@@ -210,5 +232,7 @@ def run_recipe(cfg, resume: bool = True) -> dict:
         "reward_curve": curve, "log_history": history,
     }
     summary_path = Path(cfg.output_dir) / "summary.json"
-    _write_json(summary_path, summary)
+    if trainer.is_world_process_zero():
+        _write_json(summary_path, summary)
+    trainer.accelerator.wait_for_everyone()  # no rank returns before final/ and summary.json exist
     return {**summary, "summary": str(summary_path), "model": saved, "trainer": trainer}
