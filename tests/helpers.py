@@ -1,6 +1,16 @@
-"""Tiny configs shared by the model tests (fast on 2 CPU cores)."""
+"""Tiny configs shared by the model tests (fast on 2 CPU cores), and the launcher of the multi-process tests."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from kdamoe import KDAMoEConfig
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def tiny_config(**overrides) -> KDAMoEConfig:
@@ -27,3 +37,25 @@ def tiny_config(**overrides) -> KDAMoEConfig:
     )
     fields.update(overrides)
     return KDAMoEConfig(**fields)
+
+
+def launch_processes(args: list[str], processes: int, deadline_s: float) -> tuple[str, str]:
+    """Run ``python args…`` as one process, or as ``processes`` ranks under torchrun (``python -m
+    torch.distributed.run --standalone``), from the repo root with one thread per rank; returns ``(stdout, stderr)``.
+
+    The launcher gets its own session, so on the deadline one ``killpg`` stops it and every rank it started and the
+    test fails instead of hanging (a dead rank makes torchrun exit non-zero within seconds, which fails it too).
+    """
+    launcher = [sys.executable] if processes == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    with subprocess.Popen(launcher + args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=deadline_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"{processes}-process run did not finish within {deadline_s} s:\n{stderr[-6000:]}")
+    assert proc.returncode == 0, f"{processes}-process run failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    return stdout, stderr

@@ -28,17 +28,15 @@ ranks bitwise (one all-reduce of the statistics per update: every rank computes 
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import launch_processes
 from tests.test_posttrain import base  # noqa: F401  (the tiny base folder fixture)
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS, GLOBAL_BATCH, DEADLINE_S = 4, 4, 120
 LOSS_RTOL, BIAS_ATOL = 1e-5, 1e-6
 
@@ -53,19 +51,7 @@ def _launch(base_dir: str, out: Path, processes: int, *extra: str) -> dict:
                  "data.environment=arithmetic", "data.min_calls=1", "data.max_calls=2", "data.max_operand=5", *extra]
     args = [str(Path(__file__)), str(dump), "--config", "sft", "--output-dir", str(out), "--no-resume"]
     args += [a for o in overrides for a in ("--set", o)]
-    launcher = [sys.executable] if processes == 1 else [  # python -m torch.distributed.run is torchrun
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    # Its own session, so that on timeout one killpg stops the launcher and every rank it started.
-    with subprocess.Popen(launcher + args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, start_new_session=True) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=DEADLINE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            pytest.fail(f"{processes}-process run did not finish within {DEADLINE_S} s:\n{stderr[-6000:]}")
-    assert proc.returncode == 0, f"{processes}-process run failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    launch_processes(args, processes, DEADLINE_S)
     history = json.loads((out / "summary.json").read_text())["log_history"]
     losses = [row["loss"] for row in history if "loss" in row]
     ranks = [torch.load(dump / f"rank{rank}.pt") for rank in range(processes)]

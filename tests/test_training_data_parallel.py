@@ -22,17 +22,15 @@ histograms count the same tokens in the same bins unless a margin lies within ro
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import launch_processes
 from tests.test_training_resume import WORDS, _config
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS, GLOBAL_BATCH, ACCUM, DEADLINE_S = 5, 4, 2, 120
 LOSS_RTOL, BIAS_ATOL = 1e-6, 1e-6
 
@@ -56,19 +54,7 @@ def _launch(tmp_path, name: str, processes: int) -> dict:
     dump.mkdir()
     args = [str(Path(__file__)), str(dump), "--config", str(tmp_path / f"{name}.yaml"), "--no-resume",
             "--set", f"train.stages.0.batch_size={GLOBAL_BATCH // processes}"]
-    launcher = [sys.executable] if processes == 1 else [  # python -m torch.distributed.run is torchrun
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    # Its own session, so that on timeout one killpg stops the launcher and every rank it started.
-    with subprocess.Popen(launcher + args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, start_new_session=True) as proc:
-        try:
-            out, err = proc.communicate(timeout=DEADLINE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            pytest.fail(f"{processes}-process run did not finish within {DEADLINE_S} s:\n{err[-6000:]}")
-    assert proc.returncode == 0, f"{processes}-process run failed:\n{out[-3000:]}\n{err[-6000:]}"
+    launch_processes(args, processes, DEADLINE_S)
     progress = json.loads((tmp_path / name / "checkpoints" / f"stage0-step{STEPS:06d}" / "progress.json").read_text())
     ranks = [torch.load(dump / f"rank{rank}.pt") for rank in range(processes)]
     return {"losses": [loss for _, loss in progress["losses"]], "ranks": ranks}
