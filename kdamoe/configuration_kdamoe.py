@@ -255,9 +255,7 @@ class KDAMoEConfig(PreTrainedConfig):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}")
-        chunk = self.prefill_chunk_size
-        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0):
-            raise ValueError(f"`prefill_chunk_size` must be None or an integer >= 0 (0 = no chunking), got {chunk!r}")
+        check_prefill_chunk_size(self.prefill_chunk_size)
         for name in ("tie_word_embeddings", "output_router_logits", "use_cache", "decode_cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
@@ -277,6 +275,12 @@ class KDAMoEConfig(PreTrainedConfig):
             raise ValueError(f"`hidden_act` is {self.hidden_act!r}; expected one of {HIDDEN_ACTS}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"`kernel_backend` is {self.kernel_backend!r}; expected one of {KERNEL_BACKENDS}")
+
+
+def check_prefill_chunk_size(chunk) -> None:
+    """``ValueError`` unless ``chunk`` is None or an integer >= 0 (the config field and the forward argument)."""
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0):
+        raise ValueError(f"`prefill_chunk_size` must be None or an integer >= 0 (0 = no chunking), got {chunk!r}")
 
 
 def _divide(total: int, parts: int, parts_name: str) -> int:

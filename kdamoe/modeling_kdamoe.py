@@ -33,7 +33,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from transformers.utils import can_return_tuple, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_kdamoe import KDAMoEConfig
+from .configuration_kdamoe import KDAMoEConfig, check_prefill_chunk_size
 from .cache_kdamoe import KDAMoECache, KDAMoELatentCacheLayer
 from .decode_graph import DecodeGraph
 from .kernel_dispatch import (
@@ -998,21 +998,20 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         past = 0
         if cache is not None:
             past = cache.get_seq_length() if has_full_attention else None
+        tokens = input_ids if input_ids is not None else inputs_embeds  # validated below: one of them is given
         if not managed:  # the graph validates the real ids before each replay
             validate_model_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past)
             if cache is not None:
-                check_cache_matches(self.config, cache, (input_ids if input_ids is not None else inputs_embeds).shape[0])
+                check_cache_matches(self.config, cache, tokens.shape[0])
         past = past or 0
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
         chunk = self.config.prefill_chunk_size if prefill_chunk_size is None else prefill_chunk_size
-        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0):
-            raise ValueError(f"prefill_chunk_size must be None or an integer >= 0 (0 = no chunking), got {chunk!r}")
-        B, T = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-        device = (input_ids if input_ids is not None else inputs_embeds).device
+        check_prefill_chunk_size(chunk)
+        B, T = tokens.shape[:2]
         if position_ids is None:
-            position_ids = torch.arange(past, past + T, device=device).unsqueeze(0)
+            position_ids = torch.arange(past, past + T, device=tokens.device).unsqueeze(0)
         position_ids = position_ids.expand(B, T)
         packed = attention_mask is None and T > 1 and bool((position_ids[:, 1:] == 0).any())
         mask_4d = attention_mask is not None and attention_mask.dim() == 4  # a custom mask, passed through as is
@@ -1182,14 +1181,13 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
             output_router_logits if output_router_logits is not None else self.config.output_router_logits
         )
         cache = cache if cache is not None else past_key_values
-        if self._decode_graph_applies(input_ids, inputs_embeds, attention_mask, cache, labels, use_cache,
-                                      output_router_logits, logits_to_keep, kwargs):
+        graph_step = self._decode_graph_step(input_ids, inputs_embeds, attention_mask, cache, labels, use_cache,
+                                             output_router_logits, logits_to_keep, kwargs)
+        if graph_step == "replay":
             logits = self._graph_decode(input_ids, attention_mask, cache)
             if logits is not None:
                 return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
-        warm_up = self._decode_graph_applies(input_ids, inputs_embeds, attention_mask, cache, labels, use_cache,
-                                             output_router_logits, logits_to_keep, kwargs, warm_up=True)
-        with _capture_stream(cache) if warm_up else contextlib.nullcontext():
+        with _capture_stream(cache) if graph_step == "warm_up" else contextlib.nullcontext():
             outputs = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -1235,30 +1233,30 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
 
-    def _decode_graph_applies(self, input_ids, inputs_embeds, attention_mask, cache, labels, use_cache,
-                              output_router_logits, logits_to_keep, kwargs, warm_up: bool = False) -> bool:
-        """Whether this forward is a one-token inference step that a CUDA graph can replay (``warm_up``: the first
-        such step on the cache, run eagerly on the capture stream). Anything unusual runs eagerly."""
+    def _decode_graph_step(self, input_ids, inputs_embeds, attention_mask, cache, labels, use_cache,
+                           output_router_logits, logits_to_keep, kwargs) -> str | None:
+        """``"replay"`` for a one-token inference step that a CUDA graph can replay, ``"warm_up"`` for the first
+        such step on the cache (run eagerly on the capture stream), None for anything else (runs eagerly)."""
         if not (self.config.decode_cuda_graphs and isinstance(cache, KDAMoECache) and not cache.graphs_disabled
                 and input_ids is not None
                 and inputs_embeds is None and input_ids.dim() == 2 and input_ids.shape[1] == 1 and input_ids.is_cuda):
-            return False
+            return None
         if self.training or torch.is_grad_enabled() or labels is not None or use_cache is False or output_router_logits:
-            return False
+            return None
         if kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or self.config.output_hidden_states:
-            return False
+            return None
         if attention_mask is not None and attention_mask.dim() != 2:
-            return False
+            return None
         if not isinstance(logits_to_keep, int) or logits_to_keep not in (0, 1) or getattr(self, "_hf_hook", None):
-            return False
+            return None
         if torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
-            return False
+            return None
         if not decode_graphs_supported(self.config.kernel_backend, input_ids.device):
-            return False
-        if warm_up:
-            return cache.decode_steps == 0
+            return None
+        if cache.decode_steps == 0:
+            return "warm_up"
         past = cache.get_seq_length() if cache.latent_layers else 0
-        return cache.decode_steps > 0 and all(layer.capacity > past for layer in cache.latent_layers)
+        return "replay" if all(layer.capacity > past for layer in cache.latent_layers) else None
 
     def _graph_decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: KDAMoECache):
         """Validate the ids (one host sync, before the replay), capture the step if needed, replay it."""
