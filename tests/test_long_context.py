@@ -323,3 +323,22 @@ def test_hybrid_cache_refuses_what_it_cannot_do():
     for bad in (2.5, "10", 0):
         with pytest.raises(ValueError, match="max_cache_len"):
             KDAMoECache(model.config, max_cache_len=bad)
+
+
+def test_decode_graph_validity_follows_moved_and_replaced_parameters_and_the_model():
+    """A captured graph reads parameters by address: moving one (``.data =``), replacing one (a new ``Parameter`` in
+    the slot) or calling another model must invalidate it; an unchanged model must not (no needless re-capture)."""
+    from kdamoe.decode_graph import DecodeGraph
+
+    model, other = _model(seed=0), _model(seed=0)
+    graph = DecodeGraph.__new__(DecodeGraph)  # the validity bookkeeping alone: capturing needs CUDA
+    graph.watch_parameters(model)
+    assert graph.valid_for(model)
+    assert not graph.valid_for(other)
+    weight = model.lm_head.weight
+    weight.data = weight.data.clone()
+    assert not graph.valid_for(model)
+    graph.watch_parameters(model)
+    layer = model.model.layers[1].mlp.gate
+    layer.weight = torch.nn.Parameter(layer.weight.detach().clone())
+    assert not graph.valid_for(model)
