@@ -54,6 +54,29 @@ logger = logging.get_logger(__name__)
 # ----------------------------------------------------------------------------------------------------
 # Norms and dense MLPs
 # ----------------------------------------------------------------------------------------------------
+def fused_linear(hidden_states: torch.Tensor, modules: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+    """``tuple(m(hidden_states) for m in modules)`` for projections that read the same input.
+
+    When every module is a plain ``nn.Linear`` without bias, the outputs come from one GEMM over the concatenated
+    weights, returned as views of its output (exact: each output column is the same dot product). A decode step
+    launches one kernel instead of ``len(modules)``, and at one token per row each small GEMM costs its launch
+    latency, not its bytes. The concatenation is redone on every call (one copy of the weights, a few MB) so that
+    in-place weight updates — an optimizer step, a captured CUDA graph replayed after one — are always seen. A
+    wrapped module (a PEFT LoRA layer) makes every module run on its own.
+
+    Args:
+        hidden_states: ``[..., in_features]``.
+        modules: the projections, all with ``in_features`` inputs.
+
+    Returns:
+        ``[..., out_features_i]`` per module, in the GEMM's dtype.
+    """
+    if all(type(m) is nn.Linear and m.bias is None for m in modules):
+        weight = torch.cat([m.weight for m in modules])
+        return F.linear(hidden_states, weight).split([m.out_features for m in modules], dim=-1)
+    return tuple(m(hidden_states) for m in modules)
+
+
 class KDAMoERMSNorm(nn.Module):
     """RMSNorm over the last dim, computed in float32 (Zhang & Sennrich 2019)."""
 
@@ -174,13 +197,16 @@ class KDAMoEDeltaAttention(nn.Module):
             conv_state = cache.get_conv_state(self.layer_idx)
             recurrent_state = cache.get_recurrent_state(self.layer_idx)
 
-        mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
+        q, k, v, f, beta, gate = fused_linear(
+            hidden_states, (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.g_a_proj)
+        )
+        mixed = torch.cat([q, k, v], -1)
         seq_idx = packed["seq_idx"] if packed is not None else None
         mixed, new_conv_state = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), conv_state, seq_idx, backend=backend)
         q, k, v = (x.view(B, T, H, K) for x in mixed.chunk(3, dim=-1))
 
-        f = self.f_b_proj(self.f_a_proj(hidden_states)).view(B, T, H, K)  # raw gate input
-        beta = torch.sigmoid(self.b_proj(hidden_states).float())
+        f = self.f_b_proj(f).view(B, T, H, K)  # raw gate input
+        beta = torch.sigmoid(beta.float())
         if attention_mask is not None:
             pad = ~attention_mask.bool()
             f = f.masked_fill(pad[..., None, None], self.PAD_GATE_INPUT)
@@ -203,7 +229,7 @@ class KDAMoEDeltaAttention(nn.Module):
             cache.update_conv_state(new_conv_state, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
             cache.update_recurrent_state(final_state.float(), self.layer_idx)
 
-        gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(B, T, H, K)
+        gate = self.g_b_proj(gate).view(B, T, H, K)
         o = self.o_norm(o, gate).reshape(B, T, H * K)
         return self.o_proj(o)
 
@@ -280,11 +306,12 @@ class KDAMoEAttention(nn.Module):
         masks = masks or {"full_attention": None, "latent": False, "key_mask": None}
         B, T, _ = hidden_states.shape
         if self.config.q_lora_rank is None:
-            q = self.q_proj(hidden_states)
+            q, latent = fused_linear(hidden_states, (self.q_proj, self.kv_a_proj))
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+            q, latent = fused_linear(hidden_states, (self.q_a_proj, self.kv_a_proj))
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(B, T, self.num_heads, self.qk_head_dim)
-        latent = self.kv_a_layernorm(self.kv_a_proj(hidden_states))  # [B, T, kv_lora_rank]
+        latent = self.kv_a_layernorm(latent)  # [B, T, kv_lora_rank]
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None
         if isinstance(layer_cache, KDAMoELatentCacheLayer):
             latent, _ = layer_cache.update(latent)  # every visible latent, [B, past + T, R]

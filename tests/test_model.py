@@ -216,3 +216,18 @@ def test_eager_and_sdpa_attention_agree():
             logits[impl] = model(ids, attention_mask=mask, use_cache=False).logits
     torch.testing.assert_close(logits["eager"][0], logits["sdpa"][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits["eager"][1, 4:], logits["sdpa"][1, 4:], rtol=1e-5, atol=1e-5)
+
+
+def test_fused_linear_equals_each_projection_and_leaves_wrapped_modules_to_themselves():
+    """One GEMM over concatenated weights == each ``nn.Linear`` on its own (float64); a module that is not a plain
+    bias-free Linear (here one with a bias, as a stand-in for a wrapper) makes every module run itself."""
+    from kdamoe.modeling_kdamoe import fused_linear
+
+    gen = torch.Generator().manual_seed(3)
+    mods = tuple(torch.nn.Linear(24, n, bias=False).double() for n in (16, 5, 1, 9))
+    x = torch.randn(2, 7, 24, generator=gen, dtype=torch.float64)
+    for out, m in zip(fused_linear(x, mods), mods, strict=True):
+        torch.testing.assert_close(out, x @ m.weight.T, rtol=1e-12, atol=1e-12)
+    biased = mods[:2] + (torch.nn.Linear(24, 3, bias=True).double(),)
+    for out, m in zip(fused_linear(x, biased), biased, strict=True):
+        torch.testing.assert_close(out, m(x), rtol=0, atol=0)
