@@ -178,6 +178,17 @@ class KDAMoELinearAttentionLayer(LinearAttentionLayer):
                 if initialised[i]:
                     yield states, i
 
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: int | None = None,
+                          **kwargs) -> torch.Tensor:
+        """Every kdamoe conv op returns the row's whole window (its last W inputs, ``[B, C, W]``), so after the first
+        step the window is copied in place as it is; the base class concatenates old and new windows first (for ops
+        that return only the new columns) and keeps the last W columns, which is the same window, one kernel more."""
+        if (self.is_conv_states_initialized[state_idx] and self.has_previous_state[state_idx] and not self.record_past
+                and conv_states.shape == self.conv_states[state_idx].shape):
+            self.conv_states[state_idx].copy_(conv_states)
+            return self.conv_states[state_idx]
+        return super().update_conv_state(conv_states, state_idx, conv_kernel_size, **kwargs)
+
     def reorder_cache(self, beam_idx: torch.LongTensor):
         for states, i in self._states():
             states[i].copy_(states[i].index_select(0, beam_idx.to(states[i].device)))
