@@ -50,6 +50,7 @@ import re
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import asdict
 
 import torch
@@ -151,11 +152,12 @@ class E2ERecorder(Recorder):
     stem = "e2e"
 
     def error(self, group: str, key: str) -> None:
-        """As ``Recorder.error``, with folders cut from any path in the recorded line (the file name stays)."""
-        super().error(group, key)
-        entry = self.raw[group][key]
-        entry["error"] = re.sub(r"(?<![\w.])/(?:[^\s/'\"]+/)+", "", entry["error"])
-        self.save()
+        """As ``Recorder.error`` (the traceback to the log, its last line to the results), with the folders cut
+        from any path in that line (the file name stays): the saved files name no machine's paths."""
+        text = traceback.format_exc()
+        print(text, flush=True)
+        line = re.sub(r"(?<![\w.])/(?:[^\s/'\"]+/)+", "", text.strip().splitlines()[-1])
+        self.put(group, key, {"error": line[:500]})
 
     def rows(self) -> list[dict]:
         return make_rows(self.raw)
