@@ -117,12 +117,15 @@ def label(T: int) -> str:
 
 class Recorder:
     """Raw numbers, skips and errors of one run; ``save()`` rewrites the JSON and the markdown (after every
-    measurement). ``need(key, seconds)`` is False, and records ``skipped: time``, when the deadline is nearer."""
+    measurement). ``need(key, seconds)`` is False, and records ``skipped: time``, when the deadline is nearer.
+    Another benchmark reuses it by overriding ``stem`` (the file names), ``rows`` and ``markdown``."""
+
+    stem = "long_context"
 
     def __init__(self, out_dir: str, budget_s: float, settings: dict):
         self.out_dir = out_dir
         self.deadline = time.time() + budget_s
-        self.path = os.path.join(out_dir, "long_context.json")
+        self.path = os.path.join(out_dir, f"{self.stem}.json")
         old = json.load(open(self.path)) if os.path.exists(self.path) else {}
         self.raw: dict = old.get("raw", {})
         self.notes: dict = old.get("notes", {})
@@ -148,15 +151,21 @@ class Recorder:
         print(text, flush=True)  # the whole traceback goes to the log; the results keep the exception line only
         self.put(group, key, {"error": text.strip().splitlines()[-1][:500]})
 
+    def rows(self) -> list[dict]:
+        return make_rows(self.raw)
+
+    def markdown(self, doc: dict) -> str:
+        return render_markdown(doc)
+
     def save(self) -> None:
-        doc = {"stack": self.stack, "settings": self.settings, "rows": make_rows(self.raw), "raw": self.raw,
+        doc = {"stack": self.stack, "settings": self.settings, "rows": self.rows(), "raw": self.raw,
                "notes": self.notes}
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(doc, f, indent=1)
         os.replace(tmp, self.path)  # a kill mid-write leaves the previous file whole
-        with open(os.path.join(self.out_dir, "long_context.md"), "w") as f:
-            f.write(render_markdown(doc))
+        with open(os.path.join(self.out_dir, f"{self.stem}.md"), "w") as f:
+            f.write(self.markdown(doc))
 
 
 def _num(entry, field):
@@ -303,8 +312,9 @@ def render_markdown(doc: dict) -> str:
 # ------------------------------------------------------------------------------------------------ models
 
 
-def build_kdamoe(shape: Shape, device, dtype):
-    """``KDAMoEForCausalLM`` of ``shape`` (no latent experts, no AttnRes: the native model has neither)."""
+def build_kdamoe(shape: Shape, device, dtype, moe_latent_size: int | None = None, attnres_num_blocks: int = 0):
+    """``KDAMoEForCausalLM`` of ``shape``; by default no latent experts and no AttnRes (the native model has
+    neither); ``moe_latent_size`` / ``attnres_num_blocks`` turn them on (the training recipe's shape)."""
     from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
 
     cfg = KDAMoEConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
@@ -313,8 +323,9 @@ def build_kdamoe(shape: Shape, device, dtype):
                        qk_head_dim=shape.head_dim, v_head_dim=shape.head_dim, kda_num_heads=shape.kda_num_heads,
                        kda_head_dim=shape.kda_head_dim, num_experts=shape.num_experts,
                        num_experts_per_tok=shape.num_experts_per_tok, num_shared_experts=1,
-                       moe_intermediate_size=shape.moe_intermediate_size, moe_latent_size=None,
-                       first_k_dense_replace=1, intermediate_size=shape.intermediate_size, attnres_num_blocks=0,
+                       moe_intermediate_size=shape.moe_intermediate_size, moe_latent_size=moe_latent_size,
+                       first_k_dense_replace=1, intermediate_size=shape.intermediate_size,
+                       attnres_num_blocks=attnres_num_blocks,
                        max_position_embeddings=1 << 20, kernel_backend="auto", pad_token_id=0, bos_token_id=1,
                        eos_token_id=2)
     torch.manual_seed(0)
@@ -665,6 +676,13 @@ def profile_steps(bench: Bench, model, cache, tok, steps: int):
             tok, cache = out.logits[:, -1:].argmax(-1), out.cache
         bench.sync()
         wall = time.perf_counter() - t0
+    return {"profiled_wall_ms": wall / steps * 1e3, **kernel_summary(prof, steps)}, cache, tok
+
+
+def kernel_summary(prof, steps: int, top: int = 15) -> dict:
+    """GPU work of a finished ``torch.profiler.profile`` over ``steps`` steps, parsed from its exported trace:
+    summed kernel (and memcpy/memset) time per step (``kernel_ms``), kernels run per step, host launch calls
+    per step by API name, and the ``top`` kernel names by time (``calls`` and ``us`` per step, ``share``)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -677,13 +695,13 @@ def profile_steps(bench: Bench, model, cache, tok, steps: int):
     total_us = sum(sum(v) for v in by_name.values())
     table = sorted(({"name": n if len(n) <= 90 else n[:87] + "...", "calls": len(v) / steps, "us": sum(v) / steps,
                      "share": sum(v) / total_us if total_us else None} for n, v in by_name.items()),
-                   key=lambda r: -r["us"])[:15]
+                   key=lambda r: -r["us"])[:top]
     launches = {}
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("name") in LAUNCH_CALLS:
             launches[e["name"]] = launches.get(e["name"], 0) + 1 / steps
-    return {"profiled_wall_ms": wall / steps * 1e3, "kernel_ms": total_us / steps / 1e3,
-            "kernels_per_step": len(kernels) / steps, "launch_calls_per_step": launches, "table": table}, cache, tok
+    return {"kernel_ms": total_us / steps / 1e3, "kernels_per_step": len(kernels) / steps,
+            "launch_calls_per_step": launches, "table": table}
 
 
 def run_profile(bench: Bench) -> None:

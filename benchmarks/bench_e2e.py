@@ -1,0 +1,393 @@
+"""End-to-end training speed on one GPU: kdamoe against transformers' native KimiLinear (+ fla), issue #14.
+
+One device call (``benchmarks/device_e2e.sh``) runs the parts below. Each measurement is caught on its own (the
+error's last line is recorded and the run goes on) and ``e2e.json`` / ``e2e.md`` are rewritten after every one,
+so a crash or the deadline (``--budget-s``) loses nothing measured before it; what would not fit in the time
+left is recorded as ``skipped: time``.
+
+The shape is ``bench_long_context.Shape`` (1.68B total / 0.36B active parameters; the models are built by that
+script's ``build_kdamoe`` / ``build_native``): bf16 weights (the model cast with ``.to(torch.bfloat16)``, no
+autocast), random weights from a fixed seed, ``model.train()``. Native KimiLinear runs transformers' defaults
+(5.24: ``sdpa`` attention, ``grouped_mm`` experts) with fla's kernels where fla is installed (the stack line
+says which KDA and conv implementation it found).
+
+One training step is ``zero_grad(set_to_none=True)``, forward with ``labels = input_ids`` (the models' own
+shifted cross-entropy over the full vocabulary), ``loss.backward()``; no optimizer step. Input: B=1, T random
+token ids in [3, vocab) from a generator seeded with T, so both models see the same ids at the same length.
+Each step is timed on the host between two ``torch.cuda.synchronize()``; the number is the median of
+``--steps`` (5) steps after ``--warmup`` (2) untimed ones. tokens/s = T / median; MFU = 6 · N_active ·
+tokens/s / ``--peak-tflops`` (757 TFLOP/s); N_active = all parameters, embeddings and ``lm_head`` included
+(untied), with the routed experts' (parameter names containing ``.experts.``) counted at top_k / num_experts
+(8/64); the shared experts, router and dense first layer count in full. 6·N leaves out attention's T² term.
+Peak memory: ``torch.cuda.max_memory_allocated`` over the timed steps (weights, gradients and activations);
+``allocated_before_gib`` is what the weights took before the first step.
+
+Parts (``--only``, comma list; default all, in this order):
+
+``kdamoe``, ``native``
+    The step at ``--train-t`` (8K, 32K). kdamoe runs ``kernel_backend="auto"`` (its Triton kernels).
+``recipe``
+    kdamoe in the training recipe's shape, ``moe_latent_size=512``, ``attnres_num_blocks=4`` (the routed experts
+    run in a 512-wide latent, Block Attention Residuals over 4 blocks), at ``--recipe-t`` (32K, then 8K);
+    compared with kdamoe's plain shape at the same length.
+``profile``
+    One kdamoe step at ``--profile-t`` (32K) under ``torch.profiler`` (CPU + CUDA activity), after one warm-up
+    step and two unprofiled timed steps: the top 15 GPU kernels by summed time (calls and µs per step, share of
+    all GPU time), summed GPU time per step against the unprofiled and the profiled wall per step.
+
+Writes ``e2e.json`` (``rows``: ``{name, ours_ms, peer, peer_ms, ratio}`` with ratio = ours/peer, peer
+``native+fla`` or ``plain``, plus tokens/s, MFU and peak GiB of both sides; ``raw``: every number) and
+``e2e.md`` into ``--out``; an ``e2e.json`` already there is extended (a second invocation with ``--only`` adds to it).
+
+    python3 benchmarks/bench_e2e.py --out "$OUT"            # H200; deadline E2E_BUDGET_S (default 420)
+    python benchmarks/bench_e2e.py --tiny --out /some/dir   # CPU smoke test: tiny shapes, < 60 s
+"""
+
+import argparse
+import math
+import os
+import re
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_long_context import (  # noqa: E402  (the benchmarks folder is not a package)
+    GIB, K, NATIVE, TINY, Bench, Recorder, Shape, _fmt, _num, _row, build_kdamoe, build_native, kernel_summary,
+    label, stack_versions,
+)
+
+PARTS = ("kdamoe", "native", "recipe", "profile")
+RECIPE = {"moe_latent_size": 512, "attnres_num_blocks": 4}
+TINY_RECIPE = {"moe_latent_size": 32, "attnres_num_blocks": 2}
+PLAIN = "plain"
+
+
+# ------------------------------------------------------------------------------------------------ recording
+
+
+def _why(entry):
+    """A skip's reason, or an error's last line; None for a measurement."""
+    if isinstance(entry, str):
+        return entry
+    return entry["error"] if isinstance(entry, dict) and "error" in entry else None
+
+
+def _side(prefix: str, entry) -> dict:
+    return {f"{prefix}_tok_s": _num(entry, "tok_s"), f"{prefix}_mfu": _num(entry, "mfu"),
+            f"{prefix}_peak_gib": _num(entry, "peak_gib"),
+            **({f"{prefix}_note": _why(entry)} if _num(entry, "median_ms") is None and entry is not None else {})}
+
+
+def make_rows(raw: dict) -> list[dict]:
+    """Comparison rows from ``raw``: kdamoe vs native per length, then the recipe shape vs kdamoe's plain shape."""
+    ours, native, recipe = raw.get("kdamoe", {}), raw.get("native", {}), raw.get("recipe", {})
+    lengths = lambda *groups: sorted({int(k[len("train_T"):]) for g in groups for k in g if k.startswith("train_T")})
+    rows = []
+    for T in lengths(ours, native):
+        o, p = ours.get(f"train_T{T}"), native.get(f"train_T{T}")
+        rows.append(_row(f"train step {label(T)}", _num(o, "median_ms"), NATIVE, _num(p, "median_ms"),
+                         **_side("ours", o), **_side("peer", p)))
+    for T in lengths(recipe):
+        o, p = recipe.get(f"train_T{T}"), ours.get(f"train_T{T}")
+        rows.append({**_row(f"recipe shape train step {label(T)}", _num(o, "median_ms"), PLAIN, _num(p, "median_ms"),
+                            **_side("ours", o), **_side("peer", p)), "ours": "kdamoe recipe"})
+    return rows
+
+
+def render_markdown(doc: dict) -> str:
+    """``e2e.md``: the rows table, the stack, the models' parameter counts, the profile, skips and errors."""
+    st, s, raw = doc["stack"], doc["settings"], doc["raw"]
+    lines = ["# End-to-end training step on one GPU: kdamoe vs transformers' native KimiLinear (+ fla)", ""]
+    if st:
+        lines += [f"Stack: {st.get('gpu')}, torch {st.get('torch')}, triton {st.get('triton')}, transformers "
+                  f"{st.get('transformers')}, fla {st.get('fla')} (native's chunk_kda from {st.get('native_kda_from')}, "
+                  f"causal conv from {st.get('native_conv_from')}), CUDA {st.get('cuda')}.", ""]
+    lines += [f"Step: {s.get('step')}. B=1, {s.get('dtype')} weights, median of {s.get('steps')} steps after "
+              f"{s.get('warmup')} warm-up steps. MFU = 6 · active parameters · tokens/s / {s.get('peak_tflops')} "
+              f"TFLOP/s ({s.get('active_params')}). Recipe shape: {s.get('recipe')}. Triton cache restored: "
+              f"{s.get('tcache_restored')}; tiny: {s.get('tiny')}.", "",
+              "| case | ours ms | peer | peer ms | ours/peer | ours tok/s | peer tok/s | ours MFU | peer MFU | "
+              "ours peak GiB | peer peak GiB | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        note = "; ".join(str(r[k]) for k in ("ours_note", "peer_note") if r.get(k))
+        lines.append(f"| {r['name']} ({r.get('ours', 'kdamoe')}) | {_fmt(r['ours_ms'], 4)} | {r['peer']} | "
+                     f"{_fmt(r['peer_ms'], 4)} | {_fmt(r['ratio'])} | {_fmt(r['ours_tok_s'])} | "
+                     f"{_fmt(r['peer_tok_s'])} | {_fmt(r['ours_mfu'])} | {_fmt(r['peer_mfu'])} | "
+                     f"{_fmt(r['ours_peak_gib'])} | {_fmt(r['peer_peak_gib'])} | {note[:160]} |")
+    models = [(name, raw[name]["model"]) for name in ("kdamoe", "native", "recipe")
+              if isinstance(raw.get(name, {}).get("model"), dict)]
+    if models:
+        lines += ["", "| model | parameters | active | routed experts | attention | experts |", "|---|---|---|---|---|---|"]
+        lines += [f"| {name} | {m['params_total'] / 1e9:.4g}B | {m['params_active'] / 1e9:.4g}B | "
+                  f"{m['params_routed'] / 1e9:.4g}B | {m.get('attn_implementation')} | {m.get('experts')} |"
+                  for name, m in models]
+    for key, prof in (raw.get("profile") or {}).items():
+        if not isinstance(prof, dict) or "table" not in prof:
+            continue
+        lines += ["", f"## Profile: one kdamoe training step at {label(prof['T'])}", "",
+                  f"Wall per step: {_fmt(prof['wall_ms'], 4)} ms unprofiled (median of {prof['timed_steps']}), "
+                  f"{_fmt(prof['profiled_wall_ms'], 4)} ms under the profiler ({prof['profiled_steps']} step(s)). "
+                  f"GPU time per step (kernels, memcpy, memset summed): {_fmt(prof['kernel_ms'], 4)} ms, "
+                  f"{_fmt(prof['busy_share'])} of the unprofiled wall. Kernels per step: "
+                  f"{_fmt(prof['kernels_per_step'])}.", "",
+                  "| kernel | calls/step | µs/step | share |", "|---|---|---|---|"]
+        lines += [f"| `{r['name']}` | {_fmt(r['calls'])} | {_fmt(r['us'])} | {_fmt(r['share'])} |" for r in prof["table"]]
+    problems = [(f"{group}/{key}", _why(v)) for group, entries in raw.items() if isinstance(entries, dict)
+                for key, v in entries.items() if _why(v) is not None]
+    if problems:
+        lines += ["", "## Skipped or failed", ""] + [f"- {k}: {v[:300]}" for k, v in problems]
+    if doc.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {k}: {v}" for k, v in doc["notes"].items()]
+    return "\n".join(lines) + "\n"
+
+
+class E2ERecorder(Recorder):
+    """``bench_long_context.Recorder`` writing ``e2e.json`` / ``e2e.md`` with this benchmark's rows."""
+
+    stem = "e2e"
+
+    def error(self, group: str, key: str) -> None:
+        """As ``Recorder.error`` (the traceback to the log, its last line to the results), with the folders cut
+        from any path in that line (the file name stays): the saved files name no machine's paths."""
+        text = traceback.format_exc()
+        print(text, flush=True)
+        line = re.sub(r"(?<![\w.])/(?:[^\s/'\"]+/)+", "", text.strip().splitlines()[-1])
+        self.put(group, key, {"error": line[:500]})
+
+    def rows(self) -> list[dict]:
+        return make_rows(self.raw)
+
+    def markdown(self, doc: dict) -> str:
+        return render_markdown(doc)
+
+
+# ------------------------------------------------------------------------------------------------ measurements
+
+
+def parameter_counts(model, top_k: int, num_experts: int) -> dict:
+    """``params_total``, ``params_routed`` (names containing ``.experts.``) and ``params_active`` = total with the
+    routed experts counted at ``top_k / num_experts`` (see the module docstring)."""
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    if routed == 0:
+        raise ValueError("no parameter name contains '.experts.': the routed experts cannot be told apart")
+    return {"params_total": total, "params_routed": routed, "params_active": total - routed + routed * top_k / num_experts}
+
+
+def token_ids(bench: Bench, T: int) -> torch.Tensor:
+    """``[1, T]`` int64 random ids in [3, vocab) from a generator seeded with ``T`` (the same for every model)."""
+    gen = torch.Generator(device="cpu").manual_seed(T)
+    return torch.randint(3, bench.shape.vocab_size, (1, T), generator=gen).to(bench.device)
+
+
+def train_step(model, ids: torch.Tensor) -> torch.Tensor:
+    """One training step without an optimizer: gradients set to None, forward with ``labels = ids``, backward.
+    Returns the loss (a 0-d tensor, not synchronized)."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach()
+
+
+def time_steps(bench: Bench, model, T: int, warmup: int, steps: int) -> dict:
+    """``warmup + steps`` training steps on ``T`` tokens, each timed between two synchronizations.
+
+    Returns ``median_ms``, ``steps_ms``, ``warmup_ms`` (the untimed steps' times: compilation and autotuning show
+    there), ``tok_s``, ``peak_gib`` over the timed steps and ``allocated_before_gib`` (None on CPU), the first and
+    last loss. Raises ``FloatingPointError`` when a loss is not finite (a broken step must not give a number).
+    """
+    ids = token_ids(bench, T)
+    model.train()
+    bench.free()
+    before = torch.cuda.memory_allocated() / GIB if bench.cuda else None
+    times, losses = [], []
+    try:
+        for i in range(warmup + steps):
+            if i == warmup and bench.cuda:
+                torch.cuda.reset_peak_memory_stats()
+            bench.sync()
+            t0 = time.perf_counter()
+            loss = train_step(model, ids)
+            bench.sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+            losses.append(loss.item())
+    finally:
+        model.zero_grad(set_to_none=True)
+    if not all(math.isfinite(x) for x in losses):
+        raise FloatingPointError(f"non-finite loss at T={T}: {losses}")
+    median = statistics.median(times[warmup:])
+    return {"T": T, "median_ms": median, "steps_ms": times[warmup:], "warmup_ms": times[:warmup], "tok_s": T / median * 1e3,
+            "peak_gib": torch.cuda.max_memory_allocated() / GIB if bench.cuda else None,
+            "allocated_before_gib": before, "loss_first": losses[0], "loss_last": losses[-1]}
+
+
+def build(bench: Bench, part: str):
+    """The model of ``part`` (``kdamoe``, ``recipe``: kdamoe in the recipe's shape, ``native``) and its info."""
+    s = bench.shape
+    if part == "native":
+        model = build_native(s, bench.device, bench.dtype)
+    else:
+        extra = (TINY_RECIPE if bench.args.tiny else RECIPE) if part == "recipe" else {}
+        model = build_kdamoe(s, bench.device, bench.dtype, **extra)
+    info = {**parameter_counts(model, s.num_experts_per_tok, s.num_experts),
+            "attn_implementation": getattr(model.config, "_attn_implementation", None),
+            "experts": getattr(model.config, "_experts_implementation", None) or "kdamoe experts op"}
+    if part != "native":
+        info["kernel_backend"] = model.config.kernel_backend
+        info["moe_latent_size"], info["attnres_num_blocks"] = model.config.moe_latent_size, model.config.attnres_num_blocks
+    return model.train(), info
+
+
+def step_estimate(bench: Bench, T: int, steps: int) -> float:
+    """Seconds ``steps`` steps at ``T`` need on the H200, generously (32K: 0.61 s native, 0.81 s recipe, per step),
+    plus 30 s for a first step that compiles and autotunes; 0 in the tiny mode."""
+    return bench.est(30 + steps * T * 32e-6)
+
+
+def run_train(bench: Bench, part: str) -> None:
+    """Build one model, then the step at each of its lengths (module docstring, ``kdamoe``/``native``/``recipe``)."""
+    a, rec = bench.args, bench.rec
+    lengths = a.recipe_t if part == "recipe" else a.train_t
+    if not rec.need(part, "model", bench.est(30) + step_estimate(bench, min(lengths), a.warmup + a.steps)):
+        return
+    try:
+        model, info = build(bench, part)
+        peak = a.peak_tflops * 1e12
+        rec.put(part, "model", info)
+        print(part, info, flush=True)
+    except Exception:
+        rec.error(part, "model")
+        return
+    for T in lengths:
+        key = f"train_T{T}"
+        if not rec.need(part, key, step_estimate(bench, T, a.warmup + a.steps)):
+            continue
+        try:
+            stats = time_steps(bench, model, T, a.warmup, a.steps)
+            stats["mfu"] = 6 * info["params_active"] * stats["tok_s"] / peak
+            rec.put(part, key, stats)
+            print(part, label(T), f"{stats['median_ms']:.1f} ms, {stats['tok_s']:.0f} tok/s, MFU {stats['mfu']:.3f}, "
+                  f"peak {stats['peak_gib']} GiB", flush=True)
+        except Exception:
+            rec.error(part, key)
+        bench.free()
+    del model
+    bench.free()
+
+
+def run_profile(bench: Bench) -> None:
+    """One kdamoe step at ``--profile-t`` under ``torch.profiler`` (module docstring, ``profile``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    a, rec = bench.args, bench.rec
+    T, key = a.profile_t, f"kdamoe_T{a.profile_t}"
+    if not rec.need("profile", key, bench.est(30) + step_estimate(bench, T, 3 + 2 * a.profile_steps)):
+        return
+    try:
+        model, _ = build(bench, "kdamoe")
+        timed = time_steps(bench, model, T, warmup=1, steps=2)
+        ids = token_ids(bench, T)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.cuda else [])
+        with profile(activities=activities) as prof:
+            bench.sync()
+            t0 = time.perf_counter()
+            for _ in range(a.profile_steps):
+                train_step(model, ids)
+            bench.sync()
+            wall = (time.perf_counter() - t0) / a.profile_steps * 1e3
+        model.zero_grad(set_to_none=True)
+        summary = kernel_summary(prof, a.profile_steps, top=15)
+        rec.put("profile", key, {"T": T, "wall_ms": timed["median_ms"], "timed_steps": len(timed["steps_ms"]),
+                                 "profiled_wall_ms": wall, "profiled_steps": a.profile_steps, **summary,
+                                 "busy_share": summary["kernel_ms"] / timed["median_ms"]})
+        print("profile", label(T), f"wall {timed['median_ms']:.1f} ms, GPU {summary['kernel_ms']:.1f} ms", flush=True)
+        del model, prof
+    except Exception:
+        rec.error("profile", key)
+    bench.free()
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv=None):
+    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for e2e.{json,md}")
+    p.add_argument("--only", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes and lengths (CPU smoke test)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--budget-s", type=float, default=float(os.environ.get("E2E_BUDGET_S", "420")),
+                   help="deadline: measurements that do not fit in what is left are recorded as 'skipped: time'")
+    p.add_argument("--train-t", type=ints, default=None, help="kdamoe and native lengths (default 8K,32K)")
+    p.add_argument("--recipe-t", type=ints, default=None, help="recipe-shape lengths, in this order (default 32K,8K)")
+    p.add_argument("--profile-t", type=int, default=None, help="the profiled step's length (default 32K)")
+    p.add_argument("--profile-steps", type=int, default=1, help="profiled steps")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps before the timed ones (default 2)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 5)")
+    p.add_argument("--peak-tflops", type=float, default=757.0, help="the bf16 peak MFU divides by (TFLOP/s)")
+    a = p.parse_args(argv)
+    defaults = dict(train_t=[64, 128] if a.tiny else [8 * K, 32 * K], recipe_t=[128, 64] if a.tiny else [32 * K, 8 * K],
+                    profile_t=64 if a.tiny else 32 * K, warmup=1 if a.tiny else 2, steps=2 if a.tiny else 5)
+    for name, value in defaults.items():
+        if getattr(a, name) is None:
+            setattr(a, name, value)
+    a.only = [x.strip() for x in a.only.split(",") if x.strip()]
+    bad = [x for x in a.only if x not in PARTS]
+    if bad:
+        p.error(f"--only: unknown part(s) {bad}; choose from {', '.join(PARTS)}")
+    for name in ("warmup", "steps", "profile_steps"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
+    lengths = a.train_t + a.recipe_t + [a.profile_t]
+    if not a.train_t or not a.recipe_t or min(lengths) < 2:
+        p.error(f"lengths must be given and >= 2 (got train {a.train_t}, recipe {a.recipe_t}, profile {a.profile_t})")
+    if not a.peak_tflops > 0:
+        p.error(f"--peak-tflops must be > 0 (got {a.peak_tflops})")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    if a.tiny and a.device == "cpu":
+        torch.set_num_threads(1)  # tiny ops: a second thread only adds contention on a shared machine
+    settings = {"tiny": a.tiny, "shape": asdict(TINY if a.tiny else Shape()),
+                "recipe": TINY_RECIPE if a.tiny else RECIPE,
+                "warmup": a.warmup, "steps": a.steps, "peak_tflops": a.peak_tflops,
+                "step": "zero_grad(set_to_none=True), forward with labels=input_ids, loss.backward(); no optimizer step",
+                "active_params": "all parameters, embeddings and lm_head included, routed experts at top_k/num_experts",
+                "tcache_restored": os.environ.get("E2E_TCACHE_RESTORED") == "1"}
+    rec = E2ERecorder(a.out, a.budget_s, settings)
+    bench = Bench(a, rec)
+    rec.settings["dtype"] = str(bench.dtype).replace("torch.", "")  # bf16 on CUDA, float32 on the CPU
+    rec.stack = stack_versions(bench)
+    rec.notes.update(
+        earlier_method="the earlier measurement of issue #14 accumulated gradients across its steps (no zero_grad) "
+                       "and timed with triton.testing.do_bench; here each step sets them to None first, as a "
+                       "training loop does, and is timed between synchronizations",
+        mfu="6·N_active·tokens/s counts the matmuls of the weights only; the causal attention of the MLA layers "
+            "(T² per layer) is not in it, so MFU understates the work at 32K")
+    rec.save()
+    print("stack:", rec.stack, flush=True)
+    for part in a.only:  # in the order asked
+        t0 = time.time()
+        try:
+            run_profile(bench) if part == "profile" else run_train(bench, part)
+        except Exception:
+            rec.error(part, "part")
+        bench.free()
+        print(f"part {part}: {time.time() - t0:.0f} s; {rec.left():.0f} s left", flush=True)
+    rec.save()
+    with open(os.path.join(a.out, "e2e.md")) as f:
+        print(f.read())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One H200 device call for benchmarks/bench_e2e.py (issue #14): the training step (forward + loss + backward)
+# of kdamoe against transformers' native KimiLinear (+ fla) at 8K and 32K, kdamoe's recipe shape, and a
+# profile of one kdamoe 32K step; optionally benchmarks/model_parity.py first.
+#   usage: bash benchmarks/device_e2e.sh [bench_e2e.py args...]   (writes under $OUT)
+# Carry .whl/ (transformers 5.24.0 and fla_core 0.6.0 wheels; the device reaches no registry) and, when an earlier
+# call returned them, .tcache/ (its tcache.part.* files: compiled Triton kernels and autotune choices).
+# Environment: E2E_TOTAL_S (480: the whole call, s), E2E_ONLY (the bench parts, default kdamoe,native,recipe,profile),
+# E2E_PARITY (0; 1 runs benchmarks/model_parity.py first, limited to E2E_PARITY_S, default 150 s, taken from the
+# bench's time: with a cold Triton cache it takes minutes, so it is off by default).
+# Files back: e2e.json, e2e.md, e2e.log (the output of every step), model_parity.json (E2E_PARITY=1) and at most
+# four 15 MB parts of the Triton cache (more would pass the 8 files a call returns; then none are kept).
+set -u
+T0=$(date +%s)
+END=$(( T0 + ${E2E_TOTAL_S:-480} - 45 ))  # the last 45 s pack the Triton cache
+left() { echo $(( END - $(date +%s) )); }
+SCRATCH=$(mktemp -d)
+OUT=${OUT:-benchmarks/results}
+LOG=$OUT/e2e.log
+mkdir -p "$OUT" "$SCRATCH/tcache"
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 HF_HOME=$SCRATCH/hf
+export TRITON_CACHE_DIR=$SCRATCH/tcache TRITON_CACHE_AUTOTUNING=1 E2E_TCACHE_RESTORED=0
+if ls .tcache/tcache.part.* >/dev/null 2>&1 && cat .tcache/tcache.part.* | tar xzf - -C "$TRITON_CACHE_DIR"; then
+    export E2E_TCACHE_RESTORED=1
+fi
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SCRATCH/site" .whl/*.whl
+else
+    echo "no .whl/ wheels carried: the installed transformers (and fla, if any) are used" > "$LOG"
+fi
+export PYTHONPATH=$SCRATCH/site:$PWD
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv >> "$LOG" 2>&1
+
+if [ "${E2E_PARITY:-0}" = 1 ] && [ -f benchmarks/model_parity.py ]; then
+    echo "== model parity, limit ${E2E_PARITY_S:-150} s" >> "$LOG"
+    timeout "${E2E_PARITY_S:-150}" python3 benchmarks/model_parity.py --out "$OUT/model_parity.json" >> "$LOG" 2>&1
+    echo "model parity exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
+fi
+
+budget=$(left)
+echo "== bench, budget $budget s (Triton cache restored: $E2E_TCACHE_RESTORED)" >> "$LOG"
+# the bench's own deadline is 20 s before the kill, so a measurement that runs past its estimate is still saved
+timeout "$budget" python3 benchmarks/bench_e2e.py --out "$OUT" --budget-s $(( budget - 20 )) \
+    --only "${E2E_ONLY:-kdamoe,native,recipe,profile}" "$@" >> "$LOG" 2>&1
+echo "bench exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
+
+rm -f "$OUT"/*.tmp  # a JSON write cut short by a timeout
+timeout 40 tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15m - "$OUT/tcache.part."
+parts=$(ls "$OUT"/tcache.part.* 2>/dev/null | wc -l)
+if [ "$parts" -gt 4 ]; then
+    rm -f "$OUT"/tcache.part.*
+    echo "Triton cache: $parts parts of 15 MB, more than the 4 that fit; not returned" >> "$LOG"
+fi
+echo "done at $(( $(date +%s) - T0 )) s; Triton cache parts: $(ls "$OUT"/tcache.part.* 2>/dev/null | wc -l)" >> "$LOG"
+tail -n 12 "$LOG"
+head -c 9000 "$OUT/e2e.md"

@@ -1,0 +1,51 @@
+"""Smoke test of ``benchmarks/bench_e2e.py --tiny`` on the CPU (issue #14's end-to-end training benchmark).
+
+The script's ``main`` runs in the test's process (a subprocess would import torch and transformers again, which
+doubles the test's time); the test checks the saved results' form
+(every comparison row present with finite positive numbers, no error recorded, no machine path written), not
+how fast anything is.
+"""
+
+import importlib.util
+import json
+import math
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_e2e", os.path.join(ROOT, "benchmarks", "bench_e2e.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_e2e_tiny_writes_finite_rows(tmp_path):
+    assert _load_bench().main(["--tiny", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "e2e.json").read_text()
+    doc = json.loads(text)
+
+    errors = {f"{g}/{k}": v for g, entries in doc["raw"].items() if isinstance(entries, dict)
+              for k, v in entries.items() if isinstance(v, str) or (isinstance(v, dict) and "error" in v)}
+    assert not errors, errors
+    names = [r["name"] for r in doc["rows"]]
+    assert names == ["train step 64", "train step 128", "recipe shape train step 64", "recipe shape train step 128"]
+    for row in doc["rows"]:
+        assert row["peer"] == ("plain" if row["name"].startswith("recipe") else "native+fla"), row
+        for field in ("ours_ms", "peer_ms", "ratio", "ours_tok_s", "peer_tok_s", "ours_mfu", "peer_mfu"):
+            value = row[field]
+            assert isinstance(value, float) and math.isfinite(value) and value > 0, (row["name"], field, value)
+        assert math.isclose(row["ratio"], row["ours_ms"] / row["peer_ms"], rel_tol=1e-12)
+    for part in ("kdamoe", "native", "recipe"):
+        model = doc["raw"][part]["model"]
+        assert 0 < model["params_routed"] < model["params_total"] and model["params_active"] < model["params_total"]
+        for T in (64, 128):
+            entry = doc["raw"][part][f"train_T{T}"]
+            assert len(entry["steps_ms"]) == doc["settings"]["steps"] and math.isfinite(entry["loss_last"])
+    profile = doc["raw"]["profile"]["kdamoe_T64"]
+    assert profile["wall_ms"] > 0 and profile["profiled_wall_ms"] > 0
+    md = (tmp_path / "e2e.md").read_text()
+    assert "| train step 128 (kdamoe) |" in md
+    for saved in (text, md):
+        assert str(tmp_path) not in saved and ROOT not in saved
