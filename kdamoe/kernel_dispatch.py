@@ -302,3 +302,20 @@ def latent_attention(q, latent, seq_len, scale, key_mask=None, *, backend="auto"
     if resolve(backend, q.device, "latent_attention") == "kdamoe":
         return kdamoe_kernels().latent_attention(q, latent, seq_len, scale, key_mask)
     return latent_attention_torch(q, latent, seq_len, scale, key_mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GLU activation of the dense MLP and the shared experts
+# ----------------------------------------------------------------------------------------------------
+def glu_activation(gate, up, act_fn, *, backend="auto"):
+    """``act_fn(gate, up)`` of a dense gated MLP: ``[*, I]`` in gate's dtype.
+
+    ``gate`` / ``up`` are ``[*, I]`` (the outputs of ``gate_proj`` / ``up_proj``); ``act_fn`` is a
+    :class:`moe_torch.GLUActivation` (``hidden_act``, ``beta``, ``linear_beta``). The kdamoe kernel
+    (``kdamoe.kernels.glu``: one fused Triton kernel forward, one backward, float32 inside) runs on CUDA or under
+    the interpreter with ``backend="triton"``; elsewhere, and for ``"fla"`` (no such kernel), ``act_fn`` itself
+    runs. The kernel raises ValueError for inputs it cannot take (e.g. float64 or mixed dtypes).
+    """
+    if resolve(backend, gate.device, "glu") == "kdamoe":
+        return kdamoe_kernels().glu(gate, up, act_fn.hidden_act, act_fn.beta, act_fn.linear_beta)
+    return act_fn(gate, up)

@@ -41,6 +41,7 @@ from .kernel_dispatch import (
     chunk_kda,
     decode_graphs_supported,
     fused_recurrent_kda,
+    glu_activation,
     latent_attention,
     moe_experts_op,
     moe_route_op,
@@ -101,17 +102,23 @@ class KDAMoEGatedRMSNorm(KDAMoERMSNorm):
 
 
 class KDAMoEMLP(nn.Module):
-    """Dense gated MLP ``down(act(gate(x), up(x)))`` with SiTU-GLU or SwiGLU (dense layers, shared experts)."""
+    """Dense gated MLP ``down(act(gate(x), up(x)))`` with SiTU-GLU or SwiGLU (dense layers, shared experts).
+
+    The activation goes through ``kernel_dispatch.glu_activation`` (one fused Triton kernel on CUDA, ``act_fn``
+    elsewhere), chosen per call from ``config.kernel_backend``."""
 
     def __init__(self, config: KDAMoEConfig, hidden_size: int, intermediate_size: int):
         super().__init__()
+        self.config = config
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.act_fn = GLUActivation(config.hidden_act, config.situ_beta, config.situ_linear_beta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
+        """``x [*, hidden_size]`` → ``[*, hidden_size]`` in x's dtype."""
+        h = glu_activation(self.gate_proj(x), self.up_proj(x), self.act_fn, backend=self.config.kernel_backend)
+        return self.down_proj(h)
 
 
 # ----------------------------------------------------------------------------------------------------
