@@ -117,7 +117,8 @@ class KDAMoEMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [*, hidden_size]`` → ``[*, hidden_size]`` in x's dtype."""
-        h = glu_activation(self.gate_proj(x), self.up_proj(x), self.act_fn, backend=self.config.kernel_backend)
+        gate, up = fused_linear(x, (self.gate_proj, self.up_proj))
+        h = glu_activation(gate, up, self.act_fn, backend=self.config.kernel_backend)
         return self.down_proj(h)
 
 

@@ -162,3 +162,22 @@ def test_mlp_runs_the_kernel_for_the_backend_read_at_call_time(hidden_act, monke
     if not ON_GPU:
         for got, want in zip(results["auto"], results["torch"]):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("activation", ["situ", "silu"])
+def test_column_slices_of_one_gemm_output_are_read_in_place(activation):
+    """``gate`` / ``up`` as the two halves of one ``[B, T, 2I]`` GEMM output (row stride 2I, what the MLP's fused
+    projection hands over): same values and gradients as on contiguous copies, and no copy of the inputs."""
+    gen = torch.Generator().manual_seed(11)
+    both = torch.randn(2, 3, 2 * 37, generator=gen).to(DEVICE).requires_grad_()
+    gate, up = both.split(37, dim=-1)
+    out = glu(gate, up, activation)
+    ref = glu(gate.detach().clone().requires_grad_(), up.detach().clone().requires_grad_(), activation)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    grad_out = torch.randn(out.shape, generator=gen).to(DEVICE)
+    out.backward(grad_out)
+    ref_gate, ref_up = (t.detach().double().requires_grad_() for t in (gate, up))
+    reference(ref_gate, ref_up, activation, 4.0, 25.0).backward(grad_out.double())
+    torch.testing.assert_close(both.grad, torch.cat([ref_gate.grad, ref_up.grad], -1).float(), rtol=1e-5, atol=1e-5)
+    from kdamoe.kernels.moe.glu import _rows
+    assert _rows(gate, 37).data_ptr() == gate.data_ptr() and _rows(gate, 37).stride(0) == 2 * 37

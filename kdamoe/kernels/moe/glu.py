@@ -34,21 +34,25 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _glu_fwd_kernel(gate, up, out, n, beta1, beta2, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _glu_fwd_kernel(gate, up, out, n, width, stride_gate, stride_up, beta1, beta2, ACT: tl.constexpr,
+                    BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: more than 2^31 elements is possible
     mask = offs < n
-    a = tl.load(gate + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(up + offs, mask=mask, other=0.0).to(tl.float32)
+    row, col = offs // width, offs % width  # the inputs may be column slices of one GEMM output (row strides)
+    a = tl.load(gate + row * stride_gate + col, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(up + row * stride_up + col, mask=mask, other=0.0).to(tl.float32)
     y = glu_forward(a, b, ACT, beta1, beta2)
     tl.store(out + offs, y.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _glu_bwd_kernel(gate, up, dout, dgate, dup, n, beta1, beta2, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _glu_bwd_kernel(gate, up, dout, dgate, dup, n, width, stride_gate, stride_up, beta1, beta2, ACT: tl.constexpr,
+                    BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    a = tl.load(gate + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(up + offs, mask=mask, other=0.0).to(tl.float32)
+    row, col = offs // width, offs % width
+    a = tl.load(gate + row * stride_gate + col, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(up + row * stride_up + col, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dout + offs, mask=mask, other=0.0).to(tl.float32)
     _, da, db = glu_backward(a, b, dy, ACT, beta1, beta2)
     tl.store(dgate + offs, da.to(dgate.dtype.element_ty), mask=mask)
@@ -60,15 +64,16 @@ def _grid(n: int):
 
 
 class GLUFunction(torch.autograd.Function):
-    """Autograd over contiguous ``gate`` / ``up`` of one shape and dtype; see :func:`glu`. Saves only the two
-    inputs (the PyTorch chain saves its float32 intermediates)."""
+    """Autograd over 2-D ``gate`` / ``up`` ``[rows, I]`` of one shape and dtype, each with unit column stride (any
+    row stride); see :func:`glu`. Saves only the two inputs (the PyTorch chain saves its float32 intermediates)."""
 
     @staticmethod
     def forward(ctx, gate, up, act, beta1, beta2):
-        out = torch.empty_like(gate)
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         n = gate.numel()
         if n > 0:
-            _glu_fwd_kernel[_grid(n)](gate, up, out, n, beta1, beta2, ACT=act, BLOCK=BLOCK, num_warps=NUM_WARPS)
+            _glu_fwd_kernel[_grid(n)](gate, up, out, n, gate.shape[1], gate.stride(0), up.stride(0), beta1, beta2,
+                                      ACT=act, BLOCK=BLOCK, num_warps=NUM_WARPS)
         ctx.save_for_backward(gate, up)
         ctx.act, ctx.betas = act, (beta1, beta2)
         return out
@@ -78,11 +83,12 @@ class GLUFunction(torch.autograd.Function):
     def backward(ctx, dout):
         gate, up = ctx.saved_tensors
         dout = dout.to(gate.dtype).contiguous()
-        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
         n = gate.numel()
         if n > 0:
-            _glu_bwd_kernel[_grid(n)](gate, up, dout, dgate, dup, n, *ctx.betas, ACT=ctx.act, BLOCK=BLOCK,
-                                      num_warps=NUM_WARPS)
+            _glu_bwd_kernel[_grid(n)](gate, up, dout, dgate, dup, n, gate.shape[1], gate.stride(0), up.stride(0),
+                                      *ctx.betas, ACT=ctx.act, BLOCK=BLOCK, num_warps=NUM_WARPS)
         return dgate, dup, None, None, None
 
 
@@ -116,7 +122,8 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "situ", beta1: f
 
     Args:
         gate: ``[*, I]`` gate branch (e.g. ``gate_proj(x)``), float16 / bfloat16 / float32, on CUDA (or CPU
-            under ``TRITON_INTERPRET=1``). Any leading dims; a non-contiguous tensor is copied first.
+            under ``TRITON_INTERPRET=1``). Any leading dims; a column slice (row stride ≠ I, e.g. of a
+            fused gate|up GEMM output) is read in place, other layouts are copied first.
         up: the linear branch, same shape, dtype and device as ``gate``.
         activation: ``"situ"`` (SiTU-GLU) or ``"silu"`` (SwiGLU).
         beta1, beta2: SiTU-GLU's soft caps of the gate and linear branches (``config.situ_beta`` /
@@ -134,4 +141,18 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "situ", beta1: f
     """
     _validate(gate, up, activation, beta1, beta2)
     betas = (float(beta1), float(beta2)) if activation == "situ" else (1.0, 1.0)  # SwiGLU reads no beta
-    return GLUFunction.apply(gate.contiguous(), up.contiguous(), ACTIVATIONS[activation], *betas)
+    width = gate.shape[-1] if gate.dim() else 1
+    out = GLUFunction.apply(_rows(gate, width), _rows(up, width), ACTIVATIONS[activation], *betas)
+    return out.view(gate.shape)
+
+
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` as ``[rows, width]`` with unit column stride: a view when the leading dims merge (a column slice of a
+    fused gate|up GEMM output does, with row stride 2I), else a contiguous copy."""
+    rows = math.prod(x.shape[:-1]) if x.dim() else 1
+    if x.dim() == 0 or x.stride(-1) == 1:
+        try:
+            return x.view(rows, width)
+        except RuntimeError:  # leading dims that do not merge into one stride
+            pass
+    return x.contiguous().view(rows, width)
