@@ -37,7 +37,7 @@ def _cfgs(gpu):
 # Block sizes: at N = 1 (M = k rows) few programs would leave most of the H200's 132 SMs idle, so the column
 # blocks are narrow (8–64 columns) and the reduction blocks wide (64–256 contiguous elements per weight row).
 # The float32 accumulator tiles hold 16–64 registers per thread (two tiles in the gate/up kernel). The first
-# config of each list, also the interpreter's, is the one with the fewest programs.
+# config of each list is also the interpreter's (few programs: the interpreter pays per program).
 @autotune(
     configs=_cfgs([({"BLOCK_I": 64, "BLOCK_K": 128}, 8), ({"BLOCK_I": 32, "BLOCK_K": 128}, 4),
                    ({"BLOCK_I": 16, "BLOCK_K": 256}, 4), ({"BLOCK_I": 32, "BLOCK_K": 256}, 8)]),
@@ -89,7 +89,7 @@ def _down_combine_gemv_kernel(
     h_ptr, idx_ptr, w_ptr, w2_ptr, out_ptr, E, I, L, TOPK,
     BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
-    """Program (token t, block of ℓ columns): ``out[t, block] = Σ_j w[t, j] · W2[e_tj, block, :] · h[t·k + j]``."""
+    """Program (token t, block of ℓ columns): ``out[t, block] = Σ_j w[t,j] · W2[e_tj, block, :] · h[t·k+j]``."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
