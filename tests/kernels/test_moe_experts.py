@@ -1,5 +1,7 @@
 """moe_experts (Triton, interpreter on CPU) against the float64 loop reference: outputs and all gradients."""
 
+import os
+
 import pytest
 import torch
 from moe_reference import moe_experts_ref
@@ -223,3 +225,173 @@ def test_relative_error_refuses_meaningless_comparisons():
         relative_error(torch.tensor([float("nan"), 1.0]), a)
     with pytest.raises(ValueError, match="shapes"):
         relative_error(a, a[:1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decode fast path (kdamoe/kernels/moe/gemv.py): no gradient needed and N·k <= GEMV_MAX_ROWS
+# ---------------------------------------------------------------------------------------------------
+ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs KDAMOE_TEST_ON_GPU=1 and a CUDA device")
+# Relative L2 against float64 on the same rounded inputs: float32 accumulates in float32 (SiTU's tanh via
+# 2σ(2x) − 1 costs ~1e-6); float16 rounds h and the output once each (2^-11).
+GEMV_TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+class _RefusedGrouped:
+    @staticmethod
+    def apply(*args):
+        raise AssertionError("the grouped path ran")
+
+
+def _refused_gemv(*args):
+    raise AssertionError("the GEMV path ran")
+
+
+def run_path(path, monkeypatch, x, idx, w, w1, w2, **kw):
+    """``moe_experts`` under ``torch.no_grad`` with the other path made to fail (so the caller knows which ran):
+    ``"gemv"`` as dispatched, ``"grouped"`` forced by ``GEMV_MAX_ROWS = 0``."""
+    import kdamoe.kernels.moe.experts as experts
+
+    with monkeypatch.context() as m:
+        if path == "gemv":
+            m.setattr(experts, "MoEExpertsFunction", _RefusedGrouped)
+        else:
+            m.setattr(experts, "GEMV_MAX_ROWS", 0)
+            m.setattr(experts, "moe_experts_gemv", _refused_gemv)
+        with torch.no_grad():
+            return moe_experts(*(t.to(DEVICE) for t in (x, idx, w, w1, w2)), **kw)
+
+
+def decode_case(n, k, seed, dtype, hid=72, inter=40):
+    """A decode-sized case: E = k + 3 experts; token 1 routes to token 0's experts (rolled, so no duplicate
+    inside a token), the last slot of the last token is another rank's (index E) once there are two slots."""
+    e = k + 3
+    (x, w, w1, w2), idx = make_case(n, hid, inter, e, k, seed, dtype=dtype)
+    if n > 1:
+        idx[1] = idx[0].roll(1)
+    if n * k > 1:
+        idx[-1, -1] = e
+    return (x, w, w1, w2), idx
+
+
+F32, F16 = torch.float32, torch.float16
+# every N in {1, 3, 8}, k in {1, 2, 8}, activation and dtype; M = N·k = 64 = GEMV_MAX_ROWS in the last two
+GEMV_CASES = [  # activation, N, k, dtype, ℓ, I
+    ("situ", 1, 1, F32, 72, 40), ("silu", 1, 1, F16, 72, 40), ("situ", 1, 8, F16, 72, 40),
+    ("silu", 1, 8, F32, 72, 40), ("situ", 3, 1, F16, 72, 40), ("silu", 3, 2, F32, 72, 40),
+    ("situ", 3, 8, F32, 72, 40), ("silu", 3, 8, F16, 72, 40), ("situ", 8, 2, F16, 72, 40),
+    ("silu", 8, 2, F32, 72, 40), ("situ", 8, 8, F32, 40, 24), ("silu", 8, 8, F16, 40, 24),
+]
+
+
+@pytest.mark.parametrize("activation,n,k,dtype,hid,inter", GEMV_CASES)
+def test_gemv_path_matches_float64_reference(activation, n, k, dtype, hid, inter, monkeypatch):
+    """ℓ and I are no multiples of the blocks (masked tails in both kernels); token 1 shares token 0's experts,
+    one slot is another rank's."""
+    (x, w, w1, w2), idx = decode_case(n, k, seed=100 + 10 * n + k, dtype=dtype, hid=hid, inter=inter)
+    out = run_path("gemv", monkeypatch, x, idx, w, w1, w2, activation=activation)
+    ref = moe_experts_ref(x, idx, w, w1, w2, activation=activation)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert relative_error(out, ref) < GEMV_TOL[dtype]
+    if n * k > 1:
+        assert (idx == k + 3).any()
+    if n > 1:
+        assert set(idx[0].tolist()) & set(idx[1].tolist())
+
+
+def test_gemv_path_several_blocks_along_every_dimension(monkeypatch):
+    """ℓ = 200 and I = 136: the ℓ loop of the gate/up kernel takes two 128-wide steps with a tail, the I loop
+    of the down kernel two 128-wide steps with a tail, several column blocks in both."""
+    (x, w, w1, w2), idx = decode_case(2, 2, seed=21, dtype=torch.float32, hid=200, inter=136)
+    out = run_path("gemv", monkeypatch, x, idx, w, w1, w2)
+    assert relative_error(out, moe_experts_ref(x, idx, w, w1, w2)) < GEMV_TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("activation", ["situ", "silu"])
+def test_gemv_path_matches_grouped_path(activation, dtype, monkeypatch):
+    (x, w, w1, w2), idx = decode_case(3, 4, seed=31, dtype=dtype)
+    gemv = run_path("gemv", monkeypatch, x, idx, w, w1, w2, activation=activation)
+    grouped = run_path("grouped", monkeypatch, x, idx, w, w1, w2, activation=activation)
+    # same rounding of h; the grouped path also rounds each slot's weighted output before the combine
+    assert relative_error(gemv, grouped) < {torch.float32: 1e-6, torch.float16: 2e-3}[dtype]
+
+
+def test_gemv_path_never_reads_skipped_slots(monkeypatch):
+    """Buffers from ``torch.empty`` filled with NaN: the rows of h of skipped slots (index E) are neither
+    written nor read, every output element is written; all slots skipped gives exact zeros."""
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    (x, w, w1, w2), idx = decode_case(4, 3, seed=41, dtype=torch.float32)
+    idx[0, 1] = idx[2, 0] = 6
+    out = run_path("gemv", monkeypatch, x, idx, w, w1, w2)
+    assert relative_error(out, moe_experts_ref(x, idx, w, w1, w2)) < GEMV_TOL[torch.float32]
+    idx[:] = 6
+    out = run_path("gemv", monkeypatch, x, idx, w, w1, w2)
+    assert out.shape == x.shape and out.abs().max() == 0
+
+
+def test_dispatch_takes_gemv_path_only_without_grad_and_few_rows(monkeypatch):
+    import kdamoe.kernels.moe.experts as experts
+
+    class Grouped:
+        @staticmethod
+        def apply(*args):
+            return "grouped"
+
+    monkeypatch.setattr(experts, "MoEExpertsFunction", Grouped)
+    monkeypatch.setattr(experts, "moe_experts_gemv", lambda *args: "gemv")
+    assert experts.GEMV_MAX_ROWS == 64
+
+    def path(n, k, requires_grad, context):
+        (x, w, w1, w2), idx = make_case(n, 16, 8, 2 * k, k, seed=51)
+        ps = [t.to(DEVICE).requires_grad_(requires_grad) for t in (x, w, w1, w2)]
+        with context():
+            return moe_experts(ps[0], idx.to(DEVICE), *ps[1:])
+
+    grad = torch.enable_grad
+    assert path(8, 8, False, torch.no_grad) == "gemv"  # M = 64 = GEMV_MAX_ROWS
+    assert path(1, 1, True, torch.inference_mode) == "gemv"
+    assert path(3, 2, False, grad) == "gemv"  # grad mode on, but no input requires grad
+    assert path(13, 5, False, torch.no_grad) == "grouped"  # M = 65
+    assert path(3, 2, True, grad) == "grouped"
+    (x, w, w1, w2), idx = make_case(2, 16, 8, 4, 2, seed=52)
+    for name, t in (("x", x), ("w", w), ("w1", w1), ("w2", w2)):  # any one float input requiring grad
+        args = {"x": x, "w": w, "w1": w1, "w2": w2}
+        args[name] = t.clone().requires_grad_()
+        out = moe_experts(*(a.to(DEVICE) for a in (args["x"], idx, args["w"], args["w1"], args["w2"])))
+        assert out == "grouped", name
+    # argument checks come first on both paths
+    with torch.no_grad(), pytest.raises(ValueError, match=r"\[0, num_experts=4\]"):
+        moe_experts(x.to(DEVICE), (idx + 3).to(DEVICE), w.to(DEVICE), w1.to(DEVICE), w2.to(DEVICE))
+
+
+@gpu_only
+@pytest.mark.parametrize("n", [1, 4, 8])
+def test_gemv_bf16_decode_shape_matches_grouped_and_float32(n, monkeypatch):
+    """The decode shape the path exists for: E = 64 experts, top-8, I = 512, ℓ = 1024, bfloat16."""
+    (x, w, w1, w2), idx = make_case(n, 1024, 512, 64, 8, seed=60 + n, dtype=torch.bfloat16)
+    gemv = run_path("gemv", monkeypatch, x, idx, w, w1, w2)
+    grouped = run_path("grouped", monkeypatch, x, idx, w, w1, w2)
+    ref = moe_experts_ref(x, idx, w, w1, w2)
+    assert relative_error(gemv, ref) < GEMV_TOL[torch.bfloat16]
+    assert relative_error(grouped, ref) < GEMV_TOL[torch.bfloat16]
+    assert relative_error(gemv, grouped) < GEMV_TOL[torch.bfloat16]
+
+
+@gpu_only
+def test_gemv_path_in_a_cuda_graph_replays_new_routing(monkeypatch):
+    (x, w, w1, w2), idx = make_case(4, 1024, 512, 64, 8, seed=70, dtype=torch.bfloat16)
+    x, idx, w, w1, w2 = (t.cuda() for t in (x, idx, w, w1, w2))
+    with torch.no_grad():
+        moe_experts(x, idx, w, w1, w2)  # compile and autotune outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe_experts(x, idx, w, w1, w2)
+        g = torch.Generator().manual_seed(71)
+        for _ in range(3):
+            idx.copy_(torch.stack([torch.randperm(65, generator=g)[:8] for _ in range(4)]))  # 64 = skipped
+            x.copy_(torch.randn(x.shape, generator=g))
+            graph.replay()
+            torch.testing.assert_close(out, moe_experts(x, idx, w, w1, w2), rtol=0, atol=0)

@@ -1,14 +1,26 @@
-"""Routed experts as grouped GEMMs with a fused GLU epilogue: public ``moe_experts`` and its autograd."""
+"""Routed experts as grouped GEMMs with a fused GLU epilogue: public ``moe_experts`` and its autograd.
+
+Inference on few routed rows (a decode step) takes the two-kernel GEMV path of ``gemv.py`` instead.
+"""
 
 import torch
 import triton
 
 from ..utils import is_interpreter
 from .activation import ACTIVATIONS
+from .gemv import moe_experts_gemv
 from .grouped_gemm import _combine_kernel, _gate_up_fwd_kernel, _rows_gemm_kernel, _wgrad_kernel
 from .permute import expert_permutation, tile_offsets
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+# Most routed rows M = N·k that take the GEMV path (no gradient needed). The GEMV path reads an expert's
+# weights once per routed row (rows sharing an expert share them only through L2); the grouped path reads
+# them once per 64-row tile but pays ~20 launches of planning and ceil(M/64) + E tiles. At one decode step
+# (N ≤ 8 tokens, k = 8) rows rarely share an expert and the launches dominate; far above, the grouped path's
+# weight reuse wins. 64 = the largest decode batch of 8 tokens at top-8; the crossover is to be measured on the
+# GPU (see benchmarks/notes_moe.md). Tests set it to 0 to force the grouped path.
+GEMV_MAX_ROWS = 64
 
 
 def _block_m(num_rows: int, num_experts: int) -> int:
@@ -247,6 +259,12 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
         [N, ℓ] in the dtype of ``hidden_states``. Differentiable w.r.t. ``hidden_states``, ``top_k_weights``,
         ``gate_up_proj`` and ``down_proj`` (GEMMs accumulate in float32; the activation is evaluated in float32).
 
+    Without a gradient to compute (``torch.no_grad`` / ``inference_mode``, or no float input requiring grad) and
+    with at most ``GEMV_MAX_ROWS`` routed slots ``N·k`` (one decode step), two GEMV kernels of ``gemv.py`` run
+    instead of the grouped GEMMs: no permutation plan, no host synchronisation, CUDA-graph capturable. Both
+    paths accumulate in float32 and round ``GLU(·)`` to the input dtype before the down projection; the
+    GEMV path sums the k slots in float32 and rounds once, the grouped path rounds each slot first.
+
     Under ``torch.autocast`` the float inputs are cast to the autocast dtype first (float32 weights then get
     float32 gradients); otherwise all three float tensors must share one dtype.
 
@@ -262,6 +280,11 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
             t.to(amp) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
             for t in (hidden_states, gate_up_proj, down_proj))
     _validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (hidden_states, top_k_weights, gate_up_proj, down_proj))
+    if not needs_grad and 0 < top_k_index.numel() <= GEMV_MAX_ROWS:
+        return moe_experts_gemv(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                ACTIVATIONS[activation], float(situ_beta), float(situ_linear_beta))
     if hidden_states.shape[0] == 0:  # no tokens: an empty output that still connects every input to the graph
         zero = (top_k_weights.sum() * 0).to(hidden_states.dtype) + gate_up_proj.sum() * 0 + down_proj.sum() * 0
         return hidden_states * 0 + zero
