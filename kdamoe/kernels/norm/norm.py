@@ -6,6 +6,7 @@ to rows (a view where possible: a row stride is passed to the kernels, only the 
 """
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ...norm_torch import check_norm_args
 from ..utils import is_interpreter
@@ -40,6 +41,7 @@ class RMSNormFunction(torch.autograd.Function):
         return norm_forward(x2, None, weight, eps, out_dtype, out_dtype).view(x.shape)
 
     @staticmethod
+    @once_differentiable  # the backward is a kernel: a double backward raises instead of treating it as constant
     def backward(ctx, dout):
         x2, weight = ctx.saved_tensors
         dx, _, dw = norm_backward(x2, None, weight, _rows(dout), ctx.eps, ctx.n_dtype)
@@ -58,6 +60,7 @@ class GatedRMSNormFunction(torch.autograd.Function):
         return norm_forward(x2, gate2, weight, eps, x.dtype, n_dtype).view(x.shape)
 
     @staticmethod
+    @once_differentiable  # the backward is a kernel: a double backward raises instead of treating it as constant
     def backward(ctx, dout):
         x2, gate2, weight = ctx.saved_tensors
         dx, dgate, dw = norm_backward(x2, gate2, weight, _rows(dout), ctx.eps, ctx.n_dtype)
