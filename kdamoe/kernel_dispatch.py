@@ -7,7 +7,7 @@ device of the inputs:
   flash-linear-attention (``fla``) when it imports, else PyTorch; on any other device always PyTorch.
 * ``"triton"``: ``kdamoe.kernels`` or an error (CUDA tensors, or CPU under ``TRITON_INTERPRET=1``).
 * ``"fla"``: fla or an error (CUDA tensors). The MoE experts have no fla kernel and run in PyTorch.
-* ``"torch"``: the pure-PyTorch reference ops of ``kda_torch`` / ``moe_torch`` / ``mla_torch``.
+* ``"torch"``: the pure-PyTorch reference ops of ``kda_torch`` / ``moe_torch`` / ``mla_torch`` / ``norm_torch``.
 
 The choice is per call and per device, unlike transformers' ``use_kernel_func_from_hub_with_fallback``,
 which binds the package once at import time whatever the device. On top of that chain the three layer
@@ -32,6 +32,7 @@ from transformers.utils import logging
 from .kda_torch import causal_conv1d_torch, chunk_kda_torch, conv_final_state, recurrent_kda_torch
 from .mla_torch import latent_attention_torch
 from .moe_torch import moe_experts_torch, moe_route_torch
+from .norm_torch import gated_rms_norm_torch, rms_norm_torch
 
 logger = logging.get_logger(__name__)
 
@@ -119,7 +120,8 @@ def resolve(backend: str, device: torch.device, op: str) -> str:
 
 # The ops of a one-token decode step. Their kdamoe kernels read no device value on the host, which is what lets the
 # step be captured in a CUDA graph (decode_graph.py); fla's and the PyTorch ops are not checked for that.
-_DECODE_OPS = ("causal_conv1d", "fused_recurrent_kda", "moe_route", "moe_experts", "latent_attention")
+_DECODE_OPS = ("causal_conv1d", "fused_recurrent_kda", "moe_route", "moe_experts", "latent_attention", "rms_norm",
+               "gated_rms_norm")
 
 
 def decode_graphs_supported(backend: str, device: torch.device) -> bool:
@@ -284,6 +286,33 @@ def moe_route_op(backend: str, device: torch.device):
     if resolve(backend, device, "moe_route") == "kdamoe":
         return kdamoe_kernels().moe_route
     return moe_route_torch
+
+
+# ----------------------------------------------------------------------------------------------------
+# RMSNorm and the gated RMSNorm of the KDA output
+# ----------------------------------------------------------------------------------------------------
+def rms_norm(x, weight, eps, *, backend="auto"):
+    """RMSNorm over the last dim in float32, rounded to x's dtype, times ``weight``: ``[..., D]`` in
+    ``promote_types(x.dtype, weight.dtype)``.
+
+    Semantics, shapes and errors of :func:`norm_torch.rms_norm_torch` (x ``[..., D]``, weight ``[D]``); the
+    kdamoe kernel (one launch forward, one backward, D ≤ 8192) runs on CUDA or under the interpreter with
+    ``backend="triton"``; fla's norm is not used (``"fla"`` runs the torch op).
+    """
+    if resolve(backend, x.device, "rms_norm") == "kdamoe":
+        return kdamoe_kernels().rms_norm(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def gated_rms_norm(x, gate, weight, eps, *, backend="auto"):
+    """The KDA output norm ``cast_x(RMSNorm(x) · σ(gate))``: ``[..., D]`` in x's dtype.
+
+    Semantics, shapes and errors of :func:`norm_torch.gated_rms_norm_torch` (gate of x's shape); the backend
+    choice of :func:`rms_norm`.
+    """
+    if resolve(backend, x.device, "gated_rms_norm") == "kdamoe":
+        return kdamoe_kernels().gated_rms_norm(x, gate, weight, eps)
+    return gated_rms_norm_torch(x, gate, weight, eps)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -41,10 +41,12 @@ from .kernel_dispatch import (
     chunk_kda,
     decode_graphs_supported,
     fused_recurrent_kda,
+    gated_rms_norm,
     glu_activation,
     latent_attention,
     moe_experts_op,
     moe_route_op,
+    rms_norm,
 )
 from .moe_torch import GLUActivation, moe_experts_torch
 from .quantile_balancing import all_reduce_sum, histogram_range, quantile_balancing_update, sign_update
@@ -79,26 +81,33 @@ def fused_linear(hidden_states: torch.Tensor, modules: tuple[nn.Module, ...]) ->
 
 
 class KDAMoERMSNorm(nn.Module):
-    """RMSNorm over the last dim, computed in float32 (Zhang & Sennrich 2019)."""
+    """RMSNorm over the last dim, computed in float32 (Zhang & Sennrich 2019): ``weight · cast_x(x̂ / rms(x̂))``.
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    ``kernel_dispatch.rms_norm`` runs it (the fused kernel on CUDA, ``norm_torch`` elsewhere), choosing from
+    ``config.kernel_backend`` at every call; built without a config (``KDAMoERMSNorm(hidden_size, eps)``) it
+    uses ``"auto"``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, config: KDAMoEConfig | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
+        self.config = config
+
+    @property
+    def kernel_backend(self) -> str:
+        return self.config.kernel_backend if self.config is not None else "auto"
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        dtype = hidden_states.dtype
-        x = hidden_states.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, backend=self.kernel_backend)
 
 
 class KDAMoEGatedRMSNorm(KDAMoERMSNorm):
-    """Per-head RMSNorm of the KDA output times a sigmoid output gate: ``RMSNorm(o) ⊙ σ(gate)``."""
+    """Per-head RMSNorm of the KDA output times a sigmoid output gate: ``cast_x(RMSNorm(o) ⊙ σ(gate))``, one
+    fused kernel on CUDA (``kernel_dispatch.gated_rms_norm``)."""
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        normed = super().forward(hidden_states)
-        return (normed.float() * torch.sigmoid(gate.float())).to(hidden_states.dtype)
+        return gated_rms_norm(hidden_states, gate, self.weight, self.variance_epsilon, backend=self.kernel_backend)
 
 
 class KDAMoEMLP(nn.Module):
@@ -184,7 +193,7 @@ class KDAMoEDeltaAttention(nn.Module):
         self.b_proj = nn.Linear(d, self.num_heads, bias=False)
         self.g_a_proj = nn.Linear(d, self.head_dim, bias=False)
         self.g_b_proj = nn.Linear(self.head_dim, width, bias=True)
-        self.o_norm = KDAMoEGatedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_norm = KDAMoEGatedRMSNorm(self.head_dim, eps=config.rms_norm_eps, config=config)
         self.o_proj = nn.Linear(width, d, bias=False)
 
     def forward(
@@ -297,10 +306,10 @@ class KDAMoEAttention(nn.Module):
             self.q_proj = nn.Linear(d, self.num_heads * self.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
-            self.q_a_layernorm = KDAMoERMSNorm(config.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_a_layernorm = KDAMoERMSNorm(config.q_lora_rank, eps=config.rms_norm_eps, config=config)
             self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
         self.kv_a_proj = nn.Linear(d, config.kv_lora_rank, bias=False)
-        self.kv_a_layernorm = KDAMoERMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_a_layernorm = KDAMoERMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps, config=config)
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.qk_head_dim + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, d, bias=False)
 
@@ -584,7 +593,7 @@ class KDAMoESparseMoeBlock(nn.Module):
         self.experts = KDAMoEExperts(config, latent if latent is not None else d)
         if latent is not None:
             self.latent_down_proj = nn.Linear(d, latent, bias=False)
-            self.latent_norm = KDAMoERMSNorm(latent, eps=config.rms_norm_eps)
+            self.latent_norm = KDAMoERMSNorm(latent, eps=config.rms_norm_eps, config=config)
             self.latent_up_proj = nn.Linear(latent, d, bias=False)
         self.shared_experts = None
         if config.num_shared_experts > 0:
@@ -619,7 +628,7 @@ class KDAMoEBlockAttnRes(nn.Module):
     def __init__(self, config: KDAMoEConfig):
         super().__init__()
         self.query = nn.Parameter(torch.zeros(config.hidden_size))
-        self.key_norm = KDAMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.key_norm = KDAMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps, config=config)
 
     def forward(self, sources: torch.Tensor) -> torch.Tensor:
         """``sources [S, B, T, d]`` → mixed ``[B, T, d]`` (softmax in float32)."""
@@ -657,8 +666,8 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
             self.mlp = KDAMoESparseMoeBlock(config)
         else:
             self.mlp = KDAMoEMLP(config, config.hidden_size, config.intermediate_size)
-        self.input_layernorm = KDAMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = KDAMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = KDAMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps, config=config)
+        self.post_attention_layernorm = KDAMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps, config=config)
         self.use_attnres = config.attnres_num_blocks > 0
         if self.use_attnres:
             self.attn_res = KDAMoEBlockAttnRes(config)
@@ -967,7 +976,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         self.layers = nn.ModuleList([KDAMoEDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         if config.attnres_num_blocks > 0:
             self.final_res = KDAMoEBlockAttnRes(config)
-        self.norm = KDAMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = KDAMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps, config=config)
         self.gradient_checkpointing = False
         self.post_init()
 

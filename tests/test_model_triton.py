@@ -26,8 +26,30 @@ def _model():
     return model
 
 
-def test_training_step_matches_torch_backend_on_packed_batch():
+def _count_norm_kernel_calls(monkeypatch) -> dict:
+    """``{op: calls}`` of the norm kernels of ``kdamoe.kernels``, counted from now on."""
+    import kdamoe.kernels as kernels
+
+    calls = {"rms_norm": 0, "gated_rms_norm": 0}
+    for name in calls:
+        def counted(*args, _real=getattr(kernels, name), _name=name):
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(kernels, name, counted)
+    return calls
+
+
+def test_training_step_matches_torch_backend_on_packed_batch(monkeypatch):
+    """Logits and every parameter's gradient agree; switching ``config.kernel_backend`` on the built model moves
+    every RMSNorm onto the Triton norm kernels (one call per norm module), the KDA output norm onto the gated one."""
+    from kdamoe.modeling_kdamoe import KDAMoEGatedRMSNorm, KDAMoERMSNorm
+
     model = _model().train()
+    norms = [m for m in model.modules() if isinstance(m, KDAMoERMSNorm)]
+    gated = sum(isinstance(m, KDAMoEGatedRMSNorm) for m in norms)
+    assert gated > 0 and len(norms) > gated
+    calls = _count_norm_kernel_calls(monkeypatch)
     ids = torch.randint(3, 97, (1, 30), generator=torch.Generator().manual_seed(0))
     position_ids = torch.cat([torch.arange(13), torch.arange(17)]).unsqueeze(0)
     results = {}
@@ -38,6 +60,8 @@ def test_training_step_matches_torch_backend_on_packed_batch():
         out.loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results[backend] = out.logits.detach(), grads
+        expected = 0 if backend == "torch" else 1
+        assert calls == {"rms_norm": expected * (len(norms) - gated), "gated_rms_norm": expected * gated}, backend
     (ref_logits, ref_grads), (logits, grads) = results["torch"], results["triton"]
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     assert ref_grads.keys() == grads.keys()
@@ -80,3 +104,4 @@ def test_padding_leaves_kda_states_unchanged_with_the_gate_in_the_op(backend):
     for i in kda_layers:
         got, want = padded.get_recurrent_state(i), alone.get_recurrent_state(i)
         assert _relative_l2(got, want) < 1e-5, i
+

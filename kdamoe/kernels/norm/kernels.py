@@ -1,0 +1,154 @@
+"""Triton kernels of RMSNorm and the gated RMSNorm: one launch forward, one launch backward.
+
+Semantics and rounding points are those of ``kdamoe.norm_torch`` (the reference), on ``[rows, D]`` views with a
+unit last stride. Per row, with ``x̂ = float32(x)``, ``r = rsqrt(mean(x̂²) + eps)``, ``y = cast_x(x̂ r)`` (the
+normalised value rounded to x's dtype), ``n = cast_o(w y)`` (the weighted value in ``o = promote(x, w)``) and,
+for the gated op, ``s = σ(float32(gate))``::
+
+    forward   out = n                       (plain, dtype o)
+              out = cast_x(n s)             (gated, dtype x)
+    backward  dn  = dout                    (plain)
+              dn  = cast_o(dout s),  dgate = dout n s (1 − s)       (gated: autograd of the two casts)
+              dy  = cast_x(dn w)                                     (autograd casts the grad to y's dtype)
+              dx  = r dy − x̂ r³ mean(dy x̂),   dw = Σ_rows dn y      (float32 sums)
+
+``cast_*`` are rounding steps done in float32 registers (exact for the products involved: the operands of
+``w y`` carry at most 24 + 11 significant bits and a rounding of their float32 product to float16 / bfloat16
+equals torch's rounding of the same product).
+
+Layout: a program holds ``BLOCK_M`` rows × the whole last dim (``BLOCK_D = next_pow2(D)``, D ≤ 8192): small
+head-dim rows (the KDA output norm, D = 128) are batched, one hidden-size row (D = 2048) fills a program. The
+backward runs ``P`` programs over the row blocks ``pid, pid + P, …`` and accumulates its share of ``dw`` in
+registers; each writes one float32 row of a ``[P, D]`` partial buffer that the caller sums (no atomics, so the
+result is deterministic). Nothing reads a device value on the host (CUDA-graph capturable).
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import is_interpreter
+
+MAX_D = 8192  # the whole last dim sits in one block
+BLOCK_ELEMS = 4096  # rows × columns of one forward / backward tile (fp32 registers per program)
+BACKWARD_PROGRAMS_PER_SM = 4  # enough programs to fill the SMs; fewer means a smaller dw partial buffer
+_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # dtype of n, passed as a constexpr
+
+
+@triton.jit
+def _round(v, CODE: tl.constexpr):
+    """``v`` (float32) rounded to the dtype of ``CODE`` (0 float32, 1 float16, 2 bfloat16), back in float32."""
+    if CODE == 1:
+        v = v.to(tl.float16).to(tl.float32)
+    elif CODE == 2:
+        v = v.to(tl.bfloat16).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _normalise(x_ptr, rows, cols, mask, stride_x, D, eps):
+    """``(x̂, r, y)`` of a tile: x in float32, the per-row rsqrt, the normalised value rounded to x's dtype."""
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+    y = (x * r[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return x, r, y
+
+
+@triton.jit
+def _forward_kernel(X, G, W, O, n_rows, D, stride_x, stride_g, eps,
+                    N_CODE: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    _, _, y = _normalise(X, rows, cols, mask, stride_x, D, eps)
+    w = tl.load(W + cols, mask=col_ok, other=0.).to(tl.float32)
+    out = _round(w[None, :] * y, N_CODE)
+    if HAS_GATE:
+        g = tl.load(G + rows[:, None].to(tl.int64) * stride_g + cols[None, :], mask=mask, other=0.).to(tl.float32)
+        out = out * tl.sigmoid(g)
+    tl.store(O + rows[:, None].to(tl.int64) * D + cols[None, :], out.to(O.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _backward_kernel(X, G, W, DO, DX, DG, DW, n_rows, D, stride_x, stride_g, stride_do, eps, n_blocks, P,
+                     N_CODE: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    w = tl.load(W + cols, mask=col_ok, other=0.).to(tl.float32)
+    dw = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for blk in range(pid, n_blocks, P):
+        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < n_rows)[:, None] & col_ok[None, :]
+        x, r, y = _normalise(X, rows, cols, mask, stride_x, D, eps)
+        rows64 = rows[:, None].to(tl.int64)
+        dn = tl.load(DO + rows64 * stride_do + cols[None, :], mask=mask, other=0.).to(tl.float32)
+        if HAS_GATE:
+            s = tl.sigmoid(tl.load(G + rows64 * stride_g + cols[None, :], mask=mask, other=0.).to(tl.float32))
+            n = _round(w[None, :] * y, N_CODE)
+            dg = dn * n * s * (1. - s)
+            tl.store(DG + rows64 * D + cols[None, :], dg.to(DG.dtype.element_ty), mask=mask)
+            dn = _round(dn * s, N_CODE)
+        dw += tl.sum(dn * y, axis=0)
+        dy = (dn * w[None, :]).to(X.dtype.element_ty).to(tl.float32)
+        dot = tl.sum(dy * x, axis=1) / D
+        dx = r[:, None] * dy - x * (r * r * r * dot)[:, None]
+        tl.store(DX + rows64 * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW + pid.to(tl.int64) * D + cols, dw, mask=col_ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _tile(n_rows: int, D: int):
+    """``(BLOCK_M, BLOCK_D, num_warps)``: the whole row, as many rows as fit ``BLOCK_ELEMS``, one warp per 512."""
+    block_d = triton.next_power_of_2(D)
+    block_m = min(triton.next_power_of_2(n_rows), max(1, BLOCK_ELEMS // block_d))
+    return block_m, block_d, min(16, max(1, block_m * block_d // 512))
+
+
+def norm_forward(x2, gate2, weight, eps, out_dtype, n_dtype):
+    """Forward launch on ``x2 [rows, D]`` (unit last stride), optional ``gate2`` like x2: ``out [rows, D]``."""
+    n_rows, D = x2.shape
+    out = torch.empty((n_rows, D), dtype=out_dtype, device=x2.device)
+    if n_rows == 0:
+        return out
+    block_m, block_d, warps = _tile(n_rows, D)
+    has_gate = gate2 is not None
+    g = gate2 if has_gate else x2
+    _forward_kernel[(triton.cdiv(n_rows, block_m),)](
+        x2, g, weight, out, n_rows, D, x2.stride(0), g.stride(0), eps,
+        N_CODE=_CODES[n_dtype], HAS_GATE=has_gate, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps,
+    )
+    return out
+
+
+def norm_backward(x2, gate2, weight, dout2, eps, n_dtype):
+    """Backward launch: ``(dx [rows, D] in x's dtype, dgate like gate2 or None, dw [D] float32)``."""
+    n_rows, D = x2.shape
+    dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
+    has_gate = gate2 is not None
+    dg = torch.empty_like(gate2, memory_format=torch.contiguous_format) if has_gate else None
+    if n_rows == 0:
+        return dx, dg, torch.zeros(D, dtype=torch.float32, device=x2.device)
+    block_m, block_d, warps = _tile(n_rows, D)
+    n_blocks = triton.cdiv(n_rows, block_m)
+    if is_interpreter():
+        programs = 2  # a CPU runs programs one after the other: two still check the partial-buffer sum
+    else:
+        index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
+        programs = _sm_count(index) * BACKWARD_PROGRAMS_PER_SM
+    programs = min(n_blocks, programs)
+    partial = torch.empty((programs, D), dtype=torch.float32, device=x2.device)
+    g = gate2 if has_gate else x2
+    _backward_kernel[(programs,)](
+        x2, g, weight, dout2, dx, dg if has_gate else dx, partial, n_rows, D,
+        x2.stride(0), g.stride(0), dout2.stride(0), eps, n_blocks, programs,
+        N_CODE=_CODES[n_dtype], HAS_GATE=has_gate, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps,
+    )
+    return dx, dg, partial.sum(0)

@@ -1,0 +1,113 @@
+"""RMSNorm and gated RMSNorm in Triton: public functions and their autograd Functions.
+
+Semantics are those of ``kdamoe.norm_torch`` (``rms_norm_torch`` / ``gated_rms_norm_torch``, the references),
+including the dtypes and rounding points; the launches are in ``kernels.py``. Any leading dims are flattened
+to rows (a view where possible: a row stride is passed to the kernels, only the last dim must be unit-stride).
+"""
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ...norm_torch import check_norm_args
+from ..utils import is_interpreter
+from .kernels import MAX_D, norm_backward, norm_forward
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, D]`` with a unit last stride (a view when the layout allows it)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
+
+
+def _validate(x, weight, eps, gate=None):
+    check_norm_args(x, weight, eps, gate, floats=_FLOATS)
+    if x.shape[-1] > MAX_D:
+        raise ValueError(f"x's last dim D = {x.shape[-1]} exceeds the kernels' maximum {MAX_D}")
+    if x.device.type != "cuda" and not (x.device.type == "cpu" and is_interpreter()):
+        raise ValueError(f"x is on {x.device}: the Triton kernels need a CUDA tensor (or CPU with TRITON_INTERPRET=1)")
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Autograd of :func:`rms_norm`: differentiable in x and weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x2, weight = _rows(x), weight.contiguous()
+        out_dtype = torch.promote_types(x.dtype, weight.dtype)
+        ctx.save_for_backward(x2, weight)
+        ctx.eps, ctx.n_dtype, ctx.shape = eps, out_dtype, x.shape
+        return norm_forward(x2, None, weight, eps, out_dtype, out_dtype).view(x.shape)
+
+    @staticmethod
+    @once_differentiable  # the backward is a kernel: a double backward raises instead of treating it as constant
+    def backward(ctx, dout):
+        x2, weight = ctx.saved_tensors
+        dx, _, dw = norm_backward(x2, None, weight, _rows(dout), ctx.eps, ctx.n_dtype)
+        return dx.view(ctx.shape), dw.to(weight.dtype), None
+
+
+class GatedRMSNormFunction(torch.autograd.Function):
+    """Autograd of :func:`gated_rms_norm`: differentiable in x, gate and weight."""
+
+    @staticmethod
+    def forward(ctx, x, gate, weight, eps):
+        x2, gate2, weight = _rows(x), _rows(gate), weight.contiguous()
+        n_dtype = torch.promote_types(x.dtype, weight.dtype)
+        ctx.save_for_backward(x2, gate2, weight)
+        ctx.eps, ctx.n_dtype, ctx.shape = eps, n_dtype, x.shape
+        return norm_forward(x2, gate2, weight, eps, x.dtype, n_dtype).view(x.shape)
+
+    @staticmethod
+    @once_differentiable  # the backward is a kernel: a double backward raises instead of treating it as constant
+    def backward(ctx, dout):
+        x2, gate2, weight = ctx.saved_tensors
+        dx, dgate, dw = norm_backward(x2, gate2, weight, _rows(dout), ctx.eps, ctx.n_dtype)
+        return dx.view(ctx.shape), dgate.view(ctx.shape), dw.to(weight.dtype), None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    r"""RMSNorm over the last dim (Zhang & Sennrich 2019), one kernel forward and one backward; differentiable.
+
+    ``weight · cast_x(x̂ · rsqrt(mean(x̂²) + eps))`` with ``x̂ = float32(x)``: the result of
+    :func:`kdamoe.norm_torch.rms_norm_torch` with the same dtype and rounding points (float32 sums; the
+    weight gradient is summed over rows in float32, deterministically).
+
+    Args:
+        x: ``[..., D]`` float16 / bfloat16 / float32, 1 ≤ D ≤ 8192; its last dim must be unit-stride or it is
+            copied.
+        weight: ``[D]`` float16 / bfloat16 / float32 (may differ from x's dtype).
+        eps: added to the mean square (≥ 0).
+
+    Returns:
+        ``[..., D]`` in ``torch.promote_types(x.dtype, weight.dtype)``.
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices or eps (see :func:`kdamoe.norm_torch.check_norm_args`),
+            ``D > 8192``, or a device the kernels cannot run on.
+    """
+    _validate(x, weight, eps)
+    return RMSNormFunction.apply(x, weight, float(eps))
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    r"""``cast_x(float32(rms_norm(x, weight, eps)) · σ(float32(gate)))`` in one kernel forward and one
+    backward: the KDA output norm and sigmoid gate (Kimi Linear report §3); differentiable in all three.
+
+    Same results as :func:`kdamoe.norm_torch.gated_rms_norm_torch`.
+
+    Args:
+        x: ``[..., D]`` float16 / bfloat16 / float32, 1 ≤ D ≤ 8192.
+        gate: gate logits of x's shape, float16 / bfloat16 / float32.
+        weight: ``[D]`` float16 / bfloat16 / float32.
+        eps: added to the mean square (≥ 0).
+
+    Returns:
+        ``[..., D]`` in x's dtype.
+
+    Raises:
+        ValueError: as :func:`rms_norm`, and a gate of another shape than x.
+    """
+    _validate(x, weight, eps, gate)
+    return GatedRMSNormFunction.apply(x, gate, weight, float(eps))

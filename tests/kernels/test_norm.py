@@ -1,0 +1,166 @@
+"""rms_norm / gated_rms_norm (Triton) against two references: the formula in float64 differentiated by
+torch.autograd (no rounding at all), and ``kdamoe.norm_torch`` in the same dtype (the same rounding points, so
+outputs agree to one rounding). Outputs and the gradients of x, weight and gate; odd widths, leading dims, a
+zero row, weight dtypes other than x's (type promotion), strided inputs, argument errors, the dispatch.
+
+Runs on the CPU interpreter (tests/conftest.py) in float32 and float16; with KDAMOE_TEST_ON_GPU=1 on a CUDA
+machine the same tests run on the GPU (add bfloat16 there: the interpreter mishandles it).
+"""
+
+import os
+
+import pytest
+import torch
+
+from kdamoe import kernel_dispatch
+from kdamoe.kernels import gated_rms_norm, rms_norm
+from kdamoe.modeling_kdamoe import KDAMoERMSNorm
+from kdamoe.norm_torch import gated_rms_norm_torch, rms_norm_torch
+
+ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # relative L2 against float64
+EPS = 1e-6
+
+# (x dtype, weight dtype, shape): same dtype, the promotion case (fp32 weight on low-precision x), odd widths,
+# leading dims.
+CASES = [(dt, dt, (5, 64)) for dt in DTYPES] + [(dt, torch.float32, (2, 3, 72)) for dt in DTYPES if dt != torch.float32]
+CASES += [(torch.float32, torch.float32, (3, 1000)), (torch.float16, torch.float16, (2, 3, 1000)),
+          (torch.float32, torch.float16, (4, 72))]
+
+
+def rel(a, b):
+    """Relative L2 error of a against the reference b (float64, on the CPU)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def make_inputs(x_dtype, w_dtype, shape, seed, gated):
+    """x (with row 0 all zeros: only eps keeps it finite), weight near 1, gate logits, an upstream gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    x = 2 * torch.randn(shape, generator=gen)
+    x.view(-1, shape[-1])[0] = 0
+    w = 1 + 0.5 * torch.randn(shape[-1], generator=gen)
+    gate = 2 * torch.randn(shape, generator=gen) if gated else None
+    dout = torch.randn(shape, generator=gen)
+    cast = lambda t, dt: None if t is None else t.to(DEVICE, dt).requires_grad_()  # noqa: E731
+    return cast(x, x_dtype), cast(w, w_dtype), cast(gate, x_dtype), dout.to(DEVICE)
+
+
+def float64_reference(x, w, gate, dout):
+    """The formula in float64 (no intermediate rounding) and its autograd gradients (x, w[, gate])."""
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, gate) if t is not None]
+    xd, wd = leaves[0], leaves[1]
+    out = wd * (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + EPS))
+    if gate is not None:
+        out = out * torch.sigmoid(leaves[2])
+    return out, torch.autograd.grad(out, leaves, dout.double())
+
+
+def run(fn, args, dout):
+    out = fn(*args, EPS)
+    return out, torch.autograd.grad(out, [a for a in args], dout.to(out.dtype))
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("x_dtype, w_dtype, shape", CASES, ids=lambda v: str(v).replace("torch.", ""))
+def test_norm_matches_float64_autograd_and_torch_op(x_dtype, w_dtype, shape, gated):
+    x, w, gate, dout = make_inputs(x_dtype, w_dtype, shape, seed=sum(shape) + gated, gated=gated)
+    args = (x, gate, w) if gated else (x, w)
+    kernel, reference = (gated_rms_norm, gated_rms_norm_torch) if gated else (rms_norm, rms_norm_torch)
+    out, grads = run(kernel, args, dout)
+    same_out, same_grads = run(reference, args, dout)
+    out64, grads64 = float64_reference(x, w, gate, dout)
+
+    expected_dtype = x_dtype if gated else torch.promote_types(x_dtype, w_dtype)
+    assert out.dtype == same_out.dtype == expected_dtype and out.shape == x.shape
+    assert [g.dtype for g in grads] == [a.dtype for a in args]
+    torch.testing.assert_close(out, same_out)  # the same rounding points: equal to one rounding of the dtype
+    assert torch.all(out.view(-1, shape[-1])[0] == 0)  # the zero row stays zero
+    tol = max(TOL[x_dtype], TOL[w_dtype])  # the coarser dtype rounds the output or the weight gradient
+    assert rel(out, out64) < tol
+    # grads64 is ordered (x, w, gate); args is (x, gate, w) for the gated op.
+    order = (0, 2, 1) if gated else (0, 1)
+    for name, g, g_same, i in zip(("x", "gate", "w") if gated else ("x", "w"), grads, same_grads, order):
+        assert rel(g, grads64[i]) < tol, name
+        assert rel(g, g_same) < tol, name
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_strided_inputs_give_the_contiguous_result(gated):
+    """Rows read through a row stride (a slice of a wider tensor) and a gate and upstream gradient whose last dim
+    is not unit-stride (copied) give bitwise the results of contiguous copies."""
+    gen = torch.Generator().manual_seed(7)
+    wide = torch.randn(6, 40, generator=gen).to(DEVICE)
+    x = wide[:, :24].unflatten(0, (2, 3))  # [2, 3, 24], row stride 40
+    gate = torch.randn(24, 6, generator=gen).to(DEVICE).t().unflatten(0, (2, 3))  # last-dim stride 6
+    w = (1 + 0.5 * torch.randn(24, generator=gen)).to(DEVICE)
+    dout = torch.randn(24, 6, generator=gen).to(DEVICE).t().unflatten(0, (2, 3))
+    results = []
+    for args in ((x, gate, w), (x.contiguous(), gate.contiguous(), w)):
+        args = [a.detach().requires_grad_() for a in (args if gated else (args[0], args[2]))]
+        out = (gated_rms_norm if gated else rms_norm)(*args, EPS)
+        results.append([out, *torch.autograd.grad(out, args, dout.contiguous() if results else dout)])
+    for strided, contiguous in zip(*results):
+        assert torch.equal(strided, contiguous)
+
+
+def test_many_rows_sum_the_weight_gradient_over_all_programs():
+    """More row blocks than backward programs (each program loops over several blocks): dw is the full sum."""
+    x, w, _, dout = make_inputs(torch.float32, torch.float32, (300, 16), seed=3, gated=False)
+    out, (dx, dw) = run(rms_norm, (x, w), dout)
+    _, (dx64, dw64) = float64_reference(x, w, None, dout)
+    assert rel(dw, dw64) < 1e-5 and rel(dx, dx64) < 1e-5
+
+
+def test_empty_input():
+    x = torch.zeros(0, 3, 8, device=DEVICE, requires_grad=True)
+    w = torch.ones(8, device=DEVICE, requires_grad=True)
+    out = rms_norm(x, w, EPS)
+    dx, dw = torch.autograd.grad(out.sum(), (x, w))
+    assert out.shape == (0, 3, 8) and dx.shape == x.shape and torch.equal(dw, torch.zeros_like(w))
+
+
+def test_bad_arguments_raise_value_errors_naming_them():
+    x = torch.randn(2, 8, device=DEVICE)
+    w = torch.ones(8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"weight must be \[D\] = \(8,\)"):
+        rms_norm(x, torch.ones(7, device=DEVICE), EPS)
+    with pytest.raises(ValueError, match="gate must have x's shape"):
+        gated_rms_norm(x, torch.randn(2, 4, device=DEVICE), w, EPS)
+    with pytest.raises(ValueError, match="x dtype"):
+        rms_norm(x.long(), w, EPS)
+    with pytest.raises(ValueError, match="x dtype"):
+        rms_norm(x.double(), w, EPS)  # the torch op takes float64, the kernel does not
+    with pytest.raises(ValueError, match="gate dtype"):
+        gated_rms_norm(x, x.int(), w, EPS)
+    with pytest.raises(ValueError, match="weight is on meta"):
+        rms_norm(x, torch.ones(8, device="meta"), EPS)
+    with pytest.raises(ValueError, match="D = 8193 exceeds"):
+        rms_norm(torch.randn(1, 8193, device=DEVICE), torch.ones(8193, device=DEVICE), EPS)
+    with pytest.raises(ValueError, match="eps must be a float >= 0, got -1.0"):
+        rms_norm(x, w, -1.0)
+    with pytest.raises(ValueError, match="weight must be a torch.Tensor"):
+        rms_norm_torch(x, [1.0] * 8, EPS)
+
+
+def test_dispatch_picks_the_kernel_or_the_torch_op(monkeypatch):
+    """``kernel_dispatch.rms_norm`` / ``gated_rms_norm`` run the kdamoe kernels with backend="triton" (CPU under
+    the interpreter) and the torch ops with "torch"; a module built without a config uses "auto"."""
+    calls = []
+    kernels = kernel_dispatch.kdamoe_kernels()
+    for name in ("rms_norm", "gated_rms_norm"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    x, w, gate, _ = make_inputs(torch.float32, torch.float32, (3, 16), seed=5, gated=True)
+    for backend in ("torch", "triton"):
+        plain = kernel_dispatch.rms_norm(x, w, EPS, backend=backend)
+        gated = kernel_dispatch.gated_rms_norm(x, gate, w, EPS, backend=backend)
+        torch.testing.assert_close(plain, rms_norm_torch(x, w, EPS))
+        torch.testing.assert_close(gated, gated_rms_norm_torch(x, gate, w, EPS))
+    assert calls == ["rms_norm", "gated_rms_norm"]  # only the "triton" round reached the kernels
+    module = KDAMoERMSNorm(16, eps=EPS).to(DEVICE)
+    assert module.kernel_backend == "auto"
+    torch.testing.assert_close(module(x), rms_norm_torch(x, module.weight, EPS))
