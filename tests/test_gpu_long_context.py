@@ -113,18 +113,24 @@ def test_beam_search_and_left_padding_with_graphs():
 
 
 def test_latent_cache_agrees_with_the_per_head_cache_in_bfloat16():
-    model = _model()
+    """In bf16 the two caches round at different points (latent: the absorbed query; per head: the expanded keys and
+    values), so neither equals the other to the bit: both are measured against the float32 model with the per-head
+    cache, and the latent path must be about as accurate (within 2x the per-head path's error, plus a small slack)."""
+
+    def decode(model, ids, cache):
+        out = model(ids[:, :280], cache=cache, use_cache=True)
+        return torch.cat([(out := model(ids[:, t : t + 1], cache=out.cache, use_cache=True)).logits.float()
+                          for t in range(280, 299)], 1)
+
     ids = _ids(4, 2, 300)
+    reference_model, model = _model(dtype=torch.float32), _model()
     with torch.no_grad():
-        model.config.decode_cuda_graphs = False
-        out = model(ids[:, :280], use_cache=True)
-        per_head = model(ids[:, :280], cache=DynamicCache(config=model.config), use_cache=True)
-        a, b = out.cache, per_head.cache
-        la, lb = [], []
-        for t in range(280, 299):
-            la.append(model(ids[:, t : t + 1], cache=a, use_cache=True).logits.float())
-            lb.append(model(ids[:, t : t + 1], cache=b, use_cache=True).logits.float())
-    torch.testing.assert_close(torch.cat(la, 1), torch.cat(lb, 1), rtol=0.03, atol=0.03)
+        model.config.decode_cuda_graphs = reference_model.config.decode_cuda_graphs = False
+        reference = decode(reference_model, ids, DynamicCache(config=reference_model.config))
+        latent = decode(model, ids, None)  # the model's own KDAMoECache: latent decoding
+        per_head = decode(model, ids, DynamicCache(config=model.config))
+    err_latent, err_head = ((x - reference).abs().max().item() for x in (latent, per_head))
+    assert err_latent <= 2 * err_head + 0.02, f"latent bf16 error {err_latent:.4f}, per-head bf16 error {err_head:.4f}"
 
 
 @pytest.mark.parametrize("T, S", [(300, 1000), (4096, 40000)])
