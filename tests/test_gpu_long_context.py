@@ -119,8 +119,11 @@ def test_latent_cache_agrees_with_the_per_head_cache_in_bfloat16():
 
     def decode(model, ids, cache):
         out = model(ids[:, :280], cache=cache, use_cache=True)
-        return torch.cat([(out := model(ids[:, t : t + 1], cache=out.cache, use_cache=True)).logits.float()
-                          for t in range(280, 299)], 1)
+        logits = []
+        for t in range(280, 299):
+            out = model(ids[:, t : t + 1], cache=out.cache, use_cache=True)
+            logits.append(out.logits.float())
+        return torch.cat(logits, 1)
 
     ids = _ids(4, 2, 300)
     reference_model, model = _model(dtype=torch.float32), _model()
