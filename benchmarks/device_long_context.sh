@@ -10,7 +10,7 @@
 # Environment: LC_TOTAL_S (570: the whole call, s), LC_PYTEST (1: the GPU tests first, LC_PYTEST_S 200), LC_TRAIN (1; 0 skips training and the greedy check),
 # LC_TRAIN_STEPS (60), LC_TRAIN_ARGS (more kdamoe-train arguments, e.g. "--set train.stages.0.seq_len=1024"),
 # LC_TRAIN_RESERVE_S (200: kept from the bench for training + greedy), LC_ONLY (the bench parts before training;
-# default profile,floor,kdamoe,native), LC_CHUNK2 (extra kdamoe chunk lengths at 1M, e.g. 131072), LC_MODEL_DIR
+# default profile,floor,kdamoe,native; none: only the training run and the greedy check), LC_CHUNK2 (extra kdamoe chunk lengths at 1M, e.g. 131072), LC_MODEL_DIR
 # (a carried final/ folder: LC_TRAIN=0 LC_ONLY=greedy checks it).
 # Files back: long_context.json, long_context.md, bench.log (the output of every step) and at most five 15 MB
 # parts of the Triton cache (more would pass the 8 files a call returns; then none are kept).
@@ -38,10 +38,12 @@ fi
 
 train=${LC_TRAIN:-1}
 budget=$(( $(left) - (train == 1 ? ${LC_TRAIN_RESERVE_S:-200} : 0) ))
-echo "== bench, budget $budget s (Triton cache restored: $LC_TCACHE_RESTORED)" >> "$LOG"
-timeout $(( budget + 30 )) python3 benchmarks/bench_long_context.py --out "$OUT" --budget-s "$budget" \
-    --only "${LC_ONLY:-profile,floor,kdamoe,native}" "$@" >> "$LOG" 2>&1
-echo "bench exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
+if [ "${LC_ONLY:-}" != none ]; then
+    echo "== bench, budget $budget s (Triton cache restored: $LC_TCACHE_RESTORED)" >> "$LOG"
+    timeout $(( budget + 30 )) python3 benchmarks/bench_long_context.py --out "$OUT" --budget-s "$budget" \
+        --only "${LC_ONLY:-profile,floor,kdamoe,native}" "$@" >> "$LOG" 2>&1
+    echo "bench exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
+fi
 
 if [ "$train" = 1 ]; then
     RUN=$SCRATCH/lc_train
