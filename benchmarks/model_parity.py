@@ -66,12 +66,19 @@ def run(model, ids, position_ids, backend, record=None, replay=None):
 
 
 def _errors(logits, grads, logits_ref, grads_ref):
-    """Relative L2 of the logits and of every parameter gradient (largest, which, median)."""
-    grad_errors = {n: relative_l2(grads[n], grads_ref[n]) for n in grads_ref}
+    """Relative L2 of the logits and of every parameter gradient (largest, which, median).
+
+    Some gradients are exactly zero at initialisation on every path (Block AttnRes: with the zero pseudo-query the
+    key norm's weight gets none, and the first block's query mixes one source); a relative error means nothing
+    there, so those are counted apart and must be exactly zero on the compared path too."""
+    zero = [n for n in grads_ref if not grads_ref[n].abs().sum() > 0]
+    grad_errors = {n: relative_l2(grads[n], grads_ref[n]) for n in grads_ref if n not in zero}
     worst = max(grad_errors, key=grad_errors.get)
     return {"logits_rel_l2": relative_l2(logits, logits_ref), "grad_rel_l2_max": grad_errors[worst],
             "grad_rel_l2_worst_param": worst,
-            "grad_rel_l2_median": sorted(grad_errors.values())[len(grad_errors) // 2]}
+            "grad_rel_l2_median": sorted(grad_errors.values())[len(grad_errors) // 2],
+            "grads_zero_in_reference": len(zero),
+            "grads_nonzero_where_reference_is_zero": [n for n in zero if grads[n].abs().sum() > 0]}
 
 
 def compare(model, ids, position_ids):
@@ -89,7 +96,8 @@ def compare(model, ids, position_ids):
         "loss_torch": loss_ref, "loss_triton": loss,
         **_errors(logits, grads, logits_ref, grads_ref),
     }
-    result["pass"] = result["logits_rel_l2"] <= 1e-2 and result["grad_rel_l2_max"] <= 3e-2
+    result["pass"] = (result["logits_rel_l2"] <= 1e-2 and result["grad_rel_l2_max"] <= 3e-2
+                      and not result["grads_nonzero_where_reference_is_zero"])
     return result
 
 
@@ -201,14 +209,21 @@ def main():
     lengths = [b - a for a, b in zip([0] + bounds, bounds + [args.seq_len])]
     position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).cuda()
 
-    result = {"seq_len": args.seq_len, "doc_lengths": lengths, "bf16": compare(model, ids, position_ids),
-              "step_ms_torch": 1e3 * time_step(model, ids, position_ids, "torch"),
-              "step_ms_triton": 1e3 * time_step(model, ids, position_ids, "triton"),
-              "total_params": sum(p.numel() for p in model.parameters())}
+    def save():  # after every stage: a run cut short by a deadline keeps what it measured
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+    result = {"seq_len": args.seq_len, "doc_lengths": lengths, "total_params": sum(p.numel() for p in model.parameters())}
+    result["bf16"] = compare(model, ids, position_ids)
+    save()
+    result["step_ms_torch"] = 1e3 * time_step(model, ids, position_ids, "torch")
+    result["step_ms_triton"] = 1e3 * time_step(model, ids, position_ids, "triton")
+    save()
     result["tokens_per_s_triton"] = args.seq_len / (result["step_ms_triton"] / 1e3)
     if args.op_parity:
         result["op_parity"] = op_parity(model, ids, position_ids)
     result["bf16_vs_fp32"] = against_fp32(model, ids, position_ids)
+    save()
     result["fp32"] = compare(model.float(), ids, position_ids)
     result["pass"] = result["bf16_vs_fp32"]["pass"] and result["fp32"]["pass"]
     with open(args.out, "w") as f:
