@@ -65,7 +65,8 @@ def fused_linear(hidden_states: torch.Tensor, modules: tuple[nn.Module, ...]) ->
     launches one kernel instead of ``len(modules)``, and at one token per row each small GEMM costs its launch
     latency, not its bytes. The concatenation is redone on every call (one copy of the weights, a few MB) so that
     in-place weight updates — an optimizer step, a captured CUDA graph replayed after one — are always seen. A
-    wrapped module (a PEFT LoRA layer) makes every module run on its own.
+    module that is not plain (:func:`_is_plain_linear`: a PEFT LoRA layer, a forward hook, an offload hook) makes
+    every module run on its own.
 
     Args:
         hidden_states: ``[..., in_features]``.
@@ -74,10 +75,18 @@ def fused_linear(hidden_states: torch.Tensor, modules: tuple[nn.Module, ...]) ->
     Returns:
         ``[..., out_features_i]`` per module, in the GEMM's dtype.
     """
-    if all(type(m) is nn.Linear and m.bias is None for m in modules):
+    if all(_is_plain_linear(m) for m in modules):
         weight = torch.cat([m.weight for m in modules])
         return F.linear(hidden_states, weight).split([m.out_features for m in modules], dim=-1)
     return tuple(m(hidden_states) for m in modules)
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    """A bias-free ``nn.Linear`` whose call is just ``F.linear``: no forward (pre-)hooks of its own or global ones
+    (observers, steering), no replaced ``forward`` (accelerate's offload hooks), no subclass (PEFT, parametrize)."""
+    return (type(module) is nn.Linear and module.bias is None and not module._forward_hooks
+            and not module._forward_pre_hooks and "forward" not in vars(module)
+            and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks)
 
 
 class KDAMoERMSNorm(nn.Module):
@@ -1268,7 +1277,15 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
         """``generate()`` builds a :class:`KDAMoECache` preallocated to its ``max_length`` unless the user passed a
-        cache or asked for another ``cache_implementation`` (then transformers decides, as for any model)."""
+        cache or asked for another ``cache_implementation`` (then transformers decides, as for any model).
+
+        Also the earliest point where ``generate(prefill_chunk_size=...)`` (transformers' own chunked prefill, which
+        splits the prompt before calling the forward) can be checked: a value it cannot split by raises here.
+        """
+        chunk = generation_config.prefill_chunk_size
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+            raise ValueError(f"generate(prefill_chunk_size=...) must be None or an integer >= 1, got {chunk!r} "
+                             "(or set `model.config.prefill_chunk_size`, where 0 turns chunking off)")
         if (model_kwargs.get("cache") is None and generation_config.use_cache is not False
                 and generation_config.cache_implementation in (None, "dynamic")):
             model_kwargs["cache"] = KDAMoECache(self.config, max_cache_len=max_cache_length)

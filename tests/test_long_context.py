@@ -342,3 +342,13 @@ def test_decode_graph_validity_follows_moved_and_replaced_parameters_and_the_mod
     layer = model.model.layers[1].mlp.gate
     layer.weight = torch.nn.Parameter(layer.weight.detach().clone())
     assert not graph.valid_for(model)
+
+
+@pytest.mark.parametrize("bad", [-1, 0, 2.5, "8", True])
+def test_generate_refuses_a_prefill_chunk_size_it_cannot_split_by(bad):
+    """transformers' own chunked prefill (``generate(prefill_chunk_size=...)``) splits the prompt before our forward
+    runs: a bad value must be a ValueError naming it, not a crash inside ``torch.split``."""
+    model = _model(seed=0)
+    ids = _ids(0, 1, 12)
+    with pytest.raises(ValueError, match="prefill_chunk_size"):
+        model.generate(ids, max_new_tokens=2, do_sample=False, prefill_chunk_size=bad)

@@ -231,3 +231,22 @@ def test_fused_linear_equals_each_projection_and_leaves_wrapped_modules_to_thems
     biased = mods[:2] + (torch.nn.Linear(24, 3, bias=True).double(),)
     for out, m in zip(fused_linear(x, biased), biased, strict=True):
         torch.testing.assert_close(out, m(x), rtol=0, atol=0)
+
+
+def test_hooks_on_a_fused_projection_still_run_and_change_the_output():
+    """A forward hook on one of the projections ``fused_linear`` groups must fire and be applied (the fused GEMM
+    would bypass it): zeroing ``q_proj``'s output through a hook equals zeroing its weight."""
+    torch.manual_seed(0)
+    model = KDAMoEForCausalLM(tiny_config()).eval()
+    ids = torch.randint(3, 97, (1, 9), generator=torch.Generator().manual_seed(2))
+    proj = model.model.layers[0].self_attn.q_proj
+    calls = []
+    handle = proj.register_forward_hook(lambda m, args, out: calls.append(1) or torch.zeros_like(out))
+    with torch.no_grad():
+        hooked = model(ids, use_cache=False).logits
+    handle.remove()
+    with torch.no_grad():
+        proj.weight.zero_()
+        zeroed = model(ids, use_cache=False).logits
+    assert calls, "the hook never ran"
+    torch.testing.assert_close(hooked, zeroed, rtol=1e-6, atol=1e-6)
