@@ -871,10 +871,10 @@ def packed_causal_mask_function(doc_ids: torch.Tensor) -> Callable:
 def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids, past: int | None) -> None:
     """Raise ``ValueError`` naming the bad input before anything runs.
 
-    ``input_ids`` must be a non-empty integer ``[B, T]`` tensor with ids in ``[0, vocab_size)`` (the range check
-    costs one device sync); ``inputs_embeds`` ``[B, T, hidden_size]``; a 2-D ``attention_mask`` ``[B, past + T]``
-    (``past`` = cached tokens, ``None`` when the cache cannot tell: an all-linear-attention model); ``position_ids``
-    ``[B or 1, T]``.
+    ``input_ids`` must be a non-empty integer ``[B, T]`` tensor with ids in ``[0, vocab_size)``; ``inputs_embeds``
+    ``[B, T, hidden_size]``; a 2-D ``attention_mask`` ``[B, past + T]`` of 0 / 1 values (``past`` = cached tokens,
+    ``None`` when the cache cannot tell: an all-linear-attention model); ``position_ids`` ``[B or 1, T]``. The value
+    checks (ids, mask) cost one device sync together.
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Specify exactly one of `input_ids` or `inputs_embeds`")
@@ -893,11 +893,20 @@ def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, posi
     B, T = shape
     if B == 0 or T == 0:
         raise ValueError(f"the input has shape {list(shape)}: batch and sequence length must both be at least 1")
-    if input_ids is not None:
-        low, high = (int(v) for v in torch.aminmax(input_ids))
+    # One device sync for the value checks: the ids' range and whether a 2-D mask holds anything but 0 / 1 (a mask of
+    # 2 or 0.5 would act as "keep" on some paths and as a weight on none: a silent wrong result).
+    id_range = list(torch.aminmax(input_ids)) if input_ids is not None else []
+    mask_values = attention_mask is not None and attention_mask.dim() == 2 and attention_mask.numel() > 0
+    not_binary = [((attention_mask != 0) & (attention_mask != 1)).any()] if mask_values else []
+    values = torch.stack([v.to(torch.float64) for v in id_range + not_binary]).tolist() if id_range or not_binary else []
+    if id_range:
+        low, high = int(values[0]), int(values[1])
         if low < 0 or high >= config.vocab_size:
             bad = low if low < 0 else high
             raise ValueError(f"`input_ids` contains {bad}, outside [0, vocab_size={config.vocab_size})")
+    if not_binary and values[-1]:
+        others = sorted(set(attention_mask.unique().tolist()) - {0, 1})[:5]
+        raise ValueError(f"`attention_mask` must hold only 0 (padding) and 1 (token), got also {others}")
     if attention_mask is not None and attention_mask.dim() == 2:
         expected = T if past is None else past + T
         if attention_mask.shape[0] != B or attention_mask.shape[1] < T or (past is not None and attention_mask.shape[1] != expected):

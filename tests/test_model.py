@@ -250,3 +250,15 @@ def test_hooks_on_a_fused_projection_still_run_and_change_the_output():
         zeroed = model(ids, use_cache=False).logits
     assert calls, "the hook never ran"
     torch.testing.assert_close(hooked, zeroed, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("value", [2, 0.5, -1])
+def test_an_attention_mask_with_values_other_than_0_and_1_is_refused(value):
+    """A mask of 2, 0.5 or -1 is neither padding nor token: it would silently act as "keep" (a wrong result)."""
+    model = KDAMoEForCausalLM(tiny_config()).eval()
+    ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 6)
+    mask[1, 0] = value
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(ids, attention_mask=mask)
+    model(ids, attention_mask=torch.ones(2, 6, dtype=torch.bool))  # bool and 0/1 masks stay fine
