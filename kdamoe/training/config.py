@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+PARALLELISMS = ("ddp", "fsdp2")  # train.parallelism values
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "cpu_default.yaml"
 
@@ -78,6 +79,10 @@ class TrainConfig:
     keep_checkpoints: int = 2  # newest checkpoints kept per run (stage ends are always kept)
     log_every: int = 10  # optimizer steps between TensorBoard scalar writes
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
+    # ddp: every process holds the whole model (DistributedDataParallel); fsdp2: parameters, gradients and AdamW
+    # state sharded over the processes (accelerate's FullyShardedDataParallelPlugin(fsdp_version=2), one shard
+    # group per KDAMoEDecoderLayer; docs/pretraining.md, "Data-parallel runs"). fsdp2 needs >= 2 processes.
+    parallelism: str = "ddp"
 
 
 @dataclass
@@ -149,6 +154,8 @@ class RunConfig:
         need(len(t.adam_betas) == 2 and all(0 <= b < 1 for b in t.adam_betas), "train.adam_betas", "two values in [0, 1)")
         need(t.max_grad_norm > 0, "train.max_grad_norm", "must be positive")
         need(t.mixed_precision in {"auto", "no", "bf16"}, "train.mixed_precision", "must be auto, no or bf16")
+        need(t.parallelism in PARALLELISMS, "train.parallelism",
+             f"must be one of {', '.join(PARALLELISMS)}, got {t.parallelism!r}")
         need(t.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
         need(t.keep_checkpoints >= 1, "train.keep_checkpoints", "must be at least 1")
         need(t.log_every >= 1, "train.log_every", "must be at least 1")
@@ -296,3 +303,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def config_to_dict(cfg: RunConfig) -> dict:
     """Plain-data form of a config (for YAML dumps and TensorBoard)."""
     return dataclasses.asdict(cfg)
+
+
+def with_defaults(data: dict) -> dict:
+    """A saved plain-data config (``config_to_dict`` of an older run) with every field it lacks at its default,
+    so a field added since (e.g. ``train.parallelism``) compares as the value that run used."""
+    return config_to_dict(_build(RunConfig, data, ""))

@@ -7,6 +7,10 @@ carry over from the stage before. Checkpoints (:mod:`kdamoe.training.checkpoint`
 (model with its router biases, optimizer, RNG, gradient-accumulation step) and our own
 :class:`TrainProgress` (stage, step, data position, the stage's LR scheduler state, losses) as JSON and
 the expert-load totals as safetensors. They are written atomically and resumed from the newest intact one.
+
+``train.parallelism`` picks the data-parallel engine (:func:`make_accelerator`): ``ddp`` (a whole model per
+process) or ``fsdp2`` (accelerate's FSDP2 plugin; sharded checkpoints, and :func:`consolidated_model` gathers the
+full weights for the export).
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from pathlib import Path
 
 import torch
 import yaml
-from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, set_seed
 from transformers import get_cosine_schedule_with_warmup
 
 from .checkpoint import (
@@ -35,7 +39,7 @@ from .checkpoint import (
     save_checkpoint_atomically,
 )
 from .checkpoint import find_checkpoint
-from .config import RunConfig, StageConfig, config_to_dict
+from .config import RunConfig, StageConfig, config_to_dict, with_defaults
 from .corpus import load_corpus
 from .data import IGNORE_INDEX, pack_documents, stage_loader, tokenize_documents
 from .evaluate import BigramBaseline, evaluate_lm
@@ -133,10 +137,73 @@ def checkpoint_dir(out_dir: Path, progress: TrainProgress) -> Path:
     return out_dir / "checkpoints" / checkpoint_name(progress.stage, progress.step)
 
 
+def make_accelerator(cfg: RunConfig, use_bf16: bool) -> Accelerator:
+    """The run's ``Accelerator``: DDP, or FSDP2 when ``cfg.train.parallelism == "fsdp2"``.
+
+    ``cpu=True`` without CUDA: accelerate 1.15 then reads torchrun's LOCAL_RANK / WORLD_SIZE as a multi-CPU (gloo)
+    run; with ``cpu=False`` it would treat every CPU process as a lone run training on its own.
+
+    FSDP2 is accelerate's ``FullyShardedDataParallelPlugin(fsdp_version=2)``: every ``KDAMoEDecoderLayer`` is its
+    own ``fully_shard`` unit (the model's ``_no_split_modules``) and the root takes the rest (embeddings, final
+    norm, head); parameters are resharded after each forward; checkpoints are ``SHARDED_STATE_DICT`` (each process
+    writes its shards through torch.distributed.checkpoint); ``cpu_ram_efficient_loading`` is off (every process
+    builds the model from the same seed, so nothing needs broadcasting from rank 0). Gradients are averaged over
+    the processes as under DDP, so the loss normalisation of :func:`train_stage` holds unchanged.
+
+    On CPU, accelerate 1.15 silently ignores an explicit ``fsdp_plugin``: ``AcceleratorState`` switches to
+    ``DistributedType.FSDP`` only for accelerator devices (MULTI_GPU, MULTI_XPU, ...), not for MULTI_CPU, so the
+    model would be wrapped in DDP. The gloo process group supports what FSDP2 needs, so for MULTI_CPU we make the
+    switch that branch makes (distributed type, mixed-precision policy, plugin) before anything is prepared; from
+    then on it is accelerate's own FSDP2 path, the one CUDA runs.
+
+    Raises:
+        ValueError: ``fsdp2`` with one process (nothing to shard; use ``ddp``).
+        RuntimeError: the accelerator did not end up in FSDP2 mode (an accelerate version whose gating differs).
+    """
+    mixed = "bf16" if use_bf16 else "no"
+    plugin = None
+    if cfg.train.parallelism == "fsdp2":
+        if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+            raise ValueError("config field train.parallelism: fsdp2 needs at least 2 processes "
+                             "(torchrun --nproc_per_node N, N >= 2); one process trains unsharded, use ddp")
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["KDAMoEDecoderLayer"], reshard_after_forward=True,
+            state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False)
+    accelerator = Accelerator(mixed_precision=mixed, cpu=not torch.cuda.is_available(), fsdp_plugin=plugin,
+                              gradient_accumulation_steps=cfg.train.grad_accum_steps)
+    if plugin is not None and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        state = accelerator.state
+        state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        if mixed != "no":
+            plugin.set_mixed_precision(mixed)
+        state.fsdp_plugin = plugin
+    if plugin is not None and not accelerator.is_fsdp2:
+        raise RuntimeError(f"train.parallelism=fsdp2 but accelerate set up {accelerator.distributed_type}")
+    return accelerator
+
+
+def consolidated_model(accelerator, model, cfg: RunConfig, tokenizer):
+    """The trained weights gathered into a plain ``KDAMoEForCausalLM`` on the main process (None on the others).
+
+    Call on every process: under FSDP2 ``accelerator.get_state_dict`` all-gathers the shards (and a forward of the
+    sharded model on the main process alone would wait forever for the others). The state dict holds the
+    persistent buffers too, so the router biases travel with the weights. Under DDP it is the unwrapped model's
+    own state dict: one code path for both engines.
+    """
+    state = accelerator.get_state_dict(model)
+    if not accelerator.is_main_process:
+        return None
+    plain = build_model(cfg, tokenizer)
+    plain.load_state_dict(state, strict=True)
+    return plain.to(accelerator.device)
+
+
 RUN_ARTIFACTS = ["checkpoints", "tokenizer", "tensorboard", "final", "baselines.json", "summary.json", "expert_load.png"]
 # Fields that decide what a resumed run computes; the rest (logging, output) may change between runs.
 RESUME_KEYS = ["seed", "model", "data", "tokenizer", "train.stages", "train.grad_accum_steps", "train.weight_decay",
-               "train.adam_betas", "train.adam_eps", "train.max_grad_norm", "train.mixed_precision"]
+               "train.adam_betas", "train.adam_eps", "train.max_grad_norm", "train.mixed_precision",
+               "train.parallelism"]  # a DDP checkpoint holds model.safetensors, an FSDP2 one sharded folders
 
 
 def clear_run(out_dir: Path) -> None:
@@ -155,7 +222,7 @@ def check_same_run(out_dir: Path, cfg: RunConfig) -> None:
     saved_path = out_dir / "config.yaml"
     if not saved_path.exists():
         return
-    saved, current = yaml.safe_load(saved_path.read_text()), config_to_dict(cfg)
+    saved, current = with_defaults(yaml.safe_load(saved_path.read_text())), config_to_dict(cfg)
     for key in RESUME_KEYS:
         a, b = saved, current
         for part in key.split("."):
@@ -283,10 +350,7 @@ def run(cfg: RunConfig, resume: bool = True, stop_after_steps: int | None = None
         torch.set_num_threads(cfg.train.num_threads)
     use_bf16 = cfg.train.mixed_precision == "bf16" or (
         cfg.train.mixed_precision == "auto" and torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    # cpu=True without CUDA: accelerate 1.15 then reads torchrun's LOCAL_RANK / WORLD_SIZE as a multi-CPU (gloo,
-    # DDP) run; with cpu=False it would treat every CPU process as a lone run training on its own.
-    accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", cpu=not torch.cuda.is_available(),
-                              gradient_accumulation_steps=cfg.train.grad_accum_steps)
+    accelerator = make_accelerator(cfg, use_bf16)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != accelerator.num_processes:
         raise ValueError(f"WORLD_SIZE={launched} processes were launched but accelerate set up "
@@ -343,10 +407,11 @@ def run(cfg: RunConfig, resume: bool = True, stop_after_steps: int | None = None
 
     summary.update(losses=progress.losses, finished=True, tokens=progress.tokens)
     monitor.close(out_dir / "expert_load.png")
+    trained = consolidated_model(accelerator, model, cfg, data.tokenizer)
     if accelerator.is_main_process:
         summary.update(json.loads((out_dir / "baselines.json").read_text()))
-        summary["after"] = evaluate(accelerator.unwrap_model(model))
-        final_dir = export_model(accelerator.unwrap_model(model), data.tokenizer, cfg, summary, out_dir / "final")
+        summary["after"] = evaluate(trained)
+        final_dir = export_model(trained, data.tokenizer, cfg, summary, out_dir / "final")
         reloaded = reload_model(final_dir, accelerator.device)
         summary["reloaded"] = evaluate(reloaded)
         summary["final_dir"] = str(final_dir)
