@@ -88,11 +88,21 @@ class KDAMoEConfig(PreTrainedConfig):
 
     model_type = "kda_moe"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
-    # Expert parallelism plan read by transformers' DistributedConfig (docs/architecture.md §8).
+    # Expert parallelism plan read by transformers' DistributedConfig (`ep_size`; docs/distributed.md): every rank
+    # holds `num_experts / ep_size` whole experts (dim 0 of the 3-D weights) and the routed tokens travel to them by
+    # all-to-all; the router, attention and shared experts stay replicated.
     base_model_ep_plan = {
         "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
         "layers.*.mlp.experts.down_proj": "grouped_gemm",
         "layers.*.mlp.experts": "ep_dispatch_experts",
+    }
+    # FSDP2 plan (`fsdp_size`): one `fully_shard` group per decoder layer (gathered for its forward, freed after,
+    # gathered again for its backward) and the embeddings; the final norm stays gathered with the head
+    # (`KDAMoEForCausalLM._fsdp_plan`). The Block AttnRes final mix (`final_res`) falls to the root group.
+    base_model_fsdp_plan = {
+        "embed_tokens": "free_full_weight",
+        "layers.*": "free_full_weight",
+        "norm": "keep_full_weight",
     }
 
     def __init__(

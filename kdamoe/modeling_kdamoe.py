@@ -9,6 +9,7 @@ Formulas and their sources are in docs/architecture.md and in the flat modules t
 
 import contextlib
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 from transformers import initialization as init
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
+from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation, use_kernelized_func
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -722,6 +724,18 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
 # ----------------------------------------------------------------------------------------------------
 # Pretrained model, backbone, heads
 # ----------------------------------------------------------------------------------------------------
+def _fsdp2_wrapped_class(model: nn.Module) -> type | None:
+    """The class FSDP2's ``fully_shard`` wrapped, i.e. the base of the ``FSDP<Name>`` class it gave ``model``, or
+    None when ``model`` is not an FSDP2 module."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return None
+    return next(cls for cls in type(model).__bases__ if not issubclass(cls, FSDPModule))
+
+
 class KDAMoEPreTrainedModel(PreTrainedModel):
     """Weight init, Quantile Balancing lifecycle and transformers plumbing shared by all heads."""
 
@@ -783,6 +797,10 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         transformers writes only the saved class's entry; listing all of them lets a folder saved from
         the causal LM load as ``AutoModel`` or ``AutoModelForSequenceClassification`` (reward / value
         models) with ``trust_remote_code=True``.
+
+        A model sharded by FSDP2 (``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=...))``)
+        is saved from every rank: rank 0 writes the gathered weights and this package's code, not torch's FSDP
+        files that transformers would otherwise take for the model's code (docs/distributed.md).
         """
         auto_map = dict(getattr(self.config, "auto_map", None) or {})
         auto_map.update(
@@ -794,7 +812,22 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
             }
         )
         self.config.auto_map = auto_map
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        own_class = _fsdp2_wrapped_class(self)
+        if own_class is None:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        # FSDP2's `fully_shard` (`DistributedConfig(fsdp_size=...)`) swaps the model's class for a generated
+        # `FSDP<Name>(FSDPModule, <Name>)` defined in torch: transformers would copy torch's FSDP files as the remote
+        # code and point `auto_map` at the generated class. Copy the wrapped class's code instead (the saving rank
+        # only, as transformers does) and keep the `auto_map` set above: the generated class alone stops being
+        # "remote code" for the call.
+        if self.should_save_on_this_rank(kwargs.get("is_main_process", True)):
+            os.makedirs(save_directory, exist_ok=True)
+            custom_object_save(own_class, save_directory)
+        type(self)._auto_class = None
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            del type(self)._auto_class
 
     def push_to_hub(self, repo_id: str, *, tokenizer=None, **kwargs):
         """Where the kdamoe package is installed: ``kdamoe.hub.push_model_to_hub`` (our model card, the
@@ -1201,6 +1234,9 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
     """KDAMoE with a language-modelling head; ``MoeCausalLMOutputWithPast`` out, ``generate()`` ready."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # FSDP2 (`DistributedConfig(fsdp_size=...)`): with the config's `norm` rule, the final norm and the head form one
+    # group that stays gathered from the forward into the backward (the last thing forward runs, the first backward).
+    _fsdp_plan = {"lm_head": "keep_full_weight"}
 
     def __init__(self, config: KDAMoEConfig):
         super().__init__(config)
