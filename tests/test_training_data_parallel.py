@@ -1,5 +1,6 @@
 """Data-parallel pretraining on CPU processes: ``torchrun --nproc_per_node N scripts/train.py`` (gloo, DDP) with a
-per-process batch of ``B / N`` rows reproduces the one-process run with batch ``B``.
+per-process batch of ``B / N`` rows reproduces the one-process run with batch ``B``, for N = 2 and N = 4 (issue #15;
+``B = 4``, one thread per rank, so four ranks fit the two cores of CI).
 
 Each run is a subprocess: the documented command, except that this file stands in for ``scripts/train.py`` to
 record, per rank, the rows every training forward saw and the router biases after every update
@@ -23,6 +24,7 @@ import json
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,39 +62,64 @@ def _launch(tmp_path, name: str, processes: int) -> dict:
     return {"losses": [loss for _, loss in progress["losses"]], "ranks": ranks}
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The one-process reference run, shared by every process count."""
+    tmp_path = tmp_path_factory.mktemp("one")
+    return tmp_path, _launch(tmp_path, "one", 1)
+
+
 @pytest.mark.xdist_group("distributed")
-def test_two_processes_reproduce_one_process_with_the_same_global_batch(tmp_path):
-    one = _launch(tmp_path, "one", 1)
-    two = _launch(tmp_path, "two", 2)
+@pytest.mark.parametrize("processes", [2, 4])
+def test_n_processes_reproduce_one_process_with_the_same_global_batch(one_process, processes):
+    tmp_path, one = one_process
+    many = _launch(tmp_path, f"ranks{processes}", processes)
 
-    # Same global rows in the same order: at every micro-batch rank 0 saw the first half of the one-process
-    # batch and rank 1 the second half.
-    single_rows = one["ranks"][0]["rows"]  # [STEPS·ACCUM, 4, T]
+    # Same global rows in the same order: at every micro-batch rank r saw the r-th slice of the one-process batch.
+    single_rows = one["ranks"][0]["rows"]  # [STEPS·ACCUM, GLOBAL_BATCH, T]
     assert single_rows.shape[:2] == (STEPS * ACCUM, GLOBAL_BATCH)
-    halves = torch.stack([two["ranks"][0]["rows"], two["ranks"][1]["rows"]], 1)  # [STEPS·ACCUM, 2 ranks, 2, T]
-    assert torch.equal(halves.flatten(1, 2), single_rows)
+    slices = torch.stack([rank["rows"] for rank in many["ranks"]], 1)  # [STEPS·ACCUM, N, GLOBAL_BATCH / N, T]
+    assert slices.shape[1:3] == (processes, GLOBAL_BATCH // processes)
+    assert torch.equal(slices.flatten(1, 2), single_rows)
 
-    assert len(one["losses"]) == len(two["losses"]) == STEPS
-    assert two["losses"] == pytest.approx(one["losses"], rel=LOSS_RTOL)
+    assert len(one["losses"]) == len(many["losses"]) == STEPS
+    assert many["losses"] == pytest.approx(one["losses"], rel=LOSS_RTOL)
 
-    biases = [rank["biases"] for rank in two["ranks"]]  # [STEPS, routers, experts] after every update
-    assert torch.equal(biases[0], biases[1])  # one all-reduce of the statistics: the ranks agree bitwise
+    biases = [rank["biases"] for rank in many["ranks"]]  # [STEPS, routers, experts] after every update
+    for other in biases[1:]:
+        assert torch.equal(other, biases[0])  # one all-reduce of the statistics: the ranks agree bitwise
     reference = one["ranks"][0]["biases"]
     assert torch.count_nonzero(reference[-1]) > 0  # the biases did move
     torch.testing.assert_close(biases[0], reference, rtol=0, atol=BIAS_ATOL)
 
 
+HOLD = "KDAMOE_TEST_HOLD"  # "<rank>:<n>": that rank stops before its (n+1)-th training forward, to be killed
+
+
+def _hold_here(dump: Path) -> None:
+    """Publish this process's pid as ``dump/hold.pid`` (written whole, then renamed) and sleep until killed."""
+    (dump / "hold.pid.tmp").write_text(str(os.getpid()))
+    os.replace(dump / "hold.pid.tmp", dump / "hold.pid")
+    while True:
+        time.sleep(60)
+
+
 def _train_recording(dump: Path, argv: list[str]) -> int:
     """``kdamoe.cli.train_main(argv)``, saving ``{"rows": [micro-batches, B, T], "biases": [updates, routers, E]}``
-    of this rank to ``dump/rank<RANK>.pt``."""
+    of this rank to ``dump/rank<RANK>.pt``. With ``KDAMOE_TEST_HOLD=<rank>:<n>`` in the environment, rank
+    ``<rank>`` instead stops at its (n+1)-th training forward (:func:`_hold_here`) for the test to kill it."""
     from kdamoe import KDAMoEForCausalLM
     from kdamoe.cli import train_main
 
     rows, biases = [], []
     forward, update = KDAMoEForCausalLM.forward, KDAMoEForCausalLM.update_router_biases
+    hold_rank, _, hold_at = os.environ.get(HOLD, "-1:0").partition(":")
+    hold_at = int(hold_at) if hold_rank == os.environ.get("RANK", "0") else None
 
     def recording_forward(self, *args, **kwargs):
         if self.training and kwargs.get("labels") is not None:
+            if len(rows) == hold_at:
+                _hold_here(dump)
             rows.append(kwargs["input_ids"].clone())
         return forward(self, *args, **kwargs)
 

@@ -1,27 +1,35 @@
-"""FSDP2 pretraining on CPU processes: ``torchrun --nproc_per_node 2 scripts/train.py --set train.parallelism=fsdp2``
-(accelerate's FSDP2 plugin over gloo) reproduces the one-process run, resumes from its sharded checkpoints, and
-exports one consolidated Hub folder.
+"""FSDP2 pretraining on CPU processes: ``torchrun --nproc_per_node N scripts/train.py --set train.parallelism=fsdp2``
+(accelerate's FSDP2 plugin over gloo) reproduces the one-process run for N = 2 and N = 4, resumes after one rank was
+killed mid-run, and exports one consolidated Hub folder (issue #15).
 
 Runs are subprocesses of the documented command, recorded per rank by the ``__main__`` of
 ``tests/test_training_data_parallel.py`` (rows and router biases after every update), with deadlines, in the
 ``distributed`` xdist group (see that file).
 
-Why not bitwise against one process: as under DDP, the two processes each sum their rows' gradients and FSDP2's
-reduce-scatter adds the two partial sums, so float32 sums are taken in another order (step 1 already differs by
+Why not bitwise against one process: as under DDP, the N processes each sum their rows' gradients and FSDP2's
+reduce-scatter adds the N partial sums, so float32 sums are taken in another order (step 1 already differs by
 rounding; later steps start from weights ~1e-7 apart). ``LOSS_RTOL = 1e-6`` is the DDP test's bound; a per-process
 loss mean instead of the global token mean is off by ~3e-4 on these rows. The resumed run is compared bitwise with
 the uninterrupted FSDP2 run: the same shards, reductions and RNG states are restored from the checkpoint.
+
+The kill is a real ``SIGKILL`` of rank 1's process while the 2-process run is in step ``STOP_AT + 1``, once
+checkpoint ``STOP_AT`` is final. To make that moment deterministic rather than a race against the next checkpoint,
+the recorder's ``KDAMOE_TEST_HOLD`` makes rank 1 publish its pid and sleep before its first forward after the
+checkpoint; rank 0 meanwhile enters the step and waits in FSDP2's first all-gather.
 """
 
 import json
-import shutil
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import launch_processes
-from tests.test_training_data_parallel import _write_short_documents
+from kdamoe.training.checkpoint import verify_checkpoint
+from tests.helpers import finish_processes, launch_processes, start_processes
+from tests.test_training_data_parallel import HOLD, _write_short_documents
 from tests.test_training_resume import _config
 
 STEPS, STOP_AT, GLOBAL_BATCH, ACCUM, DEADLINE_S = 4, 2, 4, 2, 120
@@ -29,10 +37,11 @@ LOSS_RTOL, BIAS_ATOL = 1e-6, 1e-6
 RECORDER = Path(__file__).resolve().parent / "test_training_data_parallel.py"
 
 
-def _launch(tmp_path, name: str, processes: int, parallelism: str, *extra: str) -> dict:
-    """Train run ``name`` (in ``tmp_path/name``; resumed when it holds checkpoints, unless ``--no-resume``) (``STEPS`` steps of global batch ``GLOBAL_BATCH``, a checkpoint every ``STOP_AT`` steps)
-    on ``processes`` ranks; ``extra`` are more ``kdamoe-train`` arguments. Returns the logged losses of the newest
-    checkpoint and every rank's recording."""
+def _command(tmp_path, name: str, processes: int, parallelism: str, *extra: str) -> tuple[list[str], Path]:
+    """The recorded ``kdamoe-train`` command of run ``name`` (in ``tmp_path/name``; resumed when it holds
+    checkpoints, unless ``--no-resume``): ``STEPS`` steps of global batch ``GLOBAL_BATCH`` on ``processes`` ranks, a
+    checkpoint every ``STOP_AT`` steps; ``extra`` are more ``kdamoe-train`` arguments. Returns the arguments and the
+    new folder the ranks' recordings go to."""
     if not (tmp_path / "corpus").exists():
         _write_short_documents(tmp_path / "corpus")
     stage = {"name": "only", "seq_len": 16, "batch_size": GLOBAL_BATCH, "steps": STEPS, "lr": 3e-3, "warmup_steps": 1}
@@ -42,6 +51,13 @@ def _launch(tmp_path, name: str, processes: int, parallelism: str, *extra: str) 
     dump.mkdir()
     args = [str(RECORDER), str(dump), "--config", str(tmp_path / f"{name}.yaml"),
             "--set", f"train.stages.0.batch_size={GLOBAL_BATCH // processes}", *extra]
+    return args, dump
+
+
+def _launch(tmp_path, name: str, processes: int, parallelism: str, *extra: str) -> dict:
+    """Run :func:`_command` to the end; returns the logged losses of the newest checkpoint, that checkpoint and
+    every rank's recording."""
+    args, dump = _command(tmp_path, name, processes, parallelism, *extra)
     launch_processes(args, processes, DEADLINE_S)
     newest = sorted((tmp_path / name / "checkpoints").glob("stage0-step*"))[-1]
     progress = json.loads((newest / "progress.json").read_text())
@@ -50,39 +66,75 @@ def _launch(tmp_path, name: str, processes: int, parallelism: str, *extra: str) 
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("fsdp")
-    one = _launch(tmp_path, "one", 1, "ddp", "--no-resume")
-    fsdp = _launch(tmp_path, "fsdp", 2, "fsdp2", "--no-resume")
-    return tmp_path, one, fsdp
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fsdp")
+
+
+@pytest.fixture(scope="module")
+def one(workdir):
+    return _launch(workdir, "one", 1, "ddp", "--no-resume")
+
+
+@pytest.fixture(scope="module")
+def fsdp(workdir):
+    """The uninterrupted 2-process FSDP2 run."""
+    return _launch(workdir, "fsdp", 2, "fsdp2", "--no-resume")
 
 
 @pytest.mark.xdist_group("distributed")
-def test_fsdp2_on_two_processes_reproduces_one_process(runs):
-    _, one, fsdp = runs
-    assert len(one["losses"]) == len(fsdp["losses"]) == STEPS
-    assert fsdp["losses"] == pytest.approx(one["losses"], rel=LOSS_RTOL)
-    biases = [rank["biases"] for rank in fsdp["ranks"]]  # [STEPS, routers, experts] after every update
+@pytest.mark.parametrize("processes", [2, 4])
+def test_fsdp2_on_n_processes_reproduces_one_process(workdir, one, fsdp, processes):
+    run = fsdp if processes == 2 else _launch(workdir, f"fsdp{processes}", processes, "fsdp2", "--no-resume")
+    assert len(one["losses"]) == len(run["losses"]) == STEPS
+    assert run["losses"] == pytest.approx(one["losses"], rel=LOSS_RTOL)
+    biases = [rank["biases"] for rank in run["ranks"]]  # [STEPS, routers, experts] after every update
     assert biases[0].shape[0] == STEPS
-    assert torch.equal(biases[0], biases[1])
+    for other in biases[1:]:
+        assert torch.equal(other, biases[0])
     assert torch.count_nonzero(one["ranks"][0]["biases"][-1]) > 0  # the biases did move
     torch.testing.assert_close(biases[0], one["ranks"][0]["biases"], rtol=0, atol=BIAS_ATOL)
-    files = {p.relative_to(fsdp["checkpoint"]).as_posix() for p in fsdp["checkpoint"].rglob("*") if p.is_file()}
+    files = {p.relative_to(run["checkpoint"]).as_posix() for p in run["checkpoint"].rglob("*") if p.is_file()}
     assert "model.safetensors" not in files  # a sharded checkpoint: each rank wrote its own shard
-    assert {"pytorch_model_fsdp_0/__0_0.distcp", "pytorch_model_fsdp_0/__1_0.distcp"} <= files
+    assert {f"pytorch_model_fsdp_0/__{rank}_0.distcp" for rank in range(processes)} <= files
+
+
+def _wait_for(path: Path, proc, log: Path) -> None:
+    """Poll until ``path`` exists; fail (with the tail of ``log``) if the launch ``proc`` exits first or after
+    ``DEADLINE_S`` seconds."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            why = f"exited ({proc.returncode})" if proc.returncode is not None else f"ran {DEADLINE_S} s"
+            pytest.fail(f"the run {why} before {path.name} appeared:\n{log.read_text()[-6000:]}")
+        time.sleep(0.05)
 
 
 @pytest.mark.xdist_group("distributed")
-def test_fsdp2_resume_after_a_kill_reproduces_the_uninterrupted_run_bitwise(runs):
-    tmp_path, _, fsdp = runs
-    # The run as a kill right after checkpoint STOP_AT leaves it: the uninterrupted run's folder without what came later.
-    killed = tmp_path / "killed"
-    shutil.copytree(tmp_path / "fsdp", killed, ignore=shutil.ignore_patterns("final", "summary.json"))
-    for later in sorted((killed / "checkpoints").glob("stage0-step*"))[1:]:
-        shutil.rmtree(later)
-    assert [p.name for p in (killed / "checkpoints").iterdir()] == [f"stage0-step{STOP_AT:06d}"]
-    resumed = _launch(tmp_path, "killed", 2, "fsdp2")  # the same command again: resumes from the sharded checkpoint
-    assert (killed / "final" / "model.safetensors").is_file()
+def test_fsdp2_resume_after_a_kill_reproduces_the_uninterrupted_run_bitwise(workdir, fsdp):
+    """SIGKILL rank 1 during step ``STOP_AT + 1`` (rank 0 is then inside that step's first FSDP all-gather), after
+    checkpoint ``STOP_AT`` is final; torchrun tears the group down; the same command again resumes from the sharded
+    checkpoint and reproduces the uninterrupted run bitwise."""
+    args, dump = _command(workdir, "killed", 2, "fsdp2", "--no-resume")
+    # Rank 1 stops before its first forward after checkpoint STOP_AT: a deterministic moment for the kill, not a race.
+    log = workdir / "killed.log"
+    with start_processes(args, 2, env={HOLD: f"1:{STOP_AT * ACCUM}"}, log=log) as proc:
+        try:
+            _wait_for(dump / "hold.pid", proc, log)
+            checkpoints = workdir / "killed" / "checkpoints"
+            # Final: renamed from .tmp-<name> into place after its manifest (kdamoe.training.checkpoint), and intact.
+            assert [p.name for p in checkpoints.iterdir()] == [f"stage0-step{STOP_AT:06d}"]
+            assert verify_checkpoint(checkpoints / f"stage0-step{STOP_AT:06d}") is None
+            os.kill(int((dump / "hold.pid").read_text()), signal.SIGKILL)
+            finish_processes(proc, DEADLINE_S, "torchrun after the kill")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0, log.read_text()[-3000:]  # torchrun saw rank 1 die and stopped rank 0
+    assert [p.name for p in checkpoints.iterdir()] == [f"stage0-step{STOP_AT:06d}"]
+    assert not (workdir / "killed" / "final").exists()
+
+    resumed = _launch(workdir, "killed", 2, "fsdp2")  # the same command without --no-resume
+    assert (workdir / "killed" / "final" / "model.safetensors").is_file()
     assert resumed["losses"] == fsdp["losses"]  # exact float equality, every step
     for rank in range(2):
         torch.testing.assert_close(resumed["ranks"][rank]["biases"], fsdp["ranks"][rank]["biases"][STOP_AT:],
@@ -90,7 +142,7 @@ def test_fsdp2_resume_after_a_kill_reproduces_the_uninterrupted_run_bitwise(runs
 
 
 @pytest.mark.xdist_group("distributed")
-def test_fsdp2_export_is_one_consolidated_hub_folder(runs, tmp_path):
+def test_fsdp2_export_is_one_consolidated_hub_folder(fsdp, tmp_path):
     """``final/`` holds the full weights (equal to the last sharded checkpoint consolidated by torch's own
     ``dcp_to_torch_save``, router biases included) and loads in a process without kdamoe with the same logits."""
     from safetensors.torch import load_file
@@ -99,7 +151,6 @@ def test_fsdp2_export_is_one_consolidated_hub_folder(runs, tmp_path):
     from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
     from kdamoe.hub import _validation_ids, validate_hub_folder
 
-    _, _, fsdp = runs
     final = fsdp["checkpoint"].parent.parent / "final"
     assert (final / "model.safetensors").is_file() and (final / "modeling_kdamoe.py").is_file()
     assert not list(final.glob("pytorch_model_fsdp*")) and not list(final.rglob("*.distcp"))
