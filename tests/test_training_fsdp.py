@@ -130,6 +130,7 @@ def test_fsdp2_resume_after_a_kill_reproduces_the_uninterrupted_run_bitwise(work
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0, log.read_text()[-3000:]  # torchrun saw rank 1 die and stopped rank 0
+    assert "(SIGKILL)" in log.read_text()  # torchrun's report names the signal that ended rank 1
     assert [p.name for p in checkpoints.iterdir()] == [f"stage0-step{STOP_AT:06d}"]
     assert not (workdir / "killed" / "final").exists()
 
