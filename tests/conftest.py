@@ -13,6 +13,21 @@ if not os.environ.get("KDAMOE_TEST_ON_GPU"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Make ``@pytest.mark.xdist_group`` work: pytest-xdist 3.8's ``--dist loadgroup`` tags each grouped test by
+    rewriting ``item._nodeid`` (``<id>@<group>``), which pytest 9 no longer reads (``nodeid`` comes from
+    ``item._id``), so the group was silently ignored and two multi-process tests could run at once on the two
+    cores. Carry the tag over; runs after xdist's own hook."""
+    from _pytest.nodes import coerce_node_id
+
+    for item in items:
+        tagged = getattr(item, "_nodeid", None)
+        if isinstance(tagged, str) and tagged != item.nodeid:
+            item._id = coerce_node_id(tagged)
