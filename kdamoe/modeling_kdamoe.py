@@ -928,16 +928,17 @@ def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, posi
         raise ValueError(f"the input has shape {list(shape)}: batch and sequence length must both be at least 1")
     # One device sync for the value checks: the ids' range and whether a 2-D mask holds anything but 0 / 1 (a mask of
     # 2 or 0.5 would act as "keep" on some paths and as a weight on none: a silent wrong result).
-    id_range = list(torch.aminmax(input_ids)) if input_ids is not None else []
-    mask_values = attention_mask is not None and attention_mask.dim() == 2 and attention_mask.numel() > 0
-    not_binary = [((attention_mask != 0) & (attention_mask != 1)).any()] if mask_values else []
-    values = torch.stack([v.to(torch.float64) for v in id_range + not_binary]).tolist() if id_range or not_binary else []
-    if id_range:
-        low, high = int(values[0]), int(values[1])
-        if low < 0 or high >= config.vocab_size:
-            bad = low if low < 0 else high
-            raise ValueError(f"`input_ids` contains {bad}, outside [0, vocab_size={config.vocab_size})")
-    if not_binary and values[-1]:
+    checks = {}
+    if input_ids is not None:
+        checks["low"], checks["high"] = torch.aminmax(input_ids)
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.numel() > 0:
+        checks["mask_not_binary"] = ((attention_mask != 0) & (attention_mask != 1)).any()
+    if checks:
+        checks = dict(zip(checks, torch.stack([v.to(torch.float64) for v in checks.values()]).tolist()))
+    if input_ids is not None and (checks["low"] < 0 or checks["high"] >= config.vocab_size):
+        bad = int(checks["low"] if checks["low"] < 0 else checks["high"])
+        raise ValueError(f"`input_ids` contains {bad}, outside [0, vocab_size={config.vocab_size})")
+    if checks.get("mask_not_binary"):
         others = sorted(set(attention_mask.unique().tolist()) - {0, 1})[:5]
         raise ValueError(f"`attention_mask` must hold only 0 (padding) and 1 (token), got also {others}")
     if attention_mask is not None and attention_mask.dim() == 2:
@@ -1328,9 +1329,10 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
         splits the prompt before calling the forward) can be checked: a value it cannot split by raises here.
         """
         chunk = generation_config.prefill_chunk_size
-        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
-            raise ValueError(f"generate(prefill_chunk_size=...) must be None or an integer >= 1, got {chunk!r} "
-                             "(or set `model.config.prefill_chunk_size`, where 0 turns chunking off)")
+        check_prefill_chunk_size(chunk)
+        if chunk == 0:  # transformers splits the prompt by it; the forward's own chunking is what 0 turns off
+            raise ValueError("generate(prefill_chunk_size=0) cannot split the prompt; pass None, or set "
+                             "`model.config.prefill_chunk_size = 0` to turn the forward's chunking off")
         if (model_kwargs.get("cache") is None and generation_config.use_cache is not False
                 and generation_config.cache_implementation in (None, "dynamic")):
             model_kwargs["cache"] = KDAMoECache(self.config, max_cache_len=max_cache_length)

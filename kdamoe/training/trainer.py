@@ -184,13 +184,15 @@ def make_accelerator(cfg: RunConfig, use_bf16: bool) -> Accelerator:
 
 
 def consolidated_model(accelerator, model, cfg: RunConfig, tokenizer):
-    """The trained weights gathered into a plain ``KDAMoEForCausalLM`` on the main process (None on the others).
+    """The trained model as a plain ``KDAMoEForCausalLM`` on the main process (None on the others).
 
     Call on every process: under FSDP2 ``accelerator.get_state_dict`` all-gathers the shards (and a forward of the
     sharded model on the main process alone would wait forever for the others). The state dict holds the
-    persistent buffers too, so the router biases travel with the weights. Under DDP it is the unwrapped model's
-    own state dict: one code path for both engines.
+    persistent buffers too, so the router biases travel with the weights. Under DDP every process already holds
+    the whole model: the main process's unwrapped model is returned as it is (no second copy).
     """
+    if not accelerator.is_fsdp2:
+        return accelerator.unwrap_model(model) if accelerator.is_main_process else None
     state = accelerator.get_state_dict(model)
     if not accelerator.is_main_process:
         return None
