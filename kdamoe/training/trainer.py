@@ -157,15 +157,20 @@ def make_accelerator(cfg: RunConfig, use_bf16: bool) -> Accelerator:
     then on it is accelerate's own FSDP2 path, the one CUDA runs.
 
     Raises:
-        ValueError: ``fsdp2`` with one process (nothing to shard; use ``ddp``).
+        ValueError: ``fsdp2`` with one CPU process, or one process not started by ``torchrun``: accelerate then sets
+            up no process group, which ``fully_shard`` needs. One CUDA process under ``torchrun --nproc_per_node 1``
+            is allowed: it shards nothing, but runs the FSDP2 code path, which is how its overhead is measured
+            (``benchmarks/bench_fsdp_overhead.py``).
         RuntimeError: the accelerator did not end up in FSDP2 mode (an accelerate version whose gating differs).
     """
     mixed = "bf16" if use_bf16 else "no"
     plugin = None
     if cfg.train.parallelism == "fsdp2":
-        if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        one_cuda_rank = torch.cuda.is_available() and "LOCAL_RANK" in os.environ
+        if int(os.environ.get("WORLD_SIZE", "1")) < 2 and not one_cuda_rank:
             raise ValueError("config field train.parallelism: fsdp2 needs at least 2 processes "
-                             "(torchrun --nproc_per_node N, N >= 2); one process trains unsharded, use ddp")
+                             "(torchrun --nproc_per_node N, N >= 2; on CUDA, N = 1 under torchrun runs the FSDP2 "
+                             "path unsharded); one process trains unsharded, use ddp")
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=["KDAMoEDecoderLayer"], reshard_after_forward=True,

@@ -1,0 +1,104 @@
+"""The FSDP2 wrapper's overhead on one GPU: the pretraining job with ``train.parallelism=fsdp2`` on one process
+against the plain path (issue #15, deliverable 5; used to plan a multi-GPU run).
+
+    python benchmarks/bench_fsdp_overhead.py [--steps 40] [--seq-len 4096] [--batch-size 4] [--out DIR]
+
+Both runs are the documented job on the GPU preset (``kdamoe-train --config gpu_h200.yaml``) with one short stage,
+no mid-stage checkpoints and a small evaluation:
+
+* plain: ``python -m kdamoe.cli ...`` (one process, no wrapper);
+* fsdp2: ``torchrun --standalone --nproc_per_node 1 -m kdamoe.cli ... --set train.parallelism=fsdp2`` (every
+  decoder layer its own ``fully_shard`` unit over a one-rank mesh: all-gathers and reduce-scatters of one rank,
+  the FSDP2 hooks, its mixed-precision casts and its sharded checkpoint).
+
+Tokens/s is the job's own per-step figure (TensorBoard ``train/tokens_per_s``, written every step here), median
+over the steps after the first ``--skip`` (compilation and autotuning). The final losses of the two runs are
+reported too: on one rank FSDP2 computes the same step, so they should agree to bf16 rounding. Writes
+``fsdp_overhead.{json,md}`` into ``--out`` ($OUT).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
+    """``(step, value)`` of one TensorBoard scalar written by the job under ``run_dir/tensorboard``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(os.path.join(run_dir, "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
+
+
+def run_job(mode: str, out_dir: str, a) -> dict:
+    stage = (f"train.stages=[{{name: bench, seq_len: {a.seq_len}, batch_size: {a.batch_size}, steps: {a.steps}, "
+             f"lr: 1.0e-3, warmup_steps: 4}}]")
+    job = ["-m", "kdamoe.cli", "--config", "gpu_h200.yaml", "--output-dir", out_dir, "--no-resume",
+           "--set", stage, "--set", "train.checkpoint_every=0", "--set", "train.log_every=1",
+           "--set", "eval.max_rows=8", "--set", "generate.max_new_tokens=8"]
+    if mode == "fsdp2":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *job,
+               "--set", "train.parallelism=fsdp2"]
+    else:
+        cmd = [sys.executable, *job]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout_s)
+    wall = time.perf_counter() - t0
+    row = {"mode": mode, "command": " ".join(cmd[1:]), "exit": proc.returncode, "wall_s": round(wall, 1)}
+    if proc.returncode != 0:
+        row["error"] = (proc.stderr or proc.stdout)[-1500:]
+        return row
+    tps = scalars(out_dir, "train/tokens_per_s")
+    loss = scalars(out_dir, "train/loss")
+    kept = [v for s, v in tps if s > a.skip]
+    row.update(steps=len(tps), tokens_per_s_median=statistics.median(kept) if kept else None,
+               tokens_per_s_steps=[round(v) for _, v in tps], losses=[round(v, 5) for _, v in loss])
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--skip", type=int, default=10, help="steps left out of the median (warm-up)")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--timeout-s", type=int, default=240, help="per run")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    a = p.parse_args()
+    if a.skip >= a.steps:
+        raise SystemExit(f"--skip ({a.skip}) must be below --steps ({a.steps})")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("plain", "fsdp2"):
+            rows.append(run_job(mode, os.path.join(tmp, mode), a))
+            print(json.dumps(rows[-1]), flush=True)
+    plain, fsdp = (r.get("tokens_per_s_median") for r in rows)
+    result = {"settings": vars(a), "rows": rows,
+              "fsdp2_over_plain_step_time": (plain / fsdp) if plain and fsdp else None}
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "fsdp_overhead.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    lines = ["# FSDP2 wrapper on one GPU against the plain path (pretraining job, GPU preset)", "",
+             f"Stage: seq_len {a.seq_len}, batch {a.batch_size}, {a.steps} steps; median tokens/s over steps "
+             f"> {a.skip}.", "", "| mode | exit | tokens/s | job wall s | last loss |", "|---|---|---|---|---|"]
+    for r in rows:
+        tps = r.get("tokens_per_s_median")
+        last = r["losses"][-1] if r.get("losses") else None
+        lines.append(f"| {r['mode']} | {r['exit']} | {'' if tps is None else f'{tps:.0f}'} | {r['wall_s']} | {last} |")
+    ratio = result["fsdp2_over_plain_step_time"]
+    lines += ["", f"FSDP2 step time / plain step time: {'' if ratio is None else f'{ratio:.3f}'}"]
+    with open(os.path.join(a.out, "fsdp_overhead.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
