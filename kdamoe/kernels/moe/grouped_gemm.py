@@ -90,8 +90,13 @@ def _gate_up_fwd_kernel(
 # ----------------------------------------------------------------------------------------------
 # C = A[rows] @ B_e with a STORE (0) or DGLU (1) epilogue
 # ----------------------------------------------------------------------------------------------
+# The DGLU epilogue (two h tiles, the GLU derivative, the ∂w row sums) needs registers on top of the accumulator:
+# compiled for sm_90a at the benchmark shape (benchmarks/kernel_resources.py, triton 3.7), every one of the first
+# three configs spills 2-10 KB per thread in it, while BN = 64 with 8 warps (32 accumulator values per thread) does
+# not. The STORE calls (forward down, backward ∂x) spill in none of these.
 @autotune(
-    configs=_cfgs([({"BN": 128, "BK": 64}, 8, 4), ({"BN": 128, "BK": 32}, 4, 4), ({"BN": 64, "BK": 64}, 4, 4)]),
+    configs=_cfgs([({"BN": 128, "BK": 64}, 8, 4), ({"BN": 128, "BK": 32}, 4, 4), ({"BN": 64, "BK": 64}, 4, 4),
+                   ({"BN": 64, "BK": 64}, 8, 4), ({"BN": 64, "BK": 64}, 8, 3), ({"BN": 128, "BK": 64}, 8, 3)]),
     key=["N_OUT", "K_DIM", "BM", "EPILOGUE"],
     reset_to_zero=["dw_ptr"],
 )

@@ -1,0 +1,138 @@
+"""Registers, spills and pipelining of the routed experts' GEMM kernels for Hopper, compiled on a machine without a GPU.
+
+    python benchmarks/kernel_resources.py [--tokens 32768 --experts 64 --latent 1024 --inter 512 --top-k 8] [--out DIR]
+
+For every call ``kdamoe.kernels.moe.experts.MoEExpertsFunction`` makes (forward gate/up, forward down, backward
+∂h with the GLU derivative, backward ∂x, the two weight gradients) and every config in that kernel's autotune list,
+it compiles the kernel for sm_90a (``triton.compile`` with a ``GPUTarget``; the ptxas shipped in the Triton wheel
+assembles it) with the argument specialisation a launch at the given shape gets (integers equal to 1 become
+constants, multiples of 16 carry the divisibility hint), and reports what ``ptxas -v`` says: registers per thread
+and spill bytes, plus the shared memory Triton reserved (one stage or several) and whether the PTX uses ``cp.async``
+(software pipelining) and ``wgmma`` (Hopper's warpgroup MMA). A kernel that spills or is not pipelined is on a slow
+path before it runs; the GPU's autotuner then only chooses among the configs listed. Timing needs the GPU
+(``benchmarks/tune_moe_rows.py``).
+
+Facts only about the compiler this machine has (the Triton version printed in the output); the GPU may run
+another. Writes ``kernel_resources.{json,md}`` into ``--out``.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    raise SystemExit("kernel_resources.py compiles for the GPU: unset TRITON_INTERPRET")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from kdamoe.kernels.moe import grouped_gemm as gg  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def compile_report(autotuned, types: dict, consts: dict, ints: dict, config) -> dict:
+    """Compile ``autotuned.fn`` with one ``triton.Config`` and return ptxas's resource report.
+
+    ``types`` maps pointer/float arguments to Triton type strings; ``ints`` gives the integer arguments' values
+    at the shape (for the launch's specialisation); ``consts`` the constexpr arguments besides the config's.
+    """
+    fn = autotuned.fn
+    consts = {**consts, **config.kwargs}
+    div16 = [n for n, t in types.items() if t.startswith("*")]
+    for name, value in ints.items():
+        if value == 1:
+            consts[name] = 1
+        elif value % 16 == 0:
+            div16.append(name)
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    k = triton.compile(ASTSource(fn, sig, consts, attrs=attrs), target=TARGET,
+                       options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(k.asm["ptx"])
+    res = subprocess.run([PTXAS, "-v", "-arch=sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", res.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", res.stderr)
+    return {"smem": k.metadata.shared, "cp_async": "cp.async" in k.asm["ptx"], "wgmma": "wgmma" in k.asm["ptx"],
+            "regs": int(regs.group(1)) if regs else None, "spill_bytes": int(spill.group(1)) if spill else None}
+
+
+def calls(n: int, e: int, L: int, inter: int, k: int) -> list[tuple]:
+    """``(name, kernel, types, constexprs, integer values)`` of every GEMM launch of one forward + backward."""
+    row_t = {"a_ptr": "*bf16", "b_ptr": "*bf16", "order_ptr": "*i32", "tile_expert_ptr": "*i32",
+             "tile_offs_ptr": "*i32", "row_offs_ptr": "*i32", "out_ptr": "*bf16", "w_ptr": "*fp32", "h_ptr": "*bf16",
+             "dw_ptr": "*fp32", "beta1": "fp32", "beta2": "fp32"}
+    gu_t = {"x_ptr": "*bf16", "w_ptr": "*bf16", "order_ptr": "*i32", "tile_expert_ptr": "*i32",
+            "tile_offs_ptr": "*i32", "row_offs_ptr": "*i32", "g_ptr": "*bf16", "h_ptr": "*bf16", "beta1": "fp32",
+            "beta2": "fp32"}
+    wg_t = {"a_ptr": "*bf16", "b_ptr": "*bf16", "order_ptr": "*i32", "row_offs_ptr": "*i32", "experts_ptr": "*i32",
+            "w_ptr": "*fp32", "out_ptr": "*bf16"}
+    m = n * k
+    bm = 128 if m >= 192 * e else 64  # experts._block_m
+    act = {"ACT": 0, "PREC": "tf32", "BM": bm}
+
+    def rows(ga, sc, ep, n_out, k_dim, sam, sbe, sbk, sbn):
+        return ({**act, "GATHER_A": ga, "SCALE": sc, "EPILOGUE": ep},
+                {"E": e, "N_OUT": n_out, "K_DIM": k_dim, "TOPK": k, "stride_am": sam, "stride_be": sbe,
+                 "stride_bk": sbk, "stride_bn": sbn})
+
+    return [
+        ("gate_up", gg._gate_up_fwd_kernel, gu_t, {**act, "SAVE_H": True}, {"E": e, "I": inter, "L": L, "TOPK": k}),
+        ("down", gg._rows_gemm_kernel, row_t, *rows(False, True, 0, L, inter, inter, L * inter, 1, inter)),
+        ("dglu", gg._rows_gemm_kernel, row_t, *rows(True, False, 1, inter, L, L, L * inter, inter, 1)),
+        ("dx", gg._rows_gemm_kernel, row_t, *rows(False, False, 0, L, 2 * inter, 2 * inter, 2 * inter * L, L, 1)),
+        ("dw1", gg._wgrad_kernel, wg_t, {"GATHER_A": False, "GATHER_B": True, "SCALE_A": False, "PREC": "tf32"},
+         {"E": e, "P": 2 * inter, "Q": L, "TOPK": k, "stride_am": 2 * inter, "stride_bm": L}),
+        ("dw2", gg._wgrad_kernel, wg_t, {"GATHER_A": True, "GATHER_B": False, "SCALE_A": True, "PREC": "tf32"},
+         {"E": e, "P": L, "Q": inter, "TOPK": k, "stride_am": L, "stride_bm": inter}),
+    ]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--latent", type=int, default=1024, help="ℓ: the experts' input/output width")
+    p.add_argument("--inter", type=int, default=512, help="I: the experts' intermediate width")
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--only", default=None, help="comma-separated call names (gate_up,down,dglu,dx,dw1,dw2)")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    a = p.parse_args()
+    rows = []
+    for name, kernel, types, consts, ints in calls(a.tokens, a.experts, a.latent, a.inter, a.top_k):
+        if a.only and name not in a.only.split(","):
+            continue
+        for cfg in kernel.configs:
+            row = {"call": name, "config": {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+                   **compile_report(kernel, types, consts, ints, cfg)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    shape = {"tokens": a.tokens, "experts": a.experts, "latent": a.latent, "inter": a.inter, "top_k": a.top_k,
+             "triton": triton.__version__, "target": "sm_90a"}
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "kernel_resources.json"), "w") as f:
+        json.dump({"shape": shape, "rows": rows}, f, indent=1)
+    lines = [f"# Experts GEMM kernels compiled for sm_90a: {shape}", "",
+             "| call | config | regs | spill bytes | smem KB | cp.async | wgmma |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cfg = " ".join(f"{k}={v}" for k, v in r["config"].items())
+        lines.append(f"| {r['call']} | {cfg} | {r['regs']} | {r['spill_bytes']} | {r['smem'] / 1024:.0f} | "
+                     f"{r['cp_async']} | {r['wgmma']} |")
+    with open(os.path.join(a.out, "kernel_resources.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
