@@ -126,15 +126,34 @@ def _card(cfg, model, curve, image: str | None):
         extra_tags=["trl", cfg.recipe], chat_template=True)
 
 
-def _save(cfg, trainer, tokenizer, padding_side: str, curve) -> tuple[Path, Path | None, object]:
-    """Write ``final/`` (and ``adapter/`` under PEFT); return their paths and the saved model."""
+def trained_model(cfg, trainer):
+    """The trained model, whole, on the main process (``None`` on the others under FSDP2).
+
+    Call on every process. Under DDP every process holds the whole model: its unwrapped module is returned as it
+    is. Under FSDP2 every process holds a shard: ``accelerator.get_state_dict`` all-gathers the full state dict
+    (persistent buffers included, so the router biases travel with the weights) and the main process loads it
+    into a fresh copy of the base (:func:`load_base`), as the pretraining job does.
+    """
+    accelerator = trainer.accelerator
+    if not accelerator.is_fsdp2:
+        model = accelerator.unwrap_model(trainer.model)
+        return getattr(model, "policy", model)  # TRL's PPO trains a wrapper of policy and value model
+    state = accelerator.get_state_dict(trainer.model)
+    if not accelerator.is_main_process:
+        return None
+    model, _ = load_base(cfg)
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def _save(cfg, model, tokenizer, padding_side: str, curve) -> tuple[Path, Path | None, object]:
+    """Write ``final/`` (and ``adapter/`` under PEFT) of the whole trained ``model``; return their paths and the
+    saved model (merged under PEFT)."""
     from ..hub import write_model_folder
 
     out = Path(cfg.output_dir)
     tokenizer.padding_side = padding_side  # GRPO / RLOO pad on the left; the shipped tokenizer keeps its own
-    # TRL's PPO trains a wrapper of policy and value model; the policy is what the run produces.
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    model, adapter_dir = getattr(model, "policy", model), None
+    adapter_dir = None
     if cfg.peft is not None:
         adapter_dir = out / "adapter"
         with _atomic_folder(adapter_dir) as tmp:
@@ -185,6 +204,50 @@ def check_world_size(trainer) -> None:
                          "the recipes need use_cpu=True (their default without CUDA) for a gloo DDP run")
 
 
+def enable_fsdp2_on_cpu(cfg, trainer) -> None:
+    """Make a Trainer configured for FSDP (``trainer.fsdp=full_shard``; transformers 5.24 defaults to FSDP2) shard
+    on CPU processes too; a no-op without ``fsdp`` and on accelerator devices.
+
+    On CPU, accelerate 1.15 drops the FSDP plugin the Trainer passes: ``AcceleratorState`` switches to
+    ``DistributedType.FSDP`` only on accelerator devices (MULTI_GPU, ...), not MULTI_CPU, so the model would be
+    wrapped in DDP. gloo supports what FSDP2 needs, so before anything is prepared this makes the switch accelerate
+    makes on GPUs (distributed type, the plugin, its mixed-precision policy) and sets the Trainer's
+    ``is_fsdp_enabled`` flag as ``create_accelerator_and_postprocess`` would have; from then on it is
+    accelerate's own FSDP2 path, the one CUDA runs (the same switch as ``kdamoe.training.trainer.make_accelerator``).
+
+    Raises:
+        ValueError: ``fsdp`` with one process (nothing to shard), or FSDP version 1, or with a PEFT adapter
+            (``final/`` merges the adapter on the main process, which needs the whole model there).
+        RuntimeError: the accelerator did not end up in FSDP2 mode (an accelerate version whose gating differs).
+    """
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin_args = trainer.args.fsdp_plugin_args
+    if plugin_args is None:
+        return
+    if plugin_args["fsdp_version"] != 2:
+        raise ValueError(f"trainer.fsdp_config version={plugin_args['fsdp_version']}: the recipes support FSDP2 "
+                         "only (version 2, transformers' default)")
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise ValueError("trainer.fsdp needs at least 2 processes (torchrun --nproc_per_node N, N >= 2); one "
+                         "process trains unsharded")
+    if cfg.peft is not None:
+        raise ValueError("trainer.fsdp with a peft adapter: not supported by the recipes (train the full model, "
+                         "peft: null)")
+    accelerator = trainer.accelerator
+    if accelerator.distributed_type == DistributedType.MULTI_CPU:
+        plugin = FullyShardedDataParallelPlugin(**plugin_args)
+        if accelerator.mixed_precision != "no":
+            plugin.set_mixed_precision(accelerator.mixed_precision)
+        state = accelerator.state
+        state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        state.fsdp_plugin = plugin
+        trainer.is_fsdp_enabled = True
+    if not accelerator.is_fsdp2:
+        raise RuntimeError(f"trainer.fsdp is set but accelerate set up {accelerator.distributed_type}")
+
+
 def run_recipe(cfg, resume: bool = True) -> dict:
     """Train ``cfg.recipe`` from ``cfg.model`` and save it (module docstring).
 
@@ -194,7 +257,7 @@ def run_recipe(cfg, resume: bool = True) -> dict:
     Returns:
         ``{"final": str, "adapter": str | None, "summary": str, "log_history": list[dict], "train_runtime":
         float (seconds), "global_step": int, "reward_curve": [(step, mean reward)], "resumed_from": str | None,
-        "model": the saved model (merged under PEFT), "trainer": the TRL trainer}``.
+        "model": the saved model (merged under PEFT; ``None`` on the other processes under FSDP2), "trainer": the TRL trainer}``.
     Raises:
         ValueError: a config value that does not fit the model (aux loss next to Quantile Balancing, a completion
             budget past the context), naming it.
@@ -212,6 +275,7 @@ def run_recipe(cfg, resume: bool = True) -> dict:
     padding_side = tokenizer.padding_side
     trainer = build_trainer(cfg, model, tokenizer)
     check_world_size(trainer)
+    enable_fsdp2_on_cpu(cfg, trainer)
     add_router_bias_callback(trainer, RouterBiasUpdateCallback(freeze_biases=cfg.router_biases == "freeze"))
     checkpoint = newest_checkpoint(cfg.output_dir) if resume else None
     if checkpoint:
@@ -219,12 +283,13 @@ def run_recipe(cfg, resume: bool = True) -> dict:
     result = trainer.train(resume_from_checkpoint=checkpoint)
     history = list(trainer.state.log_history)
     curve = reward_curve(history) if cfg.recipe in RL_RECIPES else []
+    trained = trained_model(cfg, trainer)  # on every process: under FSDP2 it gathers the shards
     if trainer.is_world_process_zero():  # one writer: every rank holds the same weights and biases
-        final, adapter, saved = _save(cfg, trainer, tokenizer, padding_side, curve)
+        final, adapter, saved = _save(cfg, trained, tokenizer, padding_side, curve)
     else:
         final = Path(cfg.output_dir) / "final"
         adapter = Path(cfg.output_dir) / "adapter" if cfg.peft is not None else None
-        saved = trainer.accelerator.unwrap_model(trainer.model)
+        saved = trained
     summary = {
         "recipe": cfg.recipe, "config": posttrain_config_to_dict(cfg), "final": str(final),
         "adapter": None if adapter is None else str(adapter), "resumed_from": checkpoint,

@@ -1,0 +1,94 @@
+"""Post-training under FSDP2 on CPU processes: ``torchrun --nproc_per_node 2 scripts/posttrain.py --config sft --set
+trainer.fsdp=true`` (transformers' ``TrainingArguments.fsdp``, FSDP2 by default in transformers 5.24, one
+``fully_shard`` unit per ``KDAMoEDecoderLayer`` from the model's ``_no_split_modules``) reproduces the one-process
+run with the same global batch, and its ``final/`` holds the whole model.
+
+On CPU accelerate 1.15 drops the Trainer's FSDP plugin and would wrap the model in DDP;
+:func:`kdamoe.posttraining.run.enable_fsdp2_on_cpu` makes the switch accelerate makes on GPUs. The runs are the
+recorder of ``tests/test_posttrain_data_parallel.py`` (the documented command with this recorder standing in for
+``scripts/posttrain.py``), each with a deadline, in the ``distributed`` xdist group.
+
+Why not bitwise: as under DDP the two processes sum their tokens' losses and gradients separately (FSDP2
+reduce-scatters the gradient shards: a mean over the ranks, and the Trainer's global token count makes each token
+weigh the same); float32 sums in another order. The optimizer is SGD so that the weights differ by rounding only:
+AdamW's first step moves every parameter by about ``lr * sign(gradient)``, so a gradient entry that is zero up to
+rounding (cancelling terms) comes out as ±lr in either run. Tolerances: ``LOSS_RTOL = 1e-5`` and ``WEIGHT_ATOL =
+1e-5`` (measured: see docs/distributed.md, "Post-training"), biases across ranks bitwise.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import launch_processes
+from tests.test_posttrain import base  # noqa: F401  (the tiny base folder fixture)
+
+STEPS, GLOBAL_BATCH, DEADLINE_S = 5, 4, 180
+LOSS_RTOL, WEIGHT_ATOL, BIAS_ATOL = 1e-5, 1e-5, 1e-6
+RECORDER = Path(__file__).with_name("test_posttrain_data_parallel.py")
+
+
+def _launch(base_dir: str, root: Path, processes: int, *extra: str) -> dict:
+    from safetensors.torch import load_file
+
+    out, dump = root / "out", root / "ranks"
+    dump.mkdir(parents=True)
+    overrides = [f"model={base_dir}", f"trainer.max_steps={STEPS}", "trainer.warmup_steps=0",
+                 f"trainer.per_device_train_batch_size={GLOBAL_BATCH // processes}", "trainer.optim=sgd",
+                 "trainer.learning_rate=0.5", "trainer.save_strategy='no'", "trainer.logging_steps=1",
+                 f"data.num_tasks={STEPS * GLOBAL_BATCH}", "data.environment=arithmetic", "data.min_calls=1",
+                 "data.max_calls=2", "data.max_operand=5", *extra]
+    args = [str(RECORDER), str(dump), "--config", "sft", "--output-dir", str(out), "--no-resume"]
+    launch_processes(args + [a for o in overrides for a in ("--set", o)], processes, DEADLINE_S)
+    history = json.loads((out / "summary.json").read_text())["log_history"]
+    return {"losses": [row["loss"] for row in history if "loss" in row],
+            "ranks": [torch.load(dump / f"rank{rank}.pt") for rank in range(processes)],
+            "weights": load_file(out / "final" / "model.safetensors")}
+
+
+@pytest.mark.xdist_group("distributed")
+def test_sft_under_fsdp2_on_two_processes_reproduces_one_process(base, tmp_path):  # noqa: F811
+    from safetensors.torch import load_file
+
+    one = _launch(base, tmp_path / "one", 1)
+    two = _launch(base, tmp_path / "two", 2, "trainer.fsdp=true")
+
+    assert two["ranks"][0]["sharded"] == two["ranks"][1]["sharded"] == [True] * STEPS  # FSDP2, not DDP
+    assert one["ranks"][0]["sharded"] == [False] * STEPS
+    halves = [a + b for a, b in zip(two["ranks"][0]["episodes"], two["ranks"][1]["episodes"])]
+    assert halves == one["ranks"][0]["episodes"]  # the same episodes in the same order
+    assert len(one["losses"]) == len(two["losses"]) == STEPS
+    assert two["losses"] == pytest.approx(one["losses"], rel=LOSS_RTOL)
+
+    biases = [rank["biases"] for rank in two["ranks"]]
+    assert biases[0].shape[0] == STEPS and torch.equal(biases[0], biases[1])
+    assert torch.count_nonzero(one["ranks"][0]["biases"][-1]) > 0
+    torch.testing.assert_close(biases[0], one["ranks"][0]["biases"], rtol=0, atol=BIAS_ATOL)
+
+    # final/ is the whole model (gathered from the shards), equal to the one-process model.
+    start = load_file(Path(base) / "model.safetensors")
+    assert two["weights"].keys() == one["weights"].keys() == start.keys()
+    assert max((w - start[n]).abs().max().item() for n, w in one["weights"].items()) > 100 * WEIGHT_ATOL
+    for name, expected in one["weights"].items():
+        assert two["weights"][name].shape == expected.shape, name
+        torch.testing.assert_close(two["weights"][name], expected, rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+def test_fsdp_is_refused_on_one_process_and_under_peft(monkeypatch):
+    from types import SimpleNamespace
+
+    from kdamoe.posttraining.run import enable_fsdp2_on_cpu
+
+    trainer = SimpleNamespace(args=SimpleNamespace(fsdp_plugin_args={"fsdp_version": 2}))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="at least 2 processes"):
+        enable_fsdp2_on_cpu(SimpleNamespace(peft=None), trainer)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="peft"):
+        enable_fsdp2_on_cpu(SimpleNamespace(peft={"r": 4}), trainer)
+    with pytest.raises(ValueError, match="version=1"):
+        enable_fsdp2_on_cpu(SimpleNamespace(peft=None),
+                            SimpleNamespace(args=SimpleNamespace(fsdp_plugin_args={"fsdp_version": 1})))
+    enable_fsdp2_on_cpu(SimpleNamespace(peft=None), SimpleNamespace(args=SimpleNamespace(fsdp_plugin_args=None)))
