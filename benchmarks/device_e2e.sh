@@ -7,9 +7,11 @@
 # call returned them, .tcache/ (its tcache.part.* files: compiled Triton kernels and autotune choices).
 # Environment: E2E_TOTAL_S (480: the whole call, s), E2E_ONLY (the bench parts, default kdamoe,native,recipe,profile),
 # E2E_PARITY (0; 1 runs benchmarks/model_parity.py first, limited to E2E_PARITY_S, default 150 s, taken from the
-# bench's time: with a cold Triton cache it takes minutes, so it is off by default).
-# Files back: e2e.json, e2e.md, e2e.log (the output of every step), model_parity.json (E2E_PARITY=1) and at most
-# four 15 MB parts of the Triton cache (more would pass the 8 files a call returns; then none are kept).
+# bench's time: with a cold Triton cache it takes minutes, so it is off by default), E2E_TUNE (0; 1 first times every
+# block config of the experts GEMMs, benchmarks/tune_moe_rows.py, limit E2E_TUNE_S = 150 s), E2E_FSDP (0; 1 runs
+# benchmarks/bench_fsdp_overhead.py after the bench, limit E2E_FSDP_S = 240 s; carry data/shakespeare for it).
+# Files back: e2e.json, e2e.md, e2e.log (the output of every step), model_parity.json (E2E_PARITY=1),
+# moe_rows_tune.json (E2E_TUNE=1), fsdp_overhead.json (E2E_FSDP=1) and at most four 15 MB parts of the Triton cache (more would pass the 8 files a call returns; then none are kept).
 set -u
 T0=$(date +%s)
 END=$(( T0 + ${E2E_TOTAL_S:-480} - 45 ))  # the last 45 s pack the Triton cache
@@ -37,12 +39,25 @@ if [ "${E2E_PARITY:-0}" = 1 ] && [ -f benchmarks/model_parity.py ]; then
     echo "model parity exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
 fi
 
-budget=$(left)
+if [ "${E2E_TUNE:-0}" = 1 ]; then
+    echo "== experts GEMM sweep, limit ${E2E_TUNE_S:-150} s" >> "$LOG"
+    timeout "${E2E_TUNE_S:-150}" python3 benchmarks/tune_moe_rows.py --out "$OUT" >> "$LOG" 2>&1
+    echo "sweep exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
+fi
+
+budget=$(( $(left) - (${E2E_FSDP:-0} == 1 ? ${E2E_FSDP_S:-240} : 0) ))
 echo "== bench, budget $budget s (Triton cache restored: $E2E_TCACHE_RESTORED)" >> "$LOG"
 # the bench's own deadline is 20 s before the kill, so a measurement that runs past its estimate is still saved
 timeout "$budget" python3 benchmarks/bench_e2e.py --out "$OUT" --budget-s $(( budget - 20 )) \
     --only "${E2E_ONLY:-kdamoe,native,recipe,profile}" "$@" >> "$LOG" 2>&1
 echo "bench exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
+
+if [ "${E2E_FSDP:-0}" = 1 ]; then
+    echo "== FSDP2 wrapper overhead, limit $(left) s" >> "$LOG"
+    timeout "$(left)" python3 benchmarks/bench_fsdp_overhead.py --timeout-s $(( ($(left) - 10) / 2 )) --out "$OUT" \
+        >> "$LOG" 2>&1
+    echo "fsdp overhead exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
+fi
 
 rm -f "$OUT"/*.tmp  # a JSON write cut short by a timeout
 timeout 40 tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15m - "$OUT/tcache.part."
@@ -50,6 +65,11 @@ parts=$(ls "$OUT"/tcache.part.* 2>/dev/null | wc -l)
 if [ "$parts" -gt 4 ]; then
     rm -f "$OUT"/tcache.part.*
     echo "Triton cache: $parts parts of 15 MB, more than the 4 that fit; not returned" >> "$LOG"
+fi
+rm -f "$OUT/moe_rows_tune.md" "$OUT/fsdp_overhead.md"  # their JSON holds the same rows (8 files per call)
+if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then
+    rm -f "$OUT"/tcache.part.*
+    echo "more than the 8 files a call returns: the Triton cache is not returned" >> "$LOG"
 fi
 echo "done at $(( $(date +%s) - T0 )) s; Triton cache parts: $(ls "$OUT"/tcache.part.* 2>/dev/null | wc -l)" >> "$LOG"
 tail -n 12 "$LOG"
