@@ -166,8 +166,11 @@ def test_cached_rollout_equals_trl_in_environment_mode(base, tmp_path):  # noqa:
     # then writes freely until eos or the budget
     results = _compare(base, tmp_path, "grpo", steps_of=lambda task: task.n_ops if task.start % 2 else 0,
                        free_first=lambda task: False)
-    masks = results["trl"]["tool_mask"]
+    masks, completions = results["trl"]["tool_mask"], results["trl"]["completions"]
     assert [m.count(0) > 0 for m in masks] == [True, True]
+    assert len(masks[0]) == 96 and masks[0][-1] == 1  # row 0's free text is cut by max_completion_length
+    # row 1's submit result would pass the budget: dropped (the tool has run), the rollout ends on the call
+    assert completions[1][-1]["tool_calls"][0]["function"]["name"] == "submit"
     environments = results["cached"]["trainer"].environments
     assert [len(e.calls) for e in environments] == [1, 2]  # the tools ran once, on the rollout's own environment
 

@@ -206,7 +206,7 @@ def load_posttrain_config(path_or_name: str | Path, overrides: list[str] | None 
 
     Args:
         path_or_name: a YAML file, or the name of one shipped in ``kdamoe/configs/posttrain/`` (``sft``, ``grpo``,
-            ``grpo_tools``, ``grpo_single_turn``, ``dpo``, ``rloo``, ``ppo``).
+            ``grpo_long``, ``grpo_tools``, ``grpo_single_turn``, ``dpo``, ``rloo``, ``ppo``).
         overrides: ``dotted.key=value`` strings, values parsed as YAML.
     Raises:
         ValueError: naming the file, the override or the field.
