@@ -93,9 +93,9 @@ def _script(model, processor):
     model.generate = scripted
 
 
-def _trainer(base, tmp_path, name, rollout, processor):
+def _trainer(base, tmp_path, name, rollout, processor, *overrides):
     cfg = load_posttrain_config(name, [f"model={base}", f"output_dir={tmp_path / rollout}", *FAST,
-                                       f"grpo.rollout={rollout}"])
+                                       f"grpo.rollout={rollout}", *overrides])
     torch.manual_seed(0)
     model = KDAMoEForCausalLM.from_pretrained(base, dtype=torch.float32)
     trainer = build_trainer(cfg, model, AutoTokenizer.from_pretrained(base))
@@ -128,12 +128,12 @@ def _play(trainer, rows):
     return seen["out"], out
 
 
-def _compare(base, tmp_path, name, steps_of, free_first):
+def _compare(base, tmp_path, name, steps_of, free_first, *overrides):
     tokenizer = AutoTokenizer.from_pretrained(base)
     script = ScriptedToolCalls(tokenizer, steps_of, free_first)
     results = {}
     for rollout in ("trl", "cached"):
-        trainer = _trainer(base, tmp_path, name, rollout, script)
+        trainer = _trainer(base, tmp_path, name, rollout, script, *overrides)
         tasks = [t for t in map(ArithmeticTask.from_json, trainer.train_dataset["task"])][:2]
         (prompt_ids, completion_ids, tool_mask, completions, logprobs, *_), out = _play(trainer, _rows(trainer, tasks))
         results[rollout] = dict(trainer=trainer, prompt_ids=prompt_ids, completion_ids=completion_ids,
@@ -153,7 +153,8 @@ def _compare(base, tmp_path, name, steps_of, free_first):
         reference, _, _ = trainer._get_per_token_logps_and_entropies(
             trainer.model, torch.cat([o["prompt_ids"], o["completion_ids"]], 1),
             torch.cat([o["prompt_mask"], o["completion_mask"]], 1), o["completion_ids"].size(1))
-    for row, (logps, mask) in enumerate(zip(cached["logprobs"], cached["tool_mask"])):
+    masks = cached["tool_mask"] or [[1] * len(c) for c in cached["completion_ids"]]  # None: no tools
+    for row, (logps, mask) in enumerate(zip(cached["logprobs"], masks)):
         assert len(logps) == len(mask) == len(trl["completion_ids"][row])
         got, want, keep = torch.tensor(logps), reference[row, :len(logps)], torch.tensor(mask).bool()
         assert torch.allclose(got[keep], want[keep], atol=1e-5, rtol=0), (row, (got - want)[keep].abs().max())
@@ -181,6 +182,12 @@ def test_cached_rollout_equals_trl_in_tools_mode(base, tmp_path):  # noqa: F811
                        free_first=lambda task: task.start % 2 == 0)
     masks = results["trl"]["tool_mask"]
     assert [m.count(0) > 0 for m in masks] == [False, True]
+
+
+def test_cached_rollout_equals_trl_in_single_turn_mode(base, tmp_path):  # noqa: F811
+    results = _compare(base, tmp_path, "grpo_single_turn", lambda task: 0, lambda task: True,
+                       "trainer.max_completion_length=12")
+    assert results["trl"]["tool_mask"] is None and [len(c) for c in results["trl"]["completion_ids"]] == [12, 12]
 
 
 def test_cached_rollout_feeds_each_token_once(base, tmp_path):  # noqa: F811

@@ -170,21 +170,22 @@ def cached_rollout(prompts: list, trainer) -> dict:
                          "tool loop on the finished rollouts")
     prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
     prompt_ids = [list(ids) for ids in prompt_ids]
-    episodes = []
+    schemas, tools = [None] * len(prompts), [None] * len(prompts)
+    if has_tools:  # what TRL's loop would use for rollout i: its schemas (parsing) and its tool dict (calls)
+        for i in range(len(prompts)):
+            if trainer._async_tool_dicts[i]:
+                raise ValueError("grpo.rollout='cached' runs sync tools only; async: "
+                                 f"{sorted(trainer._async_tool_dicts[i])}")
+            envs = trainer.environment_factories is not None
+            schemas[i] = trainer._env_tools[trainer._batch_environments[i]] if envs else trainer.tools
+            tools[i] = trainer._sync_tool_dicts[i]
+    args = trainer.args
     with (unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
-                                      gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+                                      gather_deepspeed3_params=args.ds3_gather_for_generation,
                                       generation_kwargs=trainer.generation_kwargs,
-                                      gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs) as model,
+                                      gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs) as model,
           torch.no_grad(), trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False)):
-        for i, ids in enumerate(prompt_ids):
-            schemas, tools = None, None
-            if has_tools:
-                schemas = (trainer._env_tools[trainer._batch_environments[i]] if trainer.environment_factories
-                           is not None else trainer.tools)
-                if trainer._async_tool_dicts[i]:
-                    raise ValueError(f"grpo.rollout='cached' runs sync tools only; async: {sorted(trainer._async_tool_dicts[i])}")
-                tools = trainer._sync_tool_dicts[i]
-            episodes.append(_episode(model, trainer, ids, schemas, tools))
+        episodes = [_episode(model, trainer, ids, schemas[i], tools[i]) for i, ids in enumerate(prompt_ids)]
     if has_tools:
         trainer._cached_turns = episodes
     return dict(prompt_ids=prompt_ids, completion_ids=[e["completion_ids"] for e in episodes],
@@ -202,7 +203,8 @@ class CachedRolloutGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         if kwargs.get("rollout_func") is not None:
-            raise ValueError(f"CachedRolloutGRPOTrainer plays its own rollouts; got rollout_func={kwargs['rollout_func']!r}")
+            raise ValueError("CachedRolloutGRPOTrainer plays its own rollouts; got "
+                             f"rollout_func={kwargs['rollout_func']!r}")
         kwargs["rollout_func"] = cached_rollout
         super().__init__(*args, **kwargs)
         self._cached_turns = None
