@@ -5,7 +5,8 @@ in ``kdamoe/configs/posttrain/``), applies ``dotted.key=value`` overrides (value
 ``trainer.max_steps=2``) and validates every field. Any problem raises ``ValueError`` naming the field and
 the bad value, before a model is loaded:
 
-* ``recipe`` is one of :data:`RECIPES`; ``grpo.mode`` one of :data:`GRPO_MODES`;
+* ``recipe`` is one of :data:`RECIPES`; ``grpo.mode`` one of :data:`GRPO_MODES`; ``grpo.rollout`` one of
+  :data:`GRPO_ROLLOUTS`;
 * ``trainer`` keys are fields of the recipe's TRL config class (``SFTConfig``, ``GRPOConfig``, ...), with a
   "did you mean" hint (the values are checked by that class when the recipe builds it);
 * ``peft`` builds a ``peft.LoraConfig``;
@@ -31,6 +32,7 @@ from ..training.config import _apply_override, _build
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "posttrain"
 RECIPES = ("sft", "grpo", "dpo", "rloo", "ppo")
 GRPO_MODES = ("single_turn", "tools", "environment")
+GRPO_ROLLOUTS = ("trl", "cached")
 ROUTER_BIASES = ("update", "freeze")
 # Set from the top-level fields of the config; a value under `trainer:` would be a second source of truth.
 RESERVED_TRAINER_KEYS = ("output_dir", "seed")
@@ -60,9 +62,14 @@ class TaskDataConfig:
 class GRPOSection:
     """``mode``: ``single_turn`` (no tools; reward: the completion states the answer), ``tools`` (TRL ``tools=``:
     stateless calculator functions; reward: the submitted value against the row's ``answer``) or
-    ``environment`` (TRL ``environment_factory=`` the data's environment class; reward: its ``get_reward``)."""
+    ``environment`` (TRL ``environment_factory=`` the data's environment class; reward: its ``get_reward``).
+
+    ``rollout``: ``trl`` (TRL's own generation and tool loop, which re-prefills the whole conversation every turn)
+    or ``cached`` (:mod:`kdamoe.posttraining.rollout`: each turn continues the rollout's cache and prefills only
+    its new tokens; the same tokens under greedy decoding)."""
 
     mode: str = "environment"
+    rollout: str = "trl"
 
 
 @dataclass
@@ -75,7 +82,7 @@ class PostTrainConfig:
         output_dir: TRL ``output_dir``: ``checkpoint-N/`` folders, then ``final/`` (and ``adapter/``), ``summary.json``.
         seed: the trainer's seed (``TrainingArguments.seed``).
         data: the generated tasks.
-        grpo: GRPO's mode (ignored by other recipes).
+        grpo: GRPO's mode and rollout path (ignored by other recipes).
         router_biases: ``update``: Quantile Balancing keeps moving the router biases once per optimizer step
             during full fine-tuning; ``freeze``: they stay as the base has them. Under PEFT they are always frozen
             (an adapter carries no buffers, docs/architecture.md §8).
@@ -104,6 +111,8 @@ class PostTrainConfig:
 
         need(self.recipe in RECIPES, "recipe", f"{self.recipe!r} is not one of {RECIPES}")
         need(self.grpo.mode in GRPO_MODES, "grpo.mode", f"{self.grpo.mode!r} is not one of {GRPO_MODES}")
+        need(self.grpo.rollout in GRPO_ROLLOUTS, "grpo.rollout",
+             f"{self.grpo.rollout!r} is not one of {GRPO_ROLLOUTS}")
         need(self.router_biases in ROUTER_BIASES, "router_biases", f"{self.router_biases!r} is not one of {ROUTER_BIASES}")
         need(bool(self.model), "model", "must name a base model folder or Hub id")
         if self.output_dir is None:
@@ -197,7 +206,7 @@ def load_posttrain_config(path_or_name: str | Path, overrides: list[str] | None 
 
     Args:
         path_or_name: a YAML file, or the name of one shipped in ``kdamoe/configs/posttrain/`` (``sft``, ``grpo``,
-            ``grpo_tools``, ``grpo_single_turn``, ``dpo``, ``rloo``, ``ppo``).
+            ``grpo_long``, ``grpo_tools``, ``grpo_single_turn``, ``dpo``, ``rloo``, ``ppo``).
         overrides: ``dotted.key=value`` strings, values parsed as YAML.
     Raises:
         ValueError: naming the file, the override or the field.

@@ -11,6 +11,10 @@
 * ``single_turn`` — no tools; reward :func:`stated_answer_reward`: 1.0 when the last integer in the
   completion's text is the answer.
 
+Rollouts (``grpo.rollout``): ``trl`` builds TRL's ``GRPOTrainer`` (its own tool loop); ``cached`` builds
+:class:`~kdamoe.posttraining.rollout.CachedRolloutGRPOTrainer`, whose rollouts continue each conversation's cache
+turn by turn (the same tokens as TRL's loop under greedy decoding; :mod:`kdamoe.posttraining.rollout`).
+
 Budget: TRL counts the whole multi-turn completion (tool results included) in ``max_completion_length`` and
 stops a rollout at ``model.config.max_position_embeddings``; the default budget and its check are
 :func:`kdamoe.posttraining.recipes.common.completion_budget`. ``max_tool_calling_iterations`` defaults to
@@ -26,6 +30,7 @@ from trl import GRPOConfig, GRPOTrainer
 from ..data import prompt_dataset
 from ..data import ENVIRONMENTS
 from ..environment import _as_int
+from ..rollout import CachedRolloutGRPOTrainer
 from .common import completion_budget, peft_config, trainer_args, training_tasks
 
 CONFIG_CLASS = GRPOConfig
@@ -128,7 +133,8 @@ def stated_answer_reward(completions, answer: list[int], **kwargs) -> list[float
 
 
 def build_trainer(cfg, model, tokenizer) -> GRPOTrainer:
-    """``GRPOTrainer`` for ``cfg.grpo.mode`` (module docstring); the tokenizer pads on the left (TRL requires it).
+    """``GRPOTrainer`` (or, for ``cfg.grpo.rollout == "cached"``, ``CachedRolloutGRPOTrainer``) for
+    ``cfg.grpo.mode`` (module docstring); the tokenizer pads on the left (TRL requires it).
 
     Raises:
         ValueError: the completion budget does not fit the model's context (``common.completion_budget``).
@@ -149,4 +155,5 @@ def build_trainer(cfg, model, tokenizer) -> GRPOTrainer:
         kwargs.update(tools=TOOLS, reward_funcs=[submitted_answer_reward])
     else:
         kwargs["reward_funcs"] = [stated_answer_reward]
-    return GRPOTrainer(**kwargs)
+    trainer_class = CachedRolloutGRPOTrainer if cfg.grpo.rollout == "cached" else GRPOTrainer
+    return trainer_class(**kwargs)
