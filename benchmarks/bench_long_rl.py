@@ -132,8 +132,10 @@ def generate_turn(bench: Bench, model, ids: torch.Tensor, cache, gen_tokens: int
     Returns ``(seconds, ids with the new tokens appended, the returned cache)``."""
     bench.sync()
     t0 = time.perf_counter()
-    out = model.generate(ids, cache=cache, max_new_tokens=gen_tokens, min_new_tokens=gen_tokens,
-                         do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+    # as kdamoe.posttraining.rollout._generate_turn and TRL's loop call it: an all-ones mask, the step logits kept
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=gen_tokens,
+                         min_new_tokens=gen_tokens, do_sample=False, return_dict_in_generate=True,
+                         output_logits=True, pad_token_id=0)
     bench.sync()
     return time.perf_counter() - t0, out.sequences, out.cache
 
