@@ -60,9 +60,14 @@ class TaskDataConfig:
 class GRPOSection:
     """``mode``: ``single_turn`` (no tools; reward: the completion states the answer), ``tools`` (TRL ``tools=``:
     stateless calculator functions; reward: the submitted value against the row's ``answer``) or
-    ``environment`` (TRL ``environment_factory=`` the data's environment class; reward: its ``get_reward``)."""
+    ``environment`` (TRL ``environment_factory=`` the data's environment class; reward: its ``get_reward``).
+
+    ``long_context``: the memory-bounded update for long trajectories (docs/post-training.md, "Long-horizon agentic
+    RL"): activation checkpointing per decoder layer, checked against the model's chunked prefill
+    (:func:`kdamoe.posttraining.recipes.grpo.long_context_defaults`); TRL's fused LM head does the rest."""
 
     mode: str = "environment"
+    long_context: bool = False
 
 
 @dataclass
