@@ -21,12 +21,13 @@ import trl.kernels.chunked_logprob as trl_chunked_logprob
 import trl.trainer.utils as trl_utils
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.modeling_kdamoe import KDAMoEModel
+from kdamoe.posttraining.long_update import LongContextGRPOTrainer, real_token_span
 from kdamoe.posttraining.recipes import build_trainer
 from tests.helpers import tiny_config
 from tests.test_posttrain import RL_FAST, _cfg, base  # noqa: F401  (the tiny base folder fixture)
 from tests.test_trl import _letter_tokenizer
 
-VOCAB = 128
+VOCAB = 131  # no model width equals it, so a tensor with a dimension of 131 is vocabulary-sized
 PREFILL_CHUNK = 16  # the no-grad passes' chunk of tokens per row (model config)
 TOKEN_TILE, VOCAB_TILE = 24, 48  # TRL's head tiles (defaults 4096 tokens x 32768 vocabulary columns)
 TEMPERATURE = 0.7
@@ -35,7 +36,7 @@ RTOL = 1e-5
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """TRL's head tiles shrunk so the test's few hundred tokens and 128-token vocabulary span several of each (both
+    """TRL's head tiles shrunk so the test's few hundred tokens and 131-token vocabulary span several of each (both
     constants are module globals read on every call)."""
     monkeypatch.setattr(trl_chunked_logprob, "TOKEN_CHUNK_SIZE", TOKEN_TILE)
     monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", VOCAB_TILE)
@@ -63,12 +64,12 @@ def _perturb(models, seed, scale=0.02):
                 p.add_(scale * torch.randn(p.shape, generator=generator))
 
 
-def _trainer(folder, tmp_path, **overrides) -> GRPOTrainer:
+def _trainer(folder, tmp_path, trainer_class=LongContextGRPOTrainer, **overrides) -> GRPOTrainer:
     kwargs = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
                   max_completion_length=48, beta=0.1, entropy_coef=0.05, loss_type="bnpo", temperature=TEMPERATURE,
                   activation_checkpointing=True, use_cpu=True, bf16=False, report_to=[], save_strategy="no")
     kwargs.update(overrides)
-    trainer = GRPOTrainer(model=_load(folder), args=GRPOConfig(**kwargs),
+    trainer = trainer_class(model=_load(folder), args=GRPOConfig(**kwargs),
                           reward_funcs=lambda completions, **_: [0.0] * len(completions),
                           train_dataset=Dataset.from_dict({"prompt": ["a b"] * 4}), processing_class=_letter_tokenizer())
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); one micro-batch per step here
@@ -141,13 +142,16 @@ def test_no_grad_reference_and_old_policy_passes_equal_the_single_pass(folder, t
     _perturb([policy], seed=1)  # the policy has moved away from the reference
     batch = _rollouts(seed=2)
     mask = batch["completion_mask"]
+    lengths = torch.cat([batch["prompt_mask"], mask], 1).sum(1).tolist()
+    want_chunks = sum(-(-n // PREFILL_CHUNK) for n in lengths)
+    assert want_chunks >= 2 * len(lengths)
     chunks = _CountChunks(monkeypatch)
     with torch.no_grad():
         for model in (ref, policy):
             # TRL's reference head computes log-probs only; the policy's also entropies
             logps, entropy = _trl_pass(trainer, model, batch, compute_entropy=model is policy)
-            # T = 68 tokens per row in chunks of 16: 5 chunks
-            assert chunks.calls == 5, chunks.calls
+            # each row without its padding, in chunks of PREFILL_CHUNK tokens
+            assert chunks.calls == want_chunks, chunks.calls
             chunks.calls = 0
             want_logps, want_entropy = _full_logits_reference(model, batch)
             assert _close(logps, want_logps, mask) < RTOL
@@ -157,7 +161,7 @@ def test_no_grad_reference_and_old_policy_passes_equal_the_single_pass(folder, t
             chunks.calls = 0
             one_pass, _ = _trl_pass(trainer, model, batch, compute_entropy=False)
             model.config.prefill_chunk_size = PREFILL_CHUNK
-            assert chunks.calls == 1
+            assert chunks.calls == len(lengths)
             chunks.calls = 0
             assert _close(logps, one_pass, mask) < RTOL
         # the KL's two inputs really differ (else the KL test below would compare zeros)
@@ -179,10 +183,13 @@ def _reference_grpo_loss(trainer, logps, entropy, old_logps, ref_logps, advantag
     return (per_token * mask).sum() / mask.sum() - trainer.entropy_coef * (entropy * mask).sum() / mask.sum()
 
 
-def test_memory_bounded_grpo_loss_and_gradients_equal_the_unchunked_reference(folder, tmp_path, small_tiles):
+@pytest.mark.parametrize("trainer_class", [LongContextGRPOTrainer, GRPOTrainer])
+def test_memory_bounded_grpo_loss_and_gradients_equal_the_unchunked_reference(folder, tmp_path, small_tiles,
+                                                                              trainer_class):
     """TRL's GRPO loss through the fused head with per-layer activation checkpointing (the training forward), and
-    every parameter gradient, equal the unchunked, uncheckpointed full-logits reference within 1e-5 relative."""
-    trainer = _trainer(folder, tmp_path)
+    every parameter gradient, equal the unchunked, uncheckpointed full-logits reference within 1e-5 relative; with
+    the rows scored unpadded (LongContextGRPOTrainer) and padded (TRL's own pass)."""
+    trainer = _trainer(folder, tmp_path, trainer_class=trainer_class)
     policy, ref = trainer.model, trainer.ref_model
     reference = _load(folder)  # an untouched copy: no fused head, no checkpointing
     _perturb([policy, reference], seed=1)
@@ -206,7 +213,8 @@ def test_memory_bounded_grpo_loss_and_gradients_equal_the_unchunked_reference(fo
     loss.backward()
     for hook in hooks:
         hook.remove()
-    assert len(recomputed) == 2 * len(policy.model.layers)
+    forwards = len(advantages) if trainer_class is LongContextGRPOTrainer else 1  # one per row, or the batch
+    assert len(recomputed) == 2 * len(policy.model.layers) * forwards
 
     logps, entropy = _full_logits_reference(reference, batch)
     want = _reference_grpo_loss(trainer, logps, entropy, old_logps, ref_logps, advantages, mask)
@@ -225,42 +233,66 @@ def test_memory_bounded_grpo_loss_and_gradients_equal_the_unchunked_reference(fo
     assert checked == sum(1 for p in reference.parameters() if p.grad is not None)
 
 
-class _LargestVocabTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op creates that has a vocabulary-sized dimension."""
+class _LargeTensors(TorchDispatchMode):
+    """Records, over every tensor an op creates, the largest number of elements of one with a vocabulary-sized
+    dimension (``vocab_largest``) and of one with two dimensions longer than ``width`` (``square_largest``: with
+    ``width`` above every model width and the vocabulary, only a ``[.., T, T]`` tensor has them)."""
 
-    def __init__(self, vocab):
+    def __init__(self, vocab, width):
         super().__init__()
-        self.vocab, self.largest = vocab, 0
+        self.vocab, self.width = vocab, width
+        self.vocab_largest = self.square_largest = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and self.vocab in t.shape:
-                self.largest = max(self.largest, t.numel())
+            if not isinstance(t, torch.Tensor):
+                continue
+            if self.vocab in t.shape:
+                self.vocab_largest = max(self.vocab_largest, t.numel())
+            if sum(n > self.width for n in t.shape) >= 2:
+                self.square_largest = max(self.square_largest, t.numel())
         return out
 
 
-def test_the_chunked_path_never_allocates_a_tokens_by_vocab_tensor(folder, tmp_path, small_tiles):
-    """Forward and backward of the GRPO loss through the fused head create no tensor with a vocabulary dimension
-    larger than one head tile or the head's own weight; the full-logits reference does (the detector works)."""
-    trainer = _trainer(folder, tmp_path, beta=0.0)
-    policy = trainer.model
-    policy.activation_checkpointing_enable()
-    policy.train()
-    batch = _rollouts(seed=5, rows=1, prompt=40, completion=200)
-    tokens = 240
-    with torch.no_grad():
-        old_logps, _ = _trl_pass(trainer, policy, batch, compute_entropy=False)
-    inputs = dict(batch, advantages=torch.tensor([0.5]), old_per_token_logps=old_logps,
-                  num_items_in_batch=batch["completion_mask"].sum())
-    with _LargestVocabTensor(VOCAB) as seen:
-        trainer._compute_loss(policy, inputs).backward()
-    hidden = policy.config.hidden_size
-    bound = max(TOKEN_TILE * VOCAB_TILE, VOCAB * hidden)  # one tile; lm_head.weight and its gradient [V, d]
-    assert seen.largest <= bound < tokens * VOCAB // 4, seen.largest
-    with _LargestVocabTensor(VOCAB) as seen:
-        _full_logits_reference(_load(folder), batch)
-    assert seen.largest >= (tokens - 1) * VOCAB
+def _update(trainer, batch):
+    """One GRPO loss forward and backward on ``batch`` (on-policy: TRL takes the old log-probs as the detached new
+    ones; no KL)."""
+    inputs = dict(batch, advantages=torch.tensor([0.5, -0.5]), num_items_in_batch=batch["completion_mask"].sum())
+    trainer._compute_loss(trainer.model, inputs).backward()
+
+
+@pytest.mark.parametrize("trainer_class", [LongContextGRPOTrainer, GRPOTrainer])
+def test_the_update_allocates_no_tokens_by_vocab_and_no_tokens_by_tokens_tensor(folder, tmp_path, small_tiles,
+                                                                                 trainer_class):
+    """Forward and backward of the GRPO loss create no tensor with a vocabulary dimension larger than one head tile
+    or the head's own weight (TRL's fused head, both trainers) and, with LongContextGRPOTrainer, no ``[T, T]``
+    tensor although the rows are padded (TRL's own pass builds the MLA layers' padded 4-D mask); the full-logits
+    reference does allocate ``[T, V]`` (the detector works)."""
+    trainer = _trainer(folder, tmp_path, trainer_class=trainer_class, beta=0.0, max_completion_length=136)
+    trainer.model.activation_checkpointing_enable()
+    trainer.model.train()
+    batch = _rollouts(seed=5, prompt=24, completion=136)
+    tokens = 160
+    with _LargeTensors(VOCAB, width=VOCAB) as seen:
+        _update(trainer, batch)
+    bound = max(TOKEN_TILE * VOCAB_TILE, VOCAB * trainer.model.config.hidden_size)  # a tile; lm_head.weight [V, d]
+    assert seen.vocab_largest <= bound < tokens * VOCAB // 4, seen.vocab_largest
+    if trainer_class is LongContextGRPOTrainer:
+        assert seen.square_largest == 0, seen.square_largest
+    else:
+        assert seen.square_largest >= tokens * tokens  # the padded mask [B, 1, T, T]
+        with _LargeTensors(VOCAB, width=VOCAB) as seen:
+            _full_logits_reference(_load(folder), batch)
+        assert seen.vocab_largest >= (tokens - 1) * VOCAB
+
+
+def test_real_token_span_refuses_gaps_and_empty_rows():
+    assert real_token_span(torch.tensor([0, 0, 1, 1, 1, 0])) == (2, 5)
+    with pytest.raises(ValueError, match="between real tokens"):
+        real_token_span(torch.tensor([1, 0, 1]))
+    with pytest.raises(ValueError, match="without any real token"):
+        real_token_span(torch.tensor([0, 0]))
 
 
 # ------------------------------------------------------------------------------------ the recipe setting
@@ -279,8 +311,8 @@ def test_long_context_recipe_turns_on_checkpointing_and_checks_the_model(base, t
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = KDAMoEForCausalLM.from_pretrained(base, dtype=torch.float32)
     assert not build_trainer(_grpo_cfg(base, tmp_path), model, tokenizer).args.activation_checkpointing
-    args = build_trainer(_grpo_cfg(base, tmp_path, "grpo.long_context=true"), model, tokenizer).args
-    assert args.activation_checkpointing
+    trainer = build_trainer(_grpo_cfg(base, tmp_path, "grpo.long_context=true"), model, tokenizer)
+    assert isinstance(trainer, LongContextGRPOTrainer) and trainer.args.activation_checkpointing
     with pytest.raises(ValueError, match=r"grpo.long_context.*'sometimes'"):
         _grpo_cfg(base, tmp_path, "grpo.long_context=sometimes")
     with pytest.raises(ValueError, match="activation_checkpointing=False"):

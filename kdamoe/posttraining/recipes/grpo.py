@@ -16,7 +16,8 @@ stops a rollout at ``model.config.max_position_embeddings``; the default budget 
 :func:`kdamoe.posttraining.recipes.common.completion_budget`. ``max_tool_calling_iterations`` defaults to
 ``data.max_calls + 2`` (the calls a task needs, ``submit``, and one spare).
 
-``grpo.long_context: true`` (:func:`long_context_defaults`): the memory-bounded update of long trajectories.
+``grpo.long_context: true`` (:func:`long_context_defaults`): the memory-bounded update of long trajectories, with
+:class:`~kdamoe.posttraining.long_update.LongContextGRPOTrainer` (each row scored without its padding).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from trl import GRPOConfig, GRPOTrainer
 from ..data import prompt_dataset
 from ..data import ENVIRONMENTS
 from ..environment import _as_int
+from ..long_update import LongContextGRPOTrainer
 from .common import completion_budget, peft_config, trainer_args, training_tasks
 
 CONFIG_CLASS = GRPOConfig
@@ -142,7 +144,9 @@ def long_context_defaults(model_config) -> dict:
       keeps only each layer's input; TRL turns it on by default, but :func:`.common.device_defaults` turns it off
       on a CPU, so it is set here again;
     * the reference-model and old-policy log-probs: no-grad forwards, which our backbone runs in chunks of
-      ``config.prefill_chunk_size`` tokens (docs/long-context.md).
+      ``config.prefill_chunk_size`` tokens (docs/long-context.md);
+    * the padding: :class:`~kdamoe.posttraining.long_update.LongContextGRPOTrainer` scores each row without it, so
+      no ``[T, T]`` attention mask is built.
 
     Args:
         model_config: the policy's :class:`~kdamoe.KDAMoEConfig`.
@@ -179,6 +183,7 @@ def check_long_context_args(args) -> None:
 
 def build_trainer(cfg, model, tokenizer) -> GRPOTrainer:
     """``GRPOTrainer`` for ``cfg.grpo.mode`` (module docstring); the tokenizer pads on the left (TRL requires it).
+    With ``cfg.grpo.long_context``: a :class:`~kdamoe.posttraining.long_update.LongContextGRPOTrainer`.
 
     Raises:
         ValueError: the completion budget does not fit the model's context (``common.completion_budget``), or
@@ -205,4 +210,4 @@ def build_trainer(cfg, model, tokenizer) -> GRPOTrainer:
         kwargs.update(tools=TOOLS, reward_funcs=[submitted_answer_reward])
     else:
         kwargs["reward_funcs"] = [stated_answer_reward]
-    return GRPOTrainer(**kwargs)
+    return (LongContextGRPOTrainer if cfg.grpo.long_context else GRPOTrainer)(**kwargs)
