@@ -80,7 +80,7 @@ class PostTrainConfig:
         output_dir: TRL ``output_dir``: ``checkpoint-N/`` folders, then ``final/`` (and ``adapter/``), ``summary.json``.
         seed: the trainer's seed (``TrainingArguments.seed``).
         data: the generated tasks.
-        grpo: GRPO's mode (ignored by other recipes).
+        grpo: GRPO's mode and the long-context update switch (ignored by other recipes).
         router_biases: ``update``: Quantile Balancing keeps moving the router biases once per optimizer step
             during full fine-tuning; ``freeze``: they stay as the base has them. Under PEFT they are always frozen
             (an adapter carries no buffers, docs/architecture.md §8).
