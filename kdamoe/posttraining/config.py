@@ -66,10 +66,15 @@ class GRPOSection:
 
     ``rollout``: ``trl`` (TRL's own generation and tool loop, which re-prefills the whole conversation every turn)
     or ``cached`` (:mod:`kdamoe.posttraining.rollout`: each turn continues the rollout's cache and prefills only
-    its new tokens; the same tokens under greedy decoding)."""
+    its new tokens; the same tokens under greedy decoding).
+
+    ``long_context``: the memory-bounded update for long trajectories (docs/post-training.md, "Long-horizon agentic
+    RL"): activation checkpointing per decoder layer, checked against the model's chunked prefill
+    (:func:`kdamoe.posttraining.recipes.grpo.long_context_defaults`); TRL's fused LM head does the rest."""
 
     mode: str = "environment"
     rollout: str = "trl"
+    long_context: bool = False
 
 
 @dataclass
@@ -82,7 +87,7 @@ class PostTrainConfig:
         output_dir: TRL ``output_dir``: ``checkpoint-N/`` folders, then ``final/`` (and ``adapter/``), ``summary.json``.
         seed: the trainer's seed (``TrainingArguments.seed``).
         data: the generated tasks.
-        grpo: GRPO's mode and rollout path (ignored by other recipes).
+        grpo: GRPO's mode, rollout path and long-context update switch (ignored by other recipes).
         router_biases: ``update``: Quantile Balancing keeps moving the router biases once per optimizer step
             during full fine-tuning; ``freeze``: they stay as the base has them. Under PEFT they are always frozen
             (an adapter carries no buffers, docs/architecture.md §8).

@@ -19,6 +19,9 @@ Budget: TRL counts the whole multi-turn completion (tool results included) in ``
 stops a rollout at ``model.config.max_position_embeddings``; the default budget and its check are
 :func:`kdamoe.posttraining.recipes.common.completion_budget`. ``max_tool_calling_iterations`` defaults to
 ``data.max_calls + 2`` (the calls a task needs, ``submit``, and one spare).
+
+``grpo.long_context: true`` (:func:`long_context_defaults`): the memory-bounded update of long trajectories, with
+:class:`~kdamoe.posttraining.long_update.LongContextGRPOTrainer` (each row scored without its padding).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from trl import GRPOConfig, GRPOTrainer
 from ..data import prompt_dataset
 from ..data import ENVIRONMENTS
 from ..environment import _as_int
+from ..long_update import LongContextGRPOTrainer
 from ..rollout import CachedRolloutGRPOTrainer
 from .common import completion_budget, peft_config, trainer_args, training_tasks
 
@@ -132,12 +136,66 @@ def stated_answer_reward(completions, answer: list[int], **kwargs) -> list[float
 # --------------------------------------------------------------------------------------------- trainer
 
 
-def build_trainer(cfg, model, tokenizer) -> GRPOTrainer:
-    """``GRPOTrainer`` (or, for ``cfg.grpo.rollout == "cached"``, ``CachedRolloutGRPOTrainer``) for
-    ``cfg.grpo.mode`` (module docstring); the tokenizer pads on the left (TRL requires it).
+def long_context_defaults(model_config) -> dict:
+    """Trainer defaults of ``grpo.long_context: true``, after checking that the model's no-grad passes chunk.
+
+    What bounds the memory of a long trajectory's update (docs/post-training.md, "Long-horizon agentic RL"):
+
+    * the log-probs and entropies: TRL's ``add_fused_lm_head``, which ``GRPOTrainer`` installs on the policy and the
+      reference model whatever this setting; ``trl.kernels.ChunkedLogProbFunction`` projects through the LM head in
+      tiles of 4,096 tokens x 32,768 vocabulary columns and recomputes each tile in its backward, so no
+      ``[T, vocab]`` logits exist, forward or backward;
+    * the training forward: activation checkpointing per decoder layer (``GradientCheckpointingLayer``), which
+      keeps only each layer's input; TRL turns it on by default, but :func:`.common.device_defaults` turns it off
+      on a CPU, so it is set here again;
+    * the reference-model and old-policy log-probs: no-grad forwards, which our backbone runs in chunks of
+      ``config.prefill_chunk_size`` tokens (docs/long-context.md);
+    * the padding: :class:`~kdamoe.posttraining.long_update.LongContextGRPOTrainer` scores each row without it, so
+      no ``[T, T]`` attention mask is built.
+
+    Args:
+        model_config: the policy's :class:`~kdamoe.KDAMoEConfig`.
+    Returns:
+        ``{"gradient_checkpointing": True}`` (the recipe's default; ``trainer:`` may still override it, which
+        :func:`check_long_context_args` then refuses).
+    Raises:
+        ValueError: ``model_config.prefill_chunk_size`` is 0 or None (the no-grad passes would keep every layer's
+            activations of the whole trajectory at once), or ``model_config.output_router_logits`` is true (TRL's
+            fused head then asks every forward for router logits, which a chunked forward refuses).
+    """
+    chunk = getattr(model_config, "prefill_chunk_size", None)
+    if not chunk:
+        raise ValueError(f"grpo.long_context: the model's prefill_chunk_size={chunk} runs the reference and "
+                         "old-policy passes in one pass; set it to a positive number of tokens (default 32768)")
+    if getattr(model_config, "output_router_logits", False):
+        raise ValueError("grpo.long_context: the model's output_router_logits=True makes TRL's fused head request "
+                         "router logits, which a chunked no-grad forward refuses; set it to False (Quantile "
+                         "Balancing needs no aux loss)")
+    return {"gradient_checkpointing": True}
+
+
+def check_long_context_args(args) -> None:
+    """Refuse a ``grpo.long_context: true`` run whose ``trainer:`` section turned activation checkpointing off.
 
     Raises:
-        ValueError: the completion budget does not fit the model's context (``common.completion_budget``).
+        ValueError: ``args.activation_checkpointing`` is false.
+    """
+    if not args.activation_checkpointing:
+        raise ValueError("grpo.long_context: true needs activation checkpointing per layer; the trainer section "
+                         "sets activation_checkpointing=False (or gradient_checkpointing=False)")
+
+
+
+def build_trainer(cfg, model, tokenizer) -> GRPOTrainer:
+    """The GRPO trainer for ``cfg.grpo.mode`` (module docstring); the tokenizer pads on the left (TRL requires it).
+    Its class is :func:`trainer_class`'s: ``GRPOTrainer``, with the cached rollout for ``cfg.grpo.rollout ==
+    "cached"`` (:class:`~kdamoe.posttraining.rollout.CachedRolloutGRPOTrainer`), with the memory-bounded update for
+    ``cfg.grpo.long_context`` (:class:`~kdamoe.posttraining.long_update.LongContextGRPOTrainer`), or both.
+
+    Raises:
+        ValueError: the completion budget does not fit the model's context (``common.completion_budget``), or
+            ``grpo.long_context`` is set for a model or trainer section it cannot bound
+            (:func:`long_context_defaults`, :func:`check_long_context_args`).
     """
     mode = cfg.grpo.mode
     tasks = training_tasks(cfg)
@@ -145,7 +203,11 @@ def build_trainer(cfg, model, tokenizer) -> GRPOTrainer:
     defaults = dict(max_completion_length=budget)
     if mode != "single_turn":
         defaults["max_tool_calling_iterations"] = cfg.data.max_calls + 2
+    if cfg.grpo.long_context:
+        defaults.update(long_context_defaults(model.config))
     args = trainer_args(cfg, GRPOConfig, **defaults)
+    if cfg.grpo.long_context:
+        check_long_context_args(args)
     tokenizer.padding_side = "left"
     kwargs = dict(model=model, args=args, train_dataset=prompt_dataset(tasks), processing_class=tokenizer,
                   peft_config=peft_config(cfg))
@@ -155,5 +217,18 @@ def build_trainer(cfg, model, tokenizer) -> GRPOTrainer:
         kwargs.update(tools=TOOLS, reward_funcs=[submitted_answer_reward])
     else:
         kwargs["reward_funcs"] = [stated_answer_reward]
-    trainer_class = CachedRolloutGRPOTrainer if cfg.grpo.rollout == "cached" else GRPOTrainer
-    return trainer_class(**kwargs)
+    return trainer_class(cfg.grpo)(**kwargs)
+
+
+class CachedRolloutLongContextGRPOTrainer(CachedRolloutGRPOTrainer, LongContextGRPOTrainer):
+    """``grpo.rollout: cached`` with ``grpo.long_context: true``: the cached rollouts' ``_tool_call_loop`` and the
+    memory-bounded update's ``_get_per_token_logps_and_entropies`` (they override different methods)."""
+
+
+def trainer_class(section) -> type:
+    """The TRL trainer class for a :class:`~kdamoe.posttraining.config.GRPOSection`: ``GRPOTrainer``, or the
+    subclass that adds the cached rollout (``rollout: cached``), the memory-bounded update (``long_context: true``)
+    or both."""
+    classes = {(False, False): GRPOTrainer, (True, False): CachedRolloutGRPOTrainer,
+               (False, True): LongContextGRPOTrainer, (True, True): CachedRolloutLongContextGRPOTrainer}
+    return classes[(section.rollout == "cached", bool(section.long_context))]
