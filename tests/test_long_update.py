@@ -325,3 +325,22 @@ def test_long_context_recipe_turns_on_checkpointing_and_checks_the_model(base, t
     model.config.output_router_logits = True
     with pytest.raises(ValueError, match="output_router_logits=True"):
         build_trainer(_grpo_cfg(base, tmp_path, "grpo.long_context=true"), model, tokenizer)
+
+
+def test_cached_rollout_and_long_context_combine_into_one_trainer(base, tmp_path):  # noqa: F811
+    """``grpo.rollout: cached`` with ``grpo.long_context: true`` (the shipped ``grpo_long``) builds one trainer that
+    has both overrides: the cached rollout's ``_tool_call_loop`` and the memory-bounded
+    ``_get_per_token_logps_and_entropies``, with checkpointing on."""
+    from transformers import AutoTokenizer
+
+    from kdamoe.posttraining.rollout import CachedRolloutGRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = KDAMoEForCausalLM.from_pretrained(base, dtype=torch.float32)
+    trainer = build_trainer(_grpo_cfg(base, tmp_path, "grpo.long_context=true", "grpo.rollout=cached"), model,
+                            tokenizer)
+    cls = type(trainer)
+    assert issubclass(cls, CachedRolloutGRPOTrainer) and issubclass(cls, LongContextGRPOTrainer)
+    assert cls._tool_call_loop is CachedRolloutGRPOTrainer._tool_call_loop
+    assert cls._get_per_token_logps_and_entropies is LongContextGRPOTrainer._get_per_token_logps_and_entropies
+    assert trainer.rollout_func is not None and trainer.args.activation_checkpointing
