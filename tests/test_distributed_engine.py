@@ -1,30 +1,37 @@
-"""transformers' own distributed engine on CPU processes (gloo): ``KDAMoEForCausalLM.from_pretrained(folder,
-distributed_config=DistributedConfig(fsdp_size=2))`` (FSDP2) and ``DistributedConfig(fsdp_size=2, ep_size=2)`` (FSDP2
-with expert parallelism: each rank holds half the experts whole, the routed tokens travel by ``all_to_all_single``)
-reproduce one process that runs the two ranks' batches as one batch (docs/distributed.md).
+"""transformers' own distributed engine on 2 and 4 CPU processes (gloo): ``KDAMoEForCausalLM.from_pretrained(folder,
+distributed_config=DistributedConfig(fsdp_size=N))`` (FSDP2) and ``DistributedConfig(fsdp_size=N, ep_size=N)`` (FSDP2
+with expert parallelism: each rank holds 8/N of the tiny model's 8 experts whole, 4 at N=2 and 2 at N=4, and the
+routed tokens travel by ``all_to_all_single``) reproduce one process that runs the N ranks' batches as one batch
+(docs/distributed.md). Every combination runs on CPU/gloo with transformers 5.24; at ``ep_size == fsdp_size`` the
+experts' own FSDP mesh ``efsdp`` has size 1 at both N, so N=4 exercises the same EP layout over a wider all-to-all.
 
-Both modes run in one ``torchrun --nproc_per_node 2`` run of this file (``__main__`` below: ``python
-tests/test_distributed_engine.py FOLDER OUT``, with a timeout on ``init_process_group`` and a deadline on the
-run, so a dead rank fails the test instead of hanging the suite; the ``distributed`` xdist group keeps the
-multi-process tests from oversubscribing the two cores). Every rank loads the same saved tiny model, runs forward,
-loss and backward on its own batch, one SGD step, one router-bias update and an eval forward, then saves the sharded
-model with ``save_pretrained``. The reference is the same folder loaded plainly in the test process, on the two
-batches concatenated.
+Per world size N, both modes run in one ``torchrun --nproc_per_node N`` run of this file (``__main__`` below:
+``python tests/test_distributed_engine.py FOLDER OUT``, with a timeout on ``init_process_group`` and a deadline on
+the run, so a dead rank fails the test instead of hanging the suite; the ``distributed`` xdist group keeps the
+multi-process tests from oversubscribing the two cores), and one fresh process reloads both modes' saved folders.
+Every rank loads the same saved tiny model, runs forward, loss and backward on its own ``[2, 16]`` batch, one SGD
+step, one router-bias update and an eval forward, then saves the sharded model with ``save_pretrained``. The
+reference is the same folder loaded plainly in the test process, on the N batches concatenated (``[2N, 16]``).
 
 Loss averaging: every row has the same number of targets (no padding), so the one-process token mean equals the
-mean of the two ranks' token means, and FSDP2's gradient reduction (a mean over the ranks; for the experts under EP,
-a sum of both ranks' token contributions divided by the data-parallel size) gives the gradient of that mean.
+mean of the ranks' token means, and FSDP2's gradient reduction (a mean over the ranks; for the experts under EP,
+a sum of all ranks' token contributions divided by the data-parallel size N) gives the gradient of that mean.
 
-Why not bitwise: the reference multiplies 4-row activations where each rank multiplies 2 rows, and the gradients
-are summed in another order (FSDP2 adds the ranks' partial gradients); float32 rounding differs. Measured: 6e-8
-absolute on the training logits and the gradients (largest gradient 0.27), 5e-7 on the loss (~1e-7 relative), 8e-7
-on the logits after the SGD step (the stepped weights differ by rounding); EP against FSDP2 alone came out bitwise
-equal here (each expert multiplies the same rows). ``RTOL = ATOL = 1e-5`` leaves a margin of more than 10x, while a
-wrong reduction (a sum instead of a mean doubles a gradient; a rank's tokens missing from an expert) is off by O(1).
+Why not bitwise: the reference multiplies 2N-row activations where each rank multiplies 2 rows, and the gradients
+are summed in another order (FSDP2 adds the ranks' partial gradients); float32 rounding differs. Measured
+(largest difference, both modes): at N=2, 6e-8 on the training logits and the gradients (largest gradient 0.27),
+5e-7 on the loss (~1e-7 relative), 8e-7 on the logits after the SGD step (the stepped weights differ by rounding);
+at N=4, 9e-8 on the training logits, 4e-8 on the gradients (largest 0.21), 0 on the loss, 6.5e-7 on the logits
+after the step. EP against FSDP2 alone: bitwise equal training logits at N=2 (6e-8 after the step); at N=4, 9e-8
+on the training logits and 5e-7 after the step (under EP an expert multiplies the rows gathered from all ranks in
+one product, under FSDP2 each rank's own rows: products of other shapes, which may round otherwise). The reloaded
+folders give the ranks' eval logits within 8e-8. ``RTOL = ATOL = 1e-5`` leaves a margin of more than 10x at both
+sizes, while a wrong reduction (a sum instead of a mean multiplies a gradient by N; a rank's tokens missing from an
+expert) is off by O(1).
 The Quantile Balancing statistics are float64 counts summed by one all-reduce, so the ranks' biases agree bitwise;
-they equal the reference's (bitwise here) unless a margin lies within rounding of a bin edge (bins ~2e-3 wide),
-hence ``BIAS_ATOL = 1e-6``. Under EP each rank routes its own tokens over all experts (the router is replicated),
-so the sum over ranks counts every token once, as with FSDP2 alone.
+they equal the reference's (bitwise at both sizes here) unless a margin lies within rounding of a bin edge (bins
+~2e-3 wide), hence ``BIAS_ATOL = 1e-6``. Under EP each rank routes its own tokens over all experts (the router is
+replicated), so the sum over ranks counts every token once, as with FSDP2 alone.
 """
 
 import datetime
@@ -37,15 +44,20 @@ from pathlib import Path
 import pytest
 import torch
 
-WORLD, DEADLINE_S, LR = 2, 120, 0.5
+WORLDS, DEADLINE_S, LR = (2, 4), 120, 0.5
 RTOL = ATOL = 1e-5
 BIAS_ATOL = 1e-6
-MODES = {"fsdp": {"fsdp_size": 2}, "fsdp_ep": {"fsdp_size": 2, "ep_size": 2}}
+MODES = ("fsdp", "fsdp_ep")
 CODE_FILES = ("configuration_kdamoe.py", "modeling_kdamoe.py", "moe_torch.py", "quantile_balancing.py")
 
 
+def _sizes(mode: str, world: int) -> dict:
+    """``DistributedConfig`` arguments of ``mode`` on ``world`` ranks: FSDP2 over all of them, with EP over all."""
+    return {"fsdp_size": world} if mode == "fsdp" else {"fsdp_size": world, "ep_size": world}
+
+
 def _batch(rank: int) -> torch.Tensor:
-    """Rank ``rank``'s ``[2, 16]`` token ids (the reference runs ``cat([_batch(0), _batch(1)])``)."""
+    """Rank ``rank``'s ``[2, 16]`` token ids (the reference runs ``cat([_batch(0), ..., _batch(world - 1)])``)."""
     return torch.randint(3, 97, (2, 16), generator=torch.Generator().manual_seed(100 + rank))
 
 
@@ -72,9 +84,10 @@ def _rank_main(folder: str, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    rank = dist.get_rank()
-    for mode, sizes in MODES.items():
-        model = KDAMoEForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(**sizes)).train()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for mode in MODES:
+        config = DistributedConfig(**_sizes(mode, world))
+        model = KDAMoEForCausalLM.from_pretrained(folder, distributed_config=config).train()
         experts = model.get_submodule("model.layers.1.mlp.experts")
         result = _step(model, _batch(rank), lambda tensor: tensor.full_tensor())
         # EP sets the experts' count to the local one and lays their weights out on the expert mesh ("efsdp", "ep")
@@ -84,23 +97,24 @@ def _rank_main(folder: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Both modes' per-rank results and the one-process reference."""
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda world: f"world{world}")
+def runs(request, tmp_path_factory):
+    """Both modes' per-rank results on ``world`` ranks and the one-process reference on the ``world`` batches."""
     from kdamoe import KDAMoEForCausalLM
     from tests.helpers import launch_processes, tiny_config
 
-    root = tmp_path_factory.mktemp("engine")
+    world = request.param
+    root = tmp_path_factory.mktemp(f"engine{world}")
     torch.manual_seed(0)
     KDAMoEForCausalLM(tiny_config(num_experts=8, num_experts_per_tok=2)).save_pretrained(root / "model")
     for mode in MODES:
         (root / mode).mkdir()
-    launch_processes([str(Path(__file__)), str(root / "model"), str(root)], WORLD, DEADLINE_S)
-    results = {mode: [torch.load(root / mode / f"rank{rank}.pt") for rank in range(WORLD)] for mode in MODES}
-    ids = torch.cat([_batch(rank) for rank in range(WORLD)])
+    launch_processes([str(Path(__file__)), str(root / "model"), str(root)], world, DEADLINE_S)
+    results = {mode: [torch.load(root / mode / f"rank{rank}.pt") for rank in range(world)] for mode in MODES}
+    ids = torch.cat([_batch(rank) for rank in range(world)])
     reference_model = KDAMoEForCausalLM.from_pretrained(root / "model").train()
     reference = _step(reference_model, ids, lambda tensor: tensor)
-    return {"root": root, "ids": ids, "reference": reference, **results}
+    return {"world": world, "root": root, "ids": ids, "reference": reference, **results}
 
 
 RELOAD_SCRIPT = textwrap.dedent(
@@ -123,8 +137,8 @@ RELOAD_SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def reloaded(runs):
     """Each mode's saved folder loaded by ``AutoModelForCausalLM(trust_remote_code=True)`` in one fresh process where
-    kdamoe cannot be imported: ``(subprocess result, {mode: {"logits": [4, 16, V] on ids, "biases": [routers, E]}})``
-    (the dict is empty when the process failed)."""
+    kdamoe cannot be imported: ``(subprocess result, {mode: {"logits": [2 * world, 16, V] on ids, "biases":
+    [routers, E]}})`` (the dict is empty when the process failed)."""
     root = runs["root"]
     torch.save(runs["ids"], root / "ids.pt")
     script = RELOAD_SCRIPT.format(repo=str(Path(__file__).resolve().parent.parent), modes=tuple(MODES), root=root)
@@ -137,8 +151,9 @@ def reloaded(runs):
     return result, {mode: torch.load(root / mode / "reloaded.pt") for mode in MODES}
 
 
-def _halves(tensor: torch.Tensor) -> list[torch.Tensor]:
-    return list(tensor.chunk(WORLD))
+def _per_rank(tensor: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """The reference's rows of each rank: ``world`` equal chunks of the batch dimension."""
+    return list(tensor.chunk(world))
 
 
 @pytest.mark.xdist_group("distributed")
@@ -147,7 +162,7 @@ def test_loss_and_gradients_equal_one_process_on_the_concatenated_batch(runs, mo
     ranks, reference = runs[mode], runs["reference"]
     mean_loss = torch.stack([rank["loss"] for rank in ranks]).mean()
     torch.testing.assert_close(mean_loss, reference["loss"], rtol=RTOL, atol=ATOL)
-    for rank, expected in zip(ranks, _halves(reference["logits"])):
+    for rank, expected in zip(ranks, _per_rank(reference["logits"], runs["world"]), strict=True):
         torch.testing.assert_close(rank["logits"], expected, rtol=RTOL, atol=ATOL)
     assert ranks[0]["grads"].keys() == reference["grads"].keys()
     for name, expected in reference["grads"].items():
@@ -158,9 +173,10 @@ def test_loss_and_gradients_equal_one_process_on_the_concatenated_batch(runs, mo
 
 @pytest.mark.xdist_group("distributed")
 def test_expert_parallel_shards_the_experts_and_matches_the_unsharded_experts(runs):
-    assert [rank["experts"] for rank in runs["fsdp_ep"]] == [(4, ("efsdp", "ep"))] * WORLD  # 8 experts, 4 a rank
-    assert [rank["experts"] for rank in runs["fsdp"]] == [(8, ("fsdp",))] * WORLD  # all 8, gathered for compute
-    for ep, fsdp in zip(runs["fsdp_ep"], runs["fsdp"]):
+    world = runs["world"]
+    assert [rank["experts"] for rank in runs["fsdp_ep"]] == [(8 // world, ("efsdp", "ep"))] * world  # 8 / world each
+    assert [rank["experts"] for rank in runs["fsdp"]] == [(8, ("fsdp",))] * world  # all 8, gathered for compute
+    for ep, fsdp in zip(runs["fsdp_ep"], runs["fsdp"], strict=True):
         torch.testing.assert_close(ep["logits"], fsdp["logits"], rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(ep["eval_logits"], fsdp["eval_logits"], rtol=RTOL, atol=ATOL)
 
@@ -170,7 +186,7 @@ def test_expert_parallel_shards_the_experts_and_matches_the_unsharded_experts(ru
 def test_router_biases_agree_across_ranks_and_with_one_process(runs, mode):
     ranks, reference = runs[mode], runs["reference"]["biases"]
     assert torch.count_nonzero(reference) > 0  # the biases did move
-    assert torch.equal(ranks[0]["biases"], ranks[1]["biases"])
+    assert all(torch.equal(rank["biases"], ranks[0]["biases"]) for rank in ranks[1:])
     torch.testing.assert_close(ranks[0]["biases"], reference, rtol=0, atol=BIAS_ATOL)
 
 
@@ -184,7 +200,7 @@ def test_sharded_save_reloads_without_the_package_with_the_same_logits(runs, rel
     assert result.returncode == 0, result.stderr[-3000:]
     reloaded, ranks = outputs[mode], runs[mode]
     # The folder holds the stepped weights and the updated biases: the ranks' eval logits after the step.
-    for rank, got in zip(ranks, _halves(reloaded["logits"])):
+    for rank, got in zip(ranks, _per_rank(reloaded["logits"], runs["world"]), strict=True):
         torch.testing.assert_close(got, rank["eval_logits"], rtol=RTOL, atol=ATOL)
     assert torch.equal(reloaded["biases"], ranks[0]["biases"])
 
