@@ -9,7 +9,7 @@ first, then the current block's partial sum), a learned pseudo-query ``q [d]`` a
     l_i = q · RMSNorm_γ(v_i)          (float32)
     h   = Σ_i softmax_i(l) v_i        (softmax over the S sources, in float32)
 
-This path keeps the model's original form: the sources are stacked, the key norm is
+This path keeps the model's original form: the sources are stacked (their dtypes promoted), the key norm is
 :func:`kdamoe.norm_torch.rms_norm_torch` (its rounding points), the float32 softmax weights are rounded to the
 sources' dtype and the weighted sum is taken in that dtype.
 
@@ -31,9 +31,10 @@ def check_attnres_args(sources, query, key_weight, eps, floats=_FLOATS) -> None:
 
     Raises:
         ValueError: naming the bad argument: ``sources`` not a non-empty list / tuple of tensors, sources of
-            different shapes, dtypes or devices, a source without a last dim, ``query`` / ``key_weight`` not
-            ``[d]`` tensors with ``d`` the sources' last dim, a dtype outside ``floats``, a tensor on another
-            device than the sources, or ``eps`` not a non-negative float.
+            different shapes or devices, a source without a last dim, ``query`` / ``key_weight`` not ``[d]``
+            tensors with ``d`` the sources' last dim, a dtype outside ``floats``, a tensor on another device than
+            the sources, or ``eps`` not a non-negative float. The sources' dtypes may differ (under autocast the
+            float32 embeddings meet bfloat16 sublayer outputs).
     """
     if not isinstance(sources, (list, tuple)) or len(sources) == 0:
         raise ValueError(f"sources must be a non-empty list or tuple of tensors, got {type(sources).__name__} "
@@ -45,11 +46,11 @@ def check_attnres_args(sources, query, key_weight, eps, floats=_FLOATS) -> None:
     if first.dim() < 1 or first.shape[-1] < 1:
         raise ValueError(f"sources[0] must be [..., d] with d >= 1, got shape {tuple(first.shape)}")
     for i, v in enumerate(sources):
-        if v.shape != first.shape or v.dtype != first.dtype or v.device != first.device:
-            raise ValueError(f"sources[{i}] is {tuple(v.shape)} {v.dtype} on {v.device}; every source must match "
-                             f"sources[0]: {tuple(first.shape)} {first.dtype} on {first.device}")
-    if first.dtype not in floats:
-        raise ValueError(f"sources dtype must be one of {floats}, got {first.dtype}")
+        if v.shape != first.shape or v.device != first.device:
+            raise ValueError(f"sources[{i}] is {tuple(v.shape)} on {v.device}; every source must match sources[0]: "
+                             f"{tuple(first.shape)} on {first.device}")
+        if v.dtype not in floats:
+            raise ValueError(f"sources[{i}] dtype must be one of {floats}, got {v.dtype}")
     d = first.shape[-1]
     for name, t in (("query", query), ("key_weight", key_weight)):
         if not isinstance(t, torch.Tensor):
@@ -64,25 +65,33 @@ def check_attnres_args(sources, query, key_weight, eps, floats=_FLOATS) -> None:
         raise ValueError(f"eps must be a float >= 0, got {eps!r}")
 
 
+def mix_dtype(sources: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype of the mix: the sources' dtypes promoted (what stacking them gives)."""
+    dtype = sources[0].dtype
+    for v in sources[1:]:
+        dtype = torch.promote_types(dtype, v.dtype)
+    return dtype
+
+
 def block_attnres_torch(sources: Sequence[torch.Tensor], query: torch.Tensor, key_weight: torch.Tensor,
                         eps: float) -> torch.Tensor:
     """``h = Σ_i softmax_i(q · RMSNorm_γ(v_i)) v_i`` over the sources (see the module docstring).
 
     Args:
-        sources: ``S ≥ 1`` tensors ``[..., d]`` of one shape, dtype (float16 / bfloat16 / float32 / float64) and
-            device: the finished block sums and the current partial sum.
+        sources: ``S ≥ 1`` tensors ``[..., d]`` of one shape and device, float16 / bfloat16 / float32 / float64
+            (dtypes may differ: they are promoted): the finished block sums and the current partial sum.
         query: the pseudo-query ``q [d]``, any float dtype.
         key_weight: the key RMSNorm weight ``γ [d]``, any float dtype.
         eps: added to the mean square of the key norm (unitless, ≥ 0).
 
     Returns:
-        ``[..., d]`` in the sources' dtype.
+        ``[..., d]`` in :func:`mix_dtype` of the sources.
 
     Raises:
         ValueError: see :func:`check_attnres_args`.
     """
     check_attnres_args(sources, query, key_weight, eps)
-    stacked = torch.stack(tuple(sources))  # [S, ..., d]
+    stacked = torch.stack(tuple(sources))  # [S, ..., d] in the promoted dtype
     logits = (rms_norm_torch(stacked, key_weight, eps).float() * query.float()).sum(-1)  # [S, ...]
     weights = logits.softmax(dim=0).to(stacked.dtype)
     return (weights.unsqueeze(-1) * stacked).sum(0)

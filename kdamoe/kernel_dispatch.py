@@ -322,7 +322,7 @@ def gated_rms_norm(x, gate, weight, eps, *, backend="auto"):
 # ----------------------------------------------------------------------------------------------------
 def block_attnres(sources, query, key_weight, eps, *, backend="auto"):
     """The Block AttnRes mix ``Σ_i softmax_i(q · RMSNorm_γ(v_i)) v_i`` over ``S`` sources (arXiv:2603.15031):
-    ``[..., d]`` in the sources' dtype.
+    ``[..., d]`` in the sources' promoted dtype.
 
     Semantics, shapes and errors of :func:`attnres_torch.block_attnres_torch`: ``sources`` a list / tuple of
     ``[..., d]`` tensors (finished block sums, then the current partial sum), ``query`` and ``key_weight`` ``[d]``.

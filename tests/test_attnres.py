@@ -215,3 +215,29 @@ def test_gradient_checkpointing_keeps_the_gradients_through_the_block_sums(reent
     assert grads[0].keys() == grads[1].keys()
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.skipif(bool(os.environ.get("KDAMOE_TEST_ON_GPU")), reason="CPU-interpreter test")
+def test_autocast_training_step_with_the_kernel_mix_matches_the_torch_mix(monkeypatch):
+    """Under autocast the sources differ in dtype (float32 embeddings, half-precision sublayer outputs): the kernel
+    mixes them like the torch op, which stacks them into the promoted dtype."""
+    torch.manual_seed(6)
+    model = KDAMoEForCausalLM(tiny_config(num_hidden_layers=2, attnres_num_blocks=2)).train()
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(8))
+    dtypes, results = set(), []
+    for on_kernel in (False, True):
+        if on_kernel:
+            _mix_on_the_kernel(monkeypatch, [])
+        model.zero_grad(set_to_none=True)
+        hook = model.model.layers[1].attn_res.register_forward_pre_hook(
+            lambda m, args: dtypes.update(v.dtype for v in args[0]))
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(ids, labels=ids).loss
+        hook.remove()
+        loss.backward()
+        results.append((loss.detach(), model.model.layers[1].mlp_res.query.grad.clone()))
+    assert dtypes == {torch.float32, torch.float16}
+    (loss, grad), (kernel_loss, kernel_grad) = results
+    torch.testing.assert_close(kernel_loss, loss, rtol=2e-3, atol=2e-3)
+    assert float(grad.abs().max()) > 0
+    torch.testing.assert_close(kernel_grad, grad, rtol=2e-2, atol=2e-3)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
-from ...attnres_torch import check_attnres_args
+from ...attnres_torch import check_attnres_args, mix_dtype
 from ..utils import is_interpreter
 from .kernels import MAX_D, attnres_backward, attnres_forward
 
@@ -30,7 +30,7 @@ class BlockAttnResFunction(torch.autograd.Function):
     def forward(ctx, query, key_weight, eps, *sources):
         rows = tuple(_rows(v) for v in sources)
         query, key_weight = query.contiguous(), key_weight.contiguous()
-        out, lse = attnres_forward(rows, query, key_weight, eps)
+        out, lse = attnres_forward(rows, query, key_weight, eps, mix_dtype(sources))
         ctx.save_for_backward(query, key_weight, lse, *rows)
         ctx.eps, ctx.shape = eps, sources[0].shape
         return out.view(ctx.shape)
@@ -55,14 +55,16 @@ def block_attnres(sources: Sequence[torch.Tensor], query: torch.Tensor, key_weig
     roundings of the normalised keys and softmax weights to the sources' dtype.
 
     Args:
-        sources: ``S ≥ 1`` tensors ``[..., d]`` of one shape, dtype (float16 / bfloat16 / float32) and device,
-            1 ≤ d ≤ 8192; read in place when contiguous (else copied). The kernel is compiled once per ``S``.
+        sources: ``S ≥ 1`` tensors ``[..., d]`` of one shape and device, float16 / bfloat16 / float32 (dtypes may
+            differ, e.g. float32 embeddings and bfloat16 sublayer outputs under autocast), 1 ≤ d ≤ 8192; read in
+            place when contiguous (else copied). The kernel is compiled once per ``S`` and dtype combination.
         query: the pseudo-query ``q [d]``, float16 / bfloat16 / float32.
         key_weight: the key RMSNorm weight ``γ [d]``, float16 / bfloat16 / float32.
         eps: added to the key norm's mean square (≥ 0).
 
     Returns:
-        ``[..., d]`` in the sources' dtype.
+        ``[..., d]`` in the sources' promoted dtype (:func:`kdamoe.attnres_torch.mix_dtype`); each source's
+        gradient in its own dtype.
 
     Raises:
         ValueError: bad sources, shapes, dtypes, devices or eps (see

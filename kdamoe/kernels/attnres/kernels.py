@@ -17,8 +17,8 @@ Everything is float32 in registers with no intermediate rounding to the input dt
 the normalised keys and the softmax weights to it; the kernel is the more exact of the two, both are tested
 against float64).
 
-Layout: the sources arrive as a tuple of ``[N, d]`` tensors (unit strides; Triton tuple arguments), so no stacked
-copy is ever made; ``S`` is a constexpr and the source loop is unrolled. A program holds ``BLOCK_M`` rows × the
+Layout: the sources arrive as a tuple of ``[N, d]`` tensors (unit strides, each in its own dtype; Triton tuple
+arguments), so no stacked copy is ever made; ``S`` is a constexpr and the source loop is unrolled. A program holds ``BLOCK_M`` rows × the
 whole last dim (``BLOCK_D = next_pow2(d)``, d ≤ 8192). The forward reads each source once with an online softmax
 (running max and denominator, as in flash attention's forward) and saves only the per-row log-sum-exp ``[N]``. The
 backward reads each source twice (pass 1: ``δ``; pass 2: ``dv_i`` and ``u``), runs ``P`` programs over the row
@@ -118,10 +118,11 @@ def _tile(n_rows: int, D: int):
     return block_m, block_d, min(16, max(1, block_m * block_d // 512))
 
 
-def attnres_forward(sources, query, key_weight, eps):
-    """Forward launch on ``sources`` (tuple of ``[N, d]``, unit strides): ``(h [N, d], lse [N] float32)``."""
+def attnres_forward(sources, query, key_weight, eps, out_dtype):
+    """Forward launch on ``sources`` (tuple of ``[N, d]``, unit strides, each its own float dtype):
+    ``(h [N, d] in out_dtype, lse [N] float32)``."""
     n_rows, D = sources[0].shape
-    out = torch.empty_like(sources[0])
+    out = torch.empty((n_rows, D), dtype=out_dtype, device=sources[0].device)
     lse = torch.empty(n_rows, dtype=torch.float32, device=out.device)
     if n_rows == 0:
         return out, lse
@@ -134,10 +135,10 @@ def attnres_forward(sources, query, key_weight, eps):
 
 
 def attnres_backward(sources, query, key_weight, lse, dh, eps):
-    """Backward launch: ``(dv tuple of [N, d] in the sources' dtype, u [d] float32)`` with ``dq = γ u``,
+    """Backward launch: ``(dv tuple of [N, d], each in its source's dtype, u [d] float32)`` with ``dq = γ u``,
     ``dγ = q u`` (see the module docstring)."""
     n_rows, D = sources[0].shape
-    dv = tuple(torch.empty_like(sources[0]) for _ in sources)
+    dv = tuple(torch.empty_like(v) for v in sources)
     if n_rows == 0:
         return dv, torch.zeros(D, dtype=torch.float32, device=dh.device)
     block_m, block_d, warps = _tile(n_rows, D)

@@ -3,7 +3,7 @@ float64 and differentiated by torch.autograd (no rounding at all), and ``kdamoe.
 (the model's torch path; in float32 only for the gradients, as in half precision that op's roundings of the
 keys, softmax weights and products put it farther from float64 than the kernel). Output and the gradients of every source, the query and the key-norm weight; S = 1..9
 sources, odd widths and row counts, several row blocks per backward program, parameters in float32 on
-low-precision sources, strided sources, sources without gradient, argument errors, the dispatch.
+low-precision sources, sources of mixed dtypes (autocast), strided sources, sources without gradient, argument errors, the dispatch.
 
 Runs on the CPU interpreter (tests/conftest.py) in float32 and float16; with KDAMOE_TEST_ON_GPU=1 on a CUDA
 machine the same tests run on the GPU, with bfloat16 added (the interpreter mishandles it).
@@ -100,6 +100,21 @@ def test_float32_parameters_on_half_sources():
         assert rel(g, g64) < TOL[torch.float16]
 
 
+def test_sources_of_mixed_dtypes_are_promoted():
+    """Autocast: float32 embeddings and half-precision sublayer outputs mix into the promoted dtype (float32), each
+    source's gradient in its own dtype."""
+    sources, query, gamma, dh = make_inputs(3, (3, 5), 40, torch.float32, torch.float32, seed=13)
+    sources = [sources[0]] + [v.detach().half().requires_grad_() for v in sources[1:]]
+    out, grads = run(block_attnres, sources, query, gamma, dh)
+    same_out, _ = run(block_attnres_torch, sources, query, gamma, dh)
+    out64, grads64 = float64_reference(sources, query, gamma, dh)
+    assert out.dtype == same_out.dtype == torch.float32
+    assert [g.dtype for g in grads] == [torch.float32, torch.float16, torch.float16, torch.float32, torch.float32]
+    assert rel(out, out64) < TOL[torch.float32] and rel(out, same_out) < TOL[torch.float32]
+    for g, g64 in zip(grads, grads64):
+        assert rel(g, g64) < TOL[g.dtype]
+
+
 def test_many_rows_sum_the_parameter_gradients_over_all_programs():
     """Many more row blocks than backward programs (each program loops over several): dq and dγ are full sums."""
     sources, query, gamma, dh = make_inputs(3, (151,), 100, torch.float32, torch.float32, seed=5)
@@ -147,10 +162,10 @@ def test_bad_arguments_raise_value_errors_naming_them(monkeypatch):
             fn([v, None], q, g, EPS)
         with pytest.raises(ValueError, match=r"sources\[1\] is \(2, 7\)"):
             fn([v, torch.randn(2, 7, device=DEVICE)], q, g, EPS)
-        with pytest.raises(ValueError, match=r"sources\[1\] is \(2, 8\) torch.float16"):
-            fn([v, v.half()], q, g, EPS)
-        with pytest.raises(ValueError, match="sources dtype"):
-            fn([v.long()], q, g, EPS)
+        with pytest.raises(ValueError, match=r"sources\[1\] is \(2, 8\) on meta"):
+            fn([v, torch.randn(2, 8, device="meta")], q, g, EPS)
+        with pytest.raises(ValueError, match=r"sources\[1\] dtype"):
+            fn([v, v.long()], q, g, EPS)
         with pytest.raises(ValueError, match=r"query must be \[d\] = \(8,\)"):
             fn([v], torch.zeros(7, device=DEVICE), g, EPS)
         with pytest.raises(ValueError, match="key_weight must be a torch.Tensor"):
@@ -160,7 +175,7 @@ def test_bad_arguments_raise_value_errors_naming_them(monkeypatch):
         with pytest.raises(ValueError, match="eps must be a float >= 0, got -1.0"):
             fn([v], q, g, -1.0)
     block_attnres_torch([v.double()], q, g, EPS)  # the torch op takes float64, the kernel does not
-    with pytest.raises(ValueError, match="sources dtype"):
+    with pytest.raises(ValueError, match=r"sources\[0\] dtype"):
         block_attnres([v.double()], q, g, EPS)
     with pytest.raises(ValueError, match="d = 8193 exceeds"):
         block_attnres([torch.randn(1, 8193, device=DEVICE)], torch.zeros(8193, device=DEVICE),
