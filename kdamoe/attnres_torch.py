@@ -37,8 +37,8 @@ def check_attnres_args(sources, query, key_weight, eps, floats=_FLOATS) -> None:
             float32 embeddings meet bfloat16 sublayer outputs).
     """
     if not isinstance(sources, (list, tuple)) or len(sources) == 0:
-        raise ValueError(f"sources must be a non-empty list or tuple of tensors, got {type(sources).__name__} "
-                         f"of length {len(sources) if isinstance(sources, (list, tuple)) else 'n/a'}")
+        got = f"an empty {type(sources).__name__}" if isinstance(sources, (list, tuple)) else type(sources).__name__
+        raise ValueError(f"sources must be a non-empty list or tuple of tensors, got {got}")
     for i, v in enumerate(sources):
         if not isinstance(v, torch.Tensor):
             raise ValueError(f"sources[{i}] must be a torch.Tensor, got {type(v).__name__}")

@@ -5,7 +5,7 @@ read as float32, the pseudo-query ``q`` and the key-norm weight ``γ`` (``w = q 
 
     r_i = rsqrt(mean_d(v_i²) + eps)                 key RMSNorm scale
     l_i = r_i (v_i · w)                             = q · RMSNorm_γ(v_i)
-    p   = softmax(l),   h = Σ_i p_i v_i             (float32, rounded once to the sources' dtype)
+    p   = softmax(l),   h = Σ_i p_i v_i             (float32, rounded once to the output dtype)
 
     backward, from dh:
     g_i  = dh · v_i,    δ = Σ_i p_i g_i = dh · h
