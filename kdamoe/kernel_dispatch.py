@@ -7,7 +7,8 @@ device of the inputs:
   flash-linear-attention (``fla``) when it imports, else PyTorch; on any other device always PyTorch.
 * ``"triton"``: ``kdamoe.kernels`` or an error (CUDA tensors, or CPU under ``TRITON_INTERPRET=1``).
 * ``"fla"``: fla or an error (CUDA tensors). The MoE experts have no fla kernel and run in PyTorch.
-* ``"torch"``: the pure-PyTorch reference ops of ``kda_torch`` / ``moe_torch`` / ``mla_torch`` / ``norm_torch``.
+* ``"torch"``: the pure-PyTorch reference ops of ``kda_torch`` / ``moe_torch`` / ``mla_torch`` / ``norm_torch`` /
+  ``attnres_torch``.
 
 The choice is per call and per device, unlike transformers' ``use_kernel_func_from_hub_with_fallback``,
 which binds the package once at import time whatever the device. On top of that chain the three layer
@@ -29,6 +30,7 @@ import torch
 from transformers.integrations import use_kernel_forward_from_hub
 from transformers.utils import logging
 
+from .attnres_torch import block_attnres_torch
 from .kda_torch import causal_conv1d_torch, chunk_kda_torch, conv_final_state, recurrent_kda_torch
 from .mla_torch import latent_attention_torch
 from .moe_torch import moe_experts_torch, moe_route_torch
@@ -121,7 +123,7 @@ def resolve(backend: str, device: torch.device, op: str) -> str:
 # The ops of a one-token decode step. Their kdamoe kernels read no device value on the host, which is what lets the
 # step be captured in a CUDA graph (decode_graph.py); fla's and the PyTorch ops are not checked for that.
 _DECODE_OPS = ("causal_conv1d", "fused_recurrent_kda", "moe_route", "moe_experts", "latent_attention", "rms_norm",
-               "gated_rms_norm")
+               "gated_rms_norm", "block_attnres")
 
 
 def decode_graphs_supported(backend: str, device: torch.device) -> bool:
@@ -313,6 +315,24 @@ def gated_rms_norm(x, gate, weight, eps, *, backend="auto"):
     if resolve(backend, x.device, "gated_rms_norm") == "kdamoe":
         return kdamoe_kernels().gated_rms_norm(x, gate, weight, eps)
     return gated_rms_norm_torch(x, gate, weight, eps)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Block Attention Residuals mix
+# ----------------------------------------------------------------------------------------------------
+def block_attnres(sources, query, key_weight, eps, *, backend="auto"):
+    """The Block AttnRes mix ``Σ_i softmax_i(q · RMSNorm_γ(v_i)) v_i`` over ``S`` sources (arXiv:2603.15031):
+    ``[..., d]`` in the sources' promoted dtype.
+
+    Semantics, shapes and errors of :func:`attnres_torch.block_attnres_torch`: ``sources`` a list / tuple of
+    ``[..., d]`` tensors (finished block sums, then the current partial sum), ``query`` and ``key_weight`` ``[d]``.
+    The kdamoe kernel (one launch forward, one backward, sources read in place: no stacked copy) runs on CUDA or
+    under the interpreter with ``backend="triton"``; fla has no such kernel (``"fla"`` runs the torch op). The
+    backend is chosen on ``query``'s device (the kernel checks that the sources are on it).
+    """
+    if resolve(backend, query.device, "block_attnres") == "kdamoe":
+        return kdamoe_kernels().block_attnres(sources, query, key_weight, eps)
+    return block_attnres_torch(sources, query, key_weight, eps)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from .configuration_kdamoe import KDAMoEConfig, check_prefill_chunk_size
 from .cache_kdamoe import KDAMoECache, KDAMoELatentCacheLayer
 from .decode_graph import DecodeGraph
 from .kernel_dispatch import (
+    block_attnres,
     causal_conv1d,
     chunk_kda,
     decode_graphs_supported,
@@ -633,7 +634,9 @@ class KDAMoEBlockAttnRes(nn.Module):
     """Softmax-over-depth mix of residual sources (Attention Residuals, arXiv:2603.15031, Block AttnRes).
 
     ``h = Σ_i softmax_i(w · RMSNorm(v_i)) v_i`` with a zero-initialised pseudo-query ``w`` (so training
-    starts from the uniform average) and its own key RMSNorm.
+    starts from the uniform average) and its own key RMSNorm (``key_norm`` holds its weight and eps; the norm is
+    fused into the mix). ``kernel_dispatch.block_attnres`` runs it: on CUDA one Triton kernel that reads the
+    sources in place, elsewhere ``attnres_torch``; chosen per call from ``config.kernel_backend``.
     """
 
     def __init__(self, config: KDAMoEConfig):
@@ -641,16 +644,16 @@ class KDAMoEBlockAttnRes(nn.Module):
         self.query = nn.Parameter(torch.zeros(config.hidden_size))
         self.key_norm = KDAMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps, config=config)
 
-    def forward(self, sources: torch.Tensor) -> torch.Tensor:
-        """``sources [S, B, T, d]`` → mixed ``[B, T, d]`` (softmax in float32)."""
-        logits = (self.key_norm(sources).float() * self.query.float()).sum(-1)  # [S, B, T]
-        weights = logits.softmax(dim=0).to(sources.dtype)
-        return (weights.unsqueeze(-1) * sources).sum(0)
+    def forward(self, sources: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``S`` sources ``[B, T, d]`` (a list / tuple, never stacked) → mixed ``[B, T, d]`` (softmax in float32)."""
+        return block_attnres(sources, self.query, self.key_norm.weight, self.key_norm.variance_epsilon,
+                             backend=self.key_norm.kernel_backend)
 
 
-def _sources(block_states: torch.Tensor, partial: torch.Tensor | None) -> torch.Tensor:
-    """Finished block sums plus the current partial sum (if any sublayer of the block has run)."""
-    return block_states if partial is None else torch.cat([block_states, partial.unsqueeze(0)], 0)
+def _sources(block_states: tuple[torch.Tensor, ...], partial: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """Finished block sums plus the current partial sum (if any sublayer of the block has run): a tuple of the
+    same tensors, no copy."""
+    return block_states if partial is None else (*block_states, partial)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -660,8 +663,10 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
     """Token mixer (KDA or MLA) then MLP (dense or MoE), each with its pre-norm.
 
     Standard residual stream (``attnres_num_blocks == 0``): ``forward(hidden_states)`` returns the
-    updated stream. Block AttnRes: ``forward(partial, block_states)`` mixes each sublayer's input over
-    the sources and returns the updated partial block sum.
+    updated stream. Block AttnRes: ``forward(partial, *block_states)`` mixes each sublayer's input over
+    the sources and returns the updated partial block sum. The finished block sums come as positional tensors
+    (not one stacked tensor, not a list) so that no copy is made and a reentrant gradient checkpoint, which
+    tracks positional tensors only, still differentiates through them.
     """
 
     def __init__(self, config: KDAMoEConfig, layer_idx: int):
@@ -698,7 +703,7 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor | None,
-        block_states: torch.Tensor | None = None,
+        *block_states: torch.Tensor,
         attention_mask: dict | None = None,
         cache: Cache | None = None,
         packed: dict | None = None,
@@ -1200,20 +1205,20 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         if self.config.attnres_num_blocks == 0:
             hidden_states = inputs_embeds
             for layer in self.layers:
-                hidden_states = layer(hidden_states, None, **layer_kwargs)
+                hidden_states = layer(hidden_states, **layer_kwargs)
                 if output_hidden_states:
                     all_hidden_states.append(hidden_states)
         else:
             blocks, partial = [inputs_embeds], None
             block_size = self.config.attnres_block_size
             for i, layer in enumerate(self.layers):
-                partial = layer(partial, torch.stack(blocks), **layer_kwargs)
+                partial = layer(partial, *blocks, **layer_kwargs)
                 if output_hidden_states:
                     all_hidden_states.append(sum(blocks) + partial)
                 if (i + 1) % block_size == 0 or i == len(self.layers) - 1:
                     blocks.append(partial)
                     partial = None
-            hidden_states = self.final_res(torch.stack(blocks))
+            hidden_states = self.final_res(blocks)
 
         if latent_cache and not managed:
             cache.end_forward(T)

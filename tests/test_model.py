@@ -183,7 +183,8 @@ def test_remote_code_round_trip_in_a_fresh_process(tmp_path):
     files = sorted(os.listdir(folder))
     assert "model.safetensors" in files and not any(f.endswith(".bin") for f in files)
     for code in ("configuration_kdamoe.py", "modeling_kdamoe.py", "kda_torch.py", "moe_torch.py", "quantile_balancing.py",
-                 "kernel_dispatch.py", "cache_kdamoe.py", "decode_graph.py", "mla_torch.py", "norm_torch.py"):
+                 "kernel_dispatch.py", "cache_kdamoe.py", "decode_graph.py", "mla_torch.py", "norm_torch.py",
+                 "attnres_torch.py"):
         assert code in files, files
     ids = _ids(14, 2, 12)
     torch.save(ids, tmp_path / "ids.pt")

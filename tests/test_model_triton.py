@@ -27,10 +27,11 @@ def _model():
 
 
 def _count_norm_kernel_calls(monkeypatch) -> dict:
-    """``{op: calls}`` of the norm kernels of ``kdamoe.kernels``, counted from now on."""
+    """``{op: calls}`` of the norm kernels (and the AttnRes mix, which fuses a key norm) of ``kdamoe.kernels``,
+    counted from now on."""
     import kdamoe.kernels as kernels
 
-    calls = {"rms_norm": 0, "gated_rms_norm": 0}
+    calls = {"rms_norm": 0, "gated_rms_norm": 0, "block_attnres": 0}
     for name in calls:
         def counted(*args, _real=getattr(kernels, name), _name=name):
             calls[_name] += 1
@@ -42,13 +43,15 @@ def _count_norm_kernel_calls(monkeypatch) -> dict:
 
 def test_training_step_matches_torch_backend_on_packed_batch(monkeypatch):
     """Logits and every parameter's gradient agree; switching ``config.kernel_backend`` on the built model moves
-    every RMSNorm onto the Triton norm kernels (one call per norm module), the KDA output norm onto the gated one."""
-    from kdamoe.modeling_kdamoe import KDAMoEGatedRMSNorm, KDAMoERMSNorm
+    every RMSNorm onto the Triton norm kernels (one call per norm module), the KDA output norm onto the gated one and
+    every Block AttnRes mix (with its key norm) onto the AttnRes kernel."""
+    from kdamoe.modeling_kdamoe import KDAMoEBlockAttnRes, KDAMoEGatedRMSNorm, KDAMoERMSNorm
 
     model = _model().train()
+    mixes = sum(isinstance(m, KDAMoEBlockAttnRes) for m in model.modules())
     norms = [m for m in model.modules() if isinstance(m, KDAMoERMSNorm)]
     gated = sum(isinstance(m, KDAMoEGatedRMSNorm) for m in norms)
-    assert gated > 0 and len(norms) > gated
+    assert gated > 0 and mixes > 0 and len(norms) > gated + mixes
     calls = _count_norm_kernel_calls(monkeypatch)
     ids = torch.randint(3, 97, (1, 30), generator=torch.Generator().manual_seed(0))
     position_ids = torch.cat([torch.arange(13), torch.arange(17)]).unsqueeze(0)
@@ -61,7 +64,8 @@ def test_training_step_matches_torch_backend_on_packed_batch(monkeypatch):
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results[backend] = out.logits.detach(), grads
         expected = 0 if backend == "torch" else 1
-        assert calls == {"rms_norm": expected * (len(norms) - gated), "gated_rms_norm": expected * gated}, backend
+        assert calls == {"rms_norm": expected * (len(norms) - gated - mixes), "gated_rms_norm": expected * gated,
+                         "block_attnres": expected * mixes}, backend
     (ref_logits, ref_grads), (logits, grads) = results["torch"], results["triton"]
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     assert ref_grads.keys() == grads.keys()

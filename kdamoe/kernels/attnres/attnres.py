@@ -1,0 +1,79 @@
+"""Block AttnRes mix in Triton: the public function and its autograd Function.
+
+Semantics are those of ``kdamoe.attnres_torch.block_attnres_torch`` (the reference) computed in float32 without its
+intermediate roundings; the launches are in ``kernels.py``. The sources are passed to the kernels as they are (a
+tuple of views), never stacked: the mix reads ``S`` tensors in place and, in the backward, returns one gradient per
+source.
+"""
+
+from collections.abc import Sequence
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ...attnres_torch import check_attnres_args, mix_dtype
+from ..utils import is_interpreter
+from .kernels import MAX_D, attnres_backward, attnres_forward
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous ``[rows, d]`` (a view when ``t`` is contiguous, the case of every model source)."""
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+class BlockAttnResFunction(torch.autograd.Function):
+    """Autograd of :func:`block_attnres`: differentiable in the query, the key-norm weight and every source."""
+
+    @staticmethod
+    def forward(ctx, query, key_weight, eps, *sources):
+        rows = tuple(_rows(v) for v in sources)
+        query, key_weight = query.contiguous(), key_weight.contiguous()
+        out, lse = attnres_forward(rows, query, key_weight, eps, mix_dtype(sources))
+        ctx.save_for_backward(query, key_weight, lse, *rows)
+        ctx.eps, ctx.shape = eps, sources[0].shape
+        return out.view(ctx.shape)
+
+    @staticmethod
+    @once_differentiable  # the backward is a kernel: a double backward raises instead of treating it as constant
+    def backward(ctx, dh):
+        query, key_weight, lse, *rows = ctx.saved_tensors
+        dv, u = attnres_backward(tuple(rows), query, key_weight, lse, _rows(dh), ctx.eps)
+        dq = (key_weight.float() * u).to(query.dtype)
+        dgamma = (query.float() * u).to(key_weight.dtype)
+        return (dq, dgamma, None, *(g.view(ctx.shape) for g in dv))
+
+
+def block_attnres(sources: Sequence[torch.Tensor], query: torch.Tensor, key_weight: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    r"""Block AttnRes mix ``h = Σ_i softmax_i(q · RMSNorm_γ(v_i)) v_i`` (Attention Residuals, arXiv:2603.15031),
+    one kernel forward and one backward; differentiable in every source, ``query`` and ``key_weight``.
+
+    Logits, softmax and the weighted sum in float32 (the query / weight gradients are summed over rows in float32,
+    deterministically); the result of :func:`kdamoe.attnres_torch.block_attnres_torch` without that reference's
+    roundings of the normalised keys and softmax weights to the sources' dtype.
+
+    Args:
+        sources: ``S ≥ 1`` tensors ``[..., d]`` of one shape and device, float16 / bfloat16 / float32 (dtypes may
+            differ, e.g. float32 embeddings and bfloat16 sublayer outputs under autocast), 1 ≤ d ≤ 8192; read in
+            place when contiguous (else copied). The kernel is compiled once per ``S`` and dtype combination.
+        query: the pseudo-query ``q [d]``, float16 / bfloat16 / float32.
+        key_weight: the key RMSNorm weight ``γ [d]``, float16 / bfloat16 / float32.
+        eps: added to the key norm's mean square (≥ 0).
+
+    Returns:
+        ``[..., d]`` in the sources' promoted dtype (:func:`kdamoe.attnres_torch.mix_dtype`); each source's
+        gradient in its own dtype.
+
+    Raises:
+        ValueError: bad sources, shapes, dtypes, devices or eps (see
+            :func:`kdamoe.attnres_torch.check_attnres_args`), ``d > 8192``, or a device the kernels cannot run on.
+    """
+    check_attnres_args(sources, query, key_weight, eps, floats=_FLOATS)
+    d, device = sources[0].shape[-1], sources[0].device
+    if d > MAX_D:
+        raise ValueError(f"the sources' last dim d = {d} exceeds the kernels' maximum {MAX_D}")
+    if device.type != "cuda" and not (device.type == "cpu" and is_interpreter()):
+        raise ValueError(f"sources are on {device}: the Triton kernels need CUDA tensors (or CPU with TRITON_INTERPRET=1)")
+    return BlockAttnResFunction.apply(query, key_weight, float(eps), *sources)

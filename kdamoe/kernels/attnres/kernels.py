@@ -1,0 +1,157 @@
+"""Triton kernels of the Block AttnRes mix: one launch forward, one launch backward, sources read in place.
+
+Math (Attention Residuals, arXiv:2603.15031, Block AttnRes), per token row, with the ``S`` sources ``v_i [d]``
+read as float32, the pseudo-query ``q`` and the key-norm weight ``γ`` (``w = q ⊙ γ``)::
+
+    r_i = rsqrt(mean_d(v_i²) + eps)                 key RMSNorm scale
+    l_i = r_i (v_i · w)                             = q · RMSNorm_γ(v_i)
+    p   = softmax(l),   h = Σ_i p_i v_i             (float32, rounded once to the output dtype)
+
+    backward, from dh:
+    g_i  = dh · v_i,    δ = Σ_i p_i g_i = dh · h
+    dl_i = p_i (g_i − δ)                            softmax backward
+    dv_i = p_i dh + dl_i r_i (w − v_i r_i l_i / d)  the mix and the key norm (the RMSNorm backward)
+    u    = Σ_rows Σ_i dl_i r_i v_i,   dq = γ ⊙ u,   dγ = q ⊙ u
+
+Everything is float32 in registers with no intermediate rounding to the input dtype (the PyTorch reference rounds
+the normalised keys and the softmax weights to it; the kernel is the more exact of the two, both are tested
+against float64).
+
+Layout: the sources arrive as a tuple of ``[N, d]`` tensors (unit strides, each in its own dtype; Triton tuple
+arguments), so no stacked copy is ever made; ``S`` is a constexpr and the source loop is unrolled. A program holds ``BLOCK_M`` rows × the
+whole last dim (``BLOCK_D = next_pow2(d)``, d ≤ 8192). The forward reads each source once with an online softmax
+(running max and denominator, as in flash attention's forward) and saves only the per-row log-sum-exp ``[N]``. The
+backward reads each source twice (pass 1: ``δ``; pass 2: ``dv_i`` and ``u``), runs ``P`` programs over the row
+blocks ``pid, pid + P, …`` and writes each program's ``u`` into one float32 row of a ``[P, d]`` buffer that the
+caller sums (no atomics: deterministic). Nothing reads a device value on the host (CUDA-graph capturable).
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import is_interpreter
+
+MAX_D = 8192  # the whole last dim sits in one block
+BLOCK_ELEMS = 4096  # rows × columns of one tile (fp32 registers per program and per live tile)
+BACKWARD_PROGRAMS_PER_SM = 4  # enough programs to fill the SMs; fewer means a smaller u partial buffer
+
+
+@triton.jit
+def _key_logit(v, w, D, eps):
+    """``(r, l)`` of a ``[BLOCK_M, BLOCK_D]`` float32 tile: the key-norm scale and the logit ``r (v · w)``."""
+    r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
+    return r, r * tl.sum(v * w[None, :], axis=1)
+
+
+@triton.jit
+def _forward_kernel(V, Q, G, O, LSE, n_rows, D, eps,
+                    S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & col_ok[None, :]
+    offsets = rows[:, None].to(tl.int64) * D + cols[None, :]
+    w = tl.load(Q + cols, mask=col_ok, other=0.).to(tl.float32) * tl.load(G + cols, mask=col_ok, other=0.).to(tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for i in tl.static_range(S):
+        v = tl.load(V[i] + offsets, mask=mask, other=0.).to(tl.float32)
+        _, l = _key_logit(v, w, D, eps)
+        m_new = tl.maximum(m, l)
+        alpha = tl.exp(m - m_new)  # 0 at the first source (m = -inf)
+        p = tl.exp(l - m_new)
+        den = den * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v
+        m = m_new
+    tl.store(O + offsets, (acc / den[:, None]).to(O.dtype.element_ty), mask=mask)
+    tl.store(LSE + rows, m + tl.log(den), mask=row_ok)
+
+
+@triton.jit
+def _backward_kernel(V, Q, G, DH, LSE, DV, U, n_rows, D, eps, n_blocks, P,
+                     S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    w = tl.load(Q + cols, mask=col_ok, other=0.).to(tl.float32) * tl.load(G + cols, mask=col_ok, other=0.).to(tl.float32)
+    u = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for blk in range(pid, n_blocks, P):
+        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        offsets = rows[:, None].to(tl.int64) * D + cols[None, :]
+        dh = tl.load(DH + offsets, mask=mask, other=0.).to(tl.float32)
+        lse = tl.load(LSE + rows, mask=row_ok, other=0.)
+        # Pass 1: δ = Σ_i p_i (dh · v_i) in float32 (not dh · h: h is rounded to the input dtype).
+        delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for i in tl.static_range(S):
+            v = tl.load(V[i] + offsets, mask=mask, other=0.).to(tl.float32)
+            _, l = _key_logit(v, w, D, eps)
+            delta += tl.exp(l - lse) * tl.sum(dh * v, axis=1)
+        # Pass 2: the gradient of each source and this block's share of u.
+        for i in tl.static_range(S):
+            v = tl.load(V[i] + offsets, mask=mask, other=0.).to(tl.float32)
+            r, l = _key_logit(v, w, D, eps)
+            p = tl.exp(l - lse)
+            dl = p * (tl.sum(dh * v, axis=1) - delta)
+            c = dl * r
+            dv = p[:, None] * dh + c[:, None] * (w[None, :] - v * (r * l / D)[:, None])
+            tl.store(DV[i] + offsets, dv.to(DV[i].dtype.element_ty), mask=mask)
+            u += tl.sum(c[:, None] * v, axis=0)
+    tl.store(U + pid.to(tl.int64) * D + cols, u, mask=col_ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _tile(n_rows: int, D: int):
+    """``(BLOCK_M, BLOCK_D, num_warps)``: the whole row, as many rows as fit ``BLOCK_ELEMS``, one warp per 512."""
+    block_d = triton.next_power_of_2(D)
+    block_m = min(triton.next_power_of_2(n_rows), max(1, BLOCK_ELEMS // block_d))
+    return block_m, block_d, min(16, max(1, block_m * block_d // 512))
+
+
+def attnres_forward(sources, query, key_weight, eps, out_dtype):
+    """Forward launch on ``sources`` (tuple of ``[N, d]``, unit strides, each its own float dtype):
+    ``(h [N, d] in out_dtype, lse [N] float32)``."""
+    n_rows, D = sources[0].shape
+    out = torch.empty((n_rows, D), dtype=out_dtype, device=sources[0].device)
+    lse = torch.empty(n_rows, dtype=torch.float32, device=out.device)
+    if n_rows == 0:
+        return out, lse
+    block_m, block_d, warps = _tile(n_rows, D)
+    _forward_kernel[(triton.cdiv(n_rows, block_m),)](
+        tuple(sources), query, key_weight, out, lse, n_rows, D, eps,
+        S=len(sources), BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps,
+    )
+    return out, lse
+
+
+def attnres_backward(sources, query, key_weight, lse, dh, eps):
+    """Backward launch: ``(dv tuple of [N, d], each in its source's dtype, u [d] float32)`` with ``dq = γ u``,
+    ``dγ = q u`` (see the module docstring)."""
+    n_rows, D = sources[0].shape
+    dv = tuple(torch.empty_like(v) for v in sources)
+    if n_rows == 0:
+        return dv, torch.zeros(D, dtype=torch.float32, device=dh.device)
+    block_m, block_d, warps = _tile(n_rows, D)
+    n_blocks = triton.cdiv(n_rows, block_m)
+    if is_interpreter():
+        programs = 2  # a CPU runs programs one after the other: two still check the partial-buffer sum
+    else:
+        index = dh.device.index if dh.device.index is not None else torch.cuda.current_device()
+        programs = _sm_count(index) * BACKWARD_PROGRAMS_PER_SM
+    programs = min(n_blocks, programs)
+    partial = torch.empty((programs, D), dtype=torch.float32, device=dh.device)
+    _backward_kernel[(programs,)](
+        tuple(sources), query, key_weight, dh, lse, dv, partial, n_rows, D, eps, n_blocks, programs,
+        S=len(sources), BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps,
+    )
+    return dv, partial.sum(0)
