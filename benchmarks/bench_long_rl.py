@@ -212,8 +212,163 @@ def run_trajectory(bench: Bench, model) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ GRPO update
-def run_update(bench: Bench, model) -> None:
-    raise NotImplementedError("the update part is added with the memory-bounded GRPO update")
+def _tokenizer(vocab_size: int):
+    """A word-level tokenizer over the model's ids (``t0`` ... ``t{V-1}``; pad 0, bos 1, eos 2): TRL's trainers need
+    a processing class, the benchmark feeds token ids directly."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", bos_token="t1", eos_token="t2")
+
+
+def _trainer(bench: Bench, cls, rows_per_micro_batch: int, group: int, out_dir: str):
+    """A fresh model of the benchmark's shape in a ``cls`` (``GRPOTrainer`` or ``LongContextGRPOTrainer``) with
+    TRL's defaults except: the micro-batch, ``num_generations`` = the group, no KL (``beta`` 0: no reference model in
+    memory; its pass is the no-grad pass timed apart), bf16 on CUDA, nothing saved or reported."""
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    model = build_kdamoe(bench.shape, bench.device, bench.dtype).train()
+    args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=rows_per_micro_batch,
+                      gradient_accumulation_steps=group // rows_per_micro_batch, num_generations=group, beta=0.0,
+                      bf16=bench.cuda, use_cpu=not bench.cuda, report_to=[], save_strategy="no")
+    trainer = cls(model=model, args=args, reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                  train_dataset=Dataset.from_dict({"prompt": ["t5 t6"] * group}),
+                  processing_class=_tokenizer(bench.shape.vocab_size))
+    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # Trainer.train() sets it
+    if args.activation_checkpointing:  # TRL's default; Trainer.train() turns it on
+        trainer.model.activation_checkpointing_enable(args.activation_checkpointing_kwargs)
+    return trainer
+
+
+def _group(bench: Bench, rows: int, T: int, prompt: int, ragged: bool) -> dict:
+    """GRPO inputs of ``rows`` trajectories of ``T`` tokens: one ``prompt``-token prompt shared by the group, the rest
+    a multi-turn completion whose tool-result spans (every 8th span of 1024 tokens, the tool turns) have tool_mask 0.
+    ``ragged``: the completions get unequal lengths (row r is ``r · T/16`` shorter, right-padded), as a group's rollouts
+    have. Random ids and advantages from the benchmark's seed."""
+    C = T - prompt
+    prompt_ids = bench.ids(1, prompt).expand(rows, prompt).contiguous()
+    completion_ids = bench.ids(rows, C)
+    completion_mask = torch.ones(rows, C, dtype=torch.long, device=bench.device)
+    if ragged:
+        for r in range(rows):
+            completion_mask[r, C - r * (T // 16):] = 0
+    span = 1024 if not bench.args.tiny else 8
+    tool_mask = torch.ones_like(completion_mask)
+    for start in range(span, C, 8 * span):
+        tool_mask[:, start: start + span] = 0
+    adv = torch.randn(rows, generator=bench.gen).to(bench.device)
+    return dict(prompt_ids=prompt_ids, prompt_mask=torch.ones(rows, prompt, dtype=torch.long, device=bench.device),
+                completion_ids=completion_ids, completion_mask=completion_mask, tool_mask=tool_mask,
+                advantages=adv - adv.mean(), num_items_in_batch=(completion_mask * tool_mask).sum())
+
+
+def grpo_step(bench: Bench, trainer, inputs: dict, rows_per_micro_batch: int) -> dict:
+    """One GRPO optimizer step: TRL's loss (``compute_loss``) and backward per micro-batch, then AdamW. Returns wall
+    seconds (synchronized), peak GiB (``max_memory_allocated`` after a reset; weights, gradients and AdamW state
+    included) and the summed loss."""
+    model = trainer.model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    rows = inputs["prompt_ids"].shape[0]
+    bench.free()
+    if bench.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    bench.sync()
+    t0 = time.perf_counter()
+    total = 0.0
+    for r0 in range(0, rows, rows_per_micro_batch):
+        micro = {k: v[r0: r0 + rows_per_micro_batch] if v.dim() else v for k, v in inputs.items()}
+        loss = trainer.compute_loss(model, micro)
+        loss.backward()
+        total += float(loss)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    bench.sync()
+    return {"s": time.perf_counter() - t0, "peak_gib": torch.cuda.max_memory_allocated() / GIB if bench.cuda else None,
+            "loss": total, "tokens": int(inputs["prompt_ids"].numel() + inputs["completion_mask"].sum())}
+
+
+@torch.no_grad()
+def old_policy_pass(bench: Bench, trainer, inputs: dict) -> dict:
+    """The no-grad per-token pass over the group (what the reference model's and the old policy's log-probs cost:
+    our chunked prefill under TRL's fused head), one row at a time."""
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    bench.free()
+    if bench.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    bench.sync()
+    t0 = time.perf_counter()
+    trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, inputs["completion_ids"].shape[1])
+    bench.sync()
+    return {"s": time.perf_counter() - t0, "peak_gib": torch.cuda.max_memory_allocated() / GIB if bench.cuda else None,
+            "tokens": int(mask.sum())}
+
+
+def _oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def run_update(bench: Bench) -> None:
+    """One GRPO optimizer step over a group of trajectories totalling >= 1M tokens, and TRL's defaults until OOM.
+
+    * ``ours``: ``LongContextGRPOTrainer`` (``grpo.long_context: true``), ``--update-rows`` rows of ``--update-t``
+      tokens (default 4 x 256K), one row per micro-batch (``per_device_train_batch_size`` 1, gradient accumulation
+      over the group), activation checkpointing per layer, TRL's fused LM head, rows of unequal length; plus the
+      no-grad pass over the same group (reference / old-policy log-probs).
+    * ``trl defaults``: ``GRPOTrainer`` as TRL configures it (activation checkpointing on, one micro-batch holding the
+      group, padded to its longest row), the same group shape at ``--trl-t`` tokens per row (64K ... 1M) until a
+      length runs out of memory; the longest that ran is recorded.
+    """
+    import tempfile
+
+    from trl import GRPOTrainer
+
+    from kdamoe.posttraining.long_update import LongContextGRPOTrainer
+
+    a, rec = bench.args, bench.rec  # each case builds its own model: TRL patches the one it is given
+    rows, T = a.update_rows, a.update_t
+    with tempfile.TemporaryDirectory() as tmp:
+        key = f"ours {rows} x {label(T)}"
+        if rec.need("update", key, bench.est(60 + 60 * rows * T / M)):
+            trainer = None
+            try:
+                trainer = _trainer(bench, LongContextGRPOTrainer, 1, rows, tmp)
+                inputs = _group(bench, rows, T, a.update_prompt, ragged=True)
+                rec.put("update", key, {**grpo_step(bench, trainer, inputs, 1),
+                                        "note": "LongContextGRPOTrainer, 1 row per micro-batch"})
+                rec.put("update", f"ours no-grad pass {rows} x {label(T)}",
+                        {**old_policy_pass(bench, trainer, inputs), "note": "reference / old-policy log-probs"})
+            except Exception as exc:
+                if _oom(exc):
+                    rec.put("update", key, f"out of memory: {str(exc).splitlines()[0][:160]}")
+                else:
+                    rec.error("update", key)
+            del trainer
+            bench.free()
+        longest = None
+        for t in a.trl_t:
+            key = f"trl defaults {rows} x {label(t)}"
+            if not rec.need("update", key, bench.est(60 + 60 * rows * t / M)):
+                break
+            trainer = None
+            try:
+                trainer = _trainer(bench, GRPOTrainer, rows, rows, tmp)
+                inputs = _group(bench, rows, t, a.update_prompt, ragged=True)
+                rec.put("update", key, {**grpo_step(bench, trainer, inputs, rows),
+                                        "note": "GRPOTrainer, the group in one padded micro-batch"})
+                longest = t
+            except Exception as exc:
+                if not _oom(exc):
+                    rec.error("update", key)
+                    break
+                rec.put("update", key, f"out of memory: {str(exc).splitlines()[0][:160]}")
+                break
+            finally:
+                del trainer
+                bench.free()
+        rec.put("update", "trl defaults longest", None if longest is None else label(longest))
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -232,11 +387,17 @@ def parse_args(argv=None):
     p.add_argument("--traj-prompt", type=int, default=None, help="trajectory prompt tokens (default 4K)")
     p.add_argument("--traj-turns", type=int, default=None, help="trajectory turns (default 8)")
     p.add_argument("--traj-result", type=int, default=None, help="trajectory tool-result tokens per turn (default 32K)")
+    p.add_argument("--update-rows", type=int, default=None, help="trajectories in the GRPO group (default 4)")
+    p.add_argument("--update-t", type=int, default=None, help="tokens per trajectory, ours (default 256K)")
+    p.add_argument("--update-prompt", type=int, default=None, help="prompt tokens per trajectory (default 4K)")
+    p.add_argument("--trl-t", type=ints, default=None, help="TRL defaults' lengths per row (default 64K,...,1M)")
     a = p.parse_args(argv)
     t = a.tiny
     defaults = dict(contexts=[64, 256, 1024] if t else [4 * K, 16 * K, 64 * K, 256 * K, M],
                     result_tokens=5 if t else 48, gen_tokens=4 if t else 64, traj_prompt=32 if t else 4 * K,
-                    traj_turns=3 if t else 8, traj_result=40 if t else 32 * K)
+                    traj_turns=3 if t else 8, traj_result=40 if t else 32 * K, update_rows=2 if t else 4,
+                    update_t=96 if t else 256 * K, update_prompt=16 if t else 4 * K,
+                    trl_t=[64, 128] if t else [64 * K, 128 * K, 256 * K, 512 * K, M])
     for name, value in defaults.items():
         if getattr(a, name) is None:
             setattr(a, name, value)
@@ -244,11 +405,14 @@ def parse_args(argv=None):
     bad = [x for x in a.only if x not in PARTS]
     if bad:
         p.error(f"--only: unknown part(s) {bad}; choose from {', '.join(PARTS)}")
-    for name in ("result_tokens", "gen_tokens", "repeats", "traj_turns", "traj_result", "traj_prompt"):
+    for name in ("result_tokens", "gen_tokens", "repeats", "traj_turns", "traj_result", "traj_prompt", "update_rows",
+                 "update_prompt"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
     if sorted(a.contexts) != a.contexts or min(a.contexts) < 2:
         p.error(f"--contexts must be increasing lengths >= 2, got {a.contexts}")
+    if min([a.update_t] + a.trl_t) <= a.update_prompt + (a.update_rows - 1) * max([a.update_t] + a.trl_t) // 16:
+        p.error("--update-t / --trl-t must leave every row's completion a token after --update-prompt")
     return a
 
 
@@ -263,12 +427,18 @@ def main(argv=None) -> int:
     bench = Bench(a, rec)
     rec.stack = stack_versions(bench)
     rec.save()
-    model = build_kdamoe(bench.shape, bench.device, bench.dtype)
     runners = {"turns": run_turns, "trajectory": run_trajectory, "update": run_update}
+    model = None  # the rollout parts share one eval-mode model; the update builds its own per case
     for part in a.only:
         t0 = time.time()
         try:
-            runners[part](bench, model)
+            if part == "update":
+                model = None
+                bench.free()
+                run_update(bench)
+            else:
+                model = model or build_kdamoe(bench.shape, bench.device, bench.dtype)
+                runners[part](bench, model)
         except Exception:
             rec.error(part, "part")
         bench.free()
