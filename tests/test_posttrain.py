@@ -262,6 +262,35 @@ def test_config_errors_name_the_value(overrides, needle):
         load_posttrain_config("grpo", overrides)
 
 
+@pytest.mark.parametrize("config, overrides, needle", [
+    ("grpo_long", ["trainer.use_vllm=true"], r"trainer.use_vllm.*grpo.rollout: cached"),
+    ("grpo_long", ["trainer.use_transformers_continuous_batching=true"], "use_transformers_continuous_batching"),
+    ("sft", ["trainer.fsdp=true"], r"trainer.fsdp.*WORLD_SIZE is 1"),
+    ("sft", ["trainer.max_steps=abc"], r"trainer.max_steps: expected an integer, got 'abc'"),
+    ("sft", ["trainer.max_steps=2.5"], r"trainer.max_steps: expected an integer"),
+    ("sft", ["trainer.max_steps=true"], r"trainer.max_steps: expected an integer"),
+    ("dpo", ["grpo.long_context=true"], r"config field grpo: set for recipe 'dpo'"),
+    ("sft", ["grpo.rollout=cached"], r"config field grpo: set for recipe 'sft'"),
+])
+def test_settings_that_would_fail_late_or_be_ignored_fail_when_the_config_loads(config, overrides, needle,
+                                                                                   monkeypatch):
+    """Each of these once failed deep inside TRL / transformers / accelerate after the model loaded (vLLM, FSDP on
+    one process, a string max_steps), only at the first rollout (continuous batching), or was silently ignored (a
+    grpo section on another recipe)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match=needle):
+        load_posttrain_config(config, overrides)
+
+
+def test_fsdp_version_1_and_fsdp_under_peft_fail_when_the_config_loads(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"trainer.fsdp_config: version 1"):
+        load_posttrain_config("sft", ["trainer.fsdp=true", "trainer.fsdp_config={version: 1}"])
+    with pytest.raises(ValueError, match=r"trainer.fsdp: with a peft adapter"):
+        load_posttrain_config("sft", ["trainer.fsdp=true", 'peft={"r": 4, "target_modules": ["q_proj"]}'])
+    assert load_posttrain_config("sft", ["trainer.fsdp=true"]).trainer["fsdp"] is True
+
+
 def test_unknown_trainer_key_has_a_hint():
     with pytest.raises(ValueError, match="did you mean max_steps"):
         load_posttrain_config("sft", ["trainer.max_stpes=2"])

@@ -19,6 +19,7 @@ against the context) run when the recipe is built (:mod:`kdamoe.posttraining.rec
 from __future__ import annotations
 
 import dataclasses
+import os
 import difflib
 import typing
 from dataclasses import dataclass, field
@@ -142,6 +143,23 @@ class PostTrainConfig:
         need(self.recipe != "ppo" or self.peft is None, "peft",
              "the ppo recipe trains the full policy and value model (TRL 1.12's PPO here takes no PEFT config)")
         need(0.0 <= d.hasty_fraction <= 1.0, "data.hasty_fraction", f"must lie in [0, 1], got {d.hasty_fraction}")
+        need(self.recipe == "grpo" or self.grpo == GRPOSection(), "grpo",
+             f"set for recipe {self.recipe!r}, which does not read it (only the grpo recipe does): {self.grpo}")
+        t = self.trainer
+        if self.recipe == "grpo" and self.grpo.rollout == "cached":
+            for key in ("use_vllm", "use_transformers_continuous_batching"):
+                need(not t.get(key), f"trainer.{key}",
+                     "grpo.rollout: cached generates with the policy itself, one cache per rollout; it does not run "
+                     f"with {key}=true (use grpo.rollout: trl)")
+        if t.get("fsdp"):
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            need(world >= 2, "trainer.fsdp", f"needs at least 2 processes (torchrun --nproc_per_node N, N >= 2); "
+                 f"WORLD_SIZE is {world}, and one process trains unsharded")
+            version = (t.get("fsdp_config") or {}).get("version", 2) if isinstance(t.get("fsdp_config"), dict) else 2
+            need(version == 2, "trainer.fsdp_config", f"version {version!r}: the recipes support FSDP2 only (version 2, "
+                 "transformers' default)")
+            need(self.peft is None, "trainer.fsdp", "with a peft adapter: not supported by the recipes (train the "
+                 "full model, peft: null)")
         self._check_trainer()
         if self.recipe == "ppo":  # importable only in the PPO venv; _check_trainer has already imported it
             from .recipes.ppo import PPOSection
@@ -169,6 +187,16 @@ class PostTrainConfig:
                     self.trainer[key] = float(value)  # YAML reads 1e-5 (no dot) as a string
                 except ValueError:
                     raise ValueError(f"config field trainer.{key}: expected a number, got {value!r}") from None
+            elif _is_plain(types[key], int) and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"config field trainer.{key}: expected an integer, got {value!r}")
+            elif _is_plain(types[key], bool) and not isinstance(value, bool):
+                raise ValueError(f"config field trainer.{key}: expected true or false, got {value!r}")
+
+
+def _is_plain(tp, kind: type) -> bool:
+    """A dataclass field annotated exactly ``kind`` (``int`` or ``bool``; also written as a string): its value is then
+    checked here, where TRL's own check would fail deep inside the Trainer (``max_steps="abc"``)."""
+    return tp is kind or tp == kind.__name__
 
 
 def _takes_float(tp) -> bool:
