@@ -107,8 +107,10 @@ class RLRecorder(Recorder):
                 if isinstance(e, dict) and "s" in e:
                     lines.append(f"| {key} | {e.get('tokens')} | {_f(e['s'])} | {_f(e.get('peak_gib'))} | "
                                  f"{e.get('note', '')} |")
-                else:
+                elif key != "trl defaults longest":
                     lines.append(f"| {key} | | | | {e} |")
+            if "trl defaults longest" in upd:
+                lines += ["", f"Longest trajectory TRL's defaults handled: {upd['trl defaults longest']} tokens per row."]
         if doc.get("notes"):
             lines += ["", "## Notes", ""] + [f"- {k}: {v}" for k, v in doc["notes"].items()]
         return "\n".join(lines) + "\n"
@@ -373,14 +375,16 @@ def run_update(bench: Bench) -> None:
 
 # ------------------------------------------------------------------------------------------------ main
 def parse_args(argv=None):
-    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    def lengths(text):
+        return [int(x) for x in text.split(",") if x.strip()]
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="results folder ($OUT; default bench_out)")
     p.add_argument("--only", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     p.add_argument("--tiny", action="store_true", help="tiny shapes and lengths (CPU smoke test)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--budget-s", type=float, default=480.0)
-    p.add_argument("--contexts", type=ints, default=None, help="turn contexts (default 4K,16K,64K,256K,1M)")
+    p.add_argument("--contexts", type=lengths, default=None, help="turn contexts (default 4K,16K,64K,256K,1M)")
     p.add_argument("--result-tokens", type=int, default=None, help="tool-result tokens per turn (default 48)")
     p.add_argument("--gen-tokens", type=int, default=None, help="generated tokens per turn (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="cached turns per context")
@@ -390,8 +394,10 @@ def parse_args(argv=None):
     p.add_argument("--update-rows", type=int, default=None, help="trajectories in the GRPO group (default 4)")
     p.add_argument("--update-t", type=int, default=None, help="tokens per trajectory, ours (default 256K)")
     p.add_argument("--update-prompt", type=int, default=None, help="prompt tokens per trajectory (default 4K)")
-    p.add_argument("--trl-t", type=ints, default=None, help="TRL defaults' lengths per row (default 64K,...,1M)")
+    p.add_argument("--trl-t", type=lengths, default=None, help="TRL defaults' lengths per row (default 64K,...,1M)")
     a = p.parse_args(argv)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {a.device}: this torch has no CUDA device (use --device cpu, e.g. with --tiny)")
     t = a.tiny
     defaults = dict(contexts=[64, 256, 1024] if t else [4 * K, 16 * K, 64 * K, 256 * K, M],
                     result_tokens=5 if t else 48, gen_tokens=4 if t else 64, traj_prompt=32 if t else 4 * K,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
+from pathlib import Path
 
 
 def train_main(argv: list[str] | None = None) -> int:
@@ -75,10 +77,19 @@ def posttrain_main(argv: list[str] | None = None) -> int:
     try:
         summary = run_recipe(cfg, resume=not args.no_resume)
     except ValueError as err:  # a value that does not fit the model (aux loss, completion budget)
+        if not _raised_by_kdamoe(err):  # a library's error deep in the run: its traceback says where
+            traceback.print_exception(err)
         print(f"kdamoe-posttrain: error: {err}", file=sys.stderr)
         return 1
     print(summary["final"])
     return 0
+
+
+def _raised_by_kdamoe(err: BaseException) -> bool:
+    """Whether ``err`` was raised in this package's own code (a check naming a value, whose message says it all),
+    not inside TRL, transformers, accelerate or torch."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(Path(__file__).resolve().parent)
 
 
 def posttrain_demo_main(argv: list[str] | None = None) -> int:

@@ -345,3 +345,22 @@ def test_a_missing_base_folder_is_named(tmp_path):
                                          f"output_dir={tmp_path / 'run'}"])
     with pytest.raises(ValueError, match="no model folder there.*kdamoe-posttrain --config sft"):
         run_recipe(cfg)
+
+
+def test_cli_prints_a_library_errors_traceback_but_not_ours(monkeypatch, capsys):
+    """``kdamoe-posttrain`` turns a ValueError of the run into exit 1 with its message; one raised inside a library
+    (here json's) also gets its traceback, which once was hidden and made a deep crash look like a config error."""
+    import json as json_module
+
+    import kdamoe.posttraining
+    from kdamoe.cli import posttrain_main
+    from kdamoe.posttraining.long_update import real_token_span
+
+    monkeypatch.setattr(kdamoe.posttraining, "run_recipe", lambda cfg, resume: json_module.loads("not json"))
+    assert posttrain_main(["--config", "sft"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "json" in err and "kdamoe-posttrain: error: Expecting value" in err
+    monkeypatch.setattr(kdamoe.posttraining, "run_recipe", lambda cfg, resume: real_token_span(torch.zeros(3)))
+    assert posttrain_main(["--config", "sft"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "kdamoe-posttrain: error: attention_mask: a row without any real token" in err
