@@ -58,7 +58,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_long_context import (  # noqa: E402  (the benchmarks folder is not a package)
     GIB, K, NATIVE, TINY, Bench, Recorder, Shape, _fmt, _num, _row, build_kdamoe, build_native, kernel_summary,
-    label, stack_versions,
+    label, run_part, stack_versions,
 )
 
 PARTS = ("kdamoe", "native", "recipe", "profile")
@@ -376,13 +376,7 @@ def main(argv=None) -> int:
     rec.save()
     print("stack:", rec.stack, flush=True)
     for part in a.only:  # in the order asked
-        t0 = time.time()
-        try:
-            run_profile(bench) if part == "profile" else run_train(bench, part)
-        except Exception:
-            rec.error(part, "part")
-        bench.free()
-        print(f"part {part}: {time.time() - t0:.0f} s; {rec.left():.0f} s left", flush=True)
+        run_part(bench, part, (lambda: run_profile(bench)) if part == "profile" else (lambda: run_train(bench, part)))
     rec.save()
     with open(os.path.join(a.out, "e2e.md")) as f:
         print(f.read())

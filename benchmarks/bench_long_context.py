@@ -821,6 +821,18 @@ def run_greedy(bench: Bench) -> None:
 # ------------------------------------------------------------------------------------------------ main
 
 
+def run_part(bench: Bench, part: str, fn) -> None:
+    """Run one part of a benchmark: an exception is recorded under ``part`` (the run goes on with the next part),
+    memory is freed after it, and the time it took is printed. Shared by the device benchmarks."""
+    t0 = time.time()
+    try:
+        fn()
+    except Exception:
+        bench.rec.error(part, "part")
+    bench.free()
+    print(f"part {part}: {time.time() - t0:.0f} s; {bench.rec.left():.0f} s left", flush=True)
+
+
 def stack_versions(bench: Bench) -> dict:
     import importlib.metadata as md
 
@@ -920,13 +932,7 @@ def main(argv=None) -> int:
                "floor": lambda: run_floor(bench), "profile": lambda: run_profile(bench), "greedy": lambda: run_greedy(bench)}
     for part in a.only:  # in the order asked
         if part in PARTS:
-            t0 = time.time()
-            try:
-                runners[part]()
-            except Exception:
-                rec.error(part, "part")
-            bench.free()
-            print(f"part {part}: {time.time() - t0:.0f} s; {rec.left():.0f} s left", flush=True)
+            run_part(bench, part, runners[part])
     rec.save()
     with open(os.path.join(a.out, "long_context.md")) as f:
         print(f.read())

@@ -49,7 +49,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_long_context import GIB, TINY, Bench, Recorder, Shape, build_kdamoe, label, stack_versions  # noqa: E402
+from bench_long_context import (GIB, TINY, Bench, Recorder, Shape, build_kdamoe, label, run_part,  # noqa: E402
+                                stack_versions)
 
 K, M = 1024, 1 << 20
 PARTS = ("turns", "trajectory", "update")
@@ -433,22 +434,21 @@ def main(argv=None) -> int:
     bench = Bench(a, rec)
     rec.stack = stack_versions(bench)
     rec.save()
-    runners = {"turns": run_turns, "trajectory": run_trajectory, "update": run_update}
-    model = None  # the rollout parts share one eval-mode model; the update builds its own per case
+    rollout_parts = {"turns": run_turns, "trajectory": run_trajectory}
+    shared = {}  # the rollout parts share one eval-mode model; the update builds its own per case
+
+    def rollout_part(part):
+        if "model" not in shared:
+            shared["model"] = build_kdamoe(bench.shape, bench.device, bench.dtype)
+        rollout_parts[part](bench, shared["model"])
+
     for part in a.only:
-        t0 = time.time()
-        try:
-            if part == "update":
-                model = None
-                bench.free()
-                run_update(bench)
-            else:
-                model = model or build_kdamoe(bench.shape, bench.device, bench.dtype)
-                runners[part](bench, model)
-        except Exception:
-            rec.error(part, "part")
-        bench.free()
-        print(f"part {part}: {time.time() - t0:.0f} s; {rec.left():.0f} s left", flush=True)
+        if part == "update":
+            shared.clear()
+            bench.free()
+            run_part(bench, part, lambda: run_update(bench))
+        else:
+            run_part(bench, part, lambda: rollout_part(part))
     rec.save()
     with open(os.path.join(a.out, "long_rl.md")) as f:
         print(f.read())

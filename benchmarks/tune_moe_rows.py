@@ -63,6 +63,19 @@ def _time(fn, smoke):
     return do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
+def _measure(row: dict, launch, flops: int, smoke: bool) -> dict:
+    """``row`` with the compiled kernel's resources, its median ms and TFLOP/s; a config that does not compile
+    (shared memory) is recorded with its error, not fatal."""
+    try:
+        row.update(_info(launch()))
+        ms = _time(launch, smoke)
+        row.update(ms=ms, tflops=flops / ms / 1e9 if ms == ms else None)
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=32768)
@@ -128,16 +141,8 @@ def main():
                     num_warps=nw, num_stages=ns),
             }
             for name, fn in launches.items():
-                row = {"gemm": name, "BM": bm, "BN": bn, "BK": bk, "warps": nw, "stages": ns}
-                try:
-                    compiled = fn()
-                    row.update(_info(compiled))
-                    ms = _time(fn, a.smoke)
-                    row.update(ms=ms, tflops=flops[name] / ms / 1e9 if ms == ms else None)
-                except Exception as exc:  # a config that does not compile (shared memory) is recorded, not fatal
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                rows.append(_measure({"gemm": name, "BM": bm, "BN": bn, "BK": bk, "warps": nw, "stages": ns}, fn,
+                                     flops[name], a.smoke))
     plan = _plan(idx, e, 64)
     experts = torch.arange(e, device=dev, dtype=torch.int32)
     dw1 = torch.empty_like(w1)
@@ -154,16 +159,8 @@ def main():
                 num_stages=ns),
         }
         for name, fn in launches.items():
-            row = {"gemm": name, "BP": bp, "BQ": bq, "BK": bk, "warps": nw, "stages": ns}
-            try:
-                compiled = fn()
-                row.update(_info(compiled))
-                ms = _time(fn, a.smoke)
-                row.update(ms=ms, tflops=flops[name] / ms / 1e9 if ms == ms else None)
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.append(_measure({"gemm": name, "BP": bp, "BQ": bq, "BK": bk, "warps": nw, "stages": ns}, fn,
+                                 flops[name], a.smoke))
     os.makedirs(a.out, exist_ok=True)
     shape = {"tokens": n, "experts": e, "latent": L, "inter": inter, "top_k": k, "dtype": str(dt),
              "torch": torch.__version__, "triton": triton.__version__,

@@ -6,6 +6,7 @@ autotuned kernel) and ``kdamoe.kernels.moe.experts._interpreter_launch`` (fewer 
 sizes are otherwise the GPU's.
 """
 
+import functools
 import os
 
 import torch
@@ -38,6 +39,30 @@ def autotune(configs, key, **kwargs):
 
         return wrap
     return triton.autotune(configs=configs, key=key, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a host-side property, no sync); 1 for any other device."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def row_tile(n_rows: int, D: int, block_elems: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_D, num_warps)`` of a row-wise kernel that holds whole rows of ``D`` columns: as many rows as
+    fit ``block_elems`` elements (float32 registers per program), one warp per 512 elements, at most 16."""
+    block_d = triton.next_power_of_2(D)
+    block_m = min(triton.next_power_of_2(n_rows), max(1, block_elems // block_d))
+    return block_m, block_d, min(16, max(1, block_m * block_d // 512))
+
+
+def partial_programs(n_blocks: int, device: torch.device, per_sm: int) -> int:
+    """Programs of a persistent backward over ``n_blocks`` row blocks that writes one float32 partial row each
+    (summed by the caller: deterministic, no atomics): ``per_sm`` per SM, at most ``n_blocks``. Under the interpreter
+    2, which runs programs one after the other and still checks the sum of the partials."""
+    programs = 2 if is_interpreter() else sm_count(device) * per_sm
+    return min(n_blocks, programs)
 
 
 def relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:

@@ -26,13 +26,11 @@ blocks ``pid, pid + P, …`` and writes each program's ``u`` into one float32 ro
 caller sums (no atomics: deterministic). Nothing reads a device value on the host (CUDA-graph capturable).
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ..utils import is_interpreter
+from ..utils import partial_programs, row_tile
 
 MAX_D = 8192  # the whole last dim sits in one block
 BLOCK_ELEMS = 4096  # rows × columns of one tile (fp32 registers per program and per live tile)
@@ -106,18 +104,6 @@ def _backward_kernel(V, Q, G, DH, LSE, DV, U, n_rows, D, eps, n_blocks, P,
     tl.store(U + pid.to(tl.int64) * D + cols, u, mask=col_ok)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _tile(n_rows: int, D: int):
-    """``(BLOCK_M, BLOCK_D, num_warps)``: the whole row, as many rows as fit ``BLOCK_ELEMS``, one warp per 512."""
-    block_d = triton.next_power_of_2(D)
-    block_m = min(triton.next_power_of_2(n_rows), max(1, BLOCK_ELEMS // block_d))
-    return block_m, block_d, min(16, max(1, block_m * block_d // 512))
-
-
 def attnres_forward(sources, query, key_weight, eps, out_dtype):
     """Forward launch on ``sources`` (tuple of ``[N, d]``, unit strides, each its own float dtype):
     ``(h [N, d] in out_dtype, lse [N] float32)``."""
@@ -126,7 +112,7 @@ def attnres_forward(sources, query, key_weight, eps, out_dtype):
     lse = torch.empty(n_rows, dtype=torch.float32, device=out.device)
     if n_rows == 0:
         return out, lse
-    block_m, block_d, warps = _tile(n_rows, D)
+    block_m, block_d, warps = row_tile(n_rows, D, BLOCK_ELEMS)
     _forward_kernel[(triton.cdiv(n_rows, block_m),)](
         tuple(sources), query, key_weight, out, lse, n_rows, D, eps,
         S=len(sources), BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps,
@@ -141,14 +127,9 @@ def attnres_backward(sources, query, key_weight, lse, dh, eps):
     dv = tuple(torch.empty_like(v) for v in sources)
     if n_rows == 0:
         return dv, torch.zeros(D, dtype=torch.float32, device=dh.device)
-    block_m, block_d, warps = _tile(n_rows, D)
+    block_m, block_d, warps = row_tile(n_rows, D, BLOCK_ELEMS)
     n_blocks = triton.cdiv(n_rows, block_m)
-    if is_interpreter():
-        programs = 2  # a CPU runs programs one after the other: two still check the partial-buffer sum
-    else:
-        index = dh.device.index if dh.device.index is not None else torch.cuda.current_device()
-        programs = _sm_count(index) * BACKWARD_PROGRAMS_PER_SM
-    programs = min(n_blocks, programs)
+    programs = partial_programs(n_blocks, dh.device, BACKWARD_PROGRAMS_PER_SM)
     partial = torch.empty((programs, D), dtype=torch.float32, device=dh.device)
     _backward_kernel[(programs,)](
         tuple(sources), query, key_weight, dh, lse, dv, partial, n_rows, D, eps, n_blocks, programs,

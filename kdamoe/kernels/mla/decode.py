@@ -38,14 +38,13 @@ compute bound). Sweeping BLOCK_N ∈ {32, 64, 128}, 2–8 warps, 2–4 stages an
 no faster setting for these shapes (4 per SM: 182 µs at 2^20; 1 per SM: 1.48 ms at B = 8).
 """
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from ...mla_torch import check_latent_attention_args
-from ..utils import is_interpreter
+from ..utils import is_interpreter, sm_count
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 COMBINE_BLOCK_R = 32  # R chunk of one combine program: 8 rows × (256 / 32) = 64 programs at B = 1, T = 1
@@ -138,14 +137,6 @@ def _combine_kernel(acc_ws, m_ws, l_ws, o, seq_len, T, H, M, P, S_lim, stride_ob
     tl.store(o + i_b.to(tl.int64) * stride_ob + row.to(tl.int64) * R + cols, out.to(o.dtype.element_ty))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (a host-side property, no sync); 1 under the interpreter."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def block_sizes(M: int, R: int) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps)`` of the split kernel for ``M = T·H`` query rows of width ``R``.
 
@@ -213,7 +204,7 @@ def latent_attention(q, latent, seq_len, scale, key_mask=None):
         key_mask = key_mask.view(torch.uint8)  # same bytes, a plain integer pointer for Triton
     block_m, block_n, num_warps = block_sizes(M, R)
     row_blocks = triton.cdiv(M, block_m)
-    P = num_splits(B, row_blocks, triton.cdiv(S_lim, block_n), _sm_count(q.device))
+    P = num_splits(B, row_blocks, triton.cdiv(S_lim, block_n), sm_count(q.device))
     acc_ws = torch.empty(B, P, M, R, dtype=torch.float32, device=q.device)
     m_ws = torch.empty(B, P, M, dtype=torch.float32, device=q.device)
     l_ws = torch.empty(B, P, M, dtype=torch.float32, device=q.device)

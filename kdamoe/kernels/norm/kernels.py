@@ -23,13 +23,11 @@ registers; each writes one float32 row of a ``[P, D]`` partial buffer that the c
 result is deterministic). Nothing reads a device value on the host (CUDA-graph capturable).
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ..utils import is_interpreter
+from ..utils import partial_programs, row_tile
 
 MAX_D = 8192  # the whole last dim sits in one block
 BLOCK_ELEMS = 4096  # rows × columns of one forward / backward tile (fp32 registers per program)
@@ -100,25 +98,13 @@ def _backward_kernel(X, G, W, DO, DX, DG, DW, n_rows, D, stride_x, stride_g, str
     tl.store(DW + pid.to(tl.int64) * D + cols, dw, mask=col_ok)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _tile(n_rows: int, D: int):
-    """``(BLOCK_M, BLOCK_D, num_warps)``: the whole row, as many rows as fit ``BLOCK_ELEMS``, one warp per 512."""
-    block_d = triton.next_power_of_2(D)
-    block_m = min(triton.next_power_of_2(n_rows), max(1, BLOCK_ELEMS // block_d))
-    return block_m, block_d, min(16, max(1, block_m * block_d // 512))
-
-
 def norm_forward(x2, gate2, weight, eps, out_dtype, n_dtype):
     """Forward launch on ``x2 [rows, D]`` (unit last stride), optional ``gate2`` like x2: ``out [rows, D]``."""
     n_rows, D = x2.shape
     out = torch.empty((n_rows, D), dtype=out_dtype, device=x2.device)
     if n_rows == 0:
         return out
-    block_m, block_d, warps = _tile(n_rows, D)
+    block_m, block_d, warps = row_tile(n_rows, D, BLOCK_ELEMS)
     has_gate = gate2 is not None
     g = gate2 if has_gate else x2
     _forward_kernel[(triton.cdiv(n_rows, block_m),)](
@@ -136,14 +122,9 @@ def norm_backward(x2, gate2, weight, dout2, eps, n_dtype):
     dg = torch.empty_like(gate2, memory_format=torch.contiguous_format) if has_gate else None
     if n_rows == 0:
         return dx, dg, torch.zeros(D, dtype=torch.float32, device=x2.device)
-    block_m, block_d, warps = _tile(n_rows, D)
+    block_m, block_d, warps = row_tile(n_rows, D, BLOCK_ELEMS)
     n_blocks = triton.cdiv(n_rows, block_m)
-    if is_interpreter():
-        programs = 2  # a CPU runs programs one after the other: two still check the partial-buffer sum
-    else:
-        index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-        programs = _sm_count(index) * BACKWARD_PROGRAMS_PER_SM
-    programs = min(n_blocks, programs)
+    programs = partial_programs(n_blocks, x2.device, BACKWARD_PROGRAMS_PER_SM)
     partial = torch.empty((programs, D), dtype=torch.float32, device=x2.device)
     g = gate2 if has_gate else x2
     _backward_kernel[(programs,)](
