@@ -1,6 +1,7 @@
 """Data-parallel post-training on CPU processes: ``torchrun --nproc_per_node N scripts/posttrain.py --config sft``
 (transformers' Trainer under TRL's ``SFTTrainer``: ``use_cpu=True`` → accelerate multi-CPU, gloo, DDP) with a
-per-device batch of ``B / N`` rows reproduces the one-process run with per-device batch ``B``.
+per-device batch of ``B / N`` rows reproduces the one-process run with per-device batch ``B`` (SFT at N = 2 and 4,
+one shared one-process run).
 
 Each run is a subprocess: the documented command, except that this file stands in for ``scripts/posttrain.py`` to
 record, per rank, the episodes every training forward saw and the router biases after every update
@@ -17,12 +18,12 @@ Why not bitwise: one process sums every assistant token's loss and gradient in o
 sum theirs and DDP adds the two partial gradients, so float32 sums are taken in another order and the weights
 after step 1 differ by float32 rounding. The Trainer divides every rank's token-loss sum by (global token count
 / N) (``average_tokens_across_devices``, default True; TRL's ``SFTTrainer.compute_loss`` then multiplies by N
-before DDP averages), so each token weighs the same on either rank. Measured over these 4 steps: at most 1e-7
-relative (step 2 equal), so ``LOSS_RTOL = 1e-5`` leaves a 100x margin; a per-rank mean instead of the global
+before DDP averages), so each token weighs the same on every rank. Measured over these 4 steps: at most 1e-7
+relative at 2 and at 4 processes (9.7e-8 each), so ``LOSS_RTOL = 1e-5`` leaves a 100x margin; a per-rank mean instead of the global
 token mean (``average_tokens_across_devices=false``; the episodes have unequal assistant token counts) was off
 by 1.6e-4 to 5.6e-4 relative on steps 2-4 (5e-6 on step 1, the same weights). The Quantile
 Balancing histograms count the same tokens in the same bins unless a margin lies within rounding of a bin edge:
-measured, the biases equal the one-process run bitwise; they are compared with ``BIAS_ATOL = 1e-6``, and across
+measured, the biases equal the one-process run bitwise at 2 and 4 processes; they are compared with ``BIAS_ATOL = 1e-6``, and across
 ranks bitwise (one all-reduce of the statistics per update: every rank computes from the same sums).
 
 Other recipes (GRPO in mode ``single_turn`` with a KL term ``beta=0.1``, DPO, RLOO): 5 steps of a global batch
@@ -88,24 +89,32 @@ def _launch(base_dir: str, out: Path, processes: int, *extra: str) -> dict:
     return {"losses": losses, "ranks": ranks}
 
 
-@pytest.mark.xdist_group("distributed")
-def test_sft_on_two_processes_reproduces_one_process_with_the_same_global_batch(base, tmp_path):  # noqa: F811
-    one = _launch(base, tmp_path / "one", 1)
-    two = _launch(base, tmp_path / "two", 2)
+@pytest.fixture(scope="module")
+def sft_one(base, tmp_path_factory):  # noqa: F811
+    """The one-process SFT run both process counts are compared with."""
+    return _launch(base, tmp_path_factory.mktemp("sft_one"), 1)
 
-    # Same episodes in the same order: at every step rank 0 saw the first half of the one-process batch and
-    # rank 1 the second half.
+
+@pytest.mark.xdist_group("distributed")
+@pytest.mark.parametrize("processes", [2, 4])
+def test_sft_on_n_processes_reproduces_one_process_with_the_same_global_batch(base, sft_one, processes,  # noqa: F811
+                                                                              tmp_path):
+    one = sft_one
+    many = _launch(base, tmp_path / "many", processes)
+
+    # Same episodes in the same order: at every step rank r saw the r-th slice of the one-process batch.
     single = one["ranks"][0]["episodes"]  # per step, GLOBAL_BATCH token lists
     assert len(single) == STEPS and all(len(step) == GLOBAL_BATCH for step in single)
-    halves = [a + b for a, b in zip(two["ranks"][0]["episodes"], two["ranks"][1]["episodes"])]
-    assert halves == single
+    slices = [sum(step, []) for step in zip(*(rank["episodes"] for rank in many["ranks"]))]
+    assert slices == single
 
-    assert len(one["losses"]) == len(two["losses"]) == STEPS
-    assert two["losses"] == pytest.approx(one["losses"], rel=LOSS_RTOL)
+    assert len(one["losses"]) == len(many["losses"]) == STEPS
+    assert many["losses"] == pytest.approx(one["losses"], rel=LOSS_RTOL)
 
-    biases = [rank["biases"] for rank in two["ranks"]]  # [STEPS, routers, experts] after every update
+    biases = [rank["biases"] for rank in many["ranks"]]  # [STEPS, routers, experts] after every update
     assert biases[0].shape[0] == STEPS
-    assert torch.equal(biases[0], biases[1])  # one all-reduce of the statistics: the ranks agree bitwise
+    for other in biases[1:]:
+        assert torch.equal(biases[0], other)  # one all-reduce of the statistics: the ranks agree bitwise
     reference = one["ranks"][0]["biases"]
     assert torch.count_nonzero(reference[-1]) > 0  # the biases did move
     torch.testing.assert_close(biases[0], reference, rtol=0, atol=BIAS_ATOL)
