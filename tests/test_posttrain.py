@@ -364,3 +364,27 @@ def test_cli_prints_a_library_errors_traceback_but_not_ours(monkeypatch, capsys)
     assert posttrain_main(["--config", "sft"]) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and "kdamoe-posttrain: error: attention_mask: a row without any real token" in err
+
+
+def test_checkpointing_uses_the_current_names_and_keeps_a_users_old_name(tmp_path):
+    """The recipes set ``activation_checkpointing`` (transformers 5.24's name; the old ``gradient_checkpointing``
+    warned on every run); a user's old-name setting is renamed, not silently beaten by a default under the new name
+    (given both, the new one wins inside TrainingArguments), and both names at once are refused."""
+    import warnings
+
+    from trl import SFTConfig
+
+    from kdamoe.posttraining.recipes.common import trainer_args
+
+    cfg = load_posttrain_config("sft", [f"output_dir={tmp_path}"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = trainer_args(cfg, SFTConfig)
+    assert not [w for w in caught if "gradient_checkpointing" in str(w.message)]
+    assert args.activation_checkpointing is (torch.cuda.is_available() or False)
+    cfg = load_posttrain_config("sft", [f"output_dir={tmp_path}", "trainer.gradient_checkpointing=true"])
+    assert trainer_args(cfg, SFTConfig).activation_checkpointing is True
+    cfg = load_posttrain_config("sft", [f"output_dir={tmp_path}", "trainer.gradient_checkpointing=true",
+                                        "trainer.activation_checkpointing=false"])
+    with pytest.raises(ValueError, match="trainer.gradient_checkpointing: give one of"):
+        trainer_args(cfg, SFTConfig)

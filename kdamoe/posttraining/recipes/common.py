@@ -31,14 +31,38 @@ COMPLETION_MARGIN = 32
 def device_defaults() -> dict:
     """Precision keywords of a TRL / ``TrainingArguments`` config for this machine's device.
 
-    Returns ``{"use_cpu": True, "bf16": False, "fp16": False, "gradient_checkpointing": False}`` without CUDA, ``{"bf16": True, "fp16": False}``
-    on a CUDA device that supports bfloat16, else ``{"bf16": False, "fp16": False}`` (float32).
+    Returns ``{"use_cpu": True, "bf16": False, "fp16": False, "activation_checkpointing": False}`` without CUDA,
+    ``{"bf16": True, "fp16": False}`` on a CUDA device that supports bfloat16, else ``{"bf16": False, "fp16": False}``
+    (float32).
     """
     if not torch.cuda.is_available():
-        # TRL turns gradient checkpointing on by default; the small CPU models have no activation memory to
+        # TRL turns activation checkpointing on by default; the small CPU models have no activation memory to
         # save and would pay a second forward per step.
-        return {"use_cpu": True, "bf16": False, "fp16": False, "gradient_checkpointing": False}
+        return {"use_cpu": True, "bf16": False, "fp16": False, "activation_checkpointing": False}
     return {"bf16": bool(torch.cuda.is_bf16_supported()), "fp16": False}
+
+
+# transformers 5.24 renamed these (the old names still work, with a FutureWarning); given both, the new one wins
+# silently, so a user's old-name setting would lose to a recipe default under the new name
+_CHECKPOINTING_NAMES = {"activation_checkpointing": "gradient_checkpointing",
+                        "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs"}
+
+
+def _checkpointing_names(user: dict, fields: set) -> dict:
+    """The user's ``trainer`` keys with the deprecated checkpointing names renamed to the current ones (when the
+    config class has them).
+
+    Raises:
+        ValueError: both names of one setting are given.
+    """
+    if "activation_checkpointing" not in fields:
+        return user
+    for new, old in _CHECKPOINTING_NAMES.items():
+        if old in user:
+            if new in user:
+                raise ValueError(f"config field trainer.{old}: give one of {old} (deprecated) and {new}, not both")
+            user[new] = user.pop(old)
+    return user
 
 
 def trainer_args(cfg, config_class: type, trainer: dict | None = None, **recipe_defaults):
@@ -63,8 +87,12 @@ def trainer_args(cfg, config_class: type, trainer: dict | None = None, **recipe_
         kwargs["router_aux_loss_coef"] = 0.0
     kwargs.update(output_dir=cfg.output_dir)
     kwargs.update(recipe_defaults)
-    kwargs.update(cfg.trainer if trainer is None else trainer)
+    kwargs.update(_checkpointing_names(dict(cfg.trainer if trainer is None else trainer), fields))
     kwargs.update(seed=cfg.seed)
+    if "activation_checkpointing" not in fields:  # an older transformers (the PPO venv): only the old names
+        for new, old in _CHECKPOINTING_NAMES.items():
+            if new in kwargs:
+                kwargs[old] = kwargs.pop(new)
     unknown = sorted(set(kwargs) - fields)
     if unknown:
         raise ValueError(f"config field trainer.{unknown[0]}: not a field of {config_class.__name__}")

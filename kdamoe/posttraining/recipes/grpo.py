@@ -156,7 +156,7 @@ def long_context_defaults(model_config) -> dict:
     Args:
         model_config: the policy's :class:`~kdamoe.KDAMoEConfig`.
     Returns:
-        ``{"gradient_checkpointing": True}`` (the recipe's default; ``trainer:`` may still override it, which
+        ``{"activation_checkpointing": True}`` (the recipe's default; ``trainer:`` may still override it, which
         :func:`check_long_context_args` then refuses).
     Raises:
         ValueError: ``model_config.prefill_chunk_size`` is 0 or None (the no-grad passes would keep every layer's
@@ -171,7 +171,7 @@ def long_context_defaults(model_config) -> dict:
         raise ValueError("grpo.long_context: the model's output_router_logits=True makes TRL's fused head request "
                          "router logits, which a chunked no-grad forward refuses; set it to False (Quantile "
                          "Balancing needs no aux loss)")
-    return {"gradient_checkpointing": True}
+    return {"activation_checkpointing": True}
 
 
 def check_long_context_args(args) -> None:
