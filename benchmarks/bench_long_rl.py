@@ -82,12 +82,12 @@ class RLRecorder(Recorder):
                  "## Rollout turn against context", "",
                  "| context | cached s / turn | TRL loop s / turn | cached / TRL | cached / cached at the first "
                  "context | same tokens |", "|---|---|---|---|---|---|"]
+        rows = {r["name"]: r for r in doc["rows"]}
         for key, e in doc["raw"].get("turns", {}).items():
             if isinstance(e, dict) and "cached_s" in e:
-                base = doc["rows"][0]["cached_s"] if doc["rows"] else None
-                lines.append(f"| {key} | {_f(e['cached_s'])} | {_f(e.get('trl_s'))} | "
-                             f"{_f(_ratio(e['cached_s'], e.get('trl_s')))} | {_f(_ratio(e['cached_s'], base))} | "
-                             f"{e.get('same_tokens')} |")
+                r = rows[f"turn after {key}"]
+                lines.append(f"| {key} | {_f(r['cached_s'])} | {_f(r['trl_s'])} | {_f(r['cached_over_trl'])} | "
+                             f"{_f(r['cached_over_cached_at_first'])} | {e.get('same_tokens')} |")
             else:
                 lines.append(f"| {key} | {e} | | | | |")
         traj = doc["raw"].get("trajectory", {})

@@ -76,19 +76,14 @@ def test_sft_under_fsdp2_on_two_processes_reproduces_one_process(base, tmp_path)
         torch.testing.assert_close(two["weights"][name], expected, rtol=0, atol=WEIGHT_ATOL, msg=name)
 
 
-def test_fsdp_is_refused_on_one_process_and_under_peft(monkeypatch):
+def test_enable_fsdp2_is_a_no_op_without_fsdp():
+    """Without ``trainer.fsdp`` the Trainer's accelerator is left as it is (the refusals of FSDP on one process,
+    version 1 and under PEFT happen when the config loads: tests/test_posttrain.py)."""
     from types import SimpleNamespace
 
     from kdamoe.posttraining.run import enable_fsdp2_on_cpu
 
-    trainer = SimpleNamespace(args=SimpleNamespace(fsdp_plugin_args={"fsdp_version": 2}))
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    with pytest.raises(ValueError, match="at least 2 processes"):
-        enable_fsdp2_on_cpu(SimpleNamespace(peft=None), trainer)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="peft"):
-        enable_fsdp2_on_cpu(SimpleNamespace(peft={"r": 4}), trainer)
-    with pytest.raises(ValueError, match="version=1"):
-        enable_fsdp2_on_cpu(SimpleNamespace(peft=None),
-                            SimpleNamespace(args=SimpleNamespace(fsdp_plugin_args={"fsdp_version": 1})))
-    enable_fsdp2_on_cpu(SimpleNamespace(peft=None), SimpleNamespace(args=SimpleNamespace(fsdp_plugin_args=None)))
+    accelerator = SimpleNamespace(distributed_type="untouched")
+    trainer = SimpleNamespace(args=SimpleNamespace(fsdp_plugin_args=None), accelerator=accelerator)
+    enable_fsdp2_on_cpu(trainer)
+    assert accelerator.distributed_type == "untouched" and not hasattr(trainer, "is_fsdp_enabled")

@@ -155,7 +155,8 @@ class PostTrainConfig:
             world = int(os.environ.get("WORLD_SIZE", "1"))
             need(world >= 2, "trainer.fsdp", f"needs at least 2 processes (torchrun --nproc_per_node N, N >= 2); "
                  f"WORLD_SIZE is {world}, and one process trains unsharded")
-            version = (t.get("fsdp_config") or {}).get("version", 2) if isinstance(t.get("fsdp_config"), dict) else 2
+            fsdp_config = t.get("fsdp_config")  # a dict here; a JSON file's path is transformers' to read
+            version = fsdp_config.get("version", 2) if isinstance(fsdp_config, dict) else 2
             need(version == 2, "trainer.fsdp_config", f"version {version!r}: the recipes support FSDP2 only (version 2, "
                  "transformers' default)")
             need(self.peft is None, "trainer.fsdp", "with a peft adapter: not supported by the recipes (train the "

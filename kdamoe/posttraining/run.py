@@ -204,7 +204,7 @@ def check_world_size(trainer) -> None:
                          "the recipes need use_cpu=True (their default without CUDA) for a gloo DDP run")
 
 
-def enable_fsdp2_on_cpu(cfg, trainer) -> None:
+def enable_fsdp2_on_cpu(trainer) -> None:
     """Make a Trainer configured for FSDP (``trainer.fsdp=full_shard``; transformers 5.24 defaults to FSDP2) shard
     on CPU processes too; a no-op without ``fsdp`` and on accelerator devices.
 
@@ -215,9 +215,11 @@ def enable_fsdp2_on_cpu(cfg, trainer) -> None:
     ``is_fsdp_enabled`` flag as ``create_accelerator_and_postprocess`` would have; from then on it is
     accelerate's own FSDP2 path, the one CUDA runs (the same switch as ``kdamoe.training.trainer.make_accelerator``).
 
+    FSDP on one process, FSDP version 1 and FSDP with a PEFT adapter (``final/`` merges the adapter on the main
+    process, which needs the whole model there) never get here: the config refuses them when it loads
+    (:meth:`kdamoe.posttraining.config.PostTrainConfig.validate`), before transformers would fail on them itself.
+
     Raises:
-        ValueError: ``fsdp`` with one process (nothing to shard), or FSDP version 1, or with a PEFT adapter
-            (``final/`` merges the adapter on the main process, which needs the whole model there).
         RuntimeError: the accelerator did not end up in FSDP2 mode (an accelerate version whose gating differs).
     """
     from accelerate import PartialState
@@ -226,15 +228,6 @@ def enable_fsdp2_on_cpu(cfg, trainer) -> None:
     plugin_args = trainer.args.fsdp_plugin_args
     if plugin_args is None:
         return
-    if plugin_args["fsdp_version"] != 2:
-        raise ValueError(f"trainer.fsdp_config version={plugin_args['fsdp_version']}: the recipes support FSDP2 "
-                         "only (version 2, transformers' default)")
-    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        raise ValueError("trainer.fsdp needs at least 2 processes (torchrun --nproc_per_node N, N >= 2); one "
-                         "process trains unsharded")
-    if cfg.peft is not None:
-        raise ValueError("trainer.fsdp with a peft adapter: not supported by the recipes (train the full model, "
-                         "peft: null)")
     accelerator = trainer.accelerator
     if accelerator.distributed_type == DistributedType.MULTI_CPU:
         plugin = FullyShardedDataParallelPlugin(**plugin_args)
@@ -275,7 +268,7 @@ def run_recipe(cfg, resume: bool = True) -> dict:
     padding_side = tokenizer.padding_side
     trainer = build_trainer(cfg, model, tokenizer)
     check_world_size(trainer)
-    enable_fsdp2_on_cpu(cfg, trainer)
+    enable_fsdp2_on_cpu(trainer)
     add_router_bias_callback(trainer, RouterBiasUpdateCallback(freeze_biases=cfg.router_biases == "freeze"))
     checkpoint = newest_checkpoint(cfg.output_dir) if resume else None
     if checkpoint:
