@@ -158,9 +158,10 @@ def _row_sequences(seq_idx: torch.Tensor):
     return cu_seqlens, first
 
 
-def _fla_causal_conv1d(fla, x, weight, conv_state, seq_idx):
+def _fla_causal_conv1d(fla, x, weight, conv_state, seq_idx, output_final_state=True):
     """fla's ``causal_conv1d(activation="silu")`` with kdamoe's arguments: ``seq_idx`` becomes ``cu_seqlens``
     over the flattened batch, the cached row state seeds each row's first sequence only."""
+    x = x.contiguous()  # the KDA layer passes column slices of its fused projection; fla's kernel reads dense rows
     B, T, C = x.shape
     W = weight.shape[1]
     if conv_state is not None and _is_decode_step(x, conv_state, seq_idx, weight):
@@ -178,26 +179,28 @@ def _fla_causal_conv1d(fla, x, weight, conv_state, seq_idx):
                                  activation="silu", cu_seqlens=cu_seqlens)
         y = y.view(B, T, C)
     # The returned state follows kdamoe's definition (the row's last W inputs of its last sequence).
-    return y, conv_final_state(x, conv_state, seq_idx, W)
+    return y, conv_final_state(x, conv_state, seq_idx, W) if output_final_state else None
 
 
 @use_kernel_forward_from_hub("kdamoe_causal_conv1d")
-def causal_conv1d(x, weight, conv_state=None, seq_idx=None, *, backend="auto"):
+def causal_conv1d(x, weight, conv_state=None, seq_idx=None, *, output_final_state=True, backend="auto"):
     """The KDA layer's short conv: ``(SiLU(causal depthwise conv(x)) [B, T, C], new_state [B, C, W])``.
 
     Semantics, shapes and errors of :func:`kda_torch.causal_conv1d_torch` (x ``[B, T, C]``, weight ``[C, W]``,
-    conv_state ``[B, C, W]``, seq_idx ``[B, T]``); outputs in x's dtype. A one-token step with a cache and no
-    gradient runs the single-launch update kernel of the backend.
+    conv_state ``[B, C, W]``, seq_idx ``[B, T]``); outputs in x's dtype. ``new_state`` is None when
+    ``output_final_state`` is False (fla's argument: a forward with no cache to fill skips its few launches). A
+    one-token step with a cache and no gradient runs the single-launch update kernel of the backend.
     """
     impl = resolve(backend, x.device, "causal_conv1d")
     if impl == "kdamoe":
         kernels = kdamoe_kernels()
         if conv_state is not None and _is_decode_step(x, conv_state, seq_idx, weight):
             return kernels.causal_conv1d_update(x, conv_state, weight)
-        return kernels.causal_conv1d(x, weight, conv_state, seq_idx)
+        return kernels.causal_conv1d(x, weight, conv_state, seq_idx, output_final_state=output_final_state)
     if impl == "fla":
-        return _fla_causal_conv1d(fla_kernels(), x, weight, conv_state, seq_idx)
-    return causal_conv1d_torch(x, weight, conv_state, seq_idx)
+        return _fla_causal_conv1d(fla_kernels(), x, weight, conv_state, seq_idx, output_final_state)
+    y, new_state = causal_conv1d_torch(x, weight, conv_state, seq_idx)
+    return y, new_state if output_final_state else None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -259,7 +262,9 @@ def moe_experts_op(backend: str, device: torch.device):
 
     ``act`` is the experts module's activation (with ``hidden_act``, ``beta`` and ``linear_beta``
     attributes); the Triton op fuses it, the torch op calls it. fla has no MoE kernel: ``"fla"`` and an
-    ``"auto"`` without ``kdamoe.kernels`` use the torch op.
+    ``"auto"`` without ``kdamoe.kernels`` use the torch op. The op is the model's (its indices come from the
+    router kernel, in ``[0, E]`` by construction), so the Triton op skips its index-value check: that check's
+    device sync, once per MoE layer, would stall the launch queue of every training step.
     """
     if resolve(backend, device, "moe_experts") == "kdamoe":
         kernel = kdamoe_kernels().moe_experts
@@ -268,6 +273,7 @@ def moe_experts_op(backend: str, device: torch.device):
             return kernel(
                 hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                 activation=act.hidden_act, situ_beta=act.beta, situ_linear_beta=act.linear_beta,
+                check_index_values=False,
             )
 
         return run

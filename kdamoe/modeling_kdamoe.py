@@ -60,27 +60,80 @@ logger = logging.get_logger(__name__)
 # ----------------------------------------------------------------------------------------------------
 # Norms and dense MLPs
 # ----------------------------------------------------------------------------------------------------
+class FusedLinearFunction(torch.autograd.Function):
+    """``F.linear(x, cat(weights))`` returned as one column view per weight, with a backward that concatenates
+    nothing.
+
+    Autograd's own backward of ``F.linear(...).split(...)`` first concatenates the outputs' gradients into one
+    ``[N, Σ out]`` tensor (a copy the size of the whole output) to run a single GEMM. Here each output's gradient
+    ``G_i [N, out_i]`` is used where it lies: ``∂x = Σ_i G_i W_i`` (one GEMM, then one accumulating GEMM per further
+    output, as separate ``nn.Linear`` modules summed by autograd would round) and ``∂W_i = G_iᵀ x``.
+
+    Under autocast the GEMM runs in the autocast dtype, as ``F.linear`` would; the gradients come back in the dtypes
+    of ``x`` and of each weight (float32 master weights get float32 gradients).
+    """
+
+    @staticmethod
+    def forward(ctx, x, *weights):
+        device_type = x.device.type
+        compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        weight = torch.cat([w.to(compute) for w in weights])
+        with torch.autocast(device_type, enabled=False):
+            y = F.linear(x.to(compute), weight)
+        ctx.save_for_backward(x.to(compute), weight)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no GEMM on zeros
+        ctx.sizes = [w.shape[0] for w in weights]
+        ctx.dtypes = (x.dtype, [w.dtype for w in weights])
+        return y.split(ctx.sizes, dim=-1)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, weight = ctx.saved_tensors
+        x_dtype, w_dtypes = ctx.dtypes
+        rows = x.reshape(-1, x.shape[-1])
+        dx, dweights, start = None, [], 0
+        for i, (size, grad) in enumerate(zip(ctx.sizes, grads)):
+            w = weight[start:start + size]
+            start += size
+            if grad is None:  # an output that did not reach the loss
+                dweights.append(None)
+                continue
+            grad = grad.reshape(-1, size).to(x.dtype)
+            if ctx.needs_input_grad[0]:
+                dx = grad @ w if dx is None else dx.addmm_(grad, w)
+            dweights.append((grad.t() @ rows).to(w_dtypes[i]) if ctx.needs_input_grad[1 + i] else None)
+        if dx is not None:
+            dx = dx.view(*x.shape).to(x_dtype)
+        elif ctx.needs_input_grad[0]:
+            dx = torch.zeros(x.shape, dtype=x_dtype, device=x.device)
+        return (dx, *dweights)
+
+
 def fused_linear(hidden_states: torch.Tensor, modules: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
     """``tuple(m(hidden_states) for m in modules)`` for projections that read the same input.
 
     When every module is a plain ``nn.Linear`` without bias, the outputs come from one GEMM over the concatenated
-    weights, returned as views of its output (exact: each output column is the same dot product). A decode step
+    weights, returned as column views of its output (exact: each output column is the same dot product), and the
+    backward is :class:`FusedLinearFunction`'s, which never concatenates the outputs' gradients. A decode step
     launches one kernel instead of ``len(modules)``, and at one token per row each small GEMM costs its launch
-    latency, not its bytes. The concatenation is redone on every call (one copy of the weights, a few MB) so that
-    in-place weight updates — an optimizer step, a captured CUDA graph replayed after one — are always seen. A
-    module that is not plain (:func:`_is_plain_linear`: a PEFT LoRA layer, a forward hook, an offload hook) makes
-    every module run on its own.
+    latency, not its bytes. The concatenation of the weights is redone on every call (one copy of the weights, a
+    few MB) so that in-place weight updates — an optimizer step, a captured CUDA graph replayed after one — are
+    always seen. A module that is not plain (:func:`_is_plain_linear`: a PEFT LoRA layer, a forward hook, an offload
+    hook) makes every module run on its own.
 
     Args:
         hidden_states: ``[..., in_features]``.
         modules: the projections, all with ``in_features`` inputs.
 
     Returns:
-        ``[..., out_features_i]`` per module, in the GEMM's dtype.
+        ``[..., out_features_i]`` per module, in the GEMM's dtype; in the fused case views of one
+        ``[..., Σ out_features]`` tensor (row stride ``Σ out_features``).
     """
     if all(_is_plain_linear(m) for m in modules):
-        weight = torch.cat([m.weight for m in modules])
-        return F.linear(hidden_states, weight).split([m.out_features for m in modules], dim=-1)
+        weights = [m.weight for m in modules]
+        if torch.is_grad_enabled() and (hidden_states.requires_grad or any(w.requires_grad for w in weights)):
+            return FusedLinearFunction.apply(hidden_states, *weights)
+        return F.linear(hidden_states, torch.cat(weights)).split([m.out_features for m in modules], dim=-1)
     return tuple(m(hidden_states) for m in modules)
 
 
@@ -229,10 +282,9 @@ class KDAMoEDeltaAttention(nn.Module):
         q, k, v, f, beta, gate = fused_linear(
             hidden_states, (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.g_a_proj)
         )
-        mixed = torch.cat([q, k, v], -1)
         seq_idx = packed["seq_idx"] if packed is not None else None
-        mixed, new_conv_state = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), conv_state, seq_idx, backend=backend)
-        q, k, v = (x.view(B, T, H, K) for x in mixed.chunk(3, dim=-1))
+        q, k, v, new_conv_state = self._short_conv(q, k, v, conv_state, seq_idx, cache is not None)
+        q, k, v = (x.view(B, T, H, K) for x in (q, k, v))
 
         f = self.f_b_proj(f).view(B, T, H, K)  # raw gate input
         beta = torch.sigmoid(beta.float())
@@ -261,6 +313,33 @@ class KDAMoEDeltaAttention(nn.Module):
         gate = self.g_b_proj(gate).view(B, T, H, K)
         o = self.o_norm(o, gate).reshape(B, T, H * K)
         return self.o_proj(o)
+
+    def _short_conv(self, q, k, v, conv_state, seq_idx, output_final_state):
+        """The depthwise conv + SiLU of q, k and v (``[B, T, width]`` each) → ``(q, k, v, new_conv_state)``, the state
+        ``[B, 3·width, W]`` over the q|k|v channels as the cache keeps it (None unless ``output_final_state``).
+
+        The conv is depthwise, so it runs as one op per part with that part's channels of the weight: each reads its
+        column slice of the fused projection in place and writes a contiguous output, as the KDA op wants its inputs;
+        one op over the concatenation would copy q|k|v in, copy q, k and v out, and concatenate their gradients.
+        A decode step (one token on a cached state) runs the single update op on the concatenation instead: there the
+        copies are a few KB and the launches are what costs.
+        """
+        weight = self.conv1d.weight.squeeze(1)
+        backend = self.config.kernel_backend
+        if conv_state is not None and q.shape[1] == 1:
+            mixed, new_state = causal_conv1d(torch.cat([q, k, v], -1), weight, conv_state, seq_idx,
+                                             output_final_state=output_final_state, backend=backend)
+            return (*mixed.chunk(3, dim=-1), new_state)
+        width = q.shape[-1]
+        outs, states = [], []
+        for i, x in enumerate((q, k, v)):
+            part = slice(i * width, (i + 1) * width)
+            state = conv_state[:, part] if conv_state is not None else None
+            y, new_state = causal_conv1d(x, weight[part], state, seq_idx, output_final_state=output_final_state,
+                                         backend=backend)
+            outs.append(y)
+            states.append(new_state)
+        return (*outs, torch.cat(states, dim=1) if output_final_state else None)
 
     def _packed(self, q, k, v, f, beta, recurrent_state, packed, **kwargs):
         """Run every packed document as its own sequence (``cu_seqlens`` over the flattened batch)."""
@@ -906,13 +985,19 @@ def packed_causal_mask_function(doc_ids: torch.Tensor) -> Callable:
     return same_document
 
 
-def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids, past: int | None) -> None:
-    """Raise ``ValueError`` naming the bad input before anything runs.
+def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids, past: int | None) -> dict:
+    """Raise ``ValueError`` naming the bad input before anything runs; return what the same sync learned.
 
     ``input_ids`` must be a non-empty integer ``[B, T]`` tensor with ids in ``[0, vocab_size)``; ``inputs_embeds``
     ``[B, T, hidden_size]``; a 2-D ``attention_mask`` ``[B, past + T]`` of 0 / 1 values (``past`` = cached tokens,
     ``None`` when the cache cannot tell: an all-linear-attention model); ``position_ids`` ``[B or 1, T]``. The value
-    checks (ids, mask) cost one device sync together.
+    checks cost one device sync together, and so do the two facts the forward needs from the values, which ride on
+    it (a sync stalls the launch queue: the GPU idles while the host catches up).
+
+    Returns:
+        ``{"mask_all_ones": bool}`` for a 2-D ``attention_mask`` (no padding: the plain causal kernels apply) and
+        ``{"position_restarts": bool}`` for ``position_ids`` with ``T > 1`` (a restart at 0 marks packed
+        documents); a key is absent when its input is.
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Specify exactly one of `input_ids` or `inputs_embeds`")
@@ -938,6 +1023,10 @@ def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, posi
         checks["low"], checks["high"] = torch.aminmax(input_ids)
     if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.numel() > 0:
         checks["mask_not_binary"] = ((attention_mask != 0) & (attention_mask != 1)).any()
+        checks["mask_all_ones"] = attention_mask.all()
+    position_ok = position_ids is not None and position_ids.dim() == 2 and position_ids.shape[-1] == T
+    if position_ok and T > 1:
+        checks["position_restarts"] = (position_ids[:, 1:] == 0).any()
     if checks:
         checks = dict(zip(checks, torch.stack([v.to(torch.float64) for v in checks.values()]).tolist()))
     if input_ids is not None and (checks["low"] < 0 or checks["high"] >= config.vocab_size):
@@ -957,6 +1046,7 @@ def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, posi
         raise ValueError(f"`attention_mask` must be 2-D [batch, past + seq_len] (or a 4-D mask), got {list(attention_mask.shape)}")
     if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[0] not in (1, B) or position_ids.shape[1] != T):
         raise ValueError(f"`position_ids` has shape {list(position_ids.shape)}; expected [{B}, {T}]")
+    return {key: bool(checks[key]) for key in ("mask_all_ones", "position_restarts") if key in checks}
 
 
 # Continuations of a KDAMoECache up to this many tokens per row attend in the latent space (decode steps, short
@@ -1100,8 +1190,9 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         if cache is not None:
             past = cache.get_seq_length() if has_full_attention else None
         tokens = input_ids if input_ids is not None else inputs_embeds  # validated below: one of them is given
+        facts = {}
         if not managed:  # the graph validates the real ids before each replay
-            validate_model_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past)
+            facts = validate_model_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past)
             if cache is not None:
                 check_cache_matches(self.config, cache, tokens.shape[0])
         past = past or 0
@@ -1111,10 +1202,13 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         chunk = self.config.prefill_chunk_size if prefill_chunk_size is None else prefill_chunk_size
         check_prefill_chunk_size(chunk)
         B, T = tokens.shape[:2]
-        if position_ids is None:
+        if position_ids is None:  # consecutive from `past`: no restart, nothing to read back
             position_ids = torch.arange(past, past + T, device=tokens.device).unsqueeze(0)
+            facts["position_restarts"] = False
         position_ids = position_ids.expand(B, T)
-        packed = attention_mask is None and T > 1 and bool((position_ids[:, 1:] == 0).any())
+        restarts = facts.get("position_restarts")
+        packed = attention_mask is None and T > 1 and (
+            restarts if restarts is not None else bool((position_ids[:, 1:] == 0).any()))
         mask_4d = attention_mask is not None and attention_mask.dim() == 4  # a custom mask, passed through as is
         chunked = bool(chunk) and T > chunk and not packed and not mask_4d and not torch.is_grad_enabled()
         if chunked and (want_router or want_attentions):
@@ -1124,7 +1218,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
             )
         if use_cache and cache is None:
             cache = KDAMoECache(self.config)
-        if attention_mask is not None and not mask_4d and not managed and T > 1 and bool(attention_mask.all()):
+        if attention_mask is not None and not mask_4d and not managed and T > 1 and facts.get("mask_all_ones", False):
             attention_mask = None  # no padding: the plain causal kernels apply
         run_cache = cache if cache is not None or not chunked else KDAMoECache(self.config)  # carries the chunks
 

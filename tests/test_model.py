@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, DynamicCache
 
 from kdamoe import KDAMoEForCausalLM, KDAMoEForSequenceClassification
@@ -232,6 +233,51 @@ def test_fused_linear_equals_each_projection_and_leaves_wrapped_modules_to_thems
     biased = mods[:2] + (torch.nn.Linear(24, 3, bias=True).double(),)
     for out, m in zip(fused_linear(x, biased), biased, strict=True):
         torch.testing.assert_close(out, m(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("unused", [None, 2])
+def test_fused_linear_gradients_equal_each_projection_on_its_own(unused):
+    """The fused path's own backward (no concatenation of the outputs' gradients) against separate ``nn.Linear``
+    modules in float64: the input's and every weight's gradient; an output that does not reach the loss gets its
+    weight no gradient, as autograd gives an unused module."""
+    from kdamoe.modeling_kdamoe import fused_linear
+
+    gen = torch.Generator().manual_seed(4)
+    mods = tuple(torch.nn.Linear(24, n, bias=False).double() for n in (16, 5, 1, 9))
+    x = torch.randn(2, 7, 24, generator=gen, dtype=torch.float64, requires_grad=True)
+    upstream = [torch.randn(2, 7, m.out_features, generator=gen, dtype=torch.float64) for m in mods]
+    results = []
+    for run in (lambda: fused_linear(x, mods), lambda: tuple(F.linear(x, m.weight) for m in mods)):
+        outs = run()
+        loss = sum((o * u).sum() for i, (o, u) in enumerate(zip(outs, upstream)) if i != unused)
+        weights = [m.weight for i, m in enumerate(mods) if i != unused]
+        results.append(torch.autograd.grad(loss, [x, *weights]))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    if unused is not None:
+        outs = fused_linear(x, mods)
+        sum(o.sum() for i, o in enumerate(outs) if i != unused).backward()
+        assert mods[unused].weight.grad is None and mods[0].weight.grad is not None
+
+
+def test_fused_linear_under_autocast_runs_in_bfloat16_and_returns_float32_gradients():
+    """float32 master weights under CPU bfloat16 autocast: the outputs are bfloat16 like ``F.linear``'s under
+    autocast, and the gradients float32 and equal to autocast's separate projections."""
+    from kdamoe.modeling_kdamoe import fused_linear
+
+    gen = torch.Generator().manual_seed(6)
+    mods = tuple(torch.nn.Linear(32, n, bias=False) for n in (16, 8))
+    x = torch.randn(3, 5, 32, generator=gen, requires_grad=True)
+    results = []
+    for run in (lambda: fused_linear(x, mods), lambda: tuple(m(x) for m in mods)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs = run()
+        assert all(o.dtype == torch.bfloat16 for o in outs)
+        loss = sum((o.float() * (i + 1)).sum() for i, o in enumerate(outs))
+        results.append(torch.autograd.grad(loss, [x, *(m.weight for m in mods)]))
+    for got, want in zip(*results, strict=True):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
 
 
 def test_hooks_on_a_fused_projection_still_run_and_change_the_output():

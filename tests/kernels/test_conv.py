@@ -89,6 +89,41 @@ def test_matches_reference_values_and_gradients(dtype, B, T, C, W, seed, with_st
         assert rel(got, want) <= TOL[dtype] * 5, f"d{name}"
 
 
+@pytest.mark.parametrize("dtype,B,packed", [(F32, 2, True), (F16, 3, False), (F32, 1, False)])
+def test_a_column_slice_is_read_in_place_and_matches_the_reference(dtype, B, packed):
+    """x as the middle columns of a wider [B, T, 3C] tensor (the KDA layer's k part of its fused projection): read
+    in place (the kernels take its row stride; a copy would allocate), values and gradients as the float64
+    reference on the same values, and the gradient lands only in those columns of the wide tensor."""
+    import kdamoe.kernels.conv.conv as conv
+
+    T, C, W = 70, 12, 4
+    _, w, state, seq_idx, dy, _ = make(B, T, C, W, 21 + B, dtype, True, packed)
+    wide = torch.randn(B, T, 3 * C, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE).requires_grad_()
+    x = wide[..., C:2 * C]
+    assert conv._rows_strided(x.detach()) is not None and conv._rows_strided(x.detach()).data_ptr() == x.data_ptr()
+    ids = seq_idx.to(DEVICE) if seq_idx is not None else None
+    y, new_state = causal_conv1d(x, w.to(DEVICE), state.to(DEVICE), ids)
+    x_ref = x.detach().double().cpu().requires_grad_()
+    y_ref, state_ref = causal_conv1d_torch(x_ref, w.double(), state.double(), seq_idx)
+    assert rel(y, y_ref) <= TOL[dtype]
+    torch.testing.assert_close(new_state.double().cpu(), state_ref.detach(), rtol=0, atol=0)
+    (grad_wide,) = torch.autograd.grad((y.float() * dy.to(DEVICE)).sum(), [wide])
+    (grad_ref,) = torch.autograd.grad((y_ref * dy.double()).sum(), [x_ref])
+    assert rel(grad_wide[..., C:2 * C], grad_ref) <= TOL[dtype] * 5
+    assert grad_wide[..., :C].abs().max() == 0 and grad_wide[..., 2 * C:].abs().max() == 0
+
+
+def test_rows_that_are_not_evenly_spaced_are_copied_first():
+    """A slice of tokens of a batch of several rows (rows T' apart in a tensor of T > T' tokens) cannot be read with
+    one row stride: it is copied, and the result equals the contiguous input's."""
+    import kdamoe.kernels.conv.conv as conv
+
+    x, w, _, _, _, _ = make(2, 30, 8, 4, 12, torch.float32, False, False)
+    sliced = x[:, 3:20]
+    assert conv._rows_strided(sliced).data_ptr() != sliced.data_ptr()
+    torch.testing.assert_close(causal_conv1d(sliced, w)[0], causal_conv1d(sliced.contiguous(), w)[0], rtol=0, atol=0)
+
+
 def test_packed_row_equals_each_document_alone():
     """Independent of the reference: a packed row's outputs equal each document convolved on its own."""
     x, w, state, _, _, _ = make(1, 40, 8, 4, 11, torch.float32, True, False)

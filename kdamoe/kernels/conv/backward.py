@@ -27,7 +27,7 @@ _BWD_CONFIGS = [triton.Config({"BC": 64}, num_warps=4), triton.Config({"BC": 32}
 
 @autotune(configs=_BWD_CONFIGS, key=["C", "W", "HAS_STATE", "HAS_SEQ", "STATE_GRAD"])
 @triton.jit
-def _conv_bwd_kernel(x, weight, state, seq_idx, dy, dx, dw_part, dstate, T, C, NT, W: tl.constexpr,
+def _conv_bwd_kernel(x, weight, state, seq_idx, dy, dx, dw_part, dstate, T, C, SX, NT, W: tl.constexpr,
                      BT: tl.constexpr, BC: tl.constexpr, HAS_STATE: tl.constexpr, HAS_SEQ: tl.constexpr,
                      STATE_GRAD: tl.constexpr):
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -40,7 +40,8 @@ def _conv_bwd_kernel(x, weight, state, seq_idx, dy, dx, dw_part, dstate, T, C, N
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for i in tl.static_range(W):
         r = rows + i
-        pre, ids_r = conv_rows(x, weight, state, seq_idx, i_b, r, cols, mcol, T, C, first_id, W, HAS_STATE, HAS_SEQ)
+        pre, ids_r = conv_rows(x, weight, state, seq_idx, i_b, r, cols, mcol, T, C, SX, first_id, W,
+                               HAS_STATE, HAS_SEQ)
         mr = r < T
         off = (i_b * T + r).to(tl.int64) * C
         g = tl.load(dy + off[:, None] + cols[None, :], mask=mr[:, None] & mcol[None, :], other=0.).to(tl.float32)
@@ -52,7 +53,7 @@ def _conv_bwd_kernel(x, weight, state, seq_idx, dy, dx, dw_part, dstate, T, C, N
             for j in tl.static_range(W):
                 src = rows - j
                 m_x = (rows < T) & (src >= 0)
-                xoff = (i_b * T + src).to(tl.int64) * C
+                xoff = (i_b * T + src).to(tl.int64) * SX
                 tap = tl.load(x + xoff[:, None] + cols[None, :], mask=m_x[:, None] & mcol[None, :],
                               other=0.).to(tl.float32)
                 if HAS_STATE:
@@ -86,19 +87,21 @@ def _conv_bwd_kernel(x, weight, state, seq_idx, dy, dx, dw_part, dstate, T, C, N
 
 
 def conv_bwd(x, weight, state, seq_idx, dy, state_grad):
-    """Gradients of :func:`conv_fwd`'s output for contiguous inputs and ``dy`` like x.
+    """Gradients of :func:`conv_fwd`'s output, for its inputs (``x`` with token stride ``x.stride(1)``) and a
+    contiguous ``dy [B, T, C]``.
 
-    Returns ``(dx like x, dweight [C, W] float32, dstate [B, C, W] float32 or None)``.
+    Returns ``(dx [B, T, C] contiguous in x's dtype, dweight [C, W] float32, dstate [B, C, W] float32 or None)``.
     """
     B, T, C = x.shape
     W = weight.shape[1]
     NT = triton.cdiv(T, BT_BWD)
-    dx = torch.empty_like(x)
+    dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     dw_part = torch.zeros(B * NT, C, W, dtype=torch.float32, device=x.device)
     dstate = torch.zeros(B, C, W, dtype=torch.float32, device=x.device) if state_grad else None
     if B * T * C > 0:
         grid = lambda meta: (NT, triton.cdiv(C, meta["BC"]), B)
-        _conv_bwd_kernel[grid](x, weight, state, seq_idx, dy, dx, dw_part, dstate, T, C, NT, W=W, BT=BT_BWD,
+        _conv_bwd_kernel[grid](x, weight, state, seq_idx, dy, dx, dw_part, dstate, T, C, x.stride(1), NT, W=W,
+                               BT=BT_BWD,
                                HAS_STATE=state is not None, HAS_SEQ=seq_idx is not None,
                                STATE_GRAD=bool(state_grad))
     return dx, dw_part.sum(0), dstate

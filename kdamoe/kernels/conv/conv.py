@@ -22,7 +22,8 @@ MAX_WIDTH = 8  # the backward unrolls W² tile loads
 
 
 class CausalConv1dFunction(torch.autograd.Function):
-    """Autograd over contiguous inputs; see :func:`causal_conv1d`. Differentiable in x, weight and conv_state."""
+    """Autograd over the inputs :func:`causal_conv1d` prepared (x row-strided, the others contiguous); differentiable
+    in x, weight and conv_state."""
 
     @staticmethod
     def forward(ctx, x, weight, conv_state, seq_idx):
@@ -96,7 +97,17 @@ def final_conv_state(x, conv_state, seq_idx, width):
     return tail.transpose(1, 2).contiguous()
 
 
-def causal_conv1d(x, weight, conv_state=None, seq_idx=None):
+def _rows_strided(x):
+    """``x`` itself when the kernels can read it in place — unit channel stride, rows ``T·stride(1)`` apart: a column
+    slice of a contiguous ``[B, T, C']`` tensor such as the KDA layer's q / k / v parts of its fused projection —
+    else a contiguous copy."""
+    B, T, _ = x.shape
+    if x.stride(-1) == 1 and (B == 1 or x.stride(0) == T * x.stride(1)):
+        return x
+    return x.contiguous()
+
+
+def causal_conv1d(x, weight, conv_state=None, seq_idx=None, *, output_final_state=True):
     r"""Depthwise causal convolution followed by SiLU, restarting at sequence boundaries; differentiable.
 
     For channel c, token t of row b (tap j looks j steps back; the op of causal-conv1d / fla's
@@ -108,12 +119,14 @@ def causal_conv1d(x, weight, conv_state=None, seq_idx=None):
     sequence id. Accumulated in float32.
 
     Args:
-        x: ``[B, T, C]`` float16 / bfloat16 / float32.
+        x: ``[B, T, C]`` float16 / bfloat16 / float32, read in place when its channels are contiguous and its
+            rows evenly spaced (e.g. a column slice of a wider projection output), else copied first.
         weight: ``[C, W]`` depthwise kernel (``nn.Conv1d(C, C, W, groups=C).weight.squeeze(1)``), 1 ≤ W ≤ 8.
         conv_state: optional ``[B, C, W]`` the W inputs before x, oldest first (from the cache); None = zeros.
             Differentiable when it requires grad.
         seq_idx: optional ``[B, T]`` int32/int64 sequence id per token (packed documents); a token never sees
             inputs of another id.
+        output_final_state: return the new state (False: None, and its few PyTorch launches are skipped).
 
     Returns:
         ``(y [B, T, C] in x's dtype, new_state [B, C, W] in x's dtype)``: the state holds the last W inputs of
@@ -125,8 +138,8 @@ def causal_conv1d(x, weight, conv_state=None, seq_idx=None):
     _, _, _, W = _validate(x, weight, conv_state, seq_idx)
     state = conv_state.contiguous() if conv_state is not None else None
     ids = seq_idx.contiguous() if seq_idx is not None else None
-    y = CausalConv1dFunction.apply(x.contiguous(), weight.contiguous(), state, ids)
-    return y, final_conv_state(x, conv_state, seq_idx, W)
+    y = CausalConv1dFunction.apply(_rows_strided(x), weight.contiguous(), state, ids)
+    return y, final_conv_state(x, conv_state, seq_idx, W) if output_final_state else None
 
 
 def causal_conv1d_update(x, conv_state, weight):

@@ -22,10 +22,11 @@ _FWD_CONFIGS = [triton.Config({"BT": 64, "BC": 64}, num_warps=4), triton.Config(
 
 
 @triton.jit
-def conv_rows(x, weight, state, seq_idx, i_b, rows, cols, mcol, T, C, first_id,
+def conv_rows(x, weight, state, seq_idx, i_b, rows, cols, mcol, T, C, SX, first_id,
               W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_SEQ: tl.constexpr):
     """Pre-activation ``pre [len(rows), BC]`` (float32) at token rows ``rows`` (any int, masked outside
-    [0, T)) and the sequence ids of those rows (``-1`` outside [0, T); all 0 without ``seq_idx``)."""
+    [0, T)) and the sequence ids of those rows (``-1`` outside [0, T); all 0 without ``seq_idx``). Token ``t`` of
+    row ``b`` of x starts ``(b·T + t)·SX`` elements in (``SX ≥ C``: x may be a column slice of a wider tensor)."""
     mrow = (rows >= 0) & (rows < T)
     ids = tl.zeros(rows.shape, dtype=tl.int64)
     if HAS_SEQ:
@@ -34,7 +35,7 @@ def conv_rows(x, weight, state, seq_idx, i_b, rows, cols, mcol, T, C, first_id,
     for j in tl.static_range(W):
         src = rows - j
         m_x = mrow & (src >= 0)
-        off = (i_b * T + src).to(tl.int64) * C
+        off = (i_b * T + src).to(tl.int64) * SX
         tap = tl.load(x + off[:, None] + cols[None, :], mask=m_x[:, None] & mcol[None, :], other=0.).to(tl.float32)
         if HAS_STATE:
             m_s = mrow & (src < 0)
@@ -52,7 +53,7 @@ def conv_rows(x, weight, state, seq_idx, i_b, rows, cols, mcol, T, C, first_id,
 
 @autotune(configs=_FWD_CONFIGS, key=["C", "W", "HAS_STATE", "HAS_SEQ"])
 @triton.jit
-def _conv_fwd_kernel(x, weight, state, seq_idx, y, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+def _conv_fwd_kernel(x, weight, state, seq_idx, y, T, C, SX, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                      HAS_STATE: tl.constexpr, HAS_SEQ: tl.constexpr):
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = i_t * BT + tl.arange(0, BT)
@@ -61,21 +62,22 @@ def _conv_fwd_kernel(x, weight, state, seq_idx, y, T, C, W: tl.constexpr, BT: tl
     first_id = 0
     if HAS_SEQ:
         first_id = tl.load(seq_idx + i_b * T).to(tl.int64)
-    pre, _ = conv_rows(x, weight, state, seq_idx, i_b, rows, cols, mcol, T, C, first_id, W, HAS_STATE, HAS_SEQ)
+    pre, _ = conv_rows(x, weight, state, seq_idx, i_b, rows, cols, mcol, T, C, SX, first_id, W, HAS_STATE, HAS_SEQ)
     out = pre * tl.sigmoid(pre)
     off = (i_b * T + rows).to(tl.int64) * C
     tl.store(y + off[:, None] + cols[None, :], out.to(y.dtype.element_ty), mask=(rows < T)[:, None] & mcol[None, :])
 
 
 def conv_fwd(x, weight, state, seq_idx):
-    """``SiLU(conv(x))`` for contiguous ``x [B, T, C]``, ``weight [C, W]``, ``state [B, C, W]`` or None,
-    ``seq_idx [B, T]`` or None; returns ``y`` like x."""
+    """``SiLU(conv(x))`` for ``x [B, T, C]`` with unit channel stride and token stride ``SX = x.stride(1)``
+    (``x.stride(0) = T·SX``: contiguous, or a column slice of a contiguous tensor), contiguous ``weight [C, W]``,
+    ``state [B, C, W]`` or None, ``seq_idx [B, T]`` or None; returns a contiguous ``y [B, T, C]`` in x's dtype."""
     B, T, C = x.shape
     W = weight.shape[1]
-    y = torch.empty_like(x)
+    y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     if B * T * C == 0:
         return y
     grid = lambda meta: (triton.cdiv(T, meta["BT"]), triton.cdiv(C, meta["BC"]), B)
-    _conv_fwd_kernel[grid](x, weight, state, seq_idx, y, T, C, W=W, HAS_STATE=state is not None,
+    _conv_fwd_kernel[grid](x, weight, state, seq_idx, y, T, C, x.stride(1), W=W, HAS_STATE=state is not None,
                            HAS_SEQ=seq_idx is not None)
     return y

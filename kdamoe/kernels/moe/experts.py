@@ -41,7 +41,7 @@ def _check_device(*tensors):
         raise ValueError(f"moe_experts: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got device {dev}")
 
 
-def _validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
+def _validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, check_index_values):
     if activation not in ACTIVATIONS:
         raise ValueError(f"moe_experts: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     for name, t in (("hidden_states", hidden_states), ("top_k_index", top_k_index), ("top_k_weights", top_k_weights),
@@ -78,9 +78,9 @@ def _validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj
     if e < 1 or inter < 1 or hid < 1:
         raise ValueError(f"moe_experts: empty expert weights {tuple(gate_up_proj.shape)}")
     _check_device(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
-    # The value check reads the device on the host: skipped while a CUDA graph captures (the model's decode step,
-    # where the indices come from the router kernel and are in range by construction).
-    if n > 0 and not (top_k_index.is_cuda and torch.cuda.is_current_stream_capturing()):
+    # The value check reads the device on the host: skipped when the caller vouches for the indices (the model's
+    # experts module, fed by its router kernel) and while a CUDA graph captures.
+    if check_index_values and n > 0 and not (top_k_index.is_cuda and torch.cuda.is_current_stream_capturing()):
         bad = ((top_k_index < 0) | (top_k_index > e)).any()
         if bool(bad):
             raise ValueError(f"moe_experts: top_k_index values must lie in [0, num_experts={e}] "
@@ -187,7 +187,7 @@ class MoEExpertsFunction(torch.autograd.Function):
             ACT=act, SAVE_H=save_h, PREC=prec, BM=plan.bm,
         )
         y = torch.empty(plan.m, hid, device=x.device, dtype=dt)
-        dummy = torch.zeros(1, device=x.device, dtype=torch.float32)
+        dummy = torch.empty(1, device=x.device, dtype=torch.float32)  # h / ∂w of a STORE epilogue: never read
         _rows_gemm(plan, g, w2, y, w, dummy, dummy, hid, inter, inter, hid * inter, 1, inter,
                    gather_a=False, scale=True, epilogue=0, act=act, betas=(beta1, beta2), prec=prec)
         out = torch.empty(n, hid, device=x.device, dtype=dt)
@@ -211,7 +211,7 @@ class MoEExpertsFunction(torch.autograd.Function):
         dout = dout.to(dt).contiguous()
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         need_w1, need_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-        dummy = torch.zeros(1, device=x.device, dtype=torch.float32)
+        dummy = torch.empty(1, device=x.device, dtype=torch.float32)  # h / ∂w of a STORE epilogue: never read
         # ∂h (sorted rows) and ∂w (per flat slot) from ∂out @ W2 with the GLU derivative in the epilogue
         dw = torch.zeros(plan.m, device=x.device, dtype=torch.float32)
         dh = torch.empty(plan.m, two_i, device=x.device, dtype=dt)
@@ -237,7 +237,7 @@ class MoEExpertsFunction(torch.autograd.Function):
 
 
 def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation="situ",
-                situ_beta=4.0, situ_linear_beta=25.0):
+                situ_beta=4.0, situ_linear_beta=25.0, *, check_index_values=True):
     """Routed experts with the weighted combine: ``out[t] = Σ_j w[t,j] · E_{idx[t,j]}(x[t])``.
 
     ``E_e(x) = down_proj[e] @ GLU(gate_up_proj[e, :I] @ x, gate_up_proj[e, I:] @ x)`` with
@@ -254,6 +254,9 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
         down_proj: [E, ℓ, I], dtype of ``hidden_states``.
         activation: ``"situ"`` or ``"silu"``.
         situ_beta, situ_linear_beta: β1, β2 of SiTU-GLU (ignored for ``"silu"``).
+        check_index_values: check that every index lies in [0, E]. The check copies one flag to the host, a device
+            synchronisation that stalls the launch queue; pass False only for indices in range by construction
+            (the model's router output). An index outside [0, E] then reads out of bounds.
 
     Returns:
         [N, ℓ] in the dtype of ``hidden_states``. Differentiable w.r.t. ``hidden_states``, ``top_k_weights``,
@@ -270,7 +273,7 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
 
     Raises:
         ValueError: bad shapes, dtypes, devices, activation, or index values outside [0, E] (the last check
-            synchronises with the device once per call).
+            synchronises with the device once per call, see ``check_index_values``).
     """
     if isinstance(hidden_states, torch.Tensor) and torch.is_autocast_enabled(hidden_states.device.type):
         # mixed precision (e.g. float32 master weights under bf16 autocast): compute in the autocast dtype, as
@@ -279,7 +282,7 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
         hidden_states, gate_up_proj, down_proj = (
             t.to(amp) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
             for t in (hidden_states, gate_up_proj, down_proj))
-    _validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+    _validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, check_index_values)
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (hidden_states, top_k_weights, gate_up_proj, down_proj))
     if not needs_grad and 0 < top_k_index.numel() <= GEMV_MAX_ROWS:
