@@ -141,8 +141,9 @@ def test_training_step_reads_nothing_back_from_the_device(monkeypatch, inputs):
     counted."""
     import kdamoe.kernels.moe.experts as experts
 
-    model = _model().train()
-    model.config.kernel_backend = "triton"
+    torch.manual_seed(0)  # two layers (KDA, then MLA with MoE) carry every op of the four-layer model
+    model = KDAMoEForCausalLM(tiny_config(kda_head_dim=16, num_hidden_layers=2, kernel_backend="triton",
+                                          layer_types=["linear_attention", "full_attention"])).train()
     ids = torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(1))
     if inputs == "padded":
         kwargs = {"attention_mask": torch.ones_like(ids)}
