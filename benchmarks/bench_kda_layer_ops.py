@@ -1,8 +1,9 @@
 """The KDA layer's two small ops on one GPU: the short conv and the gate, in one run (bf16, median times).
 
 (a) conv, ``x [1, T, C]`` with ``C = 3·H·K = 3072`` (q|k|v of H=8 heads of 128), width W=4, SiLU fused:
-    our Triton ``kdamoe.kernels.causal_conv1d`` vs the PyTorch loop ``kda_torch.causal_conv1d_torch`` (the
-    model's CPU path) vs fla's ``fla.modules.causal_conv1d.causal_conv1d(activation="silu")`` if it imports;
+    our Triton ``kdamoe.kernels.causal_conv1d`` over all C channels, and as the KDA layer calls it (once per
+    q / k / v part on its column slice of x, read in place), vs the PyTorch loop ``kda_torch.causal_conv1d_torch``
+    (the model's CPU path) vs fla's ``fla.modules.causal_conv1d.causal_conv1d(activation="silu")`` if it imports;
     forward, and forward+backward (dx, dweight).
 (b) gate, the model's KDA shape (B=1, H=8, K=V=128, L2 norm in kernel, fp32 beta): ``kda_gate`` in PyTorch
     then ``chunk_kda`` on the precomputed g, vs ``chunk_kda(use_gate_in_kernel=True)`` on the raw f;
@@ -102,8 +103,14 @@ def bench_conv(T, C, W, dtype, device, measure, rows, notes):
     fla_fn, why = fla_conv()
     if why:
         notes.add(f"fla conv not run: {why}")
+    parts = [slice(i * C // 3, (i + 1) * C // 3) for i in range(3)]
+
+    def per_part():  # the model's call: one op per q / k / v part, each reading its column slice of x in place
+        return [causal_conv1d(x[..., p], w[p], output_final_state=False)[0] for p in parts]
+
     variants = {
         "triton (ours)": lambda: causal_conv1d(x, w)[0],
+        "triton (ours), per part in place": per_part,
         "torch loop": lambda: causal_conv1d_torch(x, w)[0],
     }
     if fla_fn is not None:
@@ -113,11 +120,16 @@ def bench_conv(T, C, W, dtype, device, measure, rows, notes):
             rows.append(dict(op="conv", variant=name, T=T, fwd_ms=None, fwd_bwd_ms=None, err=None, note="skipped (time)"))
             continue
         with torch.no_grad():
-            err = rel(fn(), ref)
+            out = fn()
+            err = rel(torch.cat(out, -1) if isinstance(out, list) else out, ref)
             fwd = measure(fn)
 
         def step():
-            fn().backward(dy)
+            out = fn()
+            if isinstance(out, list):
+                torch.autograd.backward(out, [dy[..., p] for p in parts])
+            else:
+                out.backward(dy)
 
         rows.append(dict(op="conv", variant=name, T=T, fwd_ms=fwd, fwd_bwd_ms=measure(step, [x, w]), err=err, note=""))
 
