@@ -352,9 +352,12 @@ def latent_attention(q, latent, seq_len, scale, key_mask=None, *, backend="auto"
     ``[B, S_cap, R]``, seq_len an int32/int64 device tensor ``[]`` / ``[1]`` (valid rows, the T new tokens
     included), optional key_mask ``[B, S_mask]``. The kdamoe kernel (flash-decoding, Triton) runs on CUDA or
     under the interpreter with ``backend="triton"``; fla has no such kernel, so ``"fla"`` runs the torch op.
-    Neither path synchronises with the host (CUDA-graph capturable).
+    Neither path synchronises with the host (CUDA-graph capturable). The kernel is forward only: a call that needs
+    a gradient (grad mode on and q or latent requiring one, e.g. a training forward continuing a cache) runs the
+    differentiable torch op.
     """
-    if resolve(backend, q.device, "latent_attention") == "kdamoe":
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or latent.requires_grad)
+    if not needs_grad and resolve(backend, q.device, "latent_attention") == "kdamoe":
         return kdamoe_kernels().latent_attention(q, latent, seq_len, scale, key_mask)
     return latent_attention_torch(q, latent, seq_len, scale, key_mask)
 

@@ -67,45 +67,48 @@ class FusedLinearFunction(torch.autograd.Function):
     Autograd's own backward of ``F.linear(...).split(...)`` first concatenates the outputs' gradients into one
     ``[N, Σ out]`` tensor (a copy the size of the whole output) to run a single GEMM. Here each output's gradient
     ``G_i [N, out_i]`` is used where it lies: ``∂x = Σ_i G_i W_i`` (one GEMM, then one accumulating GEMM per further
-    output, as separate ``nn.Linear`` modules summed by autograd would round) and ``∂W_i = G_iᵀ x``.
+    output, as separate ``nn.Linear`` modules summed by autograd would round) and ``∂W_i = G_iᵀ x``. The backward is
+    written in differentiable ops of the saved inputs, so it can itself be differentiated (``create_graph=True``),
+    and the ``setup_context`` form lets ``torch.func`` transforms run it.
 
     Under autocast the GEMM runs in the autocast dtype, as ``F.linear`` would; the gradients come back in the dtypes
     of ``x`` and of each weight (float32 master weights get float32 gradients).
     """
 
     @staticmethod
-    def forward(ctx, x, *weights):
+    def forward(x, *weights):
         device_type = x.device.type
         compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        weight = torch.cat([w.to(compute) for w in weights])
         with torch.autocast(device_type, enabled=False):
-            y = F.linear(x.to(compute), weight)
-        ctx.save_for_backward(x.to(compute), weight)
+            y = F.linear(x.to(compute), torch.cat([w.to(compute) for w in weights]))
+        return y.split([w.shape[0] for w in weights], dim=-1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, *weights = inputs
+        ctx.save_for_backward(x, *weights)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no GEMM on zeros
-        ctx.sizes = [w.shape[0] for w in weights]
-        ctx.dtypes = (x.dtype, [w.dtype for w in weights])
-        return y.split(ctx.sizes, dim=-1)
+        ctx.compute_dtype = output[0].dtype
 
     @staticmethod
     def backward(ctx, *grads):
-        x, weight = ctx.saved_tensors
-        x_dtype, w_dtypes = ctx.dtypes
-        rows = x.reshape(-1, x.shape[-1])
-        dx, dweights, start = None, [], 0
-        for i, (size, grad) in enumerate(zip(ctx.sizes, grads)):
-            w = weight[start:start + size]
-            start += size
+        x, *weights = ctx.saved_tensors
+        compute = ctx.compute_dtype
+        rows = x.to(compute).reshape(-1, x.shape[-1])
+        dx, dweights = None, []
+        for i, (w, grad) in enumerate(zip(weights, grads)):
             if grad is None:  # an output that did not reach the loss
                 dweights.append(None)
                 continue
-            grad = grad.reshape(-1, size).to(x.dtype)
+            grad = grad.reshape(-1, w.shape[0]).to(compute)
+            w_c = w.to(compute)
             if ctx.needs_input_grad[0]:
-                dx = grad @ w if dx is None else dx.addmm_(grad, w)
-            dweights.append((grad.t() @ rows).to(w_dtypes[i]) if ctx.needs_input_grad[1 + i] else None)
+                dx = grad @ w_c if dx is None else dx.addmm(grad, w_c)
+            dweights.append((grad.t() @ rows).to(w.dtype) if ctx.needs_input_grad[1 + i] else None)
         if dx is not None:
-            dx = dx.view(*x.shape).to(x_dtype)
+            dx = dx.view(x.shape).to(x.dtype)
         elif ctx.needs_input_grad[0]:
-            dx = torch.zeros(x.shape, dtype=x_dtype, device=x.device)
+            dx = torch.zeros_like(x)
         return (dx, *dweights)
 
 
@@ -129,8 +132,11 @@ def fused_linear(hidden_states: torch.Tensor, modules: tuple[nn.Module, ...]) ->
         ``[..., out_features_i]`` per module, in the GEMM's dtype; in the fused case views of one
         ``[..., Σ out_features]`` tensor (row stride ``Σ out_features``).
     """
-    if all(_is_plain_linear(m) for m in modules):
-        weights = [m.weight for m in modules]
+    weights = [getattr(m, "weight", None) for m in modules]
+    autocast = torch.is_autocast_enabled(hidden_states.device.type)
+    # outside autocast the dtypes must agree (nn.Linear raises otherwise; run the modules so that it does)
+    same_dtype = autocast or all(w is not None and w.dtype == hidden_states.dtype for w in weights)
+    if same_dtype and all(_is_plain_linear(m) for m in modules):
         if torch.is_grad_enabled() and (hidden_states.requires_grad or any(w.requires_grad for w in weights)):
             return FusedLinearFunction.apply(hidden_states, *weights)
         return F.linear(hidden_states, torch.cat(weights)).split([m.out_features for m in modules], dim=-1)
@@ -278,6 +284,11 @@ class KDAMoEDeltaAttention(nn.Module):
         if cache is not None:
             conv_state = cache.get_conv_state(self.layer_idx)
             recurrent_state = cache.get_recurrent_state(self.layer_idx)
+            if torch.is_grad_enabled() and conv_state is not None:
+                # The cache overwrites its state buffers in place after this layer (transformers keeps their address
+                # for CUDA graphs); a forward that autograd records must keep the values it read (a few KB per row).
+                conv_state = conv_state.clone()
+                recurrent_state = recurrent_state.clone() if recurrent_state is not None else None
 
         q, k, v, f, beta, gate = fused_linear(
             hidden_states, (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.g_a_proj)
@@ -1002,8 +1013,8 @@ def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, posi
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Specify exactly one of `input_ids` or `inputs_embeds`")
     if input_ids is not None:
-        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-            raise ValueError(f"`input_ids` must be an integer tensor of token ids, got dtype {input_ids.dtype} (a float tensor?)")
+        if input_ids.dtype not in (torch.int64, torch.int32):  # what the embedding lookup takes
+            raise ValueError(f"`input_ids` must be an int64 (or int32) tensor of token ids, got dtype {input_ids.dtype}")
         if input_ids.dim() != 2:
             raise ValueError(f"`input_ids` must be 2-D [batch, seq_len], got shape {list(input_ids.shape)}")
         shape = input_ids.shape
@@ -1046,6 +1057,9 @@ def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, posi
         raise ValueError(f"`attention_mask` must be 2-D [batch, past + seq_len] (or a 4-D mask), got {list(attention_mask.shape)}")
     if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[0] not in (1, B) or position_ids.shape[1] != T):
         raise ValueError(f"`position_ids` has shape {list(position_ids.shape)}; expected [{B}, {T}]")
+    if position_ids is not None and (position_ids.dtype.is_floating_point or position_ids.dtype.is_complex
+                                     or position_ids.dtype == torch.bool):
+        raise ValueError(f"`position_ids` must be an integer tensor, got dtype {position_ids.dtype}")
     return {key: bool(checks[key]) for key in ("mask_all_ones", "position_restarts") if key in checks}
 
 

@@ -124,6 +124,10 @@ def test_all_linear_model_forward_cache_and_generate():
         (dict(input_ids=torch.zeros(0, 5, dtype=torch.long)), r"\[0, 5\]"),
         (dict(input_ids=torch.tensor([3, 4, 5])), "2-D"),
         (dict(input_ids=torch.tensor([[3.0, 4.0]])), "float"),
+        (dict(input_ids=torch.tensor([[3, 4]], dtype=torch.int16)), "int16"),  # before: the embedding's RuntimeError
+        (dict(input_ids=torch.tensor([[3, 4]], dtype=torch.uint8)), "uint8"),
+        (dict(input_ids=torch.tensor([[True, False]])), "bool"),
+        (dict(input_ids=torch.tensor([[3, 4, 5]]), position_ids=torch.tensor([[0.0, 1.0, 2.0]])), "position_ids"),
         (dict(input_ids=torch.tensor([[3, 4, 5]]), attention_mask=torch.ones(1, 2)), "attention_mask"),
         (dict(input_ids=torch.tensor([[3, 4, 5]]), position_ids=torch.zeros(1, 2, dtype=torch.long)), "position_ids"),
         (dict(inputs_embeds=torch.zeros(1, 3, 7)), "inputs_embeds"),

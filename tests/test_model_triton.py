@@ -220,3 +220,28 @@ def test_kda_layer_training_step_copies_no_activation(monkeypatch):
     assert _relative_l2(out, out_ref) < 1e-5
     for got, want in zip(grads, grads_ref, strict=True):
         assert _relative_l2(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("backend,B", [("triton", 1), ("triton", 2), ("torch", 1)])
+def test_gradients_through_a_cache_continuation_equal_the_full_forward(backend, B):
+    """A forward with grad that continues a cache by a few tokens (the MLA layer then attends in the latent space)
+    gives every parameter the gradient of one full forward over the same tokens. Before: the Triton latent kernel,
+    forward only, left the MLA layer's projections without gradients and the earlier layers' wrong, silently; and
+    with one row the conv's saved state was the cache buffer the cache then overwrote (an in-place error)."""
+    torch.manual_seed(0)
+    model = KDAMoEForCausalLM(tiny_config(kda_head_dim=16, num_hidden_layers=2, kernel_backend=backend,
+                                          layer_types=["linear_attention", "full_attention"])).train()
+    ids = torch.randint(3, 97, (B, 19), generator=torch.Generator().manual_seed(9))
+    params = [p for p in model.parameters() if p.requires_grad]
+    first = model(ids[:, :11], use_cache=True)
+    second = model(ids[:, 11:], past_key_values=first.past_key_values, use_cache=True)
+    loss = first.logits.logsumexp(-1).mean() + second.logits.logsumexp(-1).mean()
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    full = model(ids, use_cache=False).logits
+    loss_ref = full[:, :11].logsumexp(-1).mean() + full[:, 11:].logsumexp(-1).mean()
+    grads_ref = torch.autograd.grad(loss_ref, params, allow_unused=True)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+    for (name, _), got, want in zip(model.named_parameters(), grads, grads_ref, strict=True):
+        assert (got is None) == (want is None), name
+        if want is not None:
+            assert _relative_l2(got, want) < 1e-4, name

@@ -110,6 +110,10 @@ def test_bad_arguments_raise_value_error():
     if ON_GPU:
         with pytest.raises(ValueError, match="seq_len is on"):
             latent_attention(q, latent, n.cpu(), 1.0)
+    with pytest.raises(ValueError, match="no backward"):  # forward only: a result without a gradient path
+        latent_attention(q.requires_grad_(), latent, n, 1.0)
+    with torch.no_grad():
+        latent_attention(q, latent, n, 1.0)  # the same tensors without grad mode run
 
 
 def test_split_heuristic_depends_on_shapes_only():

@@ -190,9 +190,13 @@ def latent_attention(q, latent, seq_len, scale, key_mask=None):
         ``o_lat [B, T, H, R]`` in q's dtype.
 
     Raises:
-        ValueError: a wrong rank, shape, dtype or device, or R outside the kernel's sizes, naming the argument.
+        ValueError: a wrong rank, shape, dtype or device, or R outside the kernel's sizes, naming the argument; q or
+            latent requiring grad while grad mode is on (there is no backward: the result would silently carry none).
     """
     _validate(q, latent, seq_len, key_mask)
+    if torch.is_grad_enabled() and (q.requires_grad or latent.requires_grad):
+        raise ValueError("latent_attention has no backward: q or latent requires grad; run it under torch.no_grad() "
+                         "or use kdamoe.mla_torch.latent_attention_torch, which is differentiable")
     B, T, H, R = q.shape
     M, S_cap = T * H, latent.shape[1]
     S_lim = S_cap if key_mask is None else min(S_cap, key_mask.shape[1])
