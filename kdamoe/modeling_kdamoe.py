@@ -60,64 +60,16 @@ logger = logging.get_logger(__name__)
 # ----------------------------------------------------------------------------------------------------
 # Norms and dense MLPs
 # ----------------------------------------------------------------------------------------------------
-class FusedLinearFunction(torch.autograd.Function):
-    """``F.linear(x, cat(weights))`` returned as one column view per weight, with a backward that concatenates
-    nothing.
-
-    Autograd's own backward of ``F.linear(...).split(...)`` first concatenates the outputs' gradients into one
-    ``[N, Σ out]`` tensor (a copy the size of the whole output) to run a single GEMM. Here each output's gradient
-    ``G_i [N, out_i]`` is used where it lies: ``∂x = Σ_i G_i W_i`` (one GEMM, then one accumulating GEMM per further
-    output, as separate ``nn.Linear`` modules summed by autograd would round) and ``∂W_i = G_iᵀ x``. The backward is
-    written in differentiable ops of the saved inputs, so it can itself be differentiated (``create_graph=True``),
-    and the ``setup_context`` form lets ``torch.func`` transforms run it.
-
-    Under autocast the GEMM runs in the autocast dtype, as ``F.linear`` would; the gradients come back in the dtypes
-    of ``x`` and of each weight (float32 master weights get float32 gradients).
-    """
-
-    @staticmethod
-    def forward(x, *weights):
-        device_type = x.device.type
-        compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        with torch.autocast(device_type, enabled=False):
-            y = F.linear(x.to(compute), torch.cat([w.to(compute) for w in weights]))
-        return y.split([w.shape[0] for w in weights], dim=-1)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, *weights = inputs
-        ctx.save_for_backward(x, *weights)
-        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no GEMM on zeros
-        ctx.compute_dtype = output[0].dtype
-
-    @staticmethod
-    def backward(ctx, *grads):
-        x, *weights = ctx.saved_tensors
-        compute = ctx.compute_dtype
-        rows = x.to(compute).reshape(-1, x.shape[-1])
-        dx, dweights = None, []
-        for i, (w, grad) in enumerate(zip(weights, grads)):
-            if grad is None:  # an output that did not reach the loss
-                dweights.append(None)
-                continue
-            grad = grad.reshape(-1, w.shape[0]).to(compute)
-            w_c = w.to(compute)
-            if ctx.needs_input_grad[0]:
-                dx = grad @ w_c if dx is None else dx.addmm(grad, w_c)
-            dweights.append((grad.t() @ rows).to(w.dtype) if ctx.needs_input_grad[1 + i] else None)
-        if dx is not None:
-            dx = dx.view(x.shape).to(x.dtype)
-        elif ctx.needs_input_grad[0]:
-            dx = torch.zeros_like(x)
-        return (dx, *dweights)
-
-
 def fused_linear(hidden_states: torch.Tensor, modules: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
     """``tuple(m(hidden_states) for m in modules)`` for projections that read the same input.
 
     When every module is a plain ``nn.Linear`` without bias, the outputs come from one GEMM over the concatenated
-    weights, returned as column views of its output (exact: each output column is the same dot product), and the
-    backward is :class:`FusedLinearFunction`'s, which never concatenates the outputs' gradients. A decode step
+    weights, returned as column views of its output (exact: each output column is the same dot product); consumers
+    read the views in place (the KDA layer's conv takes their row stride). Autograd's backward concatenates the
+    outputs' gradients into one ``[N, Σ out]`` tensor for one GEMM each for ∂x and ∂W: for the model's groups that
+    moves fewer bytes than a GEMM per output, which would pass over ``∂x`` and ``x`` once more per further output
+    (``3·(n − 1)·in_features`` against ``2·Σ out`` elements per token; only the dense MLP's wide gate|up is the other
+    way round, one layer). A decode step
     launches one kernel instead of ``len(modules)``, and at one token per row each small GEMM costs its launch
     latency, not its bytes. The concatenation of the weights is redone on every call (one copy of the weights, a
     few MB) so that in-place weight updates — an optimizer step, a captured CUDA graph replayed after one — are
@@ -132,14 +84,9 @@ def fused_linear(hidden_states: torch.Tensor, modules: tuple[nn.Module, ...]) ->
         ``[..., out_features_i]`` per module, in the GEMM's dtype; in the fused case views of one
         ``[..., Σ out_features]`` tensor (row stride ``Σ out_features``).
     """
-    weights = [getattr(m, "weight", None) for m in modules]
-    autocast = torch.is_autocast_enabled(hidden_states.device.type)
-    # outside autocast the dtypes must agree (nn.Linear raises otherwise; run the modules so that it does)
-    same_dtype = autocast or all(w is not None and w.dtype == hidden_states.dtype for w in weights)
-    if same_dtype and all(_is_plain_linear(m) for m in modules):
-        if torch.is_grad_enabled() and (hidden_states.requires_grad or any(w.requires_grad for w in weights)):
-            return FusedLinearFunction.apply(hidden_states, *weights)
-        return F.linear(hidden_states, torch.cat(weights)).split([m.out_features for m in modules], dim=-1)
+    if all(_is_plain_linear(m) for m in modules):
+        weight = torch.cat([m.weight for m in modules])
+        return F.linear(hidden_states, weight).split([m.out_features for m in modules], dim=-1)
     return tuple(m(hidden_states) for m in modules)
 
 

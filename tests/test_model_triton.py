@@ -187,10 +187,11 @@ class _ActivationCopies(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_kda_layer_training_step_copies_no_activation(monkeypatch):
-    """The KDA layer's forward + backward with the kernels moves every activation only through kernels and GEMMs.
-    Before: q|k|v concatenated for the conv (forward), q, k and v copied to contiguous for the KDA op, and in the
-    backward their gradients concatenated back and the six projections' gradients concatenated for one GEMM. The
-    layer's output and gradients still equal the torch backend's."""
+    """The KDA layer's forward + backward with the kernels copies one activation-sized tensor: the six fused
+    projections' gradients, concatenated by autograd for one ∂x and one ∂W GEMM (fewer bytes than a GEMM per output,
+    see ``fused_linear``). Before, also: q|k|v concatenated for the conv (forward), q, k and v copied to contiguous
+    for the KDA op, and their gradients concatenated back. The layer's output and gradients still equal the torch
+    backend's."""
     import triton.runtime.interpreter as interpreter
 
     from kdamoe.modeling_kdamoe import KDAMoEDeltaAttention
@@ -213,7 +214,9 @@ def test_kda_layer_training_step_copies_no_activation(monkeypatch):
     with mode:
         out = layer(x)
         grads = torch.autograd.grad((out * upstream).sum(), [x, *layer.parameters()])
-    assert mode.copies == []
+    fused_width = sum(m.out_features for m in (layer.q_proj, layer.k_proj, layer.v_proj, layer.f_a_proj,
+                                                layer.b_proj, layer.g_a_proj))
+    assert mode.copies == [("cat", (B, T, fused_width))]
     layer.config.kernel_backend = "torch"
     out_ref = layer(x)
     grads_ref = torch.autograd.grad((out_ref * upstream).sum(), [x, *layer.parameters()])
