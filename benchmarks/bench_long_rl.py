@@ -418,7 +418,8 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
     if sorted(a.contexts) != a.contexts or min(a.contexts) < 2:
         p.error(f"--contexts must be increasing lengths >= 2, got {a.contexts}")
-    if min([a.update_t] + a.trl_t) <= a.update_prompt + (a.update_rows - 1) * max([a.update_t] + a.trl_t) // 16:
+    # row r of a group of t-token rows is r·t/16 shorter (``_group``): its completion must keep a token at every t
+    if any(t <= a.update_prompt + (a.update_rows - 1) * (t // 16) for t in [a.update_t] + a.trl_t):
         p.error("--update-t / --trl-t must leave every row's completion a token after --update-prompt")
     return a
 
