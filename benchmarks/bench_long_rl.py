@@ -317,7 +317,8 @@ def run_update(bench: Bench) -> None:
     """One GRPO optimizer step over a group of trajectories totalling >= 1M tokens, and TRL's defaults until OOM.
 
     * ``ours``: ``LongContextGRPOTrainer`` (``grpo.long_context: true``), ``--update-rows`` rows of ``--update-t``
-      tokens (default 4 x 256K), one row per micro-batch (``per_device_train_batch_size`` 1, gradient accumulation
+      tokens (default 4 x 290K: row r is r·T/16 shorter, so the group holds 3.625·T = 1,076,480 >= 2^20 tokens), one row
+      per micro-batch (``per_device_train_batch_size`` 1, gradient accumulation
       over the group), activation checkpointing per layer, TRL's fused LM head, rows of unequal length; plus the
       no-grad pass over the same group (reference / old-policy log-probs).
     * ``trl defaults``: ``GRPOTrainer`` as TRL configures it (activation checkpointing on, one micro-batch holding the
@@ -393,7 +394,8 @@ def parse_args(argv=None):
     p.add_argument("--traj-turns", type=int, default=None, help="trajectory turns (default 8)")
     p.add_argument("--traj-result", type=int, default=None, help="trajectory tool-result tokens per turn (default 32K)")
     p.add_argument("--update-rows", type=int, default=None, help="trajectories in the GRPO group (default 4)")
-    p.add_argument("--update-t", type=int, default=None, help="tokens per trajectory, ours (default 256K)")
+    p.add_argument("--update-t", type=int, default=None, help="tokens per trajectory, ours (default 290K: a ragged group of 4 "
+                   "then holds >= 1M tokens)")
     p.add_argument("--update-prompt", type=int, default=None, help="prompt tokens per trajectory (default 4K)")
     p.add_argument("--trl-t", type=lengths, default=None, help="TRL defaults' lengths per row (default 64K,...,1M)")
     a = p.parse_args(argv)
@@ -403,7 +405,7 @@ def parse_args(argv=None):
     defaults = dict(contexts=[64, 256, 1024] if t else [4 * K, 16 * K, 64 * K, 256 * K, M],
                     result_tokens=5 if t else 48, gen_tokens=4 if t else 64, traj_prompt=32 if t else 4 * K,
                     traj_turns=3 if t else 8, traj_result=40 if t else 32 * K, update_rows=2 if t else 4,
-                    update_t=96 if t else 256 * K, update_prompt=16 if t else 4 * K,
+                    update_t=96 if t else 290 * K, update_prompt=16 if t else 4 * K,
                     trl_t=[64, 128] if t else [64 * K, 128 * K, 256 * K, 512 * K, M])
     for name, value in defaults.items():
         if getattr(a, name) is None:
