@@ -24,7 +24,8 @@ Parts (``--only``, comma list; default all):
     The cache is grown from one context to the next by an untimed prefill. Wall seconds per turn (synchronized),
     median of ``--repeats`` turns at each context for ``cached`` (each turn continues the previous one), one turn
     for ``trl`` at each context (it repeats the same work); whether both generated the same tokens at their first
-    turn there.
+    turn there, and how many of the generated tokens agree before the first difference. One untimed turn of each
+    way at the first context warms up first (compilation, autotuning, the decode graph's capture).
 ``trajectory``
     One multi-turn trajectory measured whole: ``--traj-turns`` turns, each appending ``--traj-result`` tool-result
     tokens then generating ``--gen-tokens``; cumulative seconds per turn for ``cached`` and ``trl``.
@@ -81,15 +82,17 @@ class RLRecorder(Recorder):
                  f"appended, {s.get('gen_tokens')} tokens generated greedily.", "",
                  "## Rollout turn against context", "",
                  "| context | cached s / turn | TRL loop s / turn | cached / TRL | cached / cached at the first "
-                 "context | same tokens |", "|---|---|---|---|---|---|"]
+                 "context | same tokens | generated tokens equal before the first difference |",
+                 "|---|---|---|---|---|---|---|"]
         rows = {r["name"]: r for r in doc["rows"]}
         for key, e in doc["raw"].get("turns", {}).items():
             if isinstance(e, dict) and "cached_s" in e:
                 r = rows[f"turn after {key}"]
                 lines.append(f"| {key} | {_f(r['cached_s'])} | {_f(r['trl_s'])} | {_f(r['cached_over_trl'])} | "
-                             f"{_f(r['cached_over_cached_at_first'])} | {e.get('same_tokens')} |")
+                             f"{_f(r['cached_over_cached_at_first'])} | {e.get('same_tokens')} | "
+                             f"{e.get('matching_tokens')} of {s.get('gen_tokens')} |")
             else:
-                lines.append(f"| {key} | {e} | | | | |")
+                lines.append(f"| {key} | {e} | | | | | |")
         traj = doc["raw"].get("trajectory", {})
         if traj:
             lines += ["", "## One trajectory, cumulative seconds", "", "| turn | context after | cached | TRL loop |",
@@ -153,8 +156,21 @@ def extend(bench: Bench, model, ids: torch.Tensor, cache, n: int):
     return ids, out.cache
 
 
+def _matching_tokens(seq: torch.Tensor, ref: torch.Tensor, start: int) -> int:
+    """How many generated tokens (``seq[0, start:]``) equal ``ref``'s before the first difference."""
+    diff = (seq[0, start:] != ref[0, start:]).nonzero()
+    return int(diff[0, 0]) if len(diff) else seq.shape[1] - start
+
+
 def run_turns(bench: Bench, model) -> None:
     a, rec = bench.args, bench.rec
+    # untimed warm-up at the first context, both ways: the first generate compiles and autotunes the kernels and
+    # captures the decode CUDA graph, which would otherwise be timed as the first context's turn
+    warm_ids, warm_cache = extend(bench, model, None, None, a.contexts[0])
+    warm_ids = torch.cat([warm_ids, bench.ids(1, a.result_tokens)], 1)
+    generate_turn(bench, model, warm_ids, None, a.gen_tokens)
+    generate_turn(bench, model, warm_ids, warm_cache, a.gen_tokens)
+    del warm_ids, warm_cache
     ids, cache = None, None
     for T in a.contexts:
         key = label(T)
@@ -174,11 +190,13 @@ def run_turns(bench: Bench, model) -> None:
                 s, seq, cache = generate_turn(bench, model, turn_ids, cache, a.gen_tokens)
                 if r == 0:
                     same = bool(torch.equal(seq, trl_seq))
+                    matching = _matching_tokens(seq, trl_seq, first.shape[1])
                 times.append(s)
                 turn_ids = torch.cat([seq, bench.ids(1, a.result_tokens)], 1)
             ids = seq  # the context grows by the turns played; the next context extends from here
             rec.put("turns", key, {"context": T, "cached_s": statistics.median(times), "cached_turns_s": times,
                                    "trl_s": trl_s, "same_tokens": same,
+                                   "matching_tokens": matching,
                                    "peak_gib": torch.cuda.max_memory_allocated() / GIB if bench.cuda else None})
         except Exception:
             rec.error("turns", key)
@@ -418,8 +436,11 @@ def parse_args(argv=None):
                  "update_prompt"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
-    if sorted(a.contexts) != a.contexts or min(a.contexts) < 2:
-        p.error(f"--contexts must be increasing lengths >= 2, got {a.contexts}")
+    # each context extends the one before, which has grown by the turns played there
+    played = a.repeats * (a.result_tokens + a.gen_tokens)
+    if min(a.contexts) < 2 or any(b < c + played for c, b in zip(a.contexts, a.contexts[1:])):
+        p.error(f"--contexts must be lengths >= 2, each at least --repeats x (--result-tokens + --gen-tokens) = "
+                f"{played} above the one before (the turns played there), got {a.contexts}")
     # row r of a group of t-token rows is r·t/16 shorter (``_group``): its completion must keep a token at every t
     if any(t <= a.update_prompt + (a.update_rows - 1) * (t // 16) for t in [a.update_t] + a.trl_t):
         p.error("--update-t / --trl-t must leave every row's completion a token after --update-prompt")

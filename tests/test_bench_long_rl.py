@@ -35,6 +35,7 @@ def test_bench_long_rl_tiny_records_every_part(tmp_path):
     assert list(raw["turns"]) == ["64", "256", "1K"]
     for entry in raw["turns"].values():
         assert entry["same_tokens"] is True, entry
+        assert entry["matching_tokens"] == doc["settings"]["gen_tokens"], entry
         assert len(entry["cached_turns_s"]) == doc["settings"]["repeats"]
         assert all(math.isfinite(s) and s > 0 for s in entry["cached_turns_s"] + [entry["trl_s"]])
     for row in doc["rows"]:
@@ -52,3 +53,15 @@ def test_bench_long_rl_tiny_records_every_part(tmp_path):
         assert math.isfinite(update[key]["loss"]), update[key]
     assert update["trl defaults longest"] == "128"
     assert str(tmp_path) not in text and ROOT not in text  # no path of this machine in a results file
+
+
+def test_bench_long_rl_refuses_contexts_the_played_turns_overrun():
+    """A context must lie past the one before plus the turns played there (it once failed with a negative
+    dimension on the device when a context repeated)."""
+    import pytest
+
+    bench = _load_bench()
+    for contexts in ("64,64,1024", "64,80", "256,64"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--tiny", "--device", "cpu", "--contexts", contexts])
+    assert bench.parse_args(["--tiny", "--device", "cpu", "--contexts", "64,91"]).contexts == [64, 91]
