@@ -24,8 +24,9 @@ Parts (``--only``, comma list; default all):
     The cache is grown from one context to the next by an untimed prefill. Wall seconds per turn (synchronized),
     median of ``--repeats`` turns at each context for ``cached`` (each turn continues the previous one), one turn
     for ``trl`` at each context (it repeats the same work); whether both generated the same tokens at their first
-    turn there, and how many of the generated tokens agree before the first difference. One untimed turn of each
-    way at the first context warms up first (compilation, autotuning, the decode graph's capture).
+    turn there, and how many of the generated tokens agree before the first difference. Untimed turns at the first
+    context warm up first (compilation, autotuning, the decode graph's capture): one re-prefill and two cached
+    turns, since the second cached turn's new-token count falls into another Triton specialisation.
 ``trajectory``
     One multi-turn trajectory measured whole: ``--traj-turns`` turns, each appending ``--traj-result`` tool-result
     tokens then generating ``--gen-tokens``; cumulative seconds per turn for ``cached`` and ``trl``.
@@ -169,8 +170,11 @@ def run_turns(bench: Bench, model) -> None:
     warm_ids, warm_cache = extend(bench, model, None, None, a.contexts[0])
     warm_ids = torch.cat([warm_ids, bench.ids(1, a.result_tokens)], 1)
     generate_turn(bench, model, warm_ids, None, a.gen_tokens)
-    generate_turn(bench, model, warm_ids, warm_cache, a.gen_tokens)
-    del warm_ids, warm_cache
+    # two cached turns: the second prefills result + 1 tokens (the last generated token is not in the cache yet),
+    # a count whose divisibility by 16 differs, and Triton compiles integer arguments specialised on it
+    _, seq, warm_cache = generate_turn(bench, model, warm_ids, warm_cache, a.gen_tokens)
+    generate_turn(bench, model, torch.cat([seq, bench.ids(1, a.result_tokens)], 1), warm_cache, a.gen_tokens)
+    del warm_ids, warm_cache, seq
     ids, cache = None, None
     for T in a.contexts:
         key = label(T)

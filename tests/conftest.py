@@ -24,8 +24,12 @@ def pytest_collection_modifyitems(config, items):
     """Make ``@pytest.mark.xdist_group`` work: pytest-xdist 3.8's ``--dist loadgroup`` tags each grouped test by
     rewriting ``item._nodeid`` (``<id>@<group>``), which pytest 9 no longer reads (``nodeid`` comes from
     ``item._id``), so the group was silently ignored and two multi-process tests could run at once on the two
-    cores. Carry the tag over; runs after xdist's own hook."""
-    from _pytest.nodes import coerce_node_id
+    cores. Carry the tag over; runs after xdist's own hook. Older pytest (9.1 and before, e.g. on the GPU
+    machine) has no ``coerce_node_id`` and reads ``_nodeid`` itself: nothing to carry over there."""
+    try:
+        from _pytest.nodes import coerce_node_id
+    except ImportError:
+        return
 
     for item in items:
         tagged = getattr(item, "_nodeid", None)
