@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,6 +34,8 @@ def scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
     """``(step, value)`` of one TensorBoard scalar written by the job under ``run_dir/tensorboard``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    if not os.path.isdir(os.path.join(run_dir, "tensorboard")):  # a job that died before its first log
+        return []
     acc = EventAccumulator(os.path.join(run_dir, "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
     return [(e.step, e.value) for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
@@ -49,14 +52,27 @@ def run_job(mode: str, out_dir: str, a) -> dict:
                "--set", "train.parallelism=fsdp2"]
     else:
         cmd = [sys.executable, *job]
+    # the job's output goes to fsdp_<mode>.log in --out, with the seconds since its start on every line, so a run
+    # cut short by the timeout still shows where its time went
+    log_path = os.path.join(a.out, f"fsdp_{mode}.log")
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout_s)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        watchdog = threading.Timer(a.timeout_s, proc.kill)  # also when the job prints nothing
+        watchdog.start()
+        for line in proc.stdout:
+            log.write(f"{time.perf_counter() - t0:7.1f} {line}")
+            log.flush()
+        code = proc.wait()
+        watchdog.cancel()
     wall = time.perf_counter() - t0
-    row = {"mode": mode, "command": " ".join(cmd[1:]), "exit": proc.returncode, "wall_s": round(wall, 1)}
-    if proc.returncode != 0:
-        row["error"] = (proc.stderr or proc.stdout)[-1500:]
-        return row
-    tps = scalars(out_dir, "train/tokens_per_s")
+    row = {"mode": mode, "command": " ".join(cmd[1:]), "exit": code, "wall_s": round(wall, 1)}
+    if wall >= a.timeout_s:
+        row["error"] = f"killed after {a.timeout_s} s (--timeout-s); the job's output is in {os.path.basename(log_path)}"
+    elif code != 0:
+        with open(log_path) as log:
+            row["error"] = log.read()[-1500:]
+    tps = scalars(out_dir, "train/tokens_per_s")  # also what a killed run wrote before the kill
     loss = scalars(out_dir, "train/loss")
     kept = [v for s, v in tps if s > a.skip]
     row.update(steps=len(tps), tokens_per_s_median=statistics.median(kept) if kept else None,
@@ -76,6 +92,7 @@ def main():
     if a.skip >= a.steps:
         raise SystemExit(f"--skip ({a.skip}) must be below --steps ({a.steps})")
     rows = []
+    os.makedirs(a.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("plain", "fsdp2"):
             rows.append(run_job(mode, os.path.join(tmp, mode), a))
@@ -83,7 +100,6 @@ def main():
     plain, fsdp = (r.get("tokens_per_s_median") for r in rows)
     result = {"settings": vars(a), "rows": rows,
               "fsdp2_over_plain_step_time": (plain / fsdp) if plain and fsdp else None}
-    os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "fsdp_overhead.json"), "w") as f:
         json.dump(result, f, indent=1)
     lines = ["# FSDP2 wrapper on one GPU against the plain path (pretraining job, GPU preset)", "",
