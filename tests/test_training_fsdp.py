@@ -1,6 +1,8 @@
 """FSDP2 pretraining on CPU processes: ``torchrun --nproc_per_node N scripts/train.py --set train.parallelism=fsdp2``
 (accelerate's FSDP2 plugin over gloo) reproduces the one-process run for N = 2 and N = 4, resumes after one rank was
-killed mid-run, and exports one consolidated Hub folder (issue #15).
+killed mid-run, and exports one consolidated Hub folder (issue #15). ``train.parallelism=fsdp2_ep`` (FSDP2 plus expert
+parallelism by transformers' engine, each of the 2 ranks holding 2 of the 4 experts) is checked against that FSDP2
+run, resumed from a checkpoint, and exported the same way (the ``fsdp2_ep`` tests at the end).
 
 Runs are subprocesses of the documented command, recorded per rank by the ``__main__`` of
 ``tests/test_training_data_parallel.py`` (rows and router biases after every update), with deadlines, in the
@@ -16,10 +18,21 @@ The kill is a real ``SIGKILL`` of rank 1's process while the 2-process run is in
 checkpoint ``STOP_AT`` is final. To make that moment deterministic rather than a race against the next checkpoint,
 the recorder's ``KDAMOE_TEST_HOLD`` makes rank 1 publish its pid and sleep before its first forward after the
 checkpoint; rank 0 meanwhile enters the step and waits in FSDP2's first all-gather.
+
+``fsdp2_ep`` against ``fsdp2`` on 2 ranks: the same initial weights (the main process saves the seeded model, every
+rank loads it with ``DistributedConfig(fsdp_size=2, ep_size=2)``), the same rows, the same loss normalisation. What
+may differ is float32 rounding: an expert multiplies the rows routed to it from both ranks in one product instead
+of each rank's rows in its own, and the gradient norm is summed per device mesh. Measured here: losses of steps 1-4
+bitwise equal, step 5 4.3e-8 relative apart, router biases bitwise equal; so the bounds are the ``LOSS_RTOL`` and
+``BIAS_ATOL`` of the one-process comparison (a per-rank loss mean instead of the global one is off by ~3e-4). The resumed ``fsdp2_ep`` run starts
+from a copy of the uninterrupted run's folder as it stood after checkpoint ``STOP_AT`` (what a kill right after that
+checkpoint leaves; the kill itself is exercised above for ``fsdp2``), so one uninterrupted run serves both checks,
+and it reproduces the uninterrupted losses and biases bitwise.
 """
 
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -32,7 +45,7 @@ from tests.helpers import finish_processes, launch_processes, start_processes
 from tests.test_training_data_parallel import HOLD, _write_short_documents
 from tests.test_training_resume import _config
 
-STEPS, STOP_AT, GLOBAL_BATCH, ACCUM, DEADLINE_S = 4, 2, 4, 2, 120
+STEPS, STOP_AT, GLOBAL_BATCH, ACCUM, DEADLINE_S = 5, 2, 4, 2, 120
 LOSS_RTOL, BIAS_ATOL = 1e-6, 1e-6
 RECORDER = Path(__file__).resolve().parent / "test_training_data_parallel.py"
 
@@ -184,3 +197,103 @@ def test_fsdp2_with_one_process_is_a_config_error(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="train.parallelism: fsdp2 needs at least 2 processes"):
         make_accelerator(_config(tmp_path, "one", parallelism="fsdp2"), use_bf16=False)
+
+
+@pytest.fixture(scope="module")
+def ep(workdir):
+    """The uninterrupted 2-process ``fsdp2_ep`` run."""
+    return _launch(workdir, "ep", 2, "fsdp2_ep", "--no-resume")
+
+
+@pytest.fixture(scope="module")
+def ep_resumed(workdir, ep):
+    """``fsdp2_ep`` resumed from checkpoint ``STOP_AT``: a copy of the run folder ``ep`` as a kill right after that
+    checkpoint leaves it (no later checkpoint, no ``final/``), then the same command without ``--no-resume``."""
+    source, target = workdir / "ep", workdir / "ep_resumed"
+    kept = f"checkpoints/stage0-step{STOP_AT:06d}"
+    for name in ("tokenizer", "initial", "tensorboard", kept):
+        shutil.copytree(source / name, target / name)
+    for name in ("config.yaml", "baselines.json"):
+        shutil.copy(source / name, target / name)
+    return _launch(workdir, "ep_resumed", 2, "fsdp2_ep")
+
+
+@pytest.mark.xdist_group("distributed")
+def test_fsdp2_ep_reproduces_fsdp2(fsdp, ep):
+    assert len(ep["losses"]) == len(fsdp["losses"]) == STEPS
+    assert ep["losses"] == pytest.approx(fsdp["losses"], rel=LOSS_RTOL)
+    biases = [rank["biases"] for rank in ep["ranks"]]  # [STEPS, routers, experts] after every update
+    assert biases[0].shape[0] == STEPS and torch.count_nonzero(biases[0][-1]) > 0
+    assert torch.equal(biases[1], biases[0])  # one all-reduce of the statistics: the ranks agree bitwise
+    torch.testing.assert_close(biases[0], fsdp["ranks"][0]["biases"], rtol=0, atol=BIAS_ATOL)
+    # The same rows: rank r saw what rank r saw under fsdp2.
+    for rank in range(2):
+        assert torch.equal(ep["ranks"][rank]["rows"], fsdp["ranks"][rank]["rows"])
+    # transformers' sharded checkpoint, one shard file per rank; no accelerate model or optimizer files.
+    files = {p.relative_to(ep["checkpoint"]).as_posix() for p in ep["checkpoint"].rglob("*") if p.is_file()}
+    assert {f"model/shard-0000{rank + 1}-model-00001-of-00001.safetensors" for rank in range(2)} <= files
+    assert {"optimizer/__0_0.distcp", "optimizer/__1_0.distcp", "random_states_1.pkl"} <= files
+    assert not {"model.safetensors", "optimizer.bin"} & files and not any("fsdp" in name for name in files)
+
+
+@pytest.mark.xdist_group("distributed")
+def test_fsdp2_ep_resume_reproduces_the_uninterrupted_run_bitwise(ep, ep_resumed):
+    assert ep_resumed["losses"] == ep["losses"]  # exact float equality: steps 1..STOP_AT from the checkpoint, then
+    for rank in range(2):  # the recomputed ones; the biases after each recomputed update
+        assert ep_resumed["ranks"][rank]["rows"].shape[0] == (STEPS - STOP_AT) * ACCUM
+        torch.testing.assert_close(ep_resumed["ranks"][rank]["biases"], ep["ranks"][rank]["biases"][STOP_AT:],
+                                   rtol=0, atol=0)
+    assert (ep_resumed["checkpoint"].parent.parent / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.xdist_group("distributed")
+def test_fsdp2_ep_export_is_one_consolidated_hub_folder(ep, tmp_path):
+    """``final/`` holds the weights of the stage-end checkpoint's shards (consolidated by transformers'
+    ``consolidate_distributed_checkpoint``, experts of both ranks and router biases included) and loads in a process
+    without kdamoe with the logits of a plain model holding those weights."""
+    from safetensors.torch import load_file
+    from transformers.distributed.checkpoint import consolidate_distributed_checkpoint
+
+    from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
+    from kdamoe.hub import _validation_ids, validate_hub_folder
+
+    final = ep["checkpoint"].parent.parent / "final"
+    assert (final / "model.safetensors").is_file() and (final / "modeling_kdamoe.py").is_file()
+    assert not list(final.glob("shard-*")) and not list(final.rglob("*.distcp"))
+    consolidate_distributed_checkpoint(ep["checkpoint"] / "model", tmp_path)
+    (consolidated,) = tmp_path.glob("*.safetensors")
+    sharded, exported = load_file(consolidated), load_file(final / "model.safetensors")
+    assert set(exported) <= set(sharded) and any("e_score_correction_bias" in k for k in exported)
+    assert any(k.endswith("experts.gate_up_proj") and v.shape[0] == 4 for k, v in exported.items())  # all 4 experts
+    for key, value in exported.items():
+        assert torch.equal(value, sharded[key]), key
+
+    config = KDAMoEConfig.from_pretrained(final)
+    config.kernel_backend = "torch"
+    model = KDAMoEForCausalLM(config).eval()
+    model.load_state_dict(sharded, strict=True)
+    input_ids = _validation_ids(config.vocab_size)
+    with torch.no_grad():
+        reference = model(input_ids=input_ids).logits.float()
+    report = validate_hub_folder(final, reference, input_ids)
+    assert report["max_abs_diff"] is not None and report["max_abs_diff"] <= 1e-4
+
+
+def test_fsdp2_ep_with_one_process_is_a_config_error(tmp_path, monkeypatch):
+    from kdamoe.training.trainer import make_accelerator
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = _config(tmp_path, "one", parallelism="fsdp2_ep")  # outside torchrun the config loads; the run refuses
+    with pytest.raises(ValueError, match="train.parallelism: fsdp2_ep needs at least 2 processes"):
+        make_accelerator(cfg, use_bf16=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="train.parallelism: fsdp2_ep needs at least 2 processes"):
+        _config(tmp_path, "one", parallelism="fsdp2_ep")
+
+
+def test_fsdp2_ep_experts_not_divisible_by_the_processes_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun --nproc_per_node 3 sets it; the model has 4 experts
+    with pytest.raises(ValueError, match="model.num_experts: 4 experts cannot be split evenly over 3 processes"):
+        _config(tmp_path, "three", parallelism="fsdp2_ep")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _config(tmp_path, "two", parallelism="fsdp2_ep").train.parallelism == "fsdp2_ep"

@@ -10,6 +10,12 @@ A checkpoint is the folder ``checkpoints/stage<i>-step<n>/``:
   loads with ``torch.load(weights_only=False)``);
 * ``manifest.json`` — size and SHA-256 of every other file, written last.
 
+Under ``train.parallelism: fsdp2_ep`` accelerate does not hold the model (transformers' engine sharded it), so its
+files are only the RNG states; the model and the optimizer are sharded folders written by every process
+(:func:`save_expert_parallel_state`): ``model/`` (``save_pretrained(..., distributed_checkpoint=True)``:
+torch.distributed.checkpoint shards as safetensors, plus ``config.json``) and ``optimizer/`` (transformers'
+``save_optimizer_distributed``: ``__<rank>_0.distcp`` files and ``.metadata``).
+
 Everything is written into a hidden sibling ``.tmp-<name>``, each file and the folder are fsynced, and
 only then is the folder renamed into place (POSIX ``rename`` is atomic), so a killed run leaves either a
 whole checkpoint or none. On resume :func:`find_checkpoint` walks the checkpoints newest first and takes
@@ -33,6 +39,7 @@ from pathlib import Path
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
 MONITOR = "monitor.safetensors"
+EP_MODEL, EP_OPTIMIZER = "model", "optimizer"  # the sharded folders of an fsdp2_ep checkpoint
 _NAME = re.compile(r"^stage(\d+)-step(\d+)$")
 
 
@@ -131,9 +138,11 @@ def find_checkpoint(root: Path, say: Callable[[str], None] = print) -> Path | No
     return None
 
 
-def save_checkpoint_atomically(accelerator, folder: Path, write_own_state: Callable[[Path], None]) -> Path:
-    """``accelerator.save_state`` plus ``write_own_state(tmp)`` (main process) into ``.tmp-<name>``, then
-    the manifest, fsync and an atomic rename to ``folder`` (replacing an older folder of that name).
+def save_checkpoint_atomically(accelerator, folder: Path, write_own_state: Callable[[Path], None],
+                               write_sharded_state: Callable[[Path], None] | None = None) -> Path:
+    """``accelerator.save_state``, ``write_sharded_state(tmp)`` (every process) and ``write_own_state(tmp)`` (main
+    process) into ``.tmp-<name>``, then the manifest, fsync and an atomic rename to ``folder`` (replacing an older
+    folder of that name).
 
     Call on every process (each writes its own RNG state). Returns ``folder``.
     """
@@ -145,6 +154,8 @@ def save_checkpoint_atomically(accelerator, folder: Path, write_own_state: Calla
             shutil.rmtree(stale, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    if write_sharded_state is not None:
+        write_sharded_state(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_own_state(tmp)
@@ -165,3 +176,28 @@ def load_state(accelerator, folder: Path) -> None:
     allowed); passing it explicitly keeps the optimizer and scheduler loads restricted if that default changes.
     """
     accelerator.load_state(str(folder), load_kwargs={"weights_only": True})
+
+
+def save_expert_parallel_state(model, optimizer, folder: Path) -> None:
+    """Write an ``fsdp2_ep`` model's shards to ``folder/model`` and its AdamW state to ``folder/optimizer``.
+
+    Call on every process: each writes its own shards (torch.distributed.checkpoint through transformers 5.24's
+    ``save_pretrained(distributed_checkpoint=True)`` and ``transformers.distributed.checkpoint.
+    save_optimizer_distributed``). The router biases are persistent buffers, so they are in the model's shards.
+    """
+    from transformers.distributed.checkpoint import save_optimizer_distributed
+
+    model.save_pretrained(folder / EP_MODEL, distributed_checkpoint=True)
+    save_optimizer_distributed(model, optimizer, str(folder / EP_OPTIMIZER))
+
+
+def load_expert_parallel_optimizer(model, optimizer, folder: Path) -> None:
+    """Load ``folder/optimizer`` (:func:`save_expert_parallel_state`) into ``optimizer`` of the sharded ``model``.
+
+    Call on every process. The model's own shards are loaded when it is built (``from_pretrained(folder/model,
+    distributed_config=...)``, :func:`kdamoe.training.trainer.expert_parallel_model`). As for ``fsdp2``
+    checkpoints, torch.distributed.checkpoint unpickles the folder's ``.metadata``: trusted folders only.
+    """
+    from transformers.distributed.checkpoint import load_optimizer_distributed
+
+    load_optimizer_distributed(model, optimizer, str(folder / EP_OPTIMIZER))

@@ -9,8 +9,10 @@ carry over from the stage before. Checkpoints (:mod:`kdamoe.training.checkpoint`
 the expert-load totals as safetensors. They are written atomically and resumed from the newest intact one.
 
 ``train.parallelism`` picks the data-parallel engine (:func:`make_accelerator`): ``ddp`` (a whole model per
-process) or ``fsdp2`` (accelerate's FSDP2 plugin; sharded checkpoints, and :func:`consolidated_model` gathers the
-full weights for the export).
+process), ``fsdp2`` (accelerate's FSDP2 plugin; sharded checkpoints, and :func:`consolidated_model` gathers the
+full weights for the export) or ``fsdp2_ep`` (FSDP2 plus expert parallelism by transformers' own engine,
+:func:`expert_parallel_model`; accelerate then keeps the data loader sharding, gradient accumulation, mixed
+precision, RNG states and collectives, but never wraps the model).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 import os
 import shutil
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,15 +34,18 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, se
 from transformers import get_cosine_schedule_with_warmup
 
 from .checkpoint import (
+    EP_MODEL,
     MONITOR,
     PROGRESS,
     checkpoint_name,
     list_checkpoints,
+    load_expert_parallel_optimizer,
     load_state,
     save_checkpoint_atomically,
+    save_expert_parallel_state,
 )
 from .checkpoint import find_checkpoint
-from .config import RunConfig, StageConfig, config_to_dict, with_defaults
+from .config import RunConfig, StageConfig, check_expert_parallel, config_to_dict, with_defaults
 from .corpus import load_corpus
 from .data import IGNORE_INDEX, pack_documents, stage_loader, tokenize_documents
 from .evaluate import BigramBaseline, evaluate_lm
@@ -138,7 +144,8 @@ def checkpoint_dir(out_dir: Path, progress: TrainProgress) -> Path:
 
 
 def make_accelerator(cfg: RunConfig, use_bf16: bool) -> Accelerator:
-    """The run's ``Accelerator``: DDP, or FSDP2 when ``cfg.train.parallelism == "fsdp2"``.
+    """The run's ``Accelerator``: DDP, FSDP2 when ``cfg.train.parallelism == "fsdp2"``, and for ``fsdp2_ep`` a plain
+    multi-process one that is never given the model (:func:`expert_parallel_model`).
 
     ``cpu=True`` without CUDA: accelerate 1.15 then reads torchrun's LOCAL_RANK / WORLD_SIZE as a multi-CPU (gloo)
     run; with ``cpu=False`` it would treat every CPU process as a lone run training on its own.
@@ -157,14 +164,17 @@ def make_accelerator(cfg: RunConfig, use_bf16: bool) -> Accelerator:
     then on it is accelerate's own FSDP2 path, the one CUDA runs.
 
     Raises:
-        ValueError: ``fsdp2`` with one CPU process, or one process not started by ``torchrun``: accelerate then sets
-            up no process group, which ``fully_shard`` needs. One CUDA process under ``torchrun --nproc_per_node 1``
-            is allowed: it shards nothing, but runs the FSDP2 code path, which is how its overhead is measured
-            (``benchmarks/bench_fsdp_overhead.py``).
+        ValueError: ``fsdp2_ep`` with one process or with ``num_experts`` not divisible by the process count
+            (:func:`kdamoe.training.config.check_expert_parallel`); ``fsdp2`` with one CPU process, or one process
+            not started by ``torchrun``: accelerate then sets up no process group, which ``fully_shard`` needs. One
+            CUDA process under ``torchrun --nproc_per_node 1`` is allowed for ``fsdp2``: it shards nothing, but runs
+            the FSDP2 code path, which is how its overhead is measured (``benchmarks/bench_fsdp_overhead.py``).
         RuntimeError: the accelerator did not end up in FSDP2 mode (an accelerate version whose gating differs).
     """
     mixed = "bf16" if use_bf16 else "no"
     plugin = None
+    if cfg.train.parallelism == "fsdp2_ep":  # the config check, again: WORLD_SIZE may have changed since it loaded
+        check_expert_parallel(cfg.model, int(os.environ.get("WORLD_SIZE", "1")))
     if cfg.train.parallelism == "fsdp2":
         one_cuda_rank = torch.cuda.is_available() and "LOCAL_RANK" in os.environ
         if int(os.environ.get("WORLD_SIZE", "1")) < 2 and not one_cuda_rank:
@@ -188,17 +198,86 @@ def make_accelerator(cfg: RunConfig, use_bf16: bool) -> Accelerator:
     return accelerator
 
 
+def expert_parallel_model(accelerator, model, out_dir: Path, checkpoint: Path | None):
+    """``train.parallelism: fsdp2_ep``: ``model`` sharded by transformers' engine, ``from_pretrained(folder,
+    distributed_config=DistributedConfig(fsdp_size=N, ep_size=N))`` on all N processes (docs/distributed.md).
+
+    Every process holds ``num_experts / N`` whole experts of each MoE layer (``base_model_ep_plan``) and 1/N of
+    everything else (``base_model_fsdp_plan``: one FSDP2 group per decoder layer); the routed tokens travel to their
+    experts by all-to-all. A fresh run starts from ``model`` (built from the seed, the same on every process):
+    the main process saves it to ``out_dir/initial`` and every process loads that folder. A resumed run loads the
+    checkpoint's ``model/`` shards instead (:func:`kdamoe.training.checkpoint.save_expert_parallel_state`).
+
+    The result must not go through ``accelerator.prepare``: accelerate would wrap it in DDP (or shard it again);
+    FSDP2 already reduces its gradients. Returns the sharded model (in training mode).
+    """
+    from transformers.distributed import DistributedConfig
+
+    source = out_dir / "initial" if checkpoint is None else checkpoint / EP_MODEL
+    if checkpoint is None:
+        if accelerator.is_main_process:
+            model.save_pretrained(source)
+        accelerator.wait_for_everyone()
+    n = accelerator.num_processes
+    sharded = type(model).from_pretrained(source, distributed_config=DistributedConfig(fsdp_size=n, ep_size=n))
+    return sharded.train()
+
+
+def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
+    """Clip the gradients of an ``fsdp2_ep`` model to total norm ``max_norm``; returns the norm before clipping.
+
+    ``torch.nn.utils.clip_grad_norm_`` takes DTensors of one device mesh only, and under expert parallelism the
+    experts' gradients live on the expert mesh (``efsdp`` × ``ep``), the rest on the FSDP mesh. So: one norm per
+    mesh (``get_total_norm``, made whole over that mesh by ``full_tensor``), their 2-norm, then
+    ``clip_grads_with_norm_`` as ``clip_grad_norm_`` does.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    by_mesh: dict = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for params in by_mesh.values():
+        norm = get_total_norm([p.grad for p in params])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for params in by_mesh.values():
+        clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+@contextmanager
+def deferred_reduction(model, defer: bool):
+    """Under ``fsdp2_ep`` with ``defer``: no gradient reduce-scatter in this micro-batch's backward (FSDP2's
+    ``set_requires_gradient_sync(False)``), the gradients accumulate unreduced until the optimizer step's
+    micro-batch, as accelerate's ``no_sync`` does for its own FSDP2 models."""
+    model.set_requires_gradient_sync(not defer)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 def consolidated_model(accelerator, model, cfg: RunConfig, tokenizer):
     """The trained model as a plain ``KDAMoEForCausalLM`` on the main process (None on the others).
 
     Call on every process: under FSDP2 ``accelerator.get_state_dict`` all-gathers the shards (and a forward of the
     sharded model on the main process alone would wait forever for the others). The state dict holds the
     persistent buffers too, so the router biases travel with the weights. Under DDP every process already holds
-    the whole model: the main process's unwrapped model is returned as it is (no second copy).
+    the whole model: the main process's unwrapped model is returned as it is (no second copy). Under ``fsdp2_ep``
+    torch's ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` gathers the FSDP2 shards and the experts
+    from every process (what transformers' ``save_pretrained`` of such a model does) onto the main process.
     """
-    if not accelerator.is_fsdp2:
+    if cfg.train.parallelism == "fsdp2_ep":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    elif not accelerator.is_fsdp2:
         return accelerator.unwrap_model(model) if accelerator.is_main_process else None
-    state = accelerator.get_state_dict(model)
+    else:
+        state = accelerator.get_state_dict(model)
     if not accelerator.is_main_process:
         return None
     plain = build_model(cfg, tokenizer)
@@ -206,11 +285,11 @@ def consolidated_model(accelerator, model, cfg: RunConfig, tokenizer):
     return plain.to(accelerator.device)
 
 
-RUN_ARTIFACTS = ["checkpoints", "tokenizer", "tensorboard", "final", "baselines.json", "summary.json", "expert_load.png"]
+RUN_ARTIFACTS = ["checkpoints", "initial", "tokenizer", "tensorboard", "final", "baselines.json", "summary.json", "expert_load.png"]
 # Fields that decide what a resumed run computes; the rest (logging, output) may change between runs.
 RESUME_KEYS = ["seed", "model", "data", "tokenizer", "train.stages", "train.grad_accum_steps", "train.weight_decay",
                "train.adam_betas", "train.adam_eps", "train.max_grad_norm", "train.mixed_precision",
-               "train.parallelism"]  # a DDP checkpoint holds model.safetensors, an FSDP2 one sharded folders
+               "train.parallelism"]  # a DDP checkpoint holds model.safetensors, the FSDP2 ones sharded folders
 
 
 def clear_run(out_dir: Path) -> None:
@@ -240,10 +319,11 @@ def check_same_run(out_dir: Path, cfg: RunConfig) -> None:
 
 
 def save_checkpoint(accelerator, progress: TrainProgress, scheduler, monitor: TrainingMonitor, out_dir: Path,
-                    cfg: RunConfig) -> Path:
+                    cfg: RunConfig, model=None, optimizer=None) -> Path:
     """Write ``checkpoints/stage<i>-step<n>`` atomically (:func:`kdamoe.training.checkpoint.save_checkpoint_atomically`):
-    accelerate's state, ``progress.json``, ``monitor.safetensors``, the manifest. Then delete mid-stage
-    checkpoints beyond the newest ``train.keep_checkpoints``; stage ends are kept."""
+    accelerate's state, under ``fsdp2_ep`` the sharded ``model`` and ``optimizer``
+    (:func:`kdamoe.training.checkpoint.save_expert_parallel_state`), ``progress.json``, ``monitor.safetensors``, the
+    manifest. Then delete mid-stage checkpoints beyond the newest ``train.keep_checkpoints``; stage ends are kept."""
     from safetensors.torch import save_file
 
     progress.scheduler = scheduler.state_dict()
@@ -253,7 +333,10 @@ def save_checkpoint(accelerator, progress: TrainProgress, scheduler, monitor: Tr
         if monitor.total_load is not None:
             save_file({"total_load": monitor.total_load.contiguous()}, str(folder / MONITOR))
 
-    path = save_checkpoint_atomically(accelerator, checkpoint_dir(out_dir, progress), write_own_state)
+    sharded = None
+    if cfg.train.parallelism == "fsdp2_ep":
+        sharded = lambda folder: save_expert_parallel_state(model, optimizer, folder)  # noqa: E731
+    path = save_checkpoint_atomically(accelerator, checkpoint_dir(out_dir, progress), write_own_state, sharded)
     if accelerator.is_main_process:  # stage end or not is read from the name: no file of a folder is trusted here
         stages = cfg.train.stages
         mids = [p for stage, step, p in list_checkpoints(path.parent)
@@ -279,12 +362,15 @@ def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, d
                 stop_at: int | None) -> bool:
     """Run one stage to its last step (or until ``progress.global_step == stop_at``). Returns False if stopped early."""
     t = cfg.train
+    expert_parallel = t.parallelism == "fsdp2_ep"  # the model is transformers' (expert_parallel_model), not accelerate's
     rows = pack_documents(data.train_docs, stage.seq_len, data.tokenizer.pad_token_id, drop_last=True)
     loader = accelerator.prepare(stage_loader(rows, stage.batch_size, stage.steps * t.grad_accum_steps,
                                               cfg.seed + index, accelerator.num_processes))
     scheduler = make_scheduler(optimizer, stage)
     if resume_from is not None:
         load_state(accelerator, resume_from)
+        if expert_parallel:
+            load_expert_parallel_optimizer(model, optimizer, resume_from)
         scheduler.load_state_dict(progress.scheduler)
     raw_model = accelerator.unwrap_model(model)
     monitor.start_stage(stage.name, stage.steps, progress.step)
@@ -300,12 +386,20 @@ def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, d
         targets = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()  # the model shifts the labels by one
         per_process = accelerator.reduce(targets, "sum") / accelerator.num_processes
         with accelerator.accumulate(model):
-            loss = model(**batch, use_cache=False, num_items_in_batch=per_process).loss
-            accelerator.backward(loss)
+            # fsdp2_ep: the model was never prepared, so accelerate's autocast and no_sync are applied here, and the
+            # optimizer (not accelerate's either) is stepped only on the last micro-batch. For ddp / fsdp2 the
+            # prepared model's forward already runs under that autocast and accelerate's optimizer skips the others.
+            defer = deferred_reduction(model, not accelerator.sync_gradients) if expert_parallel else nullcontext()
+            with defer:
+                with accelerator.autocast():
+                    loss = model(**batch, use_cache=False, num_items_in_batch=per_process).loss
+                accelerator.backward(loss)
             if accelerator.sync_gradients:
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad()
+                grad_norm = (clip_grad_norm(model, t.max_grad_norm) if expert_parallel
+                             else accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm))
+            if accelerator.sync_gradients or not expert_parallel:
+                optimizer.step()
+                optimizer.zero_grad()
         # the global micro-batch's loss: the mean over processes of their (rescaled) losses
         step_loss += accelerator.reduce(loss.detach(), "mean").item() / t.grad_accum_steps
         step_tokens += batch["input_ids"].numel() * accelerator.num_processes
@@ -325,7 +419,7 @@ def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, d
                                                 "seq_len": stage.seq_len}, write)
         monitor.log_expert_load(progress.global_step, load, write)
         if progress.step == stage.steps or (t.checkpoint_every and progress.step % t.checkpoint_every == 0):
-            save_checkpoint(accelerator, progress, scheduler, monitor, out_dir, cfg)
+            save_checkpoint(accelerator, progress, scheduler, monitor, out_dir, cfg, model, optimizer)
         step_loss, step_tokens, t0 = 0.0, 0, time.perf_counter()
     return True
 
@@ -392,8 +486,12 @@ def run(cfg: RunConfig, resume: bool = True, stop_after_steps: int | None = None
             data.val_rows, data.byte_lengths)
         summary["before"] = evaluate(model.to(accelerator.device))
         (out_dir / "baselines.json").write_text(json.dumps({k: summary[k] for k in ("bigram", "before")}))
-    optimizer = make_optimizer(model, cfg)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if cfg.train.parallelism == "fsdp2_ep":
+        model = expert_parallel_model(accelerator, model, out_dir, checkpoint)
+        optimizer = make_optimizer(model, cfg)
+    else:
+        optimizer = make_optimizer(model, cfg)
+        model, optimizer = accelerator.prepare(model, optimizer)
     monitor = TrainingMonitor(out_dir / "tensorboard", cfg.monitor.load_imbalance_threshold,
                               cfg.monitor.histogram_every, enabled=accelerator.is_main_process)
     progress = TrainProgress() if checkpoint is None else load_checkpoint(checkpoint, monitor)
