@@ -188,6 +188,17 @@ def test_distributed_config_is_refused_when_it_cannot_run(base, monkeypatch, wor
         load_posttrain_config("sft", [f"model={base}", *overrides])
 
 
+def test_a_checkpoint_to_resume_is_refused_before_the_base_loads(base, monkeypatch, tmp_path):  # noqa: F811
+    from kdamoe.posttraining import load_posttrain_config, run_recipe
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    cfg = load_posttrain_config("sft", [f"model={base}", f"output_dir={tmp_path}", EP])
+    with pytest.raises(ValueError, match="output_dir holds .*checkpoint-3.*cannot resume"):
+        run_recipe(cfg)  # a sharded load would wait for a second process: this must fail before it
+
+
 def _record_model(run_recipe_model):
     """Wrap ``kdamoe.posttraining.run.trained_model``: first, on every rank, save the (sharded) trained model's eval
     logits on :data:`IDS` and its greedy continuation of row ``rank`` by ``2 + 2 * rank`` tokens (module docstring)

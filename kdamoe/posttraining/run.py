@@ -4,7 +4,8 @@
 
 * ``checkpoint-N/`` — the Trainer's own checkpoints (model with its router-bias buffers in
   ``model.safetensors``, optimizer, scheduler, RNG, ``trainer_state.json``); a rerun resumes from the newest
-  complete one (it has ``trainer_state.json``, written last);
+  complete one (it has ``trainer_state.json``, written last); none under ``distributed_config`` (transformers'
+  Trainer cannot checkpoint the optimizer of a model sharded while it loads);
 * ``final/`` — the trained model, reloadable with ``AutoModelForCausalLM.from_pretrained(final,
   trust_remote_code=True)`` (:func:`kdamoe.hub.write_model_folder`), with a model card naming the recipe, the
   base model, the data and, for RL recipes, the reward curve (a table and ``reward_curve.png``). Under PEFT
@@ -275,10 +276,12 @@ def run_recipe(cfg, resume: bool = True) -> dict:
     Returns:
         ``{"final": str, "adapter": str | None, "summary": str, "log_history": list[dict], "train_runtime":
         float (seconds), "global_step": int, "reward_curve": [(step, mean reward)], "resumed_from": str | None,
-        "model": the saved model (merged under PEFT; ``None`` on the other processes under FSDP2), "trainer": the TRL trainer}``.
+        "model": the saved model (merged under PEFT; ``None`` on the other processes when the model is sharded: FSDP2,
+        ``distributed_config``), "trainer": the TRL trainer}``.
     Raises:
         ValueError: a config value that does not fit the model (aux loss next to Quantile Balancing, a completion
-            budget past the context), naming it.
+            budget past the context, ``distributed_config``'s ``ep_size`` against ``num_experts``), naming it; or a
+            checkpoint to resume under ``distributed_config``.
     """
     from transformers import set_seed
 
@@ -287,6 +290,10 @@ def run_recipe(cfg, resume: bool = True) -> dict:
     from .recipes import build_trainer
     from .recipes.common import check_aux_loss
 
+    checkpoint = newest_checkpoint(cfg.output_dir) if resume else None
+    if checkpoint and cfg.distributed_config is not None:
+        raise ValueError(f"distributed_config: output_dir holds {checkpoint}, and transformers' Trainer cannot resume "
+                         "a model sharded while it loads; pass --no-resume (resume=False) or another output_dir")
     set_seed(cfg.seed)
     model, tokenizer = load_base(cfg)
     check_aux_loss(cfg, model.config)
@@ -295,7 +302,6 @@ def run_recipe(cfg, resume: bool = True) -> dict:
     check_world_size(trainer)
     enable_fsdp2_on_cpu(trainer)
     add_router_bias_callback(trainer, RouterBiasUpdateCallback(freeze_biases=cfg.router_biases == "freeze"))
-    checkpoint = newest_checkpoint(cfg.output_dir) if resume else None
     if checkpoint:
         logger.warning(f"resuming from {checkpoint}")
     result = trainer.train(resume_from_checkpoint=checkpoint)
