@@ -10,6 +10,8 @@ the bad value, before a model is loaded:
 * ``trainer`` keys are fields of the recipe's TRL config class (``SFTConfig``, ``GRPOConfig``, ...), with a
   "did you mean" hint (the values are checked by that class when the recipe builds it);
 * ``peft`` builds a ``peft.LoraConfig``;
+* ``distributed_config`` builds a ``transformers.distributed.DistributedConfig`` and fits the launch, the model and
+  the recipe (:func:`check_distributed_config`, :meth:`PostTrainConfig._check_distributed`);
 * ``data`` names a task family and ranges its generator accepts.
 
 Checks that need the model (the aux-loss coefficient against Quantile Balancing, the GRPO completion budget
@@ -19,11 +21,13 @@ against the context) run when the recipe is built (:mod:`kdamoe.posttraining.rec
 from __future__ import annotations
 
 import dataclasses
-import os
 import difflib
+import json
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import yaml
@@ -96,6 +100,11 @@ class PostTrainConfig:
             the fused experts' ``gate_up_proj`` / ``down_proj``).
         trainer: keyword arguments of the recipe's TRL config class; they override the recipe's defaults.
         ppo: the PPO recipe's own section (value / reward model), :class:`~kdamoe.posttraining.recipes.ppo.PPOSection`.
+        distributed_config: ``None`` (the Trainer's own data parallelism: DDP, or FSDP2 with ``trainer.fsdp``) or
+            keyword arguments of transformers' ``DistributedConfig`` (``fsdp_size``, ``ep_size``, ...): the base is
+            then sharded while it loads, by transformers' engine (FSDP2, expert parallelism with ``ep_size``;
+            :func:`kdamoe.posttraining.run.load_base`), and the Trainer trains it without wrapping it
+            (docs/post-training.md, "Several processes"). SFT and single-turn GRPO only.
     """
 
     recipe: str = "sft"
@@ -108,6 +117,7 @@ class PostTrainConfig:
     peft: dict[str, Any] | None = None
     trainer: dict[str, Any] = field(default_factory=dict)
     ppo: dict[str, Any] = field(default_factory=dict)
+    distributed_config: dict[str, Any] | None = None
 
     def validate(self) -> "PostTrainConfig":
         """Check every field (module docstring); raises ``ValueError`` naming the first bad one. Returns ``self``."""
@@ -161,6 +171,8 @@ class PostTrainConfig:
                  "transformers' default)")
             need(self.peft is None, "trainer.fsdp", "with a peft adapter: not supported by the recipes (train the "
                  "full model, peft: null)")
+        if self.distributed_config is not None:
+            self._check_distributed()
         self._check_trainer()
         if self.recipe == "ppo":  # importable only in the PPO venv; _check_trainer has already imported it
             from .recipes.ppo import PPOSection
@@ -169,6 +181,55 @@ class PostTrainConfig:
         if self.peft is not None:
             lora_config(self.peft)
         return self
+
+    def _check_distributed(self) -> None:
+        """The ``distributed_config`` refusals (each a ``ValueError`` naming the field): a bad ``DistributedConfig``,
+        one process, sizes that are not the launch, ``trainer.fsdp`` next to it, a PEFT adapter, Trainer
+        checkpoints, a recipe or GRPO mode whose collectives could not line up over the ranks, and (for a local
+        model folder) ``num_experts`` not divisible by ``ep_size``."""
+        def need(ok: bool, name: str, why: str):
+            if not ok:
+                raise ValueError(f"config field {name}: {why}")
+
+        section, t = self.distributed_config, self.trainer
+        config = distributed_config_from_dict(section)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        need(world >= 2, "distributed_config", f"needs at least 2 processes (torchrun --nproc_per_node N, N >= 2); "
+             f"WORLD_SIZE is {world}")
+        need(config.tp_size == 1 and config.pp_size == 1, "distributed_config",
+             f"tp_size={config.tp_size}, pp_size={config.pp_size}: kdamoe has no tensor- or pipeline-parallel plan "
+             "(fsdp_size and ep_size shard it)")
+        need(config.dp_replicate_size == 1, "distributed_config.dp_replicate_size",
+             f"{config.dp_replicate_size}: HSDP is not tested with the recipes (shard over all processes with fsdp_size)")
+        need(config.fsdp_size == world, "distributed_config.fsdp_size",
+             f"{config.fsdp_size} must be the number of processes, WORLD_SIZE={world}: the Trainer gives every "
+             "process its own rows, and the model's data-parallel size is fsdp_size")
+        need(not t.get("fsdp"), "trainer.fsdp", "set together with distributed_config: the model is sharded once, "
+             "either by transformers' engine while it loads (distributed_config) or by accelerate (trainer.fsdp)")
+        need(self.peft is None, "peft", "with distributed_config: not supported by the recipes (under ep_size a "
+             "rank holds only its experts, and final/ merges the adapter into the whole base; train the full model, "
+             "peft: null)")
+        need(t.get("save_strategy", "no") == "no", "trainer.save_strategy",
+             f"{t.get('save_strategy')!r} with distributed_config: transformers' Trainer cannot checkpoint the "
+             "optimizer of a model sharded while it loads, so a run could not resume; leave it 'no' (final/ is "
+             "written at the end)")
+        need(self.recipe in ("sft", "grpo"), "recipe", f"{self.recipe!r} with distributed_config: only sft and grpo "
+             "(grpo.mode: single_turn) run under transformers' engine here")
+        if self.recipe == "grpo":
+            # Every forward of a sharded model is a collective (FSDP2 all-gathers, EP all-to-alls): all ranks must
+            # run the same number of forwards. `generate` keeps the ranks in step (transformers sets synced_gpus for
+            # an FSDP-managed model), but TRL's tool loop calls generate again only on the ranks whose completions
+            # hold a tool call, and the cached rollout steps each rank's own conversations: a rank would wait forever.
+            need(self.grpo.mode == "single_turn", "grpo.mode",
+                 f"{self.grpo.mode!r} with distributed_config: the tool loop runs a different number of generate "
+                 "calls on each rank, and a sharded model's forwards are collectives; use grpo.mode: single_turn")
+            need(self.grpo.rollout == "trl", "grpo.rollout",
+                 "cached with distributed_config: each rank steps its own caches (a different number of sharded "
+                 "forwards per rank); use grpo.rollout: trl")
+            need(not self.grpo.long_context, "grpo.long_context", "not tested with distributed_config")
+        model_config = Path(self.model).expanduser() / "config.json"
+        if model_config.is_file():  # a Hub id is checked when the base loads (run.load_base)
+            check_distributed_config(section, SimpleNamespace(**json.loads(model_config.read_text())))
 
     def _check_trainer(self) -> None:
         from .recipes import config_class
@@ -205,6 +266,47 @@ def _takes_float(tp) -> bool:
     if isinstance(tp, str):
         return "float" in tp.replace(" ", "").split("|")
     return tp is float or float in typing.get_args(tp)
+
+
+def distributed_config_from_dict(section: dict[str, Any]):
+    """``transformers.distributed.DistributedConfig(**section)``.
+
+    Raises:
+        ValueError: ``section`` is not a mapping, names a key that is not a field of ``DistributedConfig`` (with a
+            "did you mean"), or ``DistributedConfig`` rejects a value (e.g. ``ep_size`` not dividing ``fsdp_size``).
+    """
+    from transformers.distributed import DistributedConfig
+
+    if not isinstance(section, dict):
+        raise ValueError(f"config field distributed_config: expected a mapping of DistributedConfig fields, got "
+                         f"{section!r}")
+    fields = [f.name for f in dataclasses.fields(DistributedConfig)]
+    for key in section:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ValueError(f"config field distributed_config.{key}: not a field of DistributedConfig{hint}")
+    try:
+        return DistributedConfig(**section)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"config field distributed_config: {err}") from err
+
+
+def check_distributed_config(section: dict[str, Any], model_config) -> None:
+    """Refuse a ``distributed_config`` whose ``ep_size`` does not split the model's experts evenly.
+
+    Args:
+        section: ``DistributedConfig`` keyword arguments.
+        model_config: the base's config (a ``KDAMoEConfig``, or anything with ``num_experts``).
+    Raises:
+        ValueError: ``model_config.num_experts`` is not divisible by ``ep_size`` (every rank of an expert-parallel
+            group holds ``num_experts / ep_size`` whole experts).
+    """
+    ep_size = distributed_config_from_dict(section).ep_size
+    experts = getattr(model_config, "num_experts", None)
+    if ep_size > 1 and (not experts or experts % ep_size):
+        raise ValueError(f"config field distributed_config.ep_size: {ep_size} does not divide the model's "
+                         f"num_experts={experts} (each rank holds num_experts / ep_size whole experts)")
 
 
 def lora_config(section: dict[str, Any]):

@@ -4,7 +4,8 @@
 
 * ``checkpoint-N/`` — the Trainer's own checkpoints (model with its router-bias buffers in
   ``model.safetensors``, optimizer, scheduler, RNG, ``trainer_state.json``); a rerun resumes from the newest
-  complete one (it has ``trainer_state.json``, written last);
+  complete one (it has ``trainer_state.json``, written last); none under ``distributed_config`` (transformers'
+  Trainer cannot checkpoint the optimizer of a model sharded while it loads);
 * ``final/`` — the trained model, reloadable with ``AutoModelForCausalLM.from_pretrained(final,
   trust_remote_code=True)`` (:func:`kdamoe.hub.write_model_folder`), with a model card naming the recipe, the
   base model, the data and, for RL recipes, the reward curve (a table and ``reward_curve.png``). Under PEFT
@@ -127,21 +128,28 @@ def _card(cfg, model, curve, image: str | None):
 
 
 def trained_model(cfg, trainer):
-    """The trained model, whole, on the main process (``None`` on the others under FSDP2).
+    """The trained model, whole, on the main process (``None`` on the others when the model is sharded).
 
     Call on every process. Under DDP every process holds the whole model: its unwrapped module is returned as it
-    is. Under FSDP2 every process holds a shard: ``accelerator.get_state_dict`` all-gathers the full state dict
-    (persistent buffers included, so the router biases travel with the weights) and the main process loads it
-    into a fresh copy of the base (:func:`load_base`), as the pretraining job does.
+    is. Under FSDP2 (``trainer.fsdp``) and under transformers' engine (``distributed_config``: FSDP2, with expert
+    parallelism) every process holds a shard: the full state dict is all-gathered (persistent buffers included, so
+    the router biases travel with the weights; accelerate's ``get_state_dict`` for the first, transformers'
+    ``gather_full_state_dict`` for the second, which the Trainer never wrapped) and the main process loads it into
+    a fresh, unsharded copy of the base (:func:`load_base`), as the pretraining job does.
     """
     accelerator = trainer.accelerator
-    if not accelerator.is_fsdp2:
-        model = accelerator.unwrap_model(trainer.model)
+    model = accelerator.unwrap_model(trainer.model)
+    if getattr(model, "is_distributed_loading_by_transformers", False):
+        from transformers.distributed.utils import gather_full_state_dict
+
+        state = gather_full_state_dict(model)  # collective: every rank takes part, rank 0 gets the tensors
+    elif accelerator.is_fsdp2:
+        state = accelerator.get_state_dict(trainer.model)
+    else:
         return getattr(model, "policy", model)  # TRL's PPO trains a wrapper of policy and value model
-    state = accelerator.get_state_dict(trainer.model)
     if not accelerator.is_main_process:
         return None
-    model, _ = load_base(cfg)
+    model, _ = load_base(cfg, sharded=False)
     model.load_state_dict(state, strict=True)
     return model
 
@@ -170,12 +178,24 @@ def _save(cfg, model, tokenizer, padding_side: str, curve) -> tuple[Path, Path |
     return final, adapter_dir, model
 
 
-def load_base(cfg):
-    """``(model, tokenizer)`` of ``cfg.model``: ``KDAMoEForCausalLM.from_pretrained`` (float32) and ``AutoTokenizer``."""
+def load_base(cfg, sharded: bool = True):
+    """``(model, tokenizer)`` of ``cfg.model``: ``KDAMoEForCausalLM.from_pretrained`` (float32) and ``AutoTokenizer``.
+
+    With ``cfg.distributed_config`` (and ``sharded``) the model is sharded while it loads, by transformers'
+    engine: ``from_pretrained(..., distributed_config=DistributedConfig(**cfg.distributed_config))`` applies the
+    model's ``base_model_fsdp_plan`` / ``_fsdp_plan`` (FSDP2) and, with ``ep_size``, its ``base_model_ep_plan``
+    (docs/distributed.md, "transformers DistributedConfig"); every process must call it. ``sharded=False`` loads
+    the whole model (the copy :func:`trained_model` fills with the gathered weights).
+
+    Raises:
+        ValueError: ``cfg.model`` looks like a local folder without ``config.json``, or ``distributed_config``
+            does not fit the model (:func:`kdamoe.posttraining.config.check_distributed_config`).
+    """
     import torch
     from transformers import AutoTokenizer
 
-    from .. import KDAMoEForCausalLM
+    from .. import KDAMoEConfig, KDAMoEForCausalLM
+    from .config import check_distributed_config
 
     folder = Path(cfg.model).expanduser()
     looks_local = folder.exists() or cfg.model.startswith(("/", ".", "~", "outputs")) or cfg.model.count("/") > 1
@@ -183,7 +203,13 @@ def load_base(cfg):
         raise ValueError(f"model={cfg.model}: no model folder there (no config.json). The shipped grpo / dpo / rloo "
                          "configs start from outputs/posttrain/sft/final: run `kdamoe-posttrain --config sft` first, "
                          "or pass --set model=FOLDER")
-    model = KDAMoEForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+    kwargs = {}
+    if sharded and cfg.distributed_config is not None:
+        from transformers.distributed import DistributedConfig
+
+        check_distributed_config(cfg.distributed_config, KDAMoEConfig.from_pretrained(cfg.model))
+        kwargs["distributed_config"] = DistributedConfig(**cfg.distributed_config)
+    model = KDAMoEForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     return model, tokenizer
 
@@ -250,10 +276,12 @@ def run_recipe(cfg, resume: bool = True) -> dict:
     Returns:
         ``{"final": str, "adapter": str | None, "summary": str, "log_history": list[dict], "train_runtime":
         float (seconds), "global_step": int, "reward_curve": [(step, mean reward)], "resumed_from": str | None,
-        "model": the saved model (merged under PEFT; ``None`` on the other processes under FSDP2), "trainer": the TRL trainer}``.
+        "model": the saved model (merged under PEFT; ``None`` on the other processes when the model is sharded: FSDP2,
+        ``distributed_config``), "trainer": the TRL trainer}``.
     Raises:
         ValueError: a config value that does not fit the model (aux loss next to Quantile Balancing, a completion
-            budget past the context), naming it.
+            budget past the context, ``distributed_config``'s ``ep_size`` against ``num_experts``), naming it; or a
+            checkpoint to resume under ``distributed_config``.
     """
     from transformers import set_seed
 
@@ -262,6 +290,10 @@ def run_recipe(cfg, resume: bool = True) -> dict:
     from .recipes import build_trainer
     from .recipes.common import check_aux_loss
 
+    checkpoint = newest_checkpoint(cfg.output_dir) if resume else None
+    if checkpoint and cfg.distributed_config is not None:
+        raise ValueError(f"distributed_config: output_dir holds {checkpoint}, and transformers' Trainer cannot resume "
+                         "a model sharded while it loads; pass --no-resume (resume=False) or another output_dir")
     set_seed(cfg.seed)
     model, tokenizer = load_base(cfg)
     check_aux_loss(cfg, model.config)
@@ -270,7 +302,6 @@ def run_recipe(cfg, resume: bool = True) -> dict:
     check_world_size(trainer)
     enable_fsdp2_on_cpu(trainer)
     add_router_bias_callback(trainer, RouterBiasUpdateCallback(freeze_biases=cfg.router_biases == "freeze"))
-    checkpoint = newest_checkpoint(cfg.output_dir) if resume else None
     if checkpoint:
         logger.warning(f"resuming from {checkpoint}")
     result = trainer.train(resume_from_checkpoint=checkpoint)

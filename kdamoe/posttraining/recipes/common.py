@@ -9,7 +9,9 @@ Safe defaults (:func:`trainer_args`), overridden by the recipe's own and then by
 * ``router_aux_loss_coef=0.0`` where the config has the field: Quantile Balancing moves the router biases, and
   the softmax aux loss would fight it (docs/architecture.md §4);
 * ``report_to="none"``, ``save_strategy="steps"`` (the Trainer also saves at the last step, so a run is
-  resumable from ``output_dir/checkpoint-N``), ``save_total_limit=2``, ``logging_steps=1``, ``seed=cfg.seed``.
+  resumable from ``output_dir/checkpoint-N``), ``save_total_limit=2``, ``logging_steps=1``, ``seed=cfg.seed``;
+  with ``distributed_config`` ``save_strategy="no"``: transformers' Trainer refuses to checkpoint a model sharded
+  while it loads (its optimizer state cannot be saved), and ``final/`` is written at the end.
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ def trainer_args(cfg, config_class: type, trainer: dict | None = None, **recipe_
         ValueError: naming the ``trainer`` section when the class rejects a key or a value.
     """
     fields = {f.name for f in dataclasses.fields(config_class)}
-    kwargs = dict(report_to="none", save_strategy="steps", save_total_limit=2, logging_steps=1)
+    kwargs = dict(report_to="none", save_strategy="steps" if cfg.distributed_config is None else "no",
+                  save_total_limit=2, logging_steps=1)
     kwargs.update(device_defaults())
     if "router_aux_loss_coef" in fields:
         kwargs["router_aux_loss_coef"] = 0.0
