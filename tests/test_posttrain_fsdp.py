@@ -87,3 +87,38 @@ def test_enable_fsdp2_is_a_no_op_without_fsdp():
     trainer = SimpleNamespace(args=SimpleNamespace(fsdp_plugin_args=None), accelerator=accelerator)
     enable_fsdp2_on_cpu(trainer)
     assert accelerator.distributed_type == "untouched" and not hasattr(trainer, "is_fsdp_enabled")
+
+
+@pytest.mark.parametrize("recipe, overrides", [
+    ("grpo", []),                                 # mode environment (key hunt), TRL's tool loop
+    ("grpo", ["grpo.rollout=cached"]),            # mode environment, kdamoe's cached rollout
+    ("grpo_tools", []),                           # mode tools, TRL's tool loop
+    ("grpo_tools", ["grpo.rollout=cached"]),
+    ("grpo_long", []),                            # cached rollout + the memory-bounded update
+])
+def test_multi_turn_grpo_under_fsdp2_is_refused_when_the_config_loads(monkeypatch, recipe, overrides):
+    """Under FSDP2 every forward is a collective (an all-gather per layer). transformers keeps the ranks in step
+    within one ``generate`` (``synced_gpus``: torch's ``fully_shard`` marks the modules it manages), but TRL's tool
+    loop calls ``generate`` again only on the ranks whose completions hold a tool call, and the cached rollout
+    plays each rank's episodes turn by turn: ranks whose episodes make different numbers of tool calls run
+    different numbers of sharded forwards. Run on 2 gloo processes with one rank's first turn forced to a tool
+    call and the other's to an answer, every such recipe aborted in the second ``generate`` ("Received data size
+    doesn't match expected size. Is there a distributed collective mismatch"; NCCL would hang); under DDP the
+    same runs finished (docs/post-training.md, "Several processes")."""
+    from kdamoe.posttraining import load_posttrain_config
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"config field grpo\.mode: .* with trainer\.fsdp: .*DDP"):
+        load_posttrain_config(recipe, ["trainer.fsdp=true", *overrides])
+    load_posttrain_config(recipe, overrides)  # the same recipe under DDP loads
+
+
+@pytest.mark.parametrize("overrides", [[], ["grpo.rollout=cached"]])
+def test_single_turn_grpo_under_fsdp2_loads(monkeypatch, overrides):
+    """Single-turn GRPO makes one ``generate`` call per batch (TRL's rollout) or per rollout (the cached one, the
+    same number of rows on every rank), each kept in step by ``synced_gpus``: it stays allowed."""
+    from kdamoe.posttraining import load_posttrain_config
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = load_posttrain_config("grpo_single_turn", ["trainer.fsdp=true", *overrides])
+    assert cfg.trainer["fsdp"] is True and cfg.grpo.mode == "single_turn"

@@ -171,6 +171,16 @@ class PostTrainConfig:
                  "transformers' default)")
             need(self.peft is None, "trainer.fsdp", "with a peft adapter: not supported by the recipes (train the "
                  "full model, peft: null)")
+            # Every forward of an FSDP2 model is a collective (an all-gather per layer). One `generate` keeps the
+            # ranks in step (transformers sets synced_gpus: torch's fully_shard marks the modules it manages), but
+            # TRL's tool loop calls generate again only on the ranks whose completions hold a tool call, and the
+            # cached rollout plays each rank's own turns: on 2 gloo processes with a tool call on one rank only,
+            # every multi-turn recipe aborted on a collective mismatch (tests/test_posttrain_fsdp.py).
+            need(self.recipe != "grpo" or self.grpo.mode == "single_turn", "grpo.mode",
+                 f"{self.grpo.mode!r} with trainer.fsdp: the tool loop (grpo.rollout: trl or cached) runs a "
+                 "different number of generate calls on each process, and every forward of an FSDP2 model is a "
+                 "collective, so the processes fall out of step; train multi-turn GRPO under DDP (leave "
+                 "trainer.fsdp unset) or use grpo.mode: single_turn")
         if self.distributed_config is not None:
             self._check_distributed()
         self._check_trainer()
