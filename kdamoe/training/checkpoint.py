@@ -185,9 +185,22 @@ def save_expert_parallel_state(model, optimizer, folder: Path) -> None:
     ``save_pretrained(distributed_checkpoint=True)`` and ``transformers.distributed.checkpoint.
     save_optimizer_distributed``). The router biases are persistent buffers, so they are in the model's shards.
     """
+    import torch
     from transformers.distributed.checkpoint import save_optimizer_distributed
 
-    model.save_pretrained(folder / EP_MODEL, distributed_checkpoint=True)
+    # Tied embeddings (tie_word_embeddings, as in the CPU preset): transformers 5.24 hands both keys to safetensors.
+    # That passes while a shard is a view into a larger buffer (a model sharded from a full load) and fails with
+    # "Some tensors share memory" once each shard owns its storage (a model loaded from these shards, i.e. after
+    # a resume). A clone stands in for the LM head during the save; loading ties the two again.
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    shared = head.weight if head is not None and head.weight is embeddings.weight else None
+    if shared is not None:
+        head.weight = torch.nn.Parameter(shared.detach().clone(), requires_grad=False)
+    try:
+        model.save_pretrained(folder / EP_MODEL, distributed_checkpoint=True)
+    finally:
+        if shared is not None:
+            head.weight = shared
     save_optimizer_distributed(model, optimizer, str(folder / EP_OPTIMIZER))
 
 
