@@ -105,8 +105,10 @@ def job_main(kind: str, dump: Path, argv: list[str]) -> int:
         record["times"].append(time.perf_counter())
         routers = [(n, m) for n, m in self.named_modules() if isinstance(m, KDAMoETopkRouter)]
         record["names"] = [n for n, _ in routers]
-        # the router is replicated under FSDP2 and EP (buffers are never sharded), so the local tensor is all of it
-        record["biases"].append([(b.to_local() if isinstance(b, DTensor) else b).detach().to("cpu", torch.float32)
+        # the router is replicated under FSDP2 and EP (buffers are never sharded), so the local tensor is all of it;
+        # a copy: on CPU .to("cpu") would return the live buffer, which the next update changes in place
+        record["biases"].append([(b.to_local() if isinstance(b, DTensor) else b).detach().to("cpu", torch.float32,
+                                                                                             copy=True)
                                  for b in (m.e_score_correction_bias for _, m in routers)])
         if len(record["times"]) == exit_at:
             save()
@@ -146,7 +148,7 @@ class Launcher:
             return {"exit": None, "wall_s": 0.0, "error": f"skipped: {self.left():.0f} s left before the --budget-s "
                                                           f"deadline, under --min-run-s {self.min_s:.0f}"}
         dump.mkdir(parents=True, exist_ok=True)
-        script = [str(REPO / "benchmarks" / "bench_distributed.py"), "--as-job", kind, str(dump), "--", *args]
+        script = ["benchmarks/bench_distributed.py", "--as-job", kind, str(dump), "--", *args]
         launcher = [sys.executable] if processes == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
         python_path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)
@@ -154,7 +156,7 @@ class Launcher:
                     **({"OMP_NUM_THREADS": "1"} if self.cpu else {}), **(env or {})}
         t0 = time.perf_counter()
         with open(self.out / JOBS_LOG, "a") as log:
-            log.write(f"===== {name}: {' '.join(launcher[1:] + script[1:])} (limit {limit:.0f} s)\n")
+            log.write(f"===== {name}: {' '.join(launcher[1:] + script)} (limit {limit:.0f} s)\n")
             log.flush()
             proc = subprocess.Popen(launcher + script, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -308,10 +310,12 @@ def settings(a) -> dict:
 
 
 def pretrain_args(s: dict, run_dir: Path, processes: int, mode: str | None, tokenizer: Path | None) -> list[str]:
+    """``kdamoe-train`` arguments: one stage of ``batch / processes`` rows per process, logged every step,
+    checkpoints only at the resume step of the sharded modes, ``train.parallelism=mode`` (None: one process)."""
     stage = (f"train.stages=[{{name: bench, seq_len: {s['seq_len']}, batch_size: {s['batch'] // processes}, "
              f"steps: {s['steps']}, lr: 1.0e-3, warmup_steps: 2}}]")
-    sets = [stage, "train.log_every=1", f"train.checkpoint_every={s['resume_at'] if mode in ('fsdp2', 'fsdp2_ep') else 0}",
-            *s["extra"]]
+    every = s["resume_at"] if mode in ("fsdp2", "fsdp2_ep") else 0
+    sets = [stage, "train.log_every=1", f"train.checkpoint_every={every}", *s["extra"]]
     if s["max_documents"]:
         sets.append(f"data.max_documents={s['max_documents']}")
     if mode is not None:
@@ -322,6 +326,8 @@ def pretrain_args(s: dict, run_dir: Path, processes: int, mode: str | None, toke
 
 
 def sft_args(s: dict, run_dir: Path, processes: int, mode: str | None, base: Path) -> list[str]:
+    """``kdamoe-posttrain --config sft`` arguments from ``base``: ``sft_batch / processes`` episodes per process,
+    logged every step; Trainer checkpoints only under ``fsdp2`` (the resumed mode)."""
     sets = [f"model={base}", f"trainer.max_steps={s['sft_steps']}", f"data.num_tasks={s['sft_steps'] * s['sft_batch']}",
             f"trainer.per_device_train_batch_size={s['sft_batch'] // processes}", "trainer.logging_steps=1",
             "trainer.warmup_steps=2"]
@@ -342,6 +348,7 @@ def files_of(folder: Path, limit: int = 12) -> list[str]:
 
 
 def rel_diffs(a: list[float], b: list[float], n: int) -> list[float]:
+    """``|a_i - b_i| / |b_i|`` over the first ``n`` common entries."""
     return [abs(x - y) / abs(y) for x, y in zip(a[:n], b[:n])]
 
 
@@ -389,7 +396,8 @@ def measure(row: dict, job: str, run_dir: Path, dumps: list[Path], first_steps: 
             r = reload_check(final, passage, s["passage_tokens"], device)
             export.update(reload_loss=r["loss"], reload_tokens=r["tokens"], reload_s=r["seconds"])
             if "_biases" in row and row["_biases"]:
-                export["reload_biases_equal_last_update"] = [r["biases"].get(n) for n in row["_names"]] == row["_biases"][-1]
+                loaded = [r["biases"].get(n) for n in row["_names"]]
+                export["reload_biases_equal_last_update"] = loaded == row["_biases"][-1]
             if reference is not None and reference.get("export", {}).get("reload_loss") is not None:
                 export["reload_loss_rel_diff_vs_1"] = abs(r["loss"] - reference["export"]["reload_loss"]) / abs(
                     reference["export"]["reload_loss"])
@@ -413,6 +421,7 @@ def plan(only: set[str] | None) -> list[tuple[str, str | None]]:
 
 
 def run_name(job: str, mode: str | None) -> str:
+    """``pretrain/1``, ``sft/fsdp2``, ..."""
     return f"{job}/{mode or 1}"
 
 
@@ -427,6 +436,7 @@ def write_results(out: Path, result: dict) -> None:
 
 
 def _fmt(v, spec: str = "") -> str:
+    """A table cell: empty for None, yes / NO for booleans."""
     if v is None:
         return ""
     if isinstance(v, bool):
@@ -435,6 +445,7 @@ def _fmt(v, spec: str = "") -> str:
 
 
 def markdown(result: dict) -> str:
+    """``distributed.md``: the settings, one table row per run, the issue's goals."""
     st = result["settings"]
     title = ("CPU DRY RUN (gloo, tiny model; the numbers say nothing about GPUs)" if st["cpu_dry_run"]
              else "2 GPUs (NCCL)")
@@ -447,7 +458,8 @@ def markdown(result: dict) -> str:
              f"checkpoint and resumed. tokens/s: median over steps > {st['skip']}. Loss diff: largest relative "
              f"difference to the one-process run over the first {FIRST_STEPS} steps (goal {LOSS_RTOL:.0%}).", "",
              "| run | exit | steps | tokens/s | x 1-process | loss diff 1-5 | loss diff all | biases: ranks equal "
-             "| biases vs 1 (max abs) | final/ biases = last update | resumed | reload loss | reload vs 1 | wall s | note |",
+             "| biases vs 1 (max abs) | final/ biases = last update | resumed | reload loss | reload vs 1 | wall s "
+             "| note |",
              "|" + "---|" * 15]
     for r in result["runs"]:
         b, e = r.get("biases", {}), r.get("export", {})
@@ -471,7 +483,8 @@ def markdown(result: dict) -> str:
         x = ddp.get("speedup_vs_1")
         lines.append(f"- {job}: ddp tokens/s x {_fmt(x, '.3f') or '(not measured)'} the one-process run "
                      f"(goal >= 1.8: {_fmt(x >= 1.8) if x else 'not measured'}); fsdp2_ep / fsdp2 tokens/s: "
-                     + (f"{ep['tokens_per_s'] / f2['tokens_per_s']:.3f} (goal >= 1: {_fmt(ep['tokens_per_s'] >= f2['tokens_per_s'])})"
+                     + (f"{ep['tokens_per_s'] / f2['tokens_per_s']:.3f} "
+                        f"(goal >= 1: {_fmt(ep['tokens_per_s'] >= f2['tokens_per_s'])})"
                         if ep.get("tokens_per_s") and f2.get("tokens_per_s") else "not measured"))
         within = [r.get("first_losses_max_rel_diff") for r in (ddp, f2, ep)]
         lines.append(f"- {job}: first {FIRST_STEPS} losses within {LOSS_RTOL:.0%} of one process: "
@@ -483,6 +496,7 @@ def markdown(result: dict) -> str:
 
 
 def stack() -> str:
+    """torch, transformers and the devices, in words."""
     import torch
     import transformers
 
@@ -493,6 +507,7 @@ def stack() -> str:
 
 
 def main():
+    """Run the plan (module docstring) and write the results after every run."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-dry-run", action="store_true", help="tiny CPU model, 2 gloo processes, a few steps")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
