@@ -341,10 +341,12 @@ def sft_args(s: dict, run_dir: Path, processes: int, mode: str | None, base: Pat
 
 
 def files_of(folder: Path, limit: int = 12) -> list[str]:
-    """Up to ``limit`` relative file paths under ``folder`` (what a checkpoint holds: sharded or not)."""
+    """Up to ``limit`` relative paths of the files under ``folder`` but the model's code (what a checkpoint holds:
+    sharded or not)."""
     if not folder.is_dir():
         return []
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())[:limit]
+    found = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.suffix != ".py")
+    return found[:limit]
 
 
 def rel_diffs(a: list[float], b: list[float], n: int) -> list[float]:
@@ -444,6 +446,13 @@ def _fmt(v, spec: str = "") -> str:
     return format(v, spec)
 
 
+def _error_line(error: str) -> str:
+    """The last line of a launch's output tail that names an error (else its last line), shortened."""
+    lines = [x.strip() for x in error.strip().splitlines() if x.strip()] or [""]
+    named = [x for x in lines if "Error" in x or "Exception" in x]
+    return (named or lines)[-1][:160]
+
+
 def markdown(result: dict) -> str:
     """``distributed.md``: the settings, one table row per run, the issue's goals."""
     st = result["settings"]
@@ -465,8 +474,7 @@ def markdown(result: dict) -> str:
         b, e = r.get("biases", {}), r.get("export", {})
         launches = r.get("launches", [])
         resumed = r.get("resume", {}).get("resumed")
-        note = "; ".join(x for x in [r.get("skipped"), *[l.get("error", "").strip().splitlines()[-1][:160]
-                                                          for l in launches if l.get("error")],
+        note = "; ".join(x for x in [r.get("skipped"), *[_error_line(l["error"]) for l in launches if l.get("error")],
                                      e.get("reload_error", "")[:160] or None, r.get("resume", {}).get("note")] if x)
         lines.append("| " + " | ".join([
             r["name"], ",".join(str(l.get("exit")) for l in launches), _fmt(r.get("steps")),
