@@ -10,6 +10,7 @@
 # Files back: distributed.json, distributed.md (rewritten after every run), distributed.log (this script and the
 # bench), distributed_jobs.log (every launch's output, timestamped) and at most four 15 MB parts of the Triton cache.
 set -u
+source "$(dirname "$0")/tcache.sh"  # tcache_restore / tcache_pack: the Triton cache between calls
 T0=$(date +%s)
 END=$(( T0 + ${DIST_TOTAL_S:-570} - 45 ))  # the last 45 s pack the Triton cache
 left() { echo $(( END - $(date +%s) )); }
@@ -21,9 +22,7 @@ export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 HF_HOME=$SCRATCH/hf TR
 # every launch of the bench (and every rank) reads and writes this one cache: the one-process runs compile first
 export TRITON_CACHE_DIR=$SCRATCH/tcache TRITON_CACHE_AUTOTUNING=1
 export NCCL_NVLS_ENABLE=0  # NVLink multicast (NVLS) stays off on these machines
-if ls .tcache/tcache.part.* >/dev/null 2>&1; then
-    cat .tcache/tcache.part.* | tar xzf - -C "$TRITON_CACHE_DIR" && echo "Triton cache restored" >> "$LOG"
-fi
+if tcache_restore "$TRITON_CACHE_DIR"; then echo "Triton cache restored" >> "$LOG"; fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SCRATCH/site" \
     .whl/*.whl >> "$LOG" 2>&1 || { echo "wheel install failed" >> "$LOG"; exit 1; }
 export PYTHONPATH=$SCRATCH/site:$PWD
@@ -41,7 +40,7 @@ timeout "$budget" python3 benchmarks/bench_distributed.py --out "$OUT" --budget-
 echo "bench exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
 
 rm -f "$OUT"/*.tmp  # a write cut short by the timeout
-timeout 40 tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15m - "$OUT/tcache.part."
+tcache_pack "$TRITON_CACHE_DIR" "$OUT"
 parts=$(ls "$OUT"/tcache.part.* 2>/dev/null | wc -l)
 if [ "$parts" -gt 4 ] || [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then
     rm -f "$OUT"/tcache.part.*

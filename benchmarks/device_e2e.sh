@@ -13,6 +13,7 @@
 # Files back: e2e.json, e2e.md, e2e.log (the output of every step), model_parity.json (E2E_PARITY=1),
 # moe_rows_tune.json (E2E_TUNE=1), fsdp_overhead.json (E2E_FSDP=1) and at most four 15 MB parts of the Triton cache (more would pass the 8 files a call returns; then none are kept).
 set -u
+source "$(dirname "$0")/tcache.sh"  # tcache_restore / tcache_pack: the Triton cache between calls
 T0=$(date +%s)
 END=$(( T0 + ${E2E_TOTAL_S:-480} - 45 ))  # the last 45 s pack the Triton cache
 left() { echo $(( END - $(date +%s) )); }
@@ -22,7 +23,7 @@ LOG=$OUT/e2e.log
 mkdir -p "$OUT" "$SCRATCH/tcache"
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 HF_HOME=$SCRATCH/hf
 export TRITON_CACHE_DIR=$SCRATCH/tcache TRITON_CACHE_AUTOTUNING=1 E2E_TCACHE_RESTORED=0
-if ls .tcache/tcache.part.* >/dev/null 2>&1 && cat .tcache/tcache.part.* | tar xzf - -C "$TRITON_CACHE_DIR"; then
+if tcache_restore "$TRITON_CACHE_DIR"; then
     export E2E_TCACHE_RESTORED=1
 fi
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -60,7 +61,7 @@ if [ "${E2E_FSDP:-0}" = 1 ]; then
 fi
 
 rm -f "$OUT"/*.tmp  # a JSON write cut short by a timeout
-timeout 40 tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15m - "$OUT/tcache.part."
+tcache_pack "$TRITON_CACHE_DIR" "$OUT"
 parts=$(ls "$OUT"/tcache.part.* 2>/dev/null | wc -l)
 if [ "$parts" -gt 4 ]; then
     rm -f "$OUT"/tcache.part.*

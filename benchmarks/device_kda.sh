@@ -6,11 +6,12 @@
 # scratch directory; if .tcache/ holds the parts of a previous call's cache it is restored first, and the
 # cache is written back to $OUT/tcache.part.* at the end, so a second call skips fla's ~250 s of compiles.
 set -u
+source "$(dirname "$0")/tcache.sh"  # tcache_restore / tcache_pack: the Triton cache between calls
 SCRATCH=$(mktemp -d)
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$SCRATCH/tcache TRITON_CACHE_AUTOTUNING=1
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT" "$TRITON_CACHE_DIR"
-if ls .tcache/tcache.part.* >/dev/null 2>&1; then cat .tcache/tcache.part.* | tar xzf - -C "$TRITON_CACHE_DIR"; fi
+tcache_restore "$TRITON_CACHE_DIR" || true
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SCRATCH/site" \
     .whl/fla_core-0.6.0-py3-none-any.whl
 export PYTHONPATH=$SCRATCH/site:$PWD
@@ -21,5 +22,5 @@ start=$(date +%s)
 KDAMOE_TEST_ON_GPU=1 timeout "${PYTEST_TIMEOUT_S:-120}" python3 -m pytest -q -p no:cacheprovider \
     tests/kernels/test_kda_chunk.py tests/kernels/test_kda_recurrent.py tests/kernels/test_conv.py > "$OUT/pytest.log" 2>&1
 echo "pytest exit $? after $(( $(date +%s) - start )) s" >> "$OUT/pytest.log"
-timeout 40 tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15m - "$OUT/tcache.part."
+tcache_pack "$TRITON_CACHE_DIR" "$OUT"
 tail -n 3 "$OUT/bench.log" "$OUT/pytest.log"

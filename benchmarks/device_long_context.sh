@@ -15,6 +15,7 @@
 # Files back: long_context.json, long_context.md, bench.log (the output of every step) and at most five 15 MB
 # parts of the Triton cache (more would pass the 8 files a call returns; then none are kept).
 set -u
+source "$(dirname "$0")/tcache.sh"  # tcache_restore / tcache_pack: the Triton cache between calls
 T0=$(date +%s)
 END=$(( T0 + ${LC_TOTAL_S:-570} - 30 ))  # the last 30 s pack the Triton cache
 left() { echo $(( END - $(date +%s) )); }
@@ -24,7 +25,7 @@ LOG=$OUT/bench.log
 mkdir -p "$OUT" "$SCRATCH/tcache"
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 HF_HOME=$SCRATCH/hf
 export TRITON_CACHE_DIR=$SCRATCH/tcache TRITON_CACHE_AUTOTUNING=1 LC_TCACHE_RESTORED=0
-if ls .tcache/tcache.part.* >/dev/null 2>&1 && cat .tcache/tcache.part.* | tar xzf - -C "$TRITON_CACHE_DIR"; then
+if tcache_restore "$TRITON_CACHE_DIR"; then
     export LC_TCACHE_RESTORED=1
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SCRATCH/site" .whl/*.whl
@@ -62,7 +63,7 @@ if [ "$train" = 1 ]; then
 fi
 
 rm -f "$OUT"/*.tmp  # a JSON write cut short by a timeout
-timeout 40 tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15m - "$OUT/tcache.part."
+tcache_pack "$TRITON_CACHE_DIR" "$OUT"
 parts=$(ls "$OUT"/tcache.part.* 2>/dev/null | wc -l)
 if [ "$parts" -gt 5 ]; then
     rm -f "$OUT"/tcache.part.*

@@ -15,6 +15,7 @@
 # Files back: long_rl.json, long_rl.md, long_rl.log (every step's output), and at most four 15 MB parts of the
 # Triton cache (fewer when more would pass the 8 files a call returns).
 set -u
+source "$(dirname "$0")/tcache.sh"  # tcache_restore / tcache_pack: the Triton cache between calls
 T0=$(date +%s)
 END=$(( T0 + ${RL_TOTAL_S:-570} - 45 ))  # the last 45 s pack the Triton cache
 left() { echo $(( END - $(date +%s) )); }
@@ -24,9 +25,7 @@ LOG=$OUT/long_rl.log
 mkdir -p "$OUT" "$SCRATCH/tcache"
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 HF_HOME=$SCRATCH/hf TRL_EXPERIMENTAL_SILENCE=1
 export TRITON_CACHE_DIR=$SCRATCH/tcache TRITON_CACHE_AUTOTUNING=1
-if ls .tcache/tcache.part.* >/dev/null 2>&1; then
-    cat .tcache/tcache.part.* | tar xzf - -C "$TRITON_CACHE_DIR" && echo "Triton cache restored" >> "$LOG"
-fi
+if tcache_restore "$TRITON_CACHE_DIR"; then echo "Triton cache restored" >> "$LOG"; fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SCRATCH/site" \
     .whl/*.whl >> "$LOG" 2>&1 || { echo "wheel install failed" >> "$LOG"; exit 1; }
 export PYTHONPATH=$SCRATCH/site:$PWD
@@ -48,7 +47,7 @@ timeout "$budget" python3 benchmarks/bench_long_rl.py --out "$OUT" --budget-s $(
 echo "bench exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
 
 rm -f "$OUT"/*.tmp
-timeout 40 tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15m - "$OUT/tcache.part."
+tcache_pack "$TRITON_CACHE_DIR" "$OUT"
 if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then
     rm -f "$OUT"/tcache.part.*
     echo "more than the 8 files a call returns: the Triton cache is not returned" >> "$LOG"

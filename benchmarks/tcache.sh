@@ -1,7 +1,7 @@
 # The Triton cache carried between device calls (sourced by the benchmarks/device_*.sh scripts).
 # A call returns at most 8 files and carries at most 64 MiB in all, wheels and data included, so the cache travels
 # as 15 MB parts (.tcache/tcache.part.aa, .ab, ...) of one tar archive, compressed with xz where the machine has it:
-# Triton's cache is mostly text (PTX, LLVM IR, TTIR) that xz packs about 18x (a 415 MB cache: 23 MB, against
+# Triton's cache is mostly text (PTX, LLVM IR, TTIR) that xz -6 packs about 14x (a 415 MB cache: 29 MB, against
 # 60 MB with gzip); gzip otherwise. The format is read back from the first part's magic bytes.
 
 # tcache_restore DIR: unpack .tcache/tcache.part.* into DIR; fails (status 1) when there is nothing to unpack.
