@@ -55,18 +55,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_fsdp_overhead import scalars  # noqa: E402  (TensorBoard scalars of a job's run folder)
+from bench_fsdp_overhead import scalars, stream_job  # noqa: E402  (TensorBoard scalars; a watched launch)
 
 JOBS_LOG = "distributed_jobs.log"
 EXIT_AT = "KDAMOE_BENCH_EXIT_AT"
@@ -154,37 +151,19 @@ class Launcher:
         python_path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)
         full_env = {**os.environ, "PYTHONPATH": python_path, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1",
                     **({"OMP_NUM_THREADS": "1"} if self.cpu else {}), **(env or {})}
-        t0 = time.perf_counter()
         with open(self.out / JOBS_LOG, "a") as log:
             log.write(f"===== {name}: {' '.join(launcher[1:] + script)} (limit {limit:.0f} s)\n")
             log.flush()
-            proc = subprocess.Popen(launcher + script, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
-            killed = threading.Event()
-
-            def kill():  # the whole session: torchrun and every rank it started
-                killed.set()
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-            watchdog = threading.Timer(limit, kill)  # also when the job prints nothing
-            watchdog.start()
-            tail, resumed = [], None
-            for line in proc.stdout:
-                log.write(f"{time.perf_counter() - t0:7.1f} {line}")
-                log.flush()
-                tail = (tail + [line])[-40:]
-                if resumed is None and "resuming from" in line:
-                    resumed = line.strip()[-300:]
-            code = proc.wait()
-            watchdog.cancel()
-        row = {"exit": code, "wall_s": round(time.perf_counter() - t0, 1), "resumed_line": resumed}
-        if killed.is_set():
+            resumed = []  # the job's "resuming from <checkpoint>" line
+            run = stream_job(launcher + script, log, limit, env=full_env,
+                             on_line=lambda line: resumed.append(line.strip()[-300:]) if "resuming from" in line else None)
+        code = run["exit"]
+        resumed = resumed[0] if resumed else None
+        row = {"exit": code, "wall_s": run["wall_s"], "resumed_line": resumed}
+        if run["killed"]:
             row["error"] = f"killed after {limit:.0f} s (watchdog); its output is in {JOBS_LOG}"
         elif code != 0:
-            row["error"] = "".join(tail)[-1500:]
+            row["error"] = "".join(run["tail"])[-1500:]
         return row
 
 

@@ -20,6 +20,7 @@ reported too: on one rank FSDP2 computes the same step, so they should agree to 
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,6 +42,39 @@ def scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
 
 
+def stream_job(cmd: list[str], log, limit_s: float, env: dict | None = None, on_line=None) -> dict:
+    """Run ``cmd`` (from the repo root) with its output streamed into the open file ``log``, each line prefixed by
+    the seconds since the start, so a run cut short still shows where its time went. A watchdog kills the whole
+    process group after ``limit_s`` seconds (torchrun and every rank it started; also when the job prints nothing).
+    ``on_line(line)``, if given, sees every line as it comes.
+
+    Returns ``{"exit": int, "wall_s": float, "killed": bool, "tail": the last 40 lines}``."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    killed = threading.Event()
+
+    def kill():
+        killed.set()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    watchdog = threading.Timer(limit_s, kill)
+    watchdog.start()
+    tail = []
+    for line in proc.stdout:
+        log.write(f"{time.perf_counter() - t0:7.1f} {line}")
+        log.flush()
+        tail = (tail + [line])[-40:]
+        if on_line is not None:
+            on_line(line)
+    code = proc.wait()
+    watchdog.cancel()
+    return {"exit": code, "wall_s": round(time.perf_counter() - t0, 1), "killed": killed.is_set(), "tail": tail}
+
+
 def run_job(mode: str, out_dir: str, a) -> dict:
     stage = (f"train.stages=[{{name: bench, seq_len: {a.seq_len}, batch_size: {a.batch_size}, steps: {a.steps}, "
              f"lr: 1.0e-3, warmup_steps: 4}}]")
@@ -52,26 +86,14 @@ def run_job(mode: str, out_dir: str, a) -> dict:
                "--set", "train.parallelism=fsdp2"]
     else:
         cmd = [sys.executable, *job]
-    # the job's output goes to fsdp_<mode>.log in --out, with the seconds since its start on every line, so a run
-    # cut short by the timeout still shows where its time went
     log_path = os.path.join(a.out, f"fsdp_{mode}.log")
-    t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        watchdog = threading.Timer(a.timeout_s, proc.kill)  # also when the job prints nothing
-        watchdog.start()
-        for line in proc.stdout:
-            log.write(f"{time.perf_counter() - t0:7.1f} {line}")
-            log.flush()
-        code = proc.wait()
-        watchdog.cancel()
-    wall = time.perf_counter() - t0
-    row = {"mode": mode, "command": " ".join(cmd[1:]), "exit": code, "wall_s": round(wall, 1)}
-    if wall >= a.timeout_s:
+        run = stream_job(cmd, log, a.timeout_s)
+    row = {"mode": mode, "command": " ".join(cmd[1:]), "exit": run["exit"], "wall_s": run["wall_s"]}
+    if run["killed"]:
         row["error"] = f"killed after {a.timeout_s} s (--timeout-s); the job's output is in {os.path.basename(log_path)}"
-    elif code != 0:
-        with open(log_path) as log:
-            row["error"] = log.read()[-1500:]
+    elif run["exit"] != 0:
+        row["error"] = "".join(run["tail"])[-1500:]
     tps = scalars(out_dir, "train/tokens_per_s")  # also what a killed run wrote before the kill
     loss = scalars(out_dir, "train/loss")
     kept = [v for s, v in tps if s > a.skip]
