@@ -30,6 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kdamoe.training.config import load_config
+from kdamoe.training.trainer import run
 from tests.helpers import launch_processes
 from tests.test_training_resume import WORDS, _config
 
@@ -91,6 +93,11 @@ def test_n_processes_reproduce_one_process_with_the_same_global_batch(one_proces
     reference = one["ranks"][0]["biases"]
     assert torch.count_nonzero(reference[-1]) > 0  # the biases did move
     torch.testing.assert_close(biases[0], reference, rtol=0, atol=BIAS_ATOL)
+
+    # This run's checkpoint resumed on one process would change the global batch: refused before anything runs.
+    with pytest.raises(ValueError, match=f"written by a run on {processes} processes and this run has 1"):
+        run(load_config(tmp_path / f"ranks{processes}.yaml",
+                        [f"train.stages.0.batch_size={GLOBAL_BATCH // processes}"]), resume=True)
 
 
 HOLD = "KDAMOE_TEST_HOLD"  # "<rank>:<n>": that rank stops before its (n+1)-th training forward, to be killed

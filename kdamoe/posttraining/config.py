@@ -283,7 +283,8 @@ def distributed_config_from_dict(section: dict[str, Any]):
 
     Raises:
         ValueError: ``section`` is not a mapping, names a key that is not a field of ``DistributedConfig`` (with a
-            "did you mean"), or ``DistributedConfig`` rejects a value (e.g. ``ep_size`` not dividing ``fsdp_size``).
+            "did you mean"), gives a size that is not a positive integer or a flag that is not a bool, or
+            ``DistributedConfig`` rejects a value (e.g. ``ep_size`` not dividing ``fsdp_size``).
     """
     from transformers.distributed import DistributedConfig
 
@@ -296,6 +297,19 @@ def distributed_config_from_dict(section: dict[str, Any]):
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ValueError(f"config field distributed_config.{key}: not a field of DistributedConfig{hint}")
+    # DistributedConfig does not check its value types: a float or bool size reaches torch's device mesh
+    for f in dataclasses.fields(DistributedConfig):
+        value, kind = section.get(f.name), str(f.type)
+        if value is None:
+            continue
+        if kind.startswith("int") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"config field distributed_config.{f.name}: expected a positive integer, got {value!r}")
+        if f.type is bool and not isinstance(value, bool):
+            raise ValueError(f"config field distributed_config.{f.name}: expected true or false, got {value!r}")
+    ep, fsdp, tp = section.get("ep_size"), section.get("fsdp_size"), section.get("tp_size") or 1
+    if ep and fsdp and (fsdp * tp) % ep:  # DistributedConfig's own rule, said with the field's name
+        raise ValueError(f"config field distributed_config.ep_size: {ep} must divide fsdp_size * tp_size = {fsdp * tp} "
+                         "(the expert-parallel groups are cut out of the FSDP ranks)")
     try:
         return DistributedConfig(**section)
     except (TypeError, ValueError) as err:

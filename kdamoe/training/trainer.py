@@ -71,6 +71,9 @@ class TrainProgress:
     tokens: int = 0  # training tokens consumed over all stages (all processes)
     scheduler: dict | None = None  # state of the stage's LR scheduler
     losses: list = field(default_factory=list)  # [global_step, loss] of every optimizer step so far
+    # processes of the run that wrote the checkpoint (None in checkpoints written before it was recorded): a resume
+    # on another count would change the global batch (batch_size is per process) and lack RNG states
+    num_processes: int | None = None
 
     def save(self, folder: Path) -> None:
         (folder / PROGRESS).write_text(json.dumps(asdict(self)))
@@ -318,6 +321,19 @@ def check_same_run(out_dir: Path, cfg: RunConfig) -> None:
                              f"({a!r} there, {b!r} now): pass --no-resume or another --output-dir")
 
 
+def check_same_processes(checkpoint: Path, num_processes: int) -> None:
+    """Raise ``ValueError`` when ``checkpoint`` was written by a run on another number of processes.
+
+    ``train.stages[*].batch_size`` is per process, so another count changes the global batch and the rows each
+    process reads, and the checkpoint holds RNG states for its own processes only: the resumed run would silently
+    compute something else. Checkpoints that do not record the count (written before it was) are not checked."""
+    saved = TrainProgress.load(checkpoint).num_processes
+    if saved is not None and saved != num_processes:
+        raise ValueError(f"checkpoint {checkpoint} was written by a run on {saved} processes and this run has "
+                         f"{num_processes}: resume with --nproc_per_node {saved} (train.stages.*.batch_size is per "
+                         "process, so the global batch would change), or pass --no-resume / another --output-dir")
+
+
 def save_checkpoint(accelerator, progress: TrainProgress, scheduler, monitor: TrainingMonitor, out_dir: Path,
                     cfg: RunConfig, model=None, optimizer=None) -> Path:
     """Write ``checkpoints/stage<i>-step<n>`` atomically (:func:`kdamoe.training.checkpoint.save_checkpoint_atomically`):
@@ -327,6 +343,7 @@ def save_checkpoint(accelerator, progress: TrainProgress, scheduler, monitor: Tr
     from safetensors.torch import save_file
 
     progress.scheduler = scheduler.state_dict()
+    progress.num_processes = accelerator.num_processes
 
     def write_own_state(folder: Path) -> None:
         progress.save(folder)
@@ -463,6 +480,7 @@ def run(cfg: RunConfig, resume: bool = True, stop_after_steps: int | None = None
                          "to start over (which deletes them) or another --output-dir")
     if checkpoint is not None:
         check_same_run(out_dir, cfg)
+        check_same_processes(checkpoint, accelerator.num_processes)
     if accelerator.is_main_process:
         if checkpoint is None:
             clear_run(out_dir)
