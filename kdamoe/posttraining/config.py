@@ -171,16 +171,18 @@ class PostTrainConfig:
                  "transformers' default)")
             need(self.peft is None, "trainer.fsdp", "with a peft adapter: not supported by the recipes (train the "
                  "full model, peft: null)")
-            # Every forward of an FSDP2 model is a collective (an all-gather per layer). One `generate` keeps the
-            # ranks in step (transformers sets synced_gpus: torch's fully_shard marks the modules it manages), but
-            # TRL's tool loop calls generate again only on the ranks whose completions hold a tool call, and the
-            # cached rollout plays each rank's own turns: on 2 gloo processes with a tool call on one rank only,
-            # every multi-turn recipe aborted on a collective mismatch (tests/test_posttrain_fsdp.py).
-            need(self.recipe != "grpo" or self.grpo.mode == "single_turn", "grpo.mode",
-                 f"{self.grpo.mode!r} with trainer.fsdp: the tool loop (grpo.rollout: trl or cached) runs a "
-                 "different number of generate calls on each process, and every forward of an FSDP2 model is a "
-                 "collective, so the processes fall out of step; train multi-turn GRPO under DDP (leave "
-                 "trainer.fsdp unset) or use grpo.mode: single_turn")
+        sharded_by = "trainer.fsdp" if t.get("fsdp") else "distributed_config" if self.distributed_config else None
+        if sharded_by and self.recipe == "grpo":
+            # Every forward of a sharded model is a collective (FSDP2 all-gathers, EP all-to-alls). One `generate`
+            # keeps the ranks in step (transformers sets synced_gpus: torch's fully_shard marks the modules it
+            # manages), but TRL's tool loop calls generate again only on the ranks whose completions hold a tool
+            # call, and the cached rollout plays each rank's own turns: on 2 gloo processes with a tool call on one
+            # rank only, every multi-turn recipe aborted on a collective mismatch (tests/test_posttrain_fsdp.py).
+            need(self.grpo.mode == "single_turn", "grpo.mode",
+                 f"{self.grpo.mode!r} with {sharded_by}: the tool loop (grpo.rollout: trl or cached) runs a "
+                 "different number of generate calls on each process, and every forward of a sharded model is a "
+                 f"collective, so the processes fall out of step; train multi-turn GRPO under DDP (leave {sharded_by} "
+                 "unset) or use grpo.mode: single_turn")
         if self.distributed_config is not None:
             self._check_distributed()
         self._check_trainer()
@@ -225,14 +227,7 @@ class PostTrainConfig:
              "written at the end)")
         need(self.recipe in ("sft", "grpo"), "recipe", f"{self.recipe!r} with distributed_config: only sft and grpo "
              "(grpo.mode: single_turn) run under transformers' engine here")
-        if self.recipe == "grpo":
-            # Every forward of a sharded model is a collective (FSDP2 all-gathers, EP all-to-alls): all ranks must
-            # run the same number of forwards. `generate` keeps the ranks in step (transformers sets synced_gpus for
-            # an FSDP-managed model), but TRL's tool loop calls generate again only on the ranks whose completions
-            # hold a tool call, and the cached rollout steps each rank's own conversations: a rank would wait forever.
-            need(self.grpo.mode == "single_turn", "grpo.mode",
-                 f"{self.grpo.mode!r} with distributed_config: the tool loop runs a different number of generate "
-                 "calls on each rank, and a sharded model's forwards are collectives; use grpo.mode: single_turn")
+        if self.recipe == "grpo":  # grpo.mode is checked in validate, as for trainer.fsdp
             need(self.grpo.rollout == "trl", "grpo.rollout",
                  "cached with distributed_config: each rank steps its own caches (a different number of sharded "
                  "forwards per rank); use grpo.rollout: trl")

@@ -226,31 +226,6 @@ def expert_parallel_model(accelerator, model, out_dir: Path, checkpoint: Path | 
     return sharded.train()
 
 
-def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
-    """Clip the gradients of an ``fsdp2_ep`` model to total norm ``max_norm``; returns the norm before clipping.
-
-    ``torch.nn.utils.clip_grad_norm_`` takes DTensors of one device mesh only, and under expert parallelism the
-    experts' gradients live on the expert mesh (``efsdp`` × ``ep``), the rest on the FSDP mesh. So: one norm per
-    mesh (``get_total_norm``, made whole over that mesh by ``full_tensor``), their 2-norm, then
-    ``clip_grads_with_norm_`` as ``clip_grad_norm_`` does.
-    """
-    from torch.distributed.tensor import DTensor
-    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
-
-    by_mesh: dict = {}
-    for p in model.parameters():
-        if p.grad is not None:
-            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    norms = []
-    for params in by_mesh.values():
-        norm = get_total_norm([p.grad for p in params])
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms))
-    for params in by_mesh.values():
-        clip_grads_with_norm_(params, max_norm, total)
-    return total
-
-
 @contextmanager
 def deferred_reduction(model, defer: bool):
     """Under ``fsdp2_ep`` with ``defer``: no gradient reduce-scatter in this micro-batch's backward (FSDP2's
@@ -270,13 +245,13 @@ def consolidated_model(accelerator, model, cfg: RunConfig, tokenizer):
     sharded model on the main process alone would wait forever for the others). The state dict holds the
     persistent buffers too, so the router biases travel with the weights. Under DDP every process already holds
     the whole model: the main process's unwrapped model is returned as it is (no second copy). Under ``fsdp2_ep``
-    torch's ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` gathers the FSDP2 shards and the experts
-    from every process (what transformers' ``save_pretrained`` of such a model does) onto the main process.
+    transformers' ``gather_full_state_dict`` gathers the FSDP2 shards and the experts from every process onto the
+    main process (as the post-training recipes do for ``distributed_config``).
     """
     if cfg.train.parallelism == "fsdp2_ep":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from transformers.distributed.utils import gather_full_state_dict
 
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = gather_full_state_dict(model)  # collective; the main process gets the tensors
     elif not accelerator.is_fsdp2:
         return accelerator.unwrap_model(model) if accelerator.is_main_process else None
     else:
@@ -412,8 +387,9 @@ def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, d
                     loss = model(**batch, use_cache=False, num_items_in_batch=per_process).loss
                 accelerator.backward(loss)
             if accelerator.sync_gradients:
-                grad_norm = (clip_grad_norm(model, t.max_grad_norm) if expert_parallel
-                             else accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm))
+                # under fsdp2_ep the experts' gradients live on another device mesh than the rest; accelerate's
+                # clip then takes one norm per mesh
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm)
             if accelerator.sync_gradients or not expert_parallel:
                 optimizer.step()
                 optimizer.zero_grad()
