@@ -31,9 +31,10 @@ Parts (``--only``, comma list; default all, in this order):
     run in a 512-wide latent, Block Attention Residuals over 4 blocks), at ``--recipe-t`` (32K, then 8K);
     compared with kdamoe's plain shape at the same length.
 ``profile``
-    One kdamoe step at ``--profile-t`` (32K) under ``torch.profiler`` (CPU + CUDA activity), after one warm-up
-    step and two unprofiled timed steps: the top 15 GPU kernels by summed time (calls and µs per step, share of
-    all GPU time), summed GPU time per step against the unprofiled and the profiled wall per step.
+    One kdamoe step at each of ``--profile-t`` (32K, then 8K) under ``torch.profiler`` (CPU + CUDA activity),
+    after one warm-up step and two unprofiled timed steps: the top 40 GPU kernels by summed time (calls and µs per
+    step, share of all GPU time; the markdown shows 25), summed GPU time per step against the unprofiled and the
+    profiled wall per step (a GPU busy share well under 1 means the host's launches set the pace).
 
 Writes ``e2e.json`` (``rows``: ``{name, ours_ms, peer, peer_ms, ratio}`` with ratio = ours/peer, peer
 ``native+fla`` or ``plain``, plus tokens/s, MFU and peak GiB of both sides; ``raw``: every number) and
@@ -136,7 +137,8 @@ def render_markdown(doc: dict) -> str:
                   f"{_fmt(prof['busy_share'])} of the unprofiled wall. Kernels per step: "
                   f"{_fmt(prof['kernels_per_step'])}.", "",
                   "| kernel | calls/step | µs/step | share |", "|---|---|---|---|"]
-        lines += [f"| `{r['name']}` | {_fmt(r['calls'])} | {_fmt(r['us'])} | {_fmt(r['share'])} |" for r in prof["table"]]
+        lines += [f"| `{r['name']}` | {_fmt(r['calls'])} | {_fmt(r['us'])} | {_fmt(r['share'])} |"
+                  for r in prof["table"][:25]]
     problems = [(f"{group}/{key}", _why(v)) for group, entries in raw.items() if isinstance(entries, dict)
                 for key, v in entries.items() if _why(v) is not None]
     if problems:
@@ -281,15 +283,25 @@ def run_train(bench: Bench, part: str) -> None:
 
 
 def run_profile(bench: Bench) -> None:
-    """One kdamoe step at ``--profile-t`` under ``torch.profiler`` (module docstring, ``profile``)."""
+    """One kdamoe step at each ``--profile-t`` length under ``torch.profiler`` (module docstring, ``profile``)."""
+    model = None
+    for T in bench.args.profile_t:
+        model = profile_one(bench, model, T)
+    del model
+    bench.free()
+
+
+def profile_one(bench: Bench, model, T: int):
+    """The profile at ``T`` tokens with ``model`` (built here when None); returns the model for the next length."""
     from torch.profiler import ProfilerActivity, profile
 
     a, rec = bench.args, bench.rec
-    T, key = a.profile_t, f"kdamoe_T{a.profile_t}"
+    key = f"kdamoe_T{T}"
     if not rec.need("profile", key, bench.est(30) + step_estimate(bench, T, 3 + 2 * a.profile_steps)):
-        return
+        return model
     try:
-        model, _ = build(bench, "kdamoe")
+        if model is None:
+            model, _ = build(bench, "kdamoe")
         timed = time_steps(bench, model, T, warmup=1, steps=2)
         ids = token_ids(bench, T)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.cuda else [])
@@ -301,15 +313,16 @@ def run_profile(bench: Bench) -> None:
             bench.sync()
             wall = (time.perf_counter() - t0) / a.profile_steps * 1e3
         model.zero_grad(set_to_none=True)
-        summary = kernel_summary(prof, a.profile_steps, top=15)
+        summary = kernel_summary(prof, a.profile_steps, top=40)
         rec.put("profile", key, {"T": T, "wall_ms": timed["median_ms"], "timed_steps": len(timed["steps_ms"]),
                                  "profiled_wall_ms": wall, "profiled_steps": a.profile_steps, **summary,
                                  "busy_share": summary["kernel_ms"] / timed["median_ms"]})
         print("profile", label(T), f"wall {timed['median_ms']:.1f} ms, GPU {summary['kernel_ms']:.1f} ms", flush=True)
-        del model, prof
+        del prof
     except Exception:
         rec.error("profile", key)
     bench.free()
+    return model
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -326,14 +339,14 @@ def parse_args(argv=None):
                    help="deadline: measurements that do not fit in what is left are recorded as 'skipped: time'")
     p.add_argument("--train-t", type=ints, default=None, help="kdamoe and native lengths (default 8K,32K)")
     p.add_argument("--recipe-t", type=ints, default=None, help="recipe-shape lengths, in this order (default 32K,8K)")
-    p.add_argument("--profile-t", type=int, default=None, help="the profiled step's length (default 32K)")
+    p.add_argument("--profile-t", type=ints, default=None, help="the profiled steps' lengths, in order (default 32K,8K)")
     p.add_argument("--profile-steps", type=int, default=1, help="profiled steps")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps before the timed ones (default 2)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5)")
     p.add_argument("--peak-tflops", type=float, default=757.0, help="the bf16 peak MFU divides by (TFLOP/s)")
     a = p.parse_args(argv)
     defaults = dict(train_t=[64, 128] if a.tiny else [8 * K, 32 * K], recipe_t=[128, 64] if a.tiny else [32 * K, 8 * K],
-                    profile_t=64 if a.tiny else 32 * K, warmup=1 if a.tiny else 2, steps=2 if a.tiny else 5)
+                    profile_t=[64] if a.tiny else [32 * K, 8 * K], warmup=1 if a.tiny else 2, steps=2 if a.tiny else 5)
     for name, value in defaults.items():
         if getattr(a, name) is None:
             setattr(a, name, value)
@@ -344,8 +357,8 @@ def parse_args(argv=None):
     for name in ("warmup", "steps", "profile_steps"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
-    lengths = a.train_t + a.recipe_t + [a.profile_t]
-    if not a.train_t or not a.recipe_t or min(lengths) < 2:
+    lengths = a.train_t + a.recipe_t + a.profile_t
+    if not a.train_t or not a.recipe_t or not a.profile_t or min(lengths) < 2:
         p.error(f"lengths must be given and >= 2 (got train {a.train_t}, recipe {a.recipe_t}, profile {a.profile_t})")
     if not a.peak_tflops > 0:
         p.error(f"--peak-tflops must be > 0 (got {a.peak_tflops})")

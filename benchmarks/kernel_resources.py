@@ -1,6 +1,7 @@
 """Registers, spills and pipelining of the routed experts' GEMM kernels for Hopper, compiled on a machine without a GPU.
 
     python benchmarks/kernel_resources.py [--tokens 32768 --experts 64 --latent 1024 --inter 512 --top-k 8] [--out DIR]
+    python benchmarks/kernel_resources.py --family conv [--tokens 32768 --channels 1024 --row-stride 3344 --width 4]
 
 For every call ``kdamoe.kernels.moe.experts.MoEExpertsFunction`` makes (forward gate/up, forward down, backward
 ∂h with the GLU derivative, backward ∂x, the two weight gradients) and every config in that kernel's autotune list,
@@ -14,6 +15,10 @@ path before it runs; the GPU's autotuner then only chooses among the configs lis
 
 Facts only about the compiler this machine has (the Triton version printed in the output); the GPU may run
 another. Writes ``kernel_resources.{json,md}`` into ``--out``.
+
+``--family conv`` does the same for the short conv's kernels (``kdamoe.kernels.conv``: forward, and the backward's
+dpre and dx kernels) at one bf16 launch of the KDA layer's training step: x a column slice with row stride
+``--row-stride``, packed documents (``seq_idx``), no cached state.
 """
 
 import argparse
@@ -34,6 +39,8 @@ from triton.compiler import ASTSource  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from kdamoe.kernels.conv import backward as conv_backward  # noqa: E402
+from kdamoe.kernels.conv import forward as conv_forward  # noqa: E402
 from kdamoe.kernels.moe import grouped_gemm as gg  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -99,6 +106,23 @@ def calls(n: int, e: int, L: int, inter: int, k: int) -> list[tuple]:
     ]
 
 
+def conv_calls(n: int, C: int, sx: int, W: int) -> list[tuple]:
+    """``(name, kernel, types, constexprs, integer values)`` of the short conv's launches (forward, and the two
+    backward kernels) for one bf16 column slice of ``n`` tokens with packed documents and no cached state."""
+    flags = {"W": W, "HAS_STATE": False, "HAS_SEQ": True, "state": None}
+    nt = -(-n // conv_backward.BT_DPRE)
+    return [
+        ("conv_fwd", conv_forward._conv_fwd_kernel,
+         {"x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", "y": "*bf16"}, flags, {"T": n, "C": C, "SX": sx}),
+        ("conv_bwd_dpre", conv_backward._conv_bwd_dpre_kernel,
+         {"x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", "dy": "*bf16", "dpre_out": "*fp32", "dw_part": "*fp32"},
+         {**flags, "BT": conv_backward.BT_DPRE}, {"T": n, "C": C, "SX": sx, "NT": nt}),
+        ("conv_bwd_dx", conv_backward._conv_bwd_dx_kernel,
+         {"dpre": "*fp32", "weight": "*bf16", "seq_idx": "*i64", "dx": "*bf16"},
+         {"W": W, "HAS_SEQ": True, "STATE_GRAD": False, "dstate": None}, {"T": n, "C": C}),
+    ]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=32768)
@@ -107,10 +131,22 @@ def main():
     p.add_argument("--inter", type=int, default=512, help="I: the experts' intermediate width")
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--only", default=None, help="comma-separated call names (gate_up,down,dglu,dx,dw1,dw2)")
+    p.add_argument("--family", choices=("moe", "conv"), default="moe", help="the experts' GEMMs or the short conv")
+    p.add_argument("--channels", type=int, default=1024, help="conv: channels C of one q / k / v part")
+    p.add_argument("--row-stride", type=int, default=3344, help="conv: x's token stride (its fused projection's width)")
+    p.add_argument("--width", type=int, default=4, help="conv: kernel width W")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     a = p.parse_args()
     rows = []
-    for name, kernel, types, consts, ints in calls(a.tokens, a.experts, a.latent, a.inter, a.top_k):
+    if a.family == "conv":
+        launches = conv_calls(a.tokens, a.channels, a.row_stride, a.width)
+        shape = {"tokens": a.tokens, "channels": a.channels, "row_stride": a.row_stride, "width": a.width}
+        title = "Short conv kernels"
+    else:
+        launches = calls(a.tokens, a.experts, a.latent, a.inter, a.top_k)
+        shape = {"tokens": a.tokens, "experts": a.experts, "latent": a.latent, "inter": a.inter, "top_k": a.top_k}
+        title = "Experts GEMM kernels"
+    for name, kernel, types, consts, ints in launches:
         if a.only and name not in a.only.split(","):
             continue
         for cfg in kernel.configs:
@@ -118,12 +154,11 @@ def main():
                    **compile_report(kernel, types, consts, ints, cfg)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    shape = {"tokens": a.tokens, "experts": a.experts, "latent": a.latent, "inter": a.inter, "top_k": a.top_k,
-             "triton": triton.__version__, "target": "sm_90a"}
+    shape = {**shape, "triton": triton.__version__, "target": "sm_90a"}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "kernel_resources.json"), "w") as f:
         json.dump({"shape": shape, "rows": rows}, f, indent=1)
-    lines = [f"# Experts GEMM kernels compiled for sm_90a: {shape}", "",
+    lines = [f"# {title} compiled for sm_90a: {shape}", "",
              "| call | config | regs | spill bytes | smem KB | cp.async | wgmma |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         cfg = " ".join(f"{k}={v}" for k, v in r["config"].items())

@@ -89,6 +89,44 @@ def test_matches_reference_values_and_gradients(dtype, B, T, C, W, seed, with_st
         assert rel(got, want) <= TOL[dtype] * 5, f"d{name}"
 
 
+def ids_from_starts(T, starts):
+    """``seq_idx [1, T]`` whose documents begin at the rows ``starts`` (0 first), ids 3, 4, …"""
+    marks = torch.zeros(T, dtype=torch.long)
+    marks[torch.tensor(starts)] = 1
+    return (marks.cumsum(0) + 2)[None]
+
+
+BOUNDARY_CASES = [  # dtype, T, C, W, seed, document starts (None: no seq_idx); the first configs' row tiles are 64
+    (F32, 2, 9, 4, 51, None),  # T < W: every row reads the state
+    (F32, 3, 9, 4, 52, [0, 1]),  # T < W, a first document of one row: dstate sees only row 0
+    (F32, 130, 12, 4, 53, [0, 2, 64, 128]),  # first document shorter than W; documents start at tile starts
+    (F32, 131, 70, 4, 54, [0, 63, 65]),  # documents start one row before / after a tile start; 70 channels
+    (F16, 67, 10, 3, 55, [0, 1, 64, 66]),
+    (F32, 100, 8, 4, 56, None),
+]
+
+
+@pytest.mark.parametrize("dtype,T,C,W,seed,starts", BOUNDARY_CASES)
+def test_gradients_at_tile_and_document_boundaries(dtype, T, C, W, seed, starts):
+    """Gradients of x, weight and conv_state through the output alone (the returned state's own gradient is
+    PyTorch's) where tiles, documents and the state meet: T not a multiple of the row tile or below W, documents
+    starting at, just before and just after a tile start, a first document shorter than W (it alone reaches the
+    state). Against the float64 reference."""
+    x, w, state, _, dy, _ = make(1, T, C, W, seed, dtype, True, False)
+    seq_idx = ids_from_starts(T, starts) if starts is not None else None
+    dev = [t.to(DEVICE).requires_grad_() for t in (x, w, state)]
+    y, _ = causal_conv1d(*dev, seq_idx.to(DEVICE) if seq_idx is not None else None, output_final_state=False)
+    ref_in = [t.double().requires_grad_() for t in (x, w, state)]
+    y_ref, _ = causal_conv1d_torch(*ref_in, seq_idx)
+    assert rel(y, y_ref) <= TOL[dtype]
+    grads = torch.autograd.grad((y.float() * dy.to(DEVICE)).sum(), dev)
+    grads_ref = torch.autograd.grad((y_ref * dy.double()).sum(), ref_in)
+    for name, got, want in zip(("x", "weight", "conv_state"), grads, grads_ref):
+        assert rel(got, want) <= TOL[dtype] * 5, f"d{name}"
+    if starts is not None and len(starts) > 1 and starts[1] < W:  # a short first document still reaches the state
+        assert grads_ref[2][..., : W - starts[1]].abs().max() > 0
+
+
 @pytest.mark.parametrize("dtype,B,packed", [(F32, 2, True), (F16, 3, False), (F32, 1, False)])
 def test_a_column_slice_is_read_in_place_and_matches_the_reference(dtype, B, packed):
     """x as the middle columns of a wider [B, T, 3C] tensor (the KDA layer's k part of its fused projection): read

@@ -18,7 +18,7 @@ from .forward import conv_fwd
 from .update import conv_update
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-MAX_WIDTH = 8  # the backward unrolls W² tile loads
+MAX_WIDTH = 8  # the kernels unroll their W shifted tile loads (and the state gradient W²/2 vector loads)
 
 
 class CausalConv1dFunction(torch.autograd.Function):
