@@ -34,7 +34,8 @@ Parts (``--only``, comma list; default all, in this order):
     One kdamoe step at each of ``--profile-t`` (32K, then 8K) under ``torch.profiler`` (CPU + CUDA activity),
     after one warm-up step and two unprofiled timed steps: the top 40 GPU kernels by summed time (calls and µs per
     step, share of all GPU time; the markdown shows 25), summed GPU time per step against the unprofiled and the
-    profiled wall per step (a GPU busy share well under 1 means the host's launches set the pace).
+    profiled wall per step (a GPU busy share well under 1 means the host's launches set the pace), and the top 25
+    host-side operators and CUDA runtime calls by self CPU time.
 
 Writes ``e2e.json`` (``rows``: ``{name, ours_ms, peer, peer_ms, ratio}`` with ratio = ours/peer, peer
 ``native+fla`` or ``plain``, plus tokens/s, MFU and peak GiB of both sides; ``raw``: every number) and
@@ -139,6 +140,10 @@ def render_markdown(doc: dict) -> str:
                   "| kernel | calls/step | µs/step | share |", "|---|---|---|---|"]
         lines += [f"| `{r['name']}` | {_fmt(r['calls'])} | {_fmt(r['us'])} | {_fmt(r['share'])} |"
                   for r in prof["table"][:25]]
+        if prof.get("host_table"):
+            lines += ["", f"Host side at {label(prof['T'])} (self CPU time per step under the profiler):", "",
+                      "| operator or runtime call | calls/step | self µs/step |", "|---|---|---|"]
+            lines += [f"| `{r['name']}` | {_fmt(r['calls'])} | {_fmt(r['self_us'])} |" for r in prof["host_table"]]
     problems = [(f"{group}/{key}", _why(v)) for group, entries in raw.items() if isinstance(entries, dict)
                 for key, v in entries.items() if _why(v) is not None]
     if problems:
@@ -291,6 +296,16 @@ def run_profile(bench: Bench) -> None:
     bench.free()
 
 
+def host_summary(prof, steps: int, top: int = 25) -> list[dict]:
+    """The host side of a finished ``torch.profiler.profile`` over ``steps`` steps: the ``top`` operators and CUDA
+    runtime calls by self CPU time (``calls`` and ``self_us`` per step). Where the GPU idles, this is what the host
+    spends the step on (launch calls, synchronisations, Python-side operator overhead); the profiler's own cost
+    inflates every row, so compare rows with each other, not with the unprofiled wall."""
+    rows = [{"name": e.key if len(e.key) <= 90 else e.key[:87] + "...", "calls": e.count / steps,
+             "self_us": e.self_cpu_time_total / steps} for e in prof.key_averages()]
+    return sorted(rows, key=lambda r: -r["self_us"])[:top]
+
+
 def profile_one(bench: Bench, model, T: int):
     """The profile at ``T`` tokens with ``model`` (built here when None); returns the model for the next length."""
     from torch.profiler import ProfilerActivity, profile
@@ -316,6 +331,7 @@ def profile_one(bench: Bench, model, T: int):
         summary = kernel_summary(prof, a.profile_steps, top=40)
         rec.put("profile", key, {"T": T, "wall_ms": timed["median_ms"], "timed_steps": len(timed["steps_ms"]),
                                  "profiled_wall_ms": wall, "profiled_steps": a.profile_steps, **summary,
+                                 "host_table": host_summary(prof, a.profile_steps, top=25),
                                  "busy_share": summary["kernel_ms"] / timed["median_ms"]})
         print("profile", label(T), f"wall {timed['median_ms']:.1f} ms, GPU {summary['kernel_ms']:.1f} ms", flush=True)
         del prof

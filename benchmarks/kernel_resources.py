@@ -4,8 +4,9 @@
     python benchmarks/kernel_resources.py --family conv [--tokens 32768 --channels 1024 --row-stride 3344 --width 4]
 
 For every call ``kdamoe.kernels.moe.experts.MoEExpertsFunction`` makes (forward gate/up, forward down, backward
-∂h with the GLU derivative, backward ∂x, the two weight gradients) and every config in that kernel's autotune list,
-it compiles the kernel for sm_90a (``triton.compile`` with a ``GPUTarget``; the ptxas shipped in the Triton wheel
+∂g' = ∂out[tok] @ W2 stored at the sorted row (``dg``), the element-wise GLU backward after it (``glu_rows_bwd``, its
+one fixed config), backward ∂x, the two weight gradients) and every config in that kernel's autotune list, it
+compiles the kernel for sm_90a (``triton.compile`` with a ``GPUTarget``; the ptxas shipped in the Triton wheel
 assembles it) with the argument specialisation a launch at the given shape gets (integers equal to 1 become
 constants, multiples of 16 carry the divisibility hint), and reports what ``ptxas -v`` says: registers per thread
 and spill bytes, plus the shared memory Triton reserved (one stage or several) and whether the PTX uses ``cp.async``
@@ -35,6 +36,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime import JITFunction  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -42,18 +44,20 @@ sys.path.insert(0, REPO)
 from kdamoe.kernels.conv import backward as conv_backward  # noqa: E402
 from kdamoe.kernels.conv import forward as conv_forward  # noqa: E402
 from kdamoe.kernels.moe import grouped_gemm as gg  # noqa: E402
+from kdamoe.kernels.moe.experts import GLU_COLS, GLU_ROWS  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def compile_report(autotuned, types: dict, consts: dict, ints: dict, config) -> dict:
-    """Compile ``autotuned.fn`` with one ``triton.Config`` and return ptxas's resource report.
+def compile_report(kernel, types: dict, consts: dict, ints: dict, config) -> dict:
+    """Compile ``kernel`` (the function under its autotuner, if any) with one ``triton.Config`` and return
+    ptxas's resource report.
 
     ``types`` maps pointer/float arguments to Triton type strings; ``ints`` gives the integer arguments' values
     at the shape (for the launch's specialisation); ``consts`` the constexpr arguments besides the config's.
     """
-    fn = autotuned.fn
+    fn = kernel if isinstance(kernel, JITFunction) else kernel.fn  # a JITFunction's own .fn is the Python function
     consts = {**consts, **config.kwargs}
     div16 = [n for n, t in types.items() if t.startswith("*")]
     for name, value in ints.items():
@@ -76,10 +80,12 @@ def compile_report(autotuned, types: dict, consts: dict, ints: dict, config) -> 
 
 
 def calls(n: int, e: int, L: int, inter: int, k: int) -> list[tuple]:
-    """``(name, kernel, types, constexprs, integer values)`` of every GEMM launch of one forward + backward."""
+    """``(name, kernel, types, constexprs, integer values, configs)`` of every experts kernel launch of one forward +
+    backward but the combine; ``configs`` is the autotune list, or the one config ``experts.py`` launches with."""
     row_t = {"a_ptr": "*bf16", "b_ptr": "*bf16", "order_ptr": "*i32", "tile_expert_ptr": "*i32",
-             "tile_offs_ptr": "*i32", "row_offs_ptr": "*i32", "out_ptr": "*bf16", "w_ptr": "*fp32", "h_ptr": "*bf16",
-             "dw_ptr": "*fp32", "beta1": "fp32", "beta2": "fp32"}
+             "tile_offs_ptr": "*i32", "row_offs_ptr": "*i32", "out_ptr": "*bf16", "w_ptr": "*fp32"}
+    glu_t = {"dg_ptr": "*bf16", "h_ptr": "*bf16", "order_ptr": "*i32", "row_offs_ptr": "*i32", "w_ptr": "*fp32",
+             "dh_ptr": "*bf16", "dw_ptr": "*fp32", "beta1": "fp32", "beta2": "fp32"}
     gu_t = {"x_ptr": "*bf16", "w_ptr": "*bf16", "order_ptr": "*i32", "tile_expert_ptr": "*i32",
             "tile_offs_ptr": "*i32", "row_offs_ptr": "*i32", "g_ptr": "*bf16", "h_ptr": "*bf16", "beta1": "fp32",
             "beta2": "fp32"}
@@ -88,38 +94,45 @@ def calls(n: int, e: int, L: int, inter: int, k: int) -> list[tuple]:
     m = n * k
     bm = 128 if m >= 192 * e else 64  # experts._block_m
     act = {"ACT": 0, "PREC": "tf32", "BM": bm}
+    rows_cfgs = gg._rows_gemm_kernel.configs
+    glu_cfg = [triton.Config({"BR": GLU_ROWS, "BI": GLU_COLS}, num_warps=4)]  # experts._glu_rows_bwd's launch
 
-    def rows(ga, sc, ep, n_out, k_dim, sam, sbe, sbk, sbn):
-        return ({**act, "GATHER_A": ga, "SCALE": sc, "EPILOGUE": ep},
+    def rows(ga, sc, so, n_out, k_dim, sam, sbe, sbk, sbn):
+        return ({"PREC": "tf32", "BM": bm, "GATHER_A": ga, "SCALE": sc, "SORTED_OUT": so},
                 {"E": e, "N_OUT": n_out, "K_DIM": k_dim, "TOPK": k, "stride_am": sam, "stride_be": sbe,
-                 "stride_bk": sbk, "stride_bn": sbn})
+                 "stride_bk": sbk, "stride_bn": sbn}, rows_cfgs)
 
     return [
-        ("gate_up", gg._gate_up_fwd_kernel, gu_t, {**act, "SAVE_H": True}, {"E": e, "I": inter, "L": L, "TOPK": k}),
-        ("down", gg._rows_gemm_kernel, row_t, *rows(False, True, 0, L, inter, inter, L * inter, 1, inter)),
-        ("dglu", gg._rows_gemm_kernel, row_t, *rows(True, False, 1, inter, L, L, L * inter, inter, 1)),
-        ("dx", gg._rows_gemm_kernel, row_t, *rows(False, False, 0, L, 2 * inter, 2 * inter, 2 * inter * L, L, 1)),
+        ("gate_up", gg._gate_up_fwd_kernel, gu_t, {**act, "SAVE_H": True}, {"E": e, "I": inter, "L": L, "TOPK": k},
+         gg._gate_up_fwd_kernel.configs),
+        ("down", gg._rows_gemm_kernel, row_t, *rows(False, True, False, L, inter, inter, L * inter, 1, inter)),
+        ("dg", gg._rows_gemm_kernel, row_t, *rows(True, False, True, inter, L, L, L * inter, inter, 1)),
+        ("glu_rows_bwd", gg._glu_rows_bwd_kernel, glu_t, {"ACT": 0}, {"M": m, "E": e, "I": inter}, glu_cfg),
+        ("dx", gg._rows_gemm_kernel, row_t, *rows(False, False, False, L, 2 * inter, 2 * inter, 2 * inter * L, L, 1)),
         ("dw1", gg._wgrad_kernel, wg_t, {"GATHER_A": False, "GATHER_B": True, "SCALE_A": False, "PREC": "tf32"},
-         {"E": e, "P": 2 * inter, "Q": L, "TOPK": k, "stride_am": 2 * inter, "stride_bm": L}),
+         {"E": e, "P": 2 * inter, "Q": L, "TOPK": k, "stride_am": 2 * inter, "stride_bm": L}, gg._wgrad_kernel.configs),
         ("dw2", gg._wgrad_kernel, wg_t, {"GATHER_A": True, "GATHER_B": False, "SCALE_A": True, "PREC": "tf32"},
-         {"E": e, "P": L, "Q": inter, "TOPK": k, "stride_am": L, "stride_bm": inter}),
+         {"E": e, "P": L, "Q": inter, "TOPK": k, "stride_am": L, "stride_bm": inter}, gg._wgrad_kernel.configs),
     ]
 
 
 def conv_calls(n: int, C: int, sx: int, W: int) -> list[tuple]:
-    """``(name, kernel, types, constexprs, integer values)`` of the short conv's launches (forward, and the two
+    """``(name, kernel, types, constexprs, integer values, configs)`` of the short conv's launches (forward, and the two
     backward kernels) for one bf16 column slice of ``n`` tokens with packed documents and no cached state."""
     flags = {"W": W, "HAS_STATE": False, "HAS_SEQ": True, "state": None}
     nt = -(-n // conv_backward.BT_DPRE)
     return [
         ("conv_fwd", conv_forward._conv_fwd_kernel,
-         {"x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", "y": "*bf16"}, flags, {"T": n, "C": C, "SX": sx}),
+         {"x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", "y": "*bf16"}, flags, {"T": n, "C": C, "SX": sx},
+         conv_forward._conv_fwd_kernel.configs),
         ("conv_bwd_dpre", conv_backward._conv_bwd_dpre_kernel,
          {"x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", "dy": "*bf16", "dpre_out": "*fp32", "dw_part": "*fp32"},
-         {**flags, "BT": conv_backward.BT_DPRE}, {"T": n, "C": C, "SX": sx, "NT": nt}),
+         {**flags, "BT": conv_backward.BT_DPRE}, {"T": n, "C": C, "SX": sx, "NT": nt},
+         conv_backward._conv_bwd_dpre_kernel.configs),
         ("conv_bwd_dx", conv_backward._conv_bwd_dx_kernel,
          {"dpre": "*fp32", "weight": "*bf16", "seq_idx": "*i64", "dx": "*bf16"},
-         {"W": W, "HAS_SEQ": True, "STATE_GRAD": False, "dstate": None}, {"T": n, "C": C}),
+         {"W": W, "HAS_SEQ": True, "STATE_GRAD": False, "dstate": None}, {"T": n, "C": C},
+         conv_backward._conv_bwd_dx_kernel.configs),
     ]
 
 
@@ -130,7 +143,7 @@ def main():
     p.add_argument("--latent", type=int, default=1024, help="ℓ: the experts' input/output width")
     p.add_argument("--inter", type=int, default=512, help="I: the experts' intermediate width")
     p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--only", default=None, help="comma-separated call names (gate_up,down,dglu,dx,dw1,dw2)")
+    p.add_argument("--only", default=None, help="comma-separated call names (gate_up,down,dg,glu_rows_bwd,dx,dw1,dw2)")
     p.add_argument("--family", choices=("moe", "conv"), default="moe", help="the experts' GEMMs or the short conv")
     p.add_argument("--channels", type=int, default=1024, help="conv: channels C of one q / k / v part")
     p.add_argument("--row-stride", type=int, default=3344, help="conv: x's token stride (its fused projection's width)")
@@ -145,11 +158,11 @@ def main():
     else:
         launches = calls(a.tokens, a.experts, a.latent, a.inter, a.top_k)
         shape = {"tokens": a.tokens, "experts": a.experts, "latent": a.latent, "inter": a.inter, "top_k": a.top_k}
-        title = "Experts GEMM kernels"
-    for name, kernel, types, consts, ints in launches:
+        title = "Experts kernels"
+    for name, kernel, types, consts, ints, configs in launches:
         if a.only and name not in a.only.split(","):
             continue
-        for cfg in kernel.configs:
+        for cfg in configs:
             row = {"call": name, "config": {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
                    **compile_report(kernel, types, consts, ints, cfg)}
             rows.append(row)

@@ -1,26 +1,42 @@
-"""Block-size sweep of the routed experts' grouped GEMM kernels at one model shape (one GPU).
+"""Block-size sweep of the routed experts' kernels at one model shape (one GPU).
 
     python benchmarks/tune_moe_rows.py [--tokens 32768] [--experts 64] [--latent 1024] [--inter 512] [--top-k 8]
+                                       [--budget-s 140]
     TRITON_INTERPRET=1 python benchmarks/tune_moe_rows.py --smoke     # CPU check of the runner only
 
-For each GEMM that ``kdamoe.kernels.moe.experts.MoEExpertsFunction`` launches (forward gate/up, forward down,
-backward ∂h with the GLU derivative, backward ∂x, the two weight gradients) it times every candidate block
-configuration on the same inputs (``triton.testing.do_bench``, median) and reports ms, TFLOP/s, registers and
-spills per thread, and whether the PTX holds ``wgmma`` (Hopper's warpgroup MMA; without it the GEMM is on a slower
-path). Writes ``moe_rows_tune.{json,md}`` into ``--out`` ($OUT). The kernels' autotune lists are chosen from it
-(benchmarks/notes_moe.md).
+For each kernel launch that ``kdamoe.kernels.moe.experts.MoEExpertsFunction`` makes (forward gate/up, forward down,
+backward ∂g' = ∂out[tok] @ W2 stored at the sorted row (``dg``), the element-wise GLU backward after it
+(``glu_rows_bwd``), backward ∂x, the two weight gradients) it times every candidate block configuration on the same
+inputs (``triton.testing.do_bench``, median) and reports ms, TFLOP/s (GEMMs) or GB/s (``glu_rows_bwd``), registers
+and spills per thread, and whether the PTX holds ``wgmma`` (Hopper's warpgroup MMA; without it the GEMM is on a
+slower path). The kernels' autotune lists are chosen from it (benchmarks/notes_moe.md).
+
+Order: every config with BM = 128 first (the weight gradients: BP <= 128), kernel by kernel — dg, dx, dw1, dw2,
+glu_rows_bwd, down, gate_up — then the BM = 256 (BP = 256) ones: on the last H200 run the 150 s limit of
+``device_e2e.sh`` fell inside BM = 256 configs that failed or spilled, before the weight gradients were reached.
+A config whose pipelined A and B tiles, ``(BM·BK + BK·BN)·2 bytes·stages`` (two B tiles for gate_up), exceed the
+H200's shared memory per block is recorded as skipped without compiling (it fails with ``OutOfResources``). After
+``--budget-s`` seconds from the start no new measurement begins; the rest are recorded as skipped.
+
+Prints each row as one JSON line as it is measured and rewrites ``moe_rows_tune.json`` in ``--out`` ($OUT) after
+every row (written to ``.tmp``, then renamed: a kill loses only the measurement in flight);
+``moe_rows_tune.md`` at the end.
 
 Routing: each token picks ``top_k`` distinct experts uniformly at random (fixed seed), so experts hold about
 ``tokens·top_k/experts`` rows each, as a balanced router gives.
 """
 
-import argparse
-import json
-import os
-import sys
+import time
 
-import torch
-import triton
+T0 = time.monotonic()  # the budget counts from here: the imports and CUDA's start-up are inside device_e2e's limit
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -30,12 +46,23 @@ from kdamoe.kernels.moe.activation import ACTIVATIONS  # noqa: E402
 from kdamoe.kernels.moe.experts import _Plan  # noqa: E402
 from kdamoe.kernels.moe.permute import tile_offsets  # noqa: E402
 
-# (BN, BK, num_warps, num_stages) for the row GEMMs and gate/up; (BP, BQ, BK, warps, stages) for wgrad
+# (BN, BK, num_warps, num_stages) for the row GEMMs and gate/up; (BP, BQ, BK, warps, stages) for wgrad;
+# (BR, BI, warps) for the element-wise GLU backward (experts.py launches BR 16 / BI 128 / 4 warps)
 ROW_CFGS = [(128, 64, 8, 4), (128, 32, 4, 4), (64, 64, 4, 4), (64, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3),
             (128, 128, 8, 3)]
 WGRAD_CFGS = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3),
               (256, 128, 64, 8, 3), (128, 128, 32, 8, 4)]
+GLU_CFGS = [(16, 128, 4), (32, 64, 4), (8, 256, 4), (32, 128, 8), (16, 64, 2)]
 BMS = (128, 256)
+# H200 (sm_90): the most shared memory one block may reserve (227 KB, cudaDevAttrMaxSharedMemoryPerBlockOptin)
+SMEM_LIMIT = 232448
+
+
+def smem_estimate(bm: int, bn: int, bk: int, stages: int, b_tiles: int = 1) -> int:
+    """Bytes of shared memory a pipelined GEMM config holds: ``stages`` copies of the bf16 A tile [BM, BK] and of
+    ``b_tiles`` B tiles [BK, BN] (gate/up loads the gate and the up tile). Triton's epilogue scratch is not
+    counted: a config under the limit may still fail, and is then recorded with its error."""
+    return (bm * bk + b_tiles * bk * bn) * 2 * stages
 
 
 def _plan(idx, e, bm):
@@ -63,17 +90,46 @@ def _time(fn, smoke):
     return do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
-def _measure(row: dict, launch, flops: int, smoke: bool) -> dict:
-    """``row`` with the compiled kernel's resources, its median ms and TFLOP/s; a config that does not compile
-    (shared memory) is recorded with its error, not fatal."""
+def _measure(row: dict, launch, flops: int | None, nbytes: int | None, smoke: bool) -> dict:
+    """``row`` with the compiled kernel's resources, its median ms and TFLOP/s (``flops``) or GB/s (``nbytes``);
+    a config that does not compile (shared memory) is recorded with its error, not fatal."""
     try:
         row.update(_info(launch()))
         ms = _time(launch, smoke)
-        row.update(ms=ms, tflops=flops / ms / 1e9 if ms == ms else None)
+        if flops is not None:
+            row.update(ms=ms, tflops=flops / ms / 1e9 if ms == ms else None)
+        else:
+            row.update(ms=ms, gbps=nbytes / ms / 1e6 if ms == ms else None)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-    print(json.dumps(row), flush=True)
     return row
+
+
+def _write_json(out_dir: str, shape: dict, rows: list) -> None:
+    """``moe_rows_tune.json`` through a ``.tmp`` file and a rename, so a kill mid-write leaves the previous one
+    (``device_e2e.sh`` removes the ``.tmp``)."""
+    path = os.path.join(out_dir, "moe_rows_tune.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"shape": shape, "rows": rows}, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def _markdown(shape: dict, rows: list) -> str:
+    lines = [f"# Experts kernel sweep: {shape}", "",
+             "| kernel | config | ms | TFLOP/s | GB/s | regs | spills | wgmma | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def num(v, fmt):
+        return "" if v is None or v != v else format(v, fmt)
+
+    for r in sorted(rows, key=lambda r: (r["gemm"], r.get("ms") or 1e9)):
+        cfg = " ".join(f"{key}{r[key]}" for key in ("BM", "BN", "BP", "BQ", "BR", "BI", "BK", "warps", "stages")
+                       if key in r)
+        note = r.get("error") or (f"skipped: {r['skipped']}" if "skipped" in r else "")
+        lines.append(f"| {r['gemm']} | {cfg} | {num(r.get('ms'), '.3f')} | {num(r.get('tflops'), '.0f')} | "
+                     f"{num(r.get('gbps'), '.0f')} | {r.get('regs', '')} | {r.get('spills', '')} | "
+                     f"{r.get('wgmma', '')} | {note} |")
+    return "\n".join(lines) + "\n"
 
 
 def main():
@@ -83,11 +139,16 @@ def main():
     p.add_argument("--latent", type=int, default=1024, help="ℓ: the experts' input/output width")
     p.add_argument("--inter", type=int, default=512, help="I: the experts' intermediate width")
     p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes, first configs only (CPU interpreter)")
+    p.add_argument("--budget-s", type=float, default=140.0,
+                   help="no measurement starts later than this many seconds after the start (device_e2e.sh kills "
+                        "the sweep at 150 s)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes, first configs only (CPU interpreter); fails if a launch raises")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     a = p.parse_args()
     if a.smoke:
         a.tokens, a.experts, a.latent, a.inter, a.top_k = 64, 4, 64, 32, 2
+    deadline = T0 + a.budget_s
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     prec = "tf32" if dt != torch.float32 else "ieee"
@@ -99,86 +160,117 @@ def main():
     w1 = (torch.randn(e, 2 * inter, L, generator=g) * L ** -0.5).to(dt).to(dev)
     w2 = (torch.randn(e, L, inter, generator=g) * inter ** -0.5).to(dt).to(dev)
     m = n * k
-    gbuf = torch.randn(m, inter, device=dev).to(dt)
+    gbuf = torch.randn(m, inter, device=dev).to(dt)  # g of the forward = ∂g' of the backward (same shape)
     h = torch.randn(m, 2 * inter, device=dev).to(dt)
     dout = torch.randn(n, L, device=dev).to(dt)
     dh = torch.randn(m, 2 * inter, device=dev).to(dt)
     y = torch.empty(m, L, device=dev, dtype=dt)
     gout = torch.empty(m, inter, device=dev, dtype=dt)
     hout = torch.empty(m, 2 * inter, device=dev, dtype=dt)
-    dw = torch.zeros(m, device=dev, dtype=torch.float32)
-    dummy = torch.zeros(1, device=dev, dtype=torch.float32)
+    dw = torch.empty(m, device=dev, dtype=torch.float32)
     act = ACTIVATIONS["situ"]
     rows_fn = gg._rows_gemm_kernel.fn if hasattr(gg._rows_gemm_kernel, "fn") else gg._rows_gemm_kernel
     gu_fn = gg._gate_up_fwd_kernel.fn if hasattr(gg._gate_up_fwd_kernel, "fn") else gg._gate_up_fwd_kernel
     wg_fn = gg._wgrad_kernel.fn if hasattr(gg._wgrad_kernel, "fn") else gg._wgrad_kernel
-    flops = {"gate_up": 2 * m * L * 2 * inter, "down": 2 * m * inter * L, "dglu": 2 * m * L * inter,
+    es = dt.itemsize
+    flops = {"gate_up": 2 * m * L * 2 * inter, "down": 2 * m * inter * L, "dg": 2 * m * L * inter,
              "dx": 2 * m * 2 * inter * L, "dw1": 2 * m * 2 * inter * L, "dw2": 2 * m * L * inter}
-    rows = []
-    row_cfgs = ROW_CFGS[:1] if a.smoke else ROW_CFGS
-    bms = BMS[:1] if a.smoke else BMS
-    for bm in bms:
-        plan = _plan(idx, e, bm)
-        common = (plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs)
-        for bn, bk, nw, ns in row_cfgs:
-            if bm * bn > 128 * 256:
-                continue
-            launches = {
-                "gate_up": lambda: gu_fn[(plan.max_tiles * triton.cdiv(inter, bn),)](
-                    x, w1, *common, gout, hout, e, inter, L, k, 4.0, 25.0, ACT=act, SAVE_H=True, PREC=prec,
-                    BM=bm, BN=bn, BK=bk, num_warps=nw, num_stages=ns),
-                "down": lambda: rows_fn[(plan.max_tiles * triton.cdiv(L, bn),)](
-                    gbuf, w2, *common, y, w, dummy, dummy, e, L, inter, k, inter, L * inter, 1, inter, 4.0, 25.0,
-                    GATHER_A=False, SCALE=True, EPILOGUE=0, ACT=act, PREC=prec, BM=bm, BN=bn, BK=bk,
-                    num_warps=nw, num_stages=ns),
-                "dglu": lambda: rows_fn[(plan.max_tiles * triton.cdiv(inter, bn),)](
-                    dout, w2, *common, hout, w, h, dw, e, inter, L, k, L, L * inter, inter, 1, 4.0, 25.0,
-                    GATHER_A=True, SCALE=False, EPILOGUE=1, ACT=act, PREC=prec, BM=bm, BN=bn, BK=bk,
-                    num_warps=nw, num_stages=ns),
-                "dx": lambda: rows_fn[(plan.max_tiles * triton.cdiv(L, bn),)](
-                    dh, w1, *common, y, w, dummy, dummy, e, L, 2 * inter, k, 2 * inter, 2 * inter * L, L, 1,
-                    4.0, 25.0, GATHER_A=False, SCALE=False, EPILOGUE=0, ACT=act, PREC=prec, BM=bm, BN=bn, BK=bk,
-                    num_warps=nw, num_stages=ns),
-            }
-            for name, fn in launches.items():
-                rows.append(_measure({"gemm": name, "BM": bm, "BN": bn, "BK": bk, "warps": nw, "stages": ns}, fn,
-                                     flops[name], a.smoke))
-    plan = _plan(idx, e, 64)
+    # glu_rows_bwd moves ∂g' [M, I] and h [M, 2I] in, ∂h [M, 2I] out, plus order, w (read) and ∂w (written), 4 B each
+    glu_bytes = m * inter * es + 2 * m * 2 * inter * es + 3 * m * 4
+    plans = {bm: _plan(idx, e, bm) for bm in BMS}
     experts = torch.arange(e, device=dev, dtype=torch.int32)
     dw1 = torch.empty_like(w1)
     dw2 = torch.empty_like(w2)
-    for bp, bq, bk, nw, ns in (WGRAD_CFGS[:1] if a.smoke else WGRAD_CFGS):
-        launches = {
-            "dw1": lambda: wg_fn[(e * triton.cdiv(2 * inter, bp) * triton.cdiv(L, bq),)](
-                dh, x, plan.order, plan.row_offs, experts, w, dw1, e, 2 * inter, L, k, 2 * inter, L,
-                GATHER_A=False, GATHER_B=True, SCALE_A=False, PREC=prec, BP=bp, BQ=bq, BK=bk, num_warps=nw,
-                num_stages=ns),
-            "dw2": lambda: wg_fn[(e * triton.cdiv(L, bp) * triton.cdiv(inter, bq),)](
-                dout, gbuf, plan.order, plan.row_offs, experts, w, dw2, e, L, inter, k, L, inter,
-                GATHER_A=True, GATHER_B=False, SCALE_A=True, PREC=prec, BP=bp, BQ=bq, BK=bk, num_warps=nw,
-                num_stages=ns),
-        }
-        for name, fn in launches.items():
-            rows.append(_measure({"gemm": name, "BP": bp, "BQ": bq, "BK": bk, "warps": nw, "stages": ns}, fn,
-                                 flops[name], a.smoke))
+
+    def rows_gemm(name, bm, bn, bk, nw, ns):
+        """``(row, launch, flops, bytes, smem)`` of one call of ``_rows_gemm_kernel`` as experts.py makes it."""
+        plan = plans[bm]
+        common = (plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs)
+        # a, b, out, N_OUT, K_DIM, stride_am, stride_be, stride_bk, stride_bn, GATHER_A, SCALE, SORTED_OUT
+        args = {"down": (gbuf, w2, y, L, inter, inter, L * inter, 1, inter, False, True, False),
+                "dg": (dout, w2, gout, inter, L, L, L * inter, inter, 1, True, False, True),
+                "dx": (dh, w1, y, L, 2 * inter, 2 * inter, 2 * inter * L, L, 1, False, False, False)}[name]
+        a_, b_, out, n_out, k_dim, sam, sbe, sbk, sbn, ga, sc, so = args
+
+        def launch():
+            return rows_fn[(plan.max_tiles * triton.cdiv(n_out, bn),)](
+                a_, b_, *common, out, w, e, n_out, k_dim, k, sam, sbe, sbk, sbn,
+                GATHER_A=ga, SCALE=sc, SORTED_OUT=so, PREC=prec, BM=bm, BN=bn, BK=bk, num_warps=nw, num_stages=ns)
+
+        row = {"gemm": name, "BM": bm, "BN": bn, "BK": bk, "warps": nw, "stages": ns}
+        return row, launch, flops[name], None, smem_estimate(bm, bn, bk, ns)
+
+    def gate_up(bm, bn, bk, nw, ns):
+        plan = plans[bm]
+
+        def launch():
+            return gu_fn[(plan.max_tiles * triton.cdiv(inter, bn),)](
+                x, w1, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, gout, hout, e, inter, L, k,
+                4.0, 25.0, ACT=act, SAVE_H=True, PREC=prec, BM=bm, BN=bn, BK=bk, num_warps=nw, num_stages=ns)
+
+        row = {"gemm": "gate_up", "BM": bm, "BN": bn, "BK": bk, "warps": nw, "stages": ns}
+        return row, launch, flops["gate_up"], None, smem_estimate(bm, bn, bk, ns, b_tiles=2)
+
+    def wgrad(name, bp, bq, bk, nw, ns):
+        plan = plans[BMS[0]]  # the weight gradients read only order and row_offs
+        # a, b, out, P, Q, stride_am, stride_bm, GATHER_A, GATHER_B, SCALE_A
+        args = {"dw1": (dh, x, dw1, 2 * inter, L, 2 * inter, L, False, True, False),
+                "dw2": (dout, gbuf, dw2, L, inter, L, inter, True, False, True)}[name]
+        a_, b_, out, p_, q_, sam, sbm, ga, gb, sa = args
+
+        def launch():
+            return wg_fn[(e * triton.cdiv(p_, bp) * triton.cdiv(q_, bq),)](
+                a_, b_, plan.order, plan.row_offs, experts, w, out, e, p_, q_, k, sam, sbm,
+                GATHER_A=ga, GATHER_B=gb, SCALE_A=sa, PREC=prec, BP=bp, BQ=bq, BK=bk, num_warps=nw, num_stages=ns)
+
+        row = {"gemm": name, "BP": bp, "BQ": bq, "BK": bk, "warps": nw, "stages": ns}
+        return row, launch, flops[name], None, smem_estimate(bp, bq, bk, ns)
+
+    def glu_rows_bwd(br, bi, nw):
+        plan = plans[BMS[0]]
+
+        def launch():
+            return gg._glu_rows_bwd_kernel[(triton.cdiv(m, br),)](
+                gbuf, h, plan.order, plan.row_offs, w, hout, dw, m, e, inter, 4.0, 25.0,
+                ACT=act, BR=br, BI=bi, num_warps=nw)
+
+        return {"gemm": "glu_rows_bwd", "BR": br, "BI": bi, "warps": nw}, launch, None, glu_bytes, 0
+
+    row_cfgs = ROW_CFGS[:1] if a.smoke else ROW_CFGS
+    wgrad_cfgs = WGRAD_CFGS[:1] if a.smoke else WGRAD_CFGS
+    glu_cfgs = GLU_CFGS[:1] if a.smoke else GLU_CFGS
+    jobs = []
+    for bm in (BMS[:1] if a.smoke else BMS):
+        rcfgs = [c for c in row_cfgs if bm * c[0] <= 128 * 256]  # BM 256 x BN 256: the accumulator alone spills
+        jobs += [rows_gemm(name, bm, *c) for name in ("dg", "dx") for c in rcfgs]
+        jobs += [wgrad(name, *c) for name in ("dw1", "dw2") for c in wgrad_cfgs if (c[0] <= 128) == (bm == 128)]
+        if bm == BMS[0]:
+            jobs += [glu_rows_bwd(*c) for c in glu_cfgs]
+        jobs += [rows_gemm("down", bm, *c) for c in rcfgs]
+        jobs += [gate_up(bm, *c) for c in rcfgs]
+
     os.makedirs(a.out, exist_ok=True)
     shape = {"tokens": n, "experts": e, "latent": L, "inter": inter, "top_k": k, "dtype": str(dt),
-             "torch": torch.__version__, "triton": triton.__version__,
-             "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
-    with open(os.path.join(a.out, "moe_rows_tune.json"), "w") as f:
-        json.dump({"shape": shape, "rows": rows}, f, indent=1)
-    lines = [f"# Grouped GEMM sweep: {shape}", "", "| gemm | config | ms | TFLOP/s | regs | spills | wgmma |",
-             "|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["gemm"], r.get("ms") or 1e9)):
-        cfg = " ".join(f"{key}{r[key]}" for key in ("BM", "BN", "BP", "BQ", "BK", "warps", "stages") if key in r)
-        ms = r.get("ms")
-        tf = r.get("tflops")
-        lines.append(f"| {r['gemm']} | {cfg} | {'' if ms is None else f'{ms:.3f}'} | "
-                     f"{'' if tf is None else f'{tf:.0f}'} | {r.get('regs')} | {r.get('spills')} | "
-                     f"{r.get('wgmma')} {r.get('error', '')} |")
+             "torch": torch.__version__, "triton": triton.__version__, "budget_s": a.budget_s,
+             "smem_limit": SMEM_LIMIT, "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
+    rows = []
+    for row, launch, fl, nbytes, smem in jobs:
+        if time.monotonic() >= deadline:
+            row["skipped"] = "budget"
+        elif smem > SMEM_LIMIT:
+            row.update(skipped="smem", smem_est=smem)
+        else:
+            _measure(row, launch, fl, nbytes, a.smoke)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        _write_json(a.out, shape, rows)
+    _write_json(a.out, shape, rows)  # also with no job at all
+    md = _markdown(shape, rows)
     with open(os.path.join(a.out, "moe_rows_tune.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        f.write(md)
+    print(md)
+    if a.smoke and any("error" in r for r in rows):
+        raise SystemExit("smoke: a launch failed (see its row)")  # on the GPU a failed config is a result
 
 
 if __name__ == "__main__":

@@ -89,6 +89,64 @@ def test_experts_gpu_launch_under_the_interpreter(monkeypatch):
     assert results[1][3][[1, 4]].abs().max() == 0 and results[1][4][[1, 4]].abs().max() == 0
 
 
+class _PoisonedTorch:
+    """``torch`` as ``kdamoe.kernels.moe.experts`` sees it, with ``empty`` / ``empty_like`` filling float buffers
+    with NaN: an element no kernel writes stays NaN, and an unwritten element that a kernel reads spreads NaN."""
+
+    def __init__(self):
+        self.poisoned = 0
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def _poison(self, t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+            self.poisoned += 1
+        return t
+
+    def empty(self, *args, **kwargs):
+        return self._poison(torch.empty(*args, **kwargs))
+
+    def empty_like(self, *args, **kwargs):
+        return self._poison(torch.empty_like(*args, **kwargs))
+
+
+def test_experts_grouped_path_writes_every_element_it_reads(monkeypatch):
+    """Every ``torch.empty`` buffer of the grouped path filled with NaN: the output and all four gradients match the
+    float64 reference, so every element of every output is written and no element left unwritten (rows of skipped
+    slots in g, h, ∂g', ∂h; the tail past M of the last row tile) is read. Both launches: the interpreter's trimmed
+    one and the GPU's (``ceil(M/BM) + E`` tiles, every expert in the weight gradients)."""
+    import kdamoe.kernels.moe.experts as experts
+
+    # M = 37·3 = 111 rows: the GLU backward's 16-row blocks end in a tail; ℓ = 80 and I = 72 fill no block exactly
+    (x, w, w1, w2), idx = make_case(37, 80, 72, 6, 3, seed=13, drop=0.2, absent=(4,))
+    assert (idx == 6).any() and not (idx == 4).any()
+    dout = torch.randn(37, 80, generator=torch.Generator().manual_seed(14))
+    qs = [t.detach().double().requires_grad_() for t in (x, w, w1, w2)]
+    ref = moe_experts_ref(qs[0], idx, qs[1], qs[2], qs[3])
+    ref.backward(dout.double())
+    monkeypatch.setattr(experts, "GEMV_MAX_ROWS", 0)
+    for gpu_launch in (False, True):
+        poisoned = _PoisonedTorch()
+        with monkeypatch.context() as m:
+            m.setattr(experts, "torch", poisoned)
+            if gpu_launch:
+                m.setattr(experts, "_interpreter_launch", lambda plan, counts: None)
+            ps = [t.clone().requires_grad_() for t in (x, w, w1, w2)]
+            out = moe_experts(ps[0], idx, ps[1], ps[2], ps[3])
+            out.backward(dout)
+        assert poisoned.poisoned >= 8, poisoned.poisoned  # the buffers of the forward and the backward
+        names = ["out", "d_hidden", "d_weights", "d_gate_up", "d_down"]
+        got = [out.detach()] + [p.grad for p in ps]
+        want = [ref.detach()] + [q.grad for q in qs]
+        for name, a, b in zip(names, got, want):
+            assert torch.isfinite(a).all(), (gpu_launch, name)
+            assert relative_error(a, b) < 2e-5, (gpu_launch, name)
+        assert (ps[1].grad[idx == 6] == 0).all()
+        assert ps[2].grad[4].abs().max() == 0 and ps[3].grad[4].abs().max() == 0
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(-2x) = inf is how tanh saturates
 def test_experts_saturating_situ():
     # large pre-activations: both tanh caps of SiTU-GLU are active (|a| >> 4, |b| ~ 25)

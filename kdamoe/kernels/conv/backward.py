@@ -119,8 +119,8 @@ def _conv_bwd_dx_kernel(dpre, weight, seq_idx, dx, dstate, T, C, W: tl.constexpr
             for m in tl.static_range(1, W):
                 ds = tl.zeros([BC], dtype=tl.float32)
                 for rr in tl.static_range(m):
-                    mr = mcol & (rr < T)
-                    d_r = tl.load(dpre + (i_b * T + rr).to(tl.int64) * C + cols, mask=mr, other=0.)
+                    m_rr = mcol & (rr < T)  # its own name: the compiler refuses a [BC] redefinition of mr [BT]
+                    d_r = tl.load(dpre + (i_b * T + rr).to(tl.int64) * C + cols, mask=m_rr, other=0.)
                     if HAS_SEQ:
                         id_r = tl.load(seq_idx + i_b * T + rr, mask=rr < T, other=first_id).to(tl.int64)
                         d_r = tl.where(id_r == first_id, d_r, 0.)

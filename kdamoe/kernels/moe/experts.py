@@ -1,4 +1,4 @@
-"""Routed experts as grouped GEMMs with a fused GLU epilogue: public ``moe_experts`` and its autograd.
+"""Routed experts as grouped GEMMs with a fused GLU epilogue (forward): public ``moe_experts`` and its autograd.
 
 Inference on few routed rows (a decode step) takes the two-kernel GEMV path of ``gemv.py`` instead.
 """
@@ -9,7 +9,7 @@ import triton
 from ..utils import is_interpreter
 from .activation import ACTIVATIONS
 from .gemv import moe_experts_gemv
-from .grouped_gemm import _combine_kernel, _gate_up_fwd_kernel, _rows_gemm_kernel, _wgrad_kernel
+from .grouped_gemm import _combine_kernel, _gate_up_fwd_kernel, _glu_rows_bwd_kernel, _rows_gemm_kernel, _wgrad_kernel
 from .permute import expert_permutation, tile_offsets
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -131,13 +131,25 @@ def _interpreter_launch(plan: _Plan, counts: torch.Tensor) -> None:
     plan.wgrad_experts = torch.sort(experts).values.to(torch.int32)
 
 
-def _rows_gemm(plan, a, b, out, w, h, dw, n_out, k_dim, stride_am, stride_be, stride_bk, stride_bn,
-               gather_a, scale, epilogue, act, betas, prec):
+def _rows_gemm(plan, a, b, out, w, n_out, k_dim, stride_am, stride_be, stride_bk, stride_bn, gather_a, scale,
+               sorted_out, prec):
     grid = lambda meta: (plan.max_tiles * triton.cdiv(n_out, meta["BN"]),)  # noqa: E731
     _rows_gemm_kernel[grid](
-        a, b, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, out, w, h, dw,
-        plan.e, n_out, k_dim, plan.k, stride_am, stride_be, stride_bk, stride_bn, betas[0], betas[1],
-        GATHER_A=gather_a, SCALE=scale, EPILOGUE=epilogue, ACT=act, PREC=prec, BM=plan.bm,
+        a, b, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, out, w,
+        plan.e, n_out, k_dim, plan.k, stride_am, stride_be, stride_bk, stride_bn,
+        GATHER_A=gather_a, SCALE=scale, SORTED_OUT=sorted_out, PREC=prec, BM=plan.bm,
+    )
+
+
+# rows x columns per program of the element-wise GLU backward, 4 warps: 16 float32 values per thread and tile (16 x 128
+# spilled 4 bytes compiled for sm_90a, 32 x 64 none: benchmarks/kernel_resources.py)
+GLU_ROWS, GLU_COLS = 32, 64
+
+
+def _glu_rows_bwd(plan, dg, h, w, dh, dw, act, betas):
+    _glu_rows_bwd_kernel[(triton.cdiv(plan.m, GLU_ROWS),)](
+        dg, h, plan.order, plan.row_offs, w, dh, dw, plan.m, plan.e, dg.shape[1], betas[0], betas[1],
+        ACT=act, BR=GLU_ROWS, BI=GLU_COLS, num_warps=4,
     )
 
 
@@ -187,9 +199,8 @@ class MoEExpertsFunction(torch.autograd.Function):
             ACT=act, SAVE_H=save_h, PREC=prec, BM=plan.bm,
         )
         y = torch.empty(plan.m, hid, device=x.device, dtype=dt)
-        dummy = torch.empty(1, device=x.device, dtype=torch.float32)  # h / ∂w of a STORE epilogue: never read
-        _rows_gemm(plan, g, w2, y, w, dummy, dummy, hid, inter, inter, hid * inter, 1, inter,
-                   gather_a=False, scale=True, epilogue=0, act=act, betas=(beta1, beta2), prec=prec)
+        _rows_gemm(plan, g, w2, y, w, hid, inter, inter, hid * inter, 1, inter, gather_a=False, scale=True,
+                   sorted_out=False, prec=prec)
         out = torch.empty(n, hid, device=x.device, dtype=dt)
         _combine(y, idx, out, e)
         ctx.save_for_backward(x, idx, w, w1, w2, g, h)
@@ -211,17 +222,19 @@ class MoEExpertsFunction(torch.autograd.Function):
         dout = dout.to(dt).contiguous()
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         need_w1, need_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-        dummy = torch.empty(1, device=x.device, dtype=torch.float32)  # h / ∂w of a STORE epilogue: never read
-        # ∂h (sorted rows) and ∂w (per flat slot) from ∂out @ W2 with the GLU derivative in the epilogue
-        dw = torch.zeros(plan.m, device=x.device, dtype=torch.float32)
+        # ∂g' = ∂out[tok] @ W2 per sorted row (unweighted), then ∂h (sorted rows) and ∂w (per slot) element-wise
+        dg = torch.empty(plan.m, inter, device=x.device, dtype=dt)
+        _rows_gemm(plan, dout, w2, dg, w, inter, hid, hid, hid * inter, inter, 1, gather_a=True, scale=False,
+                   sorted_out=True, prec=prec)
+        dw = torch.empty(plan.m, device=x.device, dtype=torch.float32)
         dh = torch.empty(plan.m, two_i, device=x.device, dtype=dt)
-        _rows_gemm(plan, dout, w2, dh, w, h, dw, inter, hid, hid, hid * inter, inter, 1,
-                   gather_a=True, scale=False, epilogue=1, act=ctx.act, betas=ctx.betas, prec=prec)
+        _glu_rows_bwd(plan, dg, h, w, dh, dw, ctx.act, ctx.betas)
+        del dg
         dx = dw1 = dw2 = None
         if need_x:
             y = torch.empty(plan.m, hid, device=x.device, dtype=dt)
-            _rows_gemm(plan, dh, w1, y, w, dummy, dummy, hid, two_i, two_i, two_i * hid, hid, 1,
-                       gather_a=False, scale=False, epilogue=0, act=ctx.act, betas=ctx.betas, prec=prec)
+            _rows_gemm(plan, dh, w1, y, w, hid, two_i, two_i, two_i * hid, hid, 1, gather_a=False, scale=False,
+                       sorted_out=False, prec=prec)
             dx = torch.empty(n, hid, device=x.device, dtype=dt)
             _combine(y, idx, dx, e)
         if need_w1:

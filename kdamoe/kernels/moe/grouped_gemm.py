@@ -9,10 +9,10 @@ activations is ever written.
 
 Kernels (per expert e, W1 = gate_up_proj[e] [2I, ℓ], W2 = down_proj[e] [ℓ, I]):
   gate_up_fwd : h = x[tok] @ W1ᵀ, g = GLU(h[:, :I], h[:, I:])           (activation in the epilogue)
-  rows_gemm   : C = A[rows] @ B_e with three epilogues
-                  STORE  — scale by the routing weight (optional) and store at row ``flat``
-                           (forward down projection with the weighted combine, backward ∂x per slot)
-                  DGLU   — ∂g = w·(∂out[tok] @ W2); ∂w += Σ_i (∂out[tok] @ W2)_i g_i; ∂h = GLU'(h)·∂g
+  rows_gemm   : C = A[rows] @ B_e, scaled by the routing weight (optional), stored at row ``flat`` (forward
+                down projection with the weighted combine, backward ∂x per slot) or at the sorted row (backward
+                ∂g' = ∂out[tok] @ W2, unweighted)
+  glu_rows_bwd: per sorted row, ∂h = GLU'(h)·(w·∂g') and ∂w = Σ_i ∂g'_i · g_i (element-wise, after rows_gemm)
   wgrad       : ∂W_e = Σ_{r∈e} A[r]ᵀ B[r]   (K loop over the expert's rows; experts from a list)
   combine     : out[t] = Σ_{j: index[t,j] < E} Y[t·k + j]
 Sources: LatentMoE (arXiv:2601.18089) for the expert layout; Kimi K3 report §2.3 for SiTU-GLU.
@@ -88,25 +88,23 @@ def _gate_up_fwd_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# C = A[rows] @ B_e with a STORE (0) or DGLU (1) epilogue
+# C = A[rows] @ B_e, stored at the slot (SORTED_OUT = False) or at the sorted row (SORTED_OUT = True)
 # ----------------------------------------------------------------------------------------------
-# The DGLU epilogue (two h tiles, the GLU derivative, the ∂w row sums) needs registers on top of the accumulator:
-# compiled for sm_90a at the benchmark shape (benchmarks/kernel_resources.py, triton 3.7), every one of the first
-# three configs spills 2-10 KB per thread in it, while BN = 64 with 8 warps (32 accumulator values per thread) does
-# not. The STORE calls (forward down, backward ∂x) spill in none of these.
+# The backward's ∂g' = ∂out[tok] @ W2 once carried the GLU derivative and the ∂w row sums in its epilogue. On the
+# H200 at the e2e shape (benchmarks/results/moe_rows_tune_h200.md) that epilogue (two h tiles, the derivative, the
+# row sums on top of the accumulator) spilled in every config but BN = 64 / 8 warps and ran at 127 TFLOP/s at best
+# (2.16 ms), against 430-620 TFLOP/s for the same GEMM shape with a plain store; the derivative now runs in
+# ``_glu_rows_bwd_kernel``, an element-wise pass over the stored ∂g' (0.27 GB more traffic per layer at 32K tokens).
 @autotune(
-    configs=_cfgs([({"BN": 128, "BK": 64}, 8, 4), ({"BN": 128, "BK": 32}, 4, 4), ({"BN": 64, "BK": 64}, 4, 4),
-                   ({"BN": 64, "BK": 64}, 8, 4), ({"BN": 64, "BK": 64}, 8, 3), ({"BN": 128, "BK": 64}, 8, 3)]),
-    key=["N_OUT", "K_DIM", "BM", "EPILOGUE"],
-    reset_to_zero=["dw_ptr"],
+    configs=_cfgs([({"BN": 128, "BK": 64}, 8, 3), ({"BN": 128, "BK": 32}, 4, 4), ({"BN": 256, "BK": 64}, 8, 3),
+                   ({"BN": 128, "BK": 64}, 8, 4), ({"BN": 64, "BK": 64}, 8, 4)]),
+    key=["N_OUT", "K_DIM", "BM", "SORTED_OUT"],
 )
 @triton.jit
 def _rows_gemm_kernel(
     a_ptr, b_ptr, order_ptr, tile_expert_ptr, tile_offs_ptr, row_offs_ptr, out_ptr, w_ptr,
-    h_ptr, dw_ptr,
-    E, N_OUT, K_DIM, TOPK, stride_am, stride_be, stride_bk, stride_bn, beta1, beta2,
-    GATHER_A: tl.constexpr, SCALE: tl.constexpr, EPILOGUE: tl.constexpr, ACT: tl.constexpr,
-    PREC: tl.constexpr,
+    E, N_OUT, K_DIM, TOPK, stride_am, stride_be, stride_bk, stride_bn,
+    GATHER_A: tl.constexpr, SCALE: tl.constexpr, SORTED_OUT: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -140,25 +138,49 @@ def _rows_gemm_kernel(
             acc = tl.dot(a, b, acc, input_precision=PREC)
             a_ptrs += BK
             b_ptrs += BK * stride_bk
-        omask = rmask[:, None] & nmask[None, :]
-        if EPILOGUE == 0:
-            if SCALE:
-                wv = tl.load(w_ptr + flat, mask=rmask, other=0.0).to(tl.float32)
-                acc = acc * wv[:, None]
-            out_ptrs = out_ptr + flat.to(tl.int64)[:, None] * N_OUT + offs_n[None, :]
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
-        else:
-            # acc = ∂out[tok] @ W2_e  (unweighted); N_OUT = I
-            rows64 = rows.to(tl.int64)
-            h_ptrs = h_ptr + rows64[:, None] * (2 * N_OUT) + offs_n[None, :]
-            ha = tl.load(h_ptrs, mask=omask, other=0.0).to(tl.float32)
-            hb = tl.load(h_ptrs + N_OUT, mask=omask, other=0.0).to(tl.float32)
+        if SCALE:
             wv = tl.load(w_ptr + flat, mask=rmask, other=0.0).to(tl.float32)
-            g, da, db = glu_backward(ha, hb, acc * wv[:, None], ACT, beta1, beta2)
-            tl.atomic_add(dw_ptr + flat, tl.sum(acc * g, axis=1), mask=rmask)
-            dh_ptrs = out_ptr + rows64[:, None] * (2 * N_OUT) + offs_n[None, :]
-            tl.store(dh_ptrs, da.to(out_ptr.dtype.element_ty), mask=omask)
-            tl.store(dh_ptrs + N_OUT, db.to(out_ptr.dtype.element_ty), mask=omask)
+            acc = acc * wv[:, None]
+        if SORTED_OUT:
+            dst = rows.to(tl.int64)
+        else:
+            dst = flat.to(tl.int64)
+        tl.store(out_ptr + dst[:, None] * N_OUT + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & nmask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# backward of the GLU per sorted row: ∂h = GLU'(h) · (w·∂g'), ∂w = Σ_i ∂g'_i · g_i
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _glu_rows_bwd_kernel(
+    dg_ptr, h_ptr, order_ptr, row_offs_ptr, w_ptr, dh_ptr, dw_ptr, M, E, I, beta1, beta2,
+    ACT: tl.constexpr, BR: tl.constexpr, BI: tl.constexpr,
+):
+    # One program per BR of the M sorted rows, looping over I in BI columns. dg [M, I] holds ∂out[tok] @ W2 of each
+    # sorted row (unweighted), h [M, 2I] the forward's pre-activations, w [M] the routing weights by slot. Rows past
+    # row_offs[E] (slots of no expert, whose dg and h nothing wrote) get ∂w = 0 and no ∂h (nothing reads it). ∂w is
+    # one plain store per slot: deterministic (the fused epilogue it replaces added row sums atomically).
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    in_m = rows < M
+    routed = rows < tl.load(row_offs_ptr + E)
+    flat = tl.load(order_ptr + rows, mask=in_m, other=0)
+    wv = tl.load(w_ptr + flat, mask=routed, other=0.0).to(tl.float32)
+    rows64 = rows.to(tl.int64)
+    dw = tl.zeros((BR,), dtype=tl.float32)
+    for i0 in range(0, I, BI):
+        cols = i0 + tl.arange(0, BI)
+        m = routed[:, None] & (cols < I)[None, :]
+        dg = tl.load(dg_ptr + rows64[:, None] * I + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        h_ptrs = h_ptr + rows64[:, None] * (2 * I) + cols[None, :]
+        ha = tl.load(h_ptrs, mask=m, other=0.0).to(tl.float32)
+        hb = tl.load(h_ptrs + I, mask=m, other=0.0).to(tl.float32)
+        g, da, db = glu_backward(ha, hb, dg * wv[:, None], ACT, beta1, beta2)
+        dw += tl.sum(dg * g, axis=1)
+        dh_ptrs = dh_ptr + rows64[:, None] * (2 * I) + cols[None, :]
+        tl.store(dh_ptrs, da.to(dh_ptr.dtype.element_ty), mask=m)
+        tl.store(dh_ptrs + I, db.to(dh_ptr.dtype.element_ty), mask=m)
+    tl.store(dw_ptr + flat, dw, mask=in_m)
 
 
 # ----------------------------------------------------------------------------------------------
