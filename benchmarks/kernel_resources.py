@@ -133,6 +133,12 @@ def conv_calls(n: int, C: int, sx: int, W: int) -> list[tuple]:
          {"dpre": "*fp32", "weight": "*bf16", "seq_idx": "*i64", "dx": "*bf16"},
          {"W": W, "HAS_SEQ": True, "STATE_GRAD": False, "dstate": None}, {"T": n, "C": C},
          conv_backward._conv_bwd_dx_kernel.configs),
+        # the state gradient (a forward with grad that continues a cache): the interpreter does not type-check
+        # branches, and triton 3.6 (the GPU's) once refused this one where 3.7 compiled it; run the script with 3.6 too
+        ("conv_bwd_dx state grad", conv_backward._conv_bwd_dx_kernel,
+         {"dpre": "*fp32", "weight": "*bf16", "seq_idx": "*i64", "dx": "*bf16", "dstate": "*fp32"},
+         {"W": W, "HAS_SEQ": True, "STATE_GRAD": True}, {"T": n, "C": C},
+         conv_backward._conv_bwd_dx_kernel.configs[:1]),
     ]
 
 

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..utils import autotune
-from .forward import conv_rows
+from .forward import conv_rows, conv_tap
 
 BT_DPRE = 64  # fixed: it sets the number of dweight partials (one per BT_DPRE rows of each batch row)
 
@@ -67,19 +67,8 @@ def _conv_bwd_dpre_kernel(x, weight, state, seq_idx, dy, dpre_out, dw_part, T, C
     tl.store(dpre_out + off[:, None] + cols[None, :], dpre, mask=mask)
     part = (i_b * NT + i_t).to(tl.int64) * C * W + cols * W
     for j in tl.static_range(W):
-        src = rows - j
-        m_x = mrow & (src >= 0)
-        xoff = (i_b * T + src).to(tl.int64) * SX
-        tap = tl.load(x + xoff[:, None] + cols[None, :], mask=m_x[:, None] & mcol[None, :], other=0.).to(tl.float32)
-        if HAS_STATE:
-            m_s = mrow & (src < 0)
-            soff = (i_b * C + cols).to(tl.int64) * W
-            tap += tl.load(state + soff[None, :] + (W + src)[:, None], mask=m_s[:, None] & mcol[None, :],
-                           other=0.).to(tl.float32)
-        if HAS_SEQ:
-            # the cached state (src < 0) belongs to the row's first sequence
-            src_ids = tl.load(seq_idx + i_b * T + src, mask=m_x, other=first_id).to(tl.int64)
-            tap = tl.where((src_ids == ids)[:, None], tap, 0.)
+        tap = conv_tap(x, state, seq_idx, i_b, rows, mrow, ids, cols, mcol, T, C, SX, first_id, j, W, HAS_STATE,
+                       HAS_SEQ)
         tl.store(dw_part + part + (W - 1 - j), tl.sum(dpre * tap, 0), mask=mcol)
 
 

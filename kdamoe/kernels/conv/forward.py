@@ -22,30 +22,40 @@ _FWD_CONFIGS = [triton.Config({"BT": 64, "BC": 64}, num_warps=4), triton.Config(
 
 
 @triton.jit
+def conv_tap(x, state, seq_idx, i_b, rows, mrow, ids, cols, mcol, T, C, SX, first_id, j,
+             W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_SEQ: tl.constexpr):
+    """Tap ``j`` of the rows ``rows`` (``mrow``: rows inside [0, T); ``ids``: their sequence ids): the float32 tile
+    ``x[t − j]`` (the cached state where t − j < 0), zero where that input belongs to another sequence. Token ``t``
+    of row ``b`` of x starts ``(b·T + t)·SX`` elements in (``SX ≥ C``: x may be a column slice of a wider tensor)."""
+    src = rows - j
+    m_x = mrow & (src >= 0)
+    off = (i_b * T + src).to(tl.int64) * SX
+    tap = tl.load(x + off[:, None] + cols[None, :], mask=m_x[:, None] & mcol[None, :], other=0.).to(tl.float32)
+    if HAS_STATE:
+        m_s = mrow & (src < 0)
+        soff = (i_b * C + cols).to(tl.int64) * W
+        tap += tl.load(state + soff[None, :] + (W + src)[:, None], mask=m_s[:, None] & mcol[None, :],
+                       other=0.).to(tl.float32)
+    if HAS_SEQ:
+        # the cached state (src < 0) belongs to the row's first sequence
+        src_ids = tl.load(seq_idx + i_b * T + src, mask=m_x, other=first_id).to(tl.int64)
+        tap = tl.where((src_ids == ids)[:, None], tap, 0.)
+    return tap
+
+
+@triton.jit
 def conv_rows(x, weight, state, seq_idx, i_b, rows, cols, mcol, T, C, SX, first_id,
               W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_SEQ: tl.constexpr):
     """Pre-activation ``pre [len(rows), BC]`` (float32) at token rows ``rows`` (any int, masked outside
-    [0, T)) and the sequence ids of those rows (``-1`` outside [0, T); all 0 without ``seq_idx``). Token ``t`` of
-    row ``b`` of x starts ``(b·T + t)·SX`` elements in (``SX ≥ C``: x may be a column slice of a wider tensor)."""
+    [0, T)) and the sequence ids of those rows (``-1`` outside [0, T); all 0 without ``seq_idx``)."""
     mrow = (rows >= 0) & (rows < T)
     ids = tl.zeros(rows.shape, dtype=tl.int64)
     if HAS_SEQ:
         ids = tl.load(seq_idx + i_b * T + rows, mask=mrow, other=-1).to(tl.int64)
     acc = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
     for j in tl.static_range(W):
-        src = rows - j
-        m_x = mrow & (src >= 0)
-        off = (i_b * T + src).to(tl.int64) * SX
-        tap = tl.load(x + off[:, None] + cols[None, :], mask=m_x[:, None] & mcol[None, :], other=0.).to(tl.float32)
-        if HAS_STATE:
-            m_s = mrow & (src < 0)
-            soff = (i_b * C + cols).to(tl.int64) * W
-            tap += tl.load(state + soff[None, :] + (W + src)[:, None], mask=m_s[:, None] & mcol[None, :],
-                           other=0.).to(tl.float32)
-        if HAS_SEQ:
-            # the cached state (src < 0) belongs to the row's first sequence
-            src_ids = tl.load(seq_idx + i_b * T + src, mask=m_x, other=first_id).to(tl.int64)
-            tap = tl.where((src_ids == ids)[:, None], tap, 0.)
+        tap = conv_tap(x, state, seq_idx, i_b, rows, mrow, ids, cols, mcol, T, C, SX, first_id, j, W, HAS_STATE,
+                       HAS_SEQ)
         w_j = tl.load(weight + cols * W + (W - 1 - j), mask=mcol, other=0.).to(tl.float32)
         acc += tap * w_j[None, :]
     return acc, ids
