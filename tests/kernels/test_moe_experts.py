@@ -238,6 +238,23 @@ def test_experts_errors():
         moe_experts(x, idx - 3, w, w1, w2)
     with pytest.raises(ValueError, match="one device"):
         moe_experts(x, idx.to("meta"), w, w1, w2)
+    with pytest.raises(ValueError, match="top_k_weights dtype"):
+        moe_experts(x, idx, w.double(), w1, w2)
+    with pytest.raises(ValueError, match="CUDA"):  # meta tensors: autocast knows no such device type
+        moe_experts(x.to("meta"), idx.to("meta"), w.to("meta"), w1.to("meta"), w2.to("meta"))
+
+
+def test_experts_bfloat16_under_the_interpreter_is_refused(monkeypatch):
+    """Triton's CPU interpreter gets tl.dot wrong in bfloat16 (errors of order 1e9): the grouped path must refuse it,
+    also when bf16 comes from torch.autocast('cpu'), rather than return garbage."""
+    import kdamoe.kernels.moe.experts as experts
+
+    monkeypatch.setattr(experts, "GEMV_MAX_ROWS", 0)
+    (x, w, w1, w2), idx = make_case(6, 16, 8, 3, 2, seed=21)
+    with pytest.raises(ValueError, match="bfloat16"):
+        moe_experts(x.bfloat16(), idx, w.bfloat16(), w1.bfloat16(), w2.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="bfloat16"):
+        moe_experts(x, idx, w, w1, w2)
 
 
 def test_expert_permutation_groups_slots_stably():

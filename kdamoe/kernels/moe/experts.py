@@ -37,7 +37,7 @@ def _check_device(*tensors):
     for t in tensors:
         if t.device != dev:
             raise ValueError(f"moe_experts: all tensors must be on one device, got {t.device} and {dev}")
-    if dev.type != "cuda" and not is_interpreter():
+    if dev.type != "cuda" and not (dev.type == "cpu" and is_interpreter()):
         raise ValueError(f"moe_experts: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got device {dev}")
 
 
@@ -64,7 +64,7 @@ def _validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj
     if tuple(top_k_weights.shape) != (n, k):
         raise ValueError(f"moe_experts: top_k_weights must be [N, k] = {(n, k)}, got {tuple(top_k_weights.shape)}")
     if top_k_weights.dtype not in _FLOATS:
-        raise ValueError(f"moe_experts: top_k_weights must be a float tensor, got {top_k_weights.dtype}")
+        raise ValueError(f"moe_experts: top_k_weights dtype must be float16/bfloat16/float32, got {top_k_weights.dtype}")
     if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != hid or gate_up_proj.shape[1] % 2:
         raise ValueError(f"moe_experts: gate_up_proj must be [E, 2I, hidden={hid}], got {tuple(gate_up_proj.shape)}")
     e, two_i, _ = gate_up_proj.shape
@@ -262,7 +262,7 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
         hidden_states: [N, ℓ] float16 / bfloat16 / float32 (CUDA, or CPU under ``TRITON_INTERPRET=1``).
         top_k_index: [N, k] int32/int64 expert ids in [0, E]; ``E`` (== num_experts) marks a slot owned by
             another rank (expert parallelism): it contributes nothing and gets zero weight gradient.
-        top_k_weights: [N, k] float routing weights (any float dtype; its gradient has the same dtype).
+        top_k_weights: [N, k] routing weights, float16 / bfloat16 / float32 (its gradient has the same dtype).
         gate_up_proj: [E, 2I, ℓ], dtype of ``hidden_states``: gate rows ``[:I]`` then up rows ``[I:]``.
         down_proj: [E, ℓ, I], dtype of ``hidden_states``.
         activation: ``"situ"`` or ``"silu"``.
@@ -286,9 +286,11 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
 
     Raises:
         ValueError: bad shapes, dtypes, devices, activation, or index values outside [0, E] (the last check
-            synchronises with the device once per call, see ``check_index_values``).
+            synchronises with the device once per call, see ``check_index_values``); bfloat16 on the grouped path
+            under the CPU interpreter, whose bfloat16 ``tl.dot`` is wrong.
     """
-    if isinstance(hidden_states, torch.Tensor) and torch.is_autocast_enabled(hidden_states.device.type):
+    if (isinstance(hidden_states, torch.Tensor) and hidden_states.device.type in ("cuda", "cpu")  # autocast's types
+            and torch.is_autocast_enabled(hidden_states.device.type)):
         # mixed precision (e.g. float32 master weights under bf16 autocast): compute in the autocast dtype, as
         # F.linear would; the casts are differentiable, so float32 weights receive float32 gradients
         amp = torch.get_autocast_dtype(hidden_states.device.type)
@@ -301,6 +303,12 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     if not needs_grad and 0 < top_k_index.numel() <= GEMV_MAX_ROWS:
         return moe_experts_gemv(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                                 ACTIVATIONS[activation], float(situ_beta), float(situ_linear_beta))
+    if is_interpreter() and hidden_states.dtype == torch.bfloat16:
+        # Triton's CPU interpreter (3.7) computes tl.dot on bfloat16 operands wrongly (errors of order 1e9, no
+        # warning); the grouped GEMMs would return garbage
+        raise ValueError("moe_experts: bfloat16 inputs need a CUDA device; under TRITON_INTERPRET=1 the grouped "
+                         "path's tl.dot is wrong in bfloat16 — use float32 or float16 on the CPU (torch.autocast('cpu') "
+                         "defaults to bfloat16)")
     if hidden_states.shape[0] == 0:  # no tokens: an empty output that still connects every input to the graph
         zero = (top_k_weights.sum() * 0).to(hidden_states.dtype) + gate_up_proj.sum() * 0 + down_proj.sum() * 0
         return hidden_states * 0 + zero

@@ -210,7 +210,7 @@ def moe_route(router_logits, e_score_correction_bias, top_k, routed_scaling_fact
     for t in tensors:
         if t.device != dev:
             raise ValueError(f"moe_route: all tensors must be on one device, got {t.device} and {dev}")
-    if dev.type != "cuda" and not is_interpreter():
+    if dev.type != "cuda" and not (dev.type == "cpu" and is_interpreter()):
         raise ValueError(f"moe_route: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got device {dev}")
     counts = torch.zeros(e, device=dev, dtype=torch.int32) if count_tokens else None
     histogram = torch.zeros(e, num_bins, device=dev, dtype=torch.int32) if num_bins is not None else None
