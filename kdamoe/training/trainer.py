@@ -158,13 +158,17 @@ def make_accelerator(cfg: RunConfig, use_bf16: bool) -> Accelerator:
     norm, head); parameters are resharded after each forward; checkpoints are ``SHARDED_STATE_DICT`` (each process
     writes its shards through torch.distributed.checkpoint); ``cpu_ram_efficient_loading`` is off (every process
     builds the model from the same seed, so nothing needs broadcasting from rank 0). Gradients are averaged over
-    the processes as under DDP, so the loss normalisation of :func:`train_stage` holds unchanged.
+    the processes as under DDP, so the loss normalisation of :func:`micro_batch_loss` holds unchanged. With bf16
+    the plugin gets an explicit ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`` and no
+    ``output_dtype``: accelerate's own default (up to 1.15 at least) also sets ``output_dtype=bf16``, which casts
+    the root's outputs, the loss included, to bf16 (bf16 losses were logged on the GPU machine); 1.16's default
+    leaves it out, so the policy is the same on both.
 
     On CPU, accelerate 1.15 silently ignores an explicit ``fsdp_plugin``: ``AcceleratorState`` switches to
     ``DistributedType.FSDP`` only for accelerator devices (MULTI_GPU, MULTI_XPU, ...), not for MULTI_CPU, so the
     model would be wrapped in DDP. The gloo process group supports what FSDP2 needs, so for MULTI_CPU we make the
-    switch that branch makes (distributed type, mixed-precision policy, plugin) before anything is prepared; from
-    then on it is accelerate's own FSDP2 path, the one CUDA runs.
+    switch that branch makes (distributed type, plugin; the plugin already holds its mixed-precision policy) before
+    anything is prepared; from then on it is accelerate's own FSDP2 path, the one CUDA runs.
 
     Raises:
         ValueError: ``fsdp2_ep`` with one process or with ``num_experts`` not divisible by the process count
@@ -184,18 +188,19 @@ def make_accelerator(cfg: RunConfig, use_bf16: bool) -> Accelerator:
             raise ValueError("config field train.parallelism: fsdp2 needs at least 2 processes "
                              "(torchrun --nproc_per_node N, N >= 2; on CUDA, N = 1 under torchrun runs the FSDP2 "
                              "path unsharded); one process trains unsharded, use ddp")
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if use_bf16 else None
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=["KDAMoEDecoderLayer"], reshard_after_forward=True,
-            state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False)
+            state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False, mixed_precision_policy=policy)
     accelerator = Accelerator(mixed_precision=mixed, cpu=not torch.cuda.is_available(), fsdp_plugin=plugin,
                               gradient_accumulation_steps=cfg.train.grad_accum_steps)
     if plugin is not None and accelerator.distributed_type == DistributedType.MULTI_CPU:
         state = accelerator.state
         state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-        if mixed != "no":
-            plugin.set_mixed_precision(mixed)
-        state.fsdp_plugin = plugin
+        state.fsdp_plugin = plugin  # its mixed-precision policy is set above, not by accelerate's default
     if plugin is not None and not accelerator.is_fsdp2:
         raise RuntimeError(f"train.parallelism=fsdp2 but accelerate set up {accelerator.distributed_type}")
     return accelerator
@@ -349,6 +354,35 @@ def load_checkpoint(folder: Path, monitor: TrainingMonitor) -> TrainProgress:
     return TrainProgress.load(folder)
 
 
+def micro_batch_loss(accelerator, model, batch: dict, aux_coef: float) -> torch.Tensor:
+    """This process's training loss of one micro-batch: the forward of ``model`` on ``batch`` (its rows) under
+    accelerate's autocast, normalised so that the processes' gradients, averaged by DDP / FSDP2, are those of the
+    token mean over the GLOBAL micro-batch (every process's rows).
+
+    Each process divides its token-loss sum by (global count G / processes N), i.e. returns N · sum / G. The count
+    is passed to the model as ``num_items_in_batch`` (the divisor of transformers' loss functions) as the integer G
+    itself, an int64 tensor, and the result is multiplied by N here. Not as the float G / N: FSDP2's mixed precision
+    casts every floating-point forward argument to ``param_dtype`` (``MixedPrecisionPolicy.cast_forward_inputs``),
+    so under bf16 the count was rounded to 8 significant bits (507 -> 508, 16380 -> 16384: loss and gradients off by
+    up to 0.2 %, differently every step). An integer tensor is not cast; the loss divides its float32 sum by it in
+    float32 (exact for G < 2^24). One process: N = 1, nothing is multiplied, the plain token mean.
+
+    With the load-balancing aux loss on (``output_router_logits`` and ``router_aux_loss_coef = aux_coef > 0``) the
+    model adds ``aux_coef · aux`` of this process's tokens to its loss; only the token part is multiplied by N, so
+    the aux term stays this process's own (averaged over the processes, as before).
+    """
+    targets = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()  # the model shifts the labels by one
+    count = accelerator.reduce(targets, "sum")  # int64: see above
+    with accelerator.autocast():
+        output = model(**batch, use_cache=False, num_items_in_batch=count)
+    n = accelerator.num_processes
+    if n == 1:
+        return output.loss
+    if output.aux_loss is not None and aux_coef > 0:
+        return n * output.loss - (n - 1) * aux_coef * output.aux_loss
+    return n * output.loss
+
+
 def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, data: PreparedData, progress: TrainProgress,
                 monitor: TrainingMonitor, cfg: RunConfig, out_dir: Path, resume_from: Path | None,
                 stop_at: int | None) -> bool:
@@ -365,6 +399,7 @@ def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, d
             load_expert_parallel_optimizer(model, optimizer, resume_from)
         scheduler.load_state_dict(progress.scheduler)
     raw_model = accelerator.unwrap_model(model)
+    aux_coef = raw_model.config.router_aux_loss_coef
     monitor.start_stage(stage.name, stage.steps, progress.step)
     batches = accelerator.skip_first_batches(loader, progress.step * t.grad_accum_steps)
     step_loss, step_tokens, t0 = 0.0, 0, time.perf_counter()
@@ -372,19 +407,15 @@ def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, d
     for batch in batches:
         if progress.global_step == stop_at:
             return False
-        # The loss is the token mean over the GLOBAL micro-batch (every process's rows): DDP averages the
-        # processes' gradients, so each one divides its token-loss sum by (global count / processes) — the
-        # ``num_items_in_batch`` of transformers' loss functions. One process: its own count, the plain mean.
-        targets = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()  # the model shifts the labels by one
-        per_process = accelerator.reduce(targets, "sum") / accelerator.num_processes
         with accelerator.accumulate(model):
             # fsdp2_ep: the model was never prepared, so accelerate's autocast and no_sync are applied here, and the
             # optimizer (not accelerate's either) is stepped only on the last micro-batch. For ddp / fsdp2 the
             # prepared model's forward already runs under that autocast and accelerate's optimizer skips the others.
             defer = deferred_reduction(model, not accelerator.sync_gradients) if expert_parallel else nullcontext()
             with defer:
-                with accelerator.autocast():
-                    loss = model(**batch, use_cache=False, num_items_in_batch=per_process).loss
+                # the token mean over the GLOBAL micro-batch; the count goes in as an integer, as FSDP2's bf16
+                # rounds every floating-point forward argument (micro_batch_loss)
+                loss = micro_batch_loss(accelerator, model, batch, aux_coef)
                 accelerator.backward(loss)
             if accelerator.sync_gradients:
                 # under fsdp2_ep the experts' gradients live on another device mesh than the rest; accelerate's
