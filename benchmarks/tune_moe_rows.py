@@ -43,7 +43,7 @@ sys.path.insert(0, REPO)
 
 from kdamoe.kernels.moe import grouped_gemm as gg  # noqa: E402
 from kdamoe.kernels.moe.activation import ACTIVATIONS  # noqa: E402
-from kdamoe.kernels.moe.experts import _Plan  # noqa: E402
+from kdamoe.kernels.moe.experts import GLU_COLS, GLU_ROWS, _Plan  # noqa: E402
 from kdamoe.kernels.moe.permute import tile_offsets  # noqa: E402
 
 # (BN, BK, num_warps, num_stages) for the row GEMMs and gate/up; (BP, BQ, BK, warps, stages) for wgrad;
@@ -52,7 +52,7 @@ ROW_CFGS = [(128, 64, 8, 4), (128, 32, 4, 4), (64, 64, 4, 4), (64, 64, 8, 4), (1
             (128, 128, 8, 3)]
 WGRAD_CFGS = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3),
               (256, 128, 64, 8, 3), (128, 128, 32, 8, 4)]
-GLU_CFGS = [(32, 64, 4), (16, 128, 4), (8, 256, 4), (32, 128, 8), (16, 64, 2)]  # the first: the one experts.py runs
+GLU_CFGS = [(GLU_ROWS, GLU_COLS, 4), (16, 128, 4), (8, 256, 4), (32, 128, 8), (16, 64, 2)]  # the first: the shipped one
 BMS = (128, 256)
 # H200 (sm_90): the most shared memory one block may reserve (227 KB, cudaDevAttrMaxSharedMemoryPerBlockOptin)
 SMEM_LIMIT = 232448
