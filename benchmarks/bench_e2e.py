@@ -36,6 +36,13 @@ Parts (``--only``, comma list; default all, in this order):
     step, share of all GPU time; the markdown shows 25), summed GPU time per step against the unprofiled and the
     profiled wall per step (a GPU busy share well under 1 means the host's launches set the pace), and the top 25
     host-side operators and CUDA runtime calls by self CPU time.
+``host``
+    Where the host's time goes in a kdamoe step at ``--host-t`` (8K), where the host sets the pace: ``--host-steps``
+    (8) timed steps with Python's cyclic garbage collector as it is, then as many with it frozen and disabled
+    (``gc.collect(); gc.freeze(); gc.disable()``, re-enabled after: a collection pass over the millions of objects a
+    loaded transformers process holds stalls the launch queue), then ``cProfile`` over 2 steps: the 40 Python
+    functions with the most own time, and the 30 with the most cumulative time, per step (cProfile's own cost
+    inflates both; compare rows with each other).
 
 Writes ``e2e.json`` (``rows``: ``{name, ours_ms, peer, peer_ms, ratio}`` with ratio = ours/peer, peer
 ``native+fla`` or ``plain``, plus tokens/s, MFU and peak GiB of both sides; ``raw``: every number) and
@@ -63,7 +70,7 @@ from bench_long_context import (  # noqa: E402  (the benchmarks folder is not a 
     label, run_part, stack_versions,
 )
 
-PARTS = ("kdamoe", "native", "recipe", "profile")
+PARTS = ("kdamoe", "native", "recipe", "profile", "host")
 RECIPE = {"moe_latent_size": 512, "attnres_num_blocks": 4}
 TINY_RECIPE = {"moe_latent_size": 32, "attnres_num_blocks": 2}
 PLAIN = "plain"
@@ -144,6 +151,22 @@ def render_markdown(doc: dict) -> str:
             lines += ["", f"Host side at {label(prof['T'])} (self CPU time per step under the profiler):", "",
                       "| operator or runtime call | calls/step | self µs/step |", "|---|---|---|"]
             lines += [f"| `{r['name']}` | {_fmt(r['calls'])} | {_fmt(r['self_us'])} |" for r in prof["host_table"]]
+    for key, host in (raw.get("host") or {}).items():
+        if not isinstance(host, dict) or "by_own" not in host:
+            continue
+        lines += ["", f"## Host: where a kdamoe step at {label(host['T'])} spends the host's time", "",
+                  f"Step times, Python's GC as it is: {', '.join(_fmt(x, 4) for x in host['gc_on_ms'])} ms (median "
+                  f"{_fmt(host['gc_on_median_ms'], 4)}); GC collected, frozen and disabled: "
+                  f"{', '.join(_fmt(x, 4) for x in host['gc_frozen_off_ms'])} ms (median "
+                  f"{_fmt(host['gc_frozen_off_median_ms'], 4)}). Under cProfile: {_fmt(host['cprofile_wall_ms'], 4)} ms "
+                  f"per step, own time of all functions {_fmt(host['own_total_ms'], 4)} ms.", "",
+                  "| function (by own time) | calls/step | own ms/step | cumulative ms/step |", "|---|---|---|---|"]
+        lines += [f"| `{r['function']}` | {_fmt(r['calls'])} | {_fmt(r['own_ms'])} | {_fmt(r['cum_ms'])} |"
+                  for r in host["by_own"][:30]]
+        lines += ["", "| function (by cumulative time) | calls/step | own ms/step | cumulative ms/step |",
+                  "|---|---|---|---|"]
+        lines += [f"| `{r['function']}` | {_fmt(r['calls'])} | {_fmt(r['own_ms'])} | {_fmt(r['cum_ms'])} |"
+                  for r in host["by_cumulative"][:30]]
     problems = [(f"{group}/{key}", _why(v)) for group, entries in raw.items() if isinstance(entries, dict)
                 for key, v in entries.items() if _why(v) is not None]
     if problems:
@@ -341,6 +364,61 @@ def profile_one(bench: Bench, model, T: int):
     return model
 
 
+def _func_name(func: tuple) -> str:
+    """``file:line(name)`` of a ``pstats`` key with the folders cut (the saved files name no machine's paths)."""
+    path, line, name = func
+    return f"{os.path.basename(path)}:{line}({name})" if path != "~" else name
+
+
+def run_host(bench: Bench) -> None:
+    """The host part (module docstring, ``host``): GC on / frozen step times and a cProfile table."""
+    import cProfile
+    import gc
+    import pstats
+
+    a, rec = bench.args, bench.rec
+    T = a.host_t
+    if not rec.need("host", f"kdamoe_T{T}", bench.est(30) + step_estimate(bench, T, 3 + 2 * a.host_steps + 2)):
+        return
+    model, _ = build(bench, "kdamoe")
+    try:
+        gc_on = time_steps(bench, model, T, warmup=1, steps=a.host_steps)
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+        try:
+            gc_off = time_steps(bench, model, T, warmup=1, steps=a.host_steps)
+        finally:
+            gc.enable()
+            gc.unfreeze()
+        ids = token_ids(bench, T)
+        prof = cProfile.Profile()
+        bench.sync()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(2):
+            train_step(model, ids)
+        bench.sync()
+        prof.disable()
+        wall = (time.perf_counter() - t0) / 2 * 1e3
+        model.zero_grad(set_to_none=True)
+        stats = pstats.Stats(prof).stats  # {func: (primitive calls, calls, own s, cumulative s, callers)}
+        rows = [{"function": _func_name(f), "calls": v[1] / 2, "own_ms": v[2] / 2 * 1e3, "cum_ms": v[3] / 2 * 1e3}
+                for f, v in stats.items()]
+        rec.put("host", f"kdamoe_T{T}", {
+            "T": T, "gc_on_ms": gc_on["steps_ms"], "gc_frozen_off_ms": gc_off["steps_ms"],
+            "gc_on_median_ms": gc_on["median_ms"], "gc_frozen_off_median_ms": gc_off["median_ms"],
+            "cprofile_wall_ms": wall, "own_total_ms": sum(r["own_ms"] for r in rows),
+            "by_own": sorted(rows, key=lambda r: -r["own_ms"])[:40],
+            "by_cumulative": sorted(rows, key=lambda r: -r["cum_ms"])[:30]})
+        print("host", label(T), f"gc on {gc_on['median_ms']:.1f} ms, gc frozen+off {gc_off['median_ms']:.1f} ms, "
+              f"cProfile wall {wall:.1f} ms", flush=True)
+    except Exception:
+        rec.error("host", f"kdamoe_T{T}")
+    del model
+    bench.free()
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -357,12 +435,15 @@ def parse_args(argv=None):
     p.add_argument("--recipe-t", type=ints, default=None, help="recipe-shape lengths, in this order (default 32K,8K)")
     p.add_argument("--profile-t", type=ints, default=None, help="the profiled steps' lengths, in order (default 32K,8K)")
     p.add_argument("--profile-steps", type=int, default=1, help="profiled steps")
+    p.add_argument("--host-t", type=int, default=None, help="the host part's length (default 8K)")
+    p.add_argument("--host-steps", type=int, default=8, help="the host part's timed steps per GC setting")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps before the timed ones (default 2)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5)")
     p.add_argument("--peak-tflops", type=float, default=757.0, help="the bf16 peak MFU divides by (TFLOP/s)")
     a = p.parse_args(argv)
     defaults = dict(train_t=[64, 128] if a.tiny else [8 * K, 32 * K], recipe_t=[128, 64] if a.tiny else [32 * K, 8 * K],
-                    profile_t=[64] if a.tiny else [32 * K, 8 * K], warmup=1 if a.tiny else 2, steps=2 if a.tiny else 5)
+                    profile_t=[64] if a.tiny else [32 * K, 8 * K], warmup=1 if a.tiny else 2, steps=2 if a.tiny else 5,
+                    host_t=64 if a.tiny else 8 * K)
     for name, value in defaults.items():
         if getattr(a, name) is None:
             setattr(a, name, value)
@@ -370,10 +451,10 @@ def parse_args(argv=None):
     bad = [x for x in a.only if x not in PARTS]
     if bad:
         p.error(f"--only: unknown part(s) {bad}; choose from {', '.join(PARTS)}")
-    for name in ("warmup", "steps", "profile_steps"):
+    for name in ("warmup", "steps", "profile_steps", "host_steps"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
-    lengths = a.train_t + a.recipe_t + a.profile_t
+    lengths = a.train_t + a.recipe_t + a.profile_t + [a.host_t]
     if not a.train_t or not a.recipe_t or not a.profile_t or min(lengths) < 2:
         p.error(f"lengths must be given and >= 2 (got train {a.train_t}, recipe {a.recipe_t}, profile {a.profile_t})")
     if not a.peak_tflops > 0:
@@ -405,7 +486,8 @@ def main(argv=None) -> int:
     rec.save()
     print("stack:", rec.stack, flush=True)
     for part in a.only:  # in the order asked
-        run_part(bench, part, (lambda: run_profile(bench)) if part == "profile" else (lambda: run_train(bench, part)))
+        fn = {"profile": lambda: run_profile(bench), "host": lambda: run_host(bench)}.get(part, lambda: run_train(bench, part))
+        run_part(bench, part, fn)
     rec.save()
     with open(os.path.join(a.out, "e2e.md")) as f:
         print(f.read())

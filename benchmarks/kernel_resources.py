@@ -83,35 +83,36 @@ def calls(n: int, e: int, L: int, inter: int, k: int) -> list[tuple]:
     """``(name, kernel, types, constexprs, integer values, configs)`` of every experts kernel launch of one forward +
     backward but the combine; ``configs`` is the autotune list, or the one config ``experts.py`` launches with."""
     row_t = {"a_ptr": "*bf16", "b_ptr": "*bf16", "order_ptr": "*i32", "tile_expert_ptr": "*i32",
-             "tile_offs_ptr": "*i32", "row_offs_ptr": "*i32", "out_ptr": "*bf16", "w_ptr": "*fp32"}
+             "tile_offs_ptr": "*i32", "row_offs_ptr": "*i32", "out_ptr": "*bf16"}
     glu_t = {"dg_ptr": "*bf16", "h_ptr": "*bf16", "order_ptr": "*i32", "row_offs_ptr": "*i32", "w_ptr": "*fp32",
              "dh_ptr": "*bf16", "dw_ptr": "*fp32", "beta1": "fp32", "beta2": "fp32"}
     gu_t = {"x_ptr": "*bf16", "w_ptr": "*bf16", "order_ptr": "*i32", "tile_expert_ptr": "*i32",
-            "tile_offs_ptr": "*i32", "row_offs_ptr": "*i32", "g_ptr": "*bf16", "h_ptr": "*bf16", "beta1": "fp32",
+            "tile_offs_ptr": "*i32", "row_offs_ptr": "*i32", "rw_ptr": "*fp32", "g_ptr": "*bf16", "h_ptr": "*bf16",
+            "beta1": "fp32",
             "beta2": "fp32"}
     wg_t = {"a_ptr": "*bf16", "b_ptr": "*bf16", "order_ptr": "*i32", "row_offs_ptr": "*i32", "experts_ptr": "*i32",
-            "w_ptr": "*fp32", "out_ptr": "*bf16"}
+            "out_ptr": "*bf16"}
     m = n * k
     bm = 128 if m >= 192 * e else 64  # experts._block_m
     act = {"ACT": 0, "PREC": "tf32", "BM": bm}
     rows_cfgs = gg._rows_gemm_kernel.configs
     glu_cfg = [triton.Config({"BR": GLU_ROWS, "BI": GLU_COLS}, num_warps=4)]  # experts._glu_rows_bwd's launch
 
-    def rows(ga, sc, so, n_out, k_dim, sam, sbe, sbk, sbn):
-        return ({"PREC": "tf32", "BM": bm, "GATHER_A": ga, "SCALE": sc, "SORTED_OUT": so},
+    def rows(ga, so, n_out, k_dim, sam, sbe, sbk, sbn):
+        return ({"PREC": "tf32", "BM": bm, "GATHER_A": ga, "SORTED_OUT": so},
                 {"E": e, "N_OUT": n_out, "K_DIM": k_dim, "TOPK": k, "stride_am": sam, "stride_be": sbe,
                  "stride_bk": sbk, "stride_bn": sbn}, rows_cfgs)
 
     return [
         ("gate_up", gg._gate_up_fwd_kernel, gu_t, {**act, "SAVE_H": True}, {"E": e, "I": inter, "L": L, "TOPK": k},
          gg._gate_up_fwd_kernel.configs),
-        ("down", gg._rows_gemm_kernel, row_t, *rows(False, True, False, L, inter, inter, L * inter, 1, inter)),
-        ("dg", gg._rows_gemm_kernel, row_t, *rows(True, False, True, inter, L, L, L * inter, inter, 1)),
+        ("down", gg._rows_gemm_kernel, row_t, *rows(False, False, L, inter, inter, L * inter, 1, inter)),
+        ("dg", gg._rows_gemm_kernel, row_t, *rows(True, True, inter, L, L, L * inter, inter, 1)),
         ("glu_rows_bwd", gg._glu_rows_bwd_kernel, glu_t, {"ACT": 0}, {"M": m, "E": e, "I": inter}, glu_cfg),
-        ("dx", gg._rows_gemm_kernel, row_t, *rows(False, False, False, L, 2 * inter, 2 * inter, 2 * inter * L, L, 1)),
-        ("dw1", gg._wgrad_kernel, wg_t, {"GATHER_A": False, "GATHER_B": True, "SCALE_A": False, "PREC": "tf32"},
+        ("dx", gg._rows_gemm_kernel, row_t, *rows(False, False, L, 2 * inter, 2 * inter, 2 * inter * L, L, 1)),
+        ("dw1", gg._wgrad_kernel, wg_t, {"GATHER_A": False, "GATHER_B": True, "PREC": "tf32"},
          {"E": e, "P": 2 * inter, "Q": L, "TOPK": k, "stride_am": 2 * inter, "stride_bm": L}, gg._wgrad_kernel.configs),
-        ("dw2", gg._wgrad_kernel, wg_t, {"GATHER_A": True, "GATHER_B": False, "SCALE_A": True, "PREC": "tf32"},
+        ("dw2", gg._wgrad_kernel, wg_t, {"GATHER_A": True, "GATHER_B": False, "PREC": "tf32"},
          {"E": e, "P": L, "Q": inter, "TOPK": k, "stride_am": L, "stride_bm": inter}, gg._wgrad_kernel.configs),
     ]
 

@@ -51,7 +51,7 @@ from kdamoe.kernels.moe.permute import tile_offsets  # noqa: E402
 ROW_CFGS = [(128, 64, 8, 4), (128, 32, 4, 4), (64, 64, 4, 4), (64, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3),
             (128, 128, 8, 3)]
 WGRAD_CFGS = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3),
-              (256, 128, 64, 8, 3), (128, 128, 32, 8, 4)]
+              (256, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 128, 64, 8, 4)]
 GLU_CFGS = [(GLU_ROWS, GLU_COLS, 4), (16, 128, 4), (8, 256, 4), (32, 128, 8), (16, 64, 2)]  # the first: the shipped one
 BMS = (128, 256)
 # H200 (sm_90): the most shared memory one block may reserve (227 KB, cudaDevAttrMaxSharedMemoryPerBlockOptin)
@@ -189,16 +189,16 @@ def main():
         """``(row, launch, flops, bytes, smem)`` of one call of ``_rows_gemm_kernel`` as experts.py makes it."""
         plan = plans[bm]
         common = (plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs)
-        # a, b, out, N_OUT, K_DIM, stride_am, stride_be, stride_bk, stride_bn, GATHER_A, SCALE, SORTED_OUT
-        args = {"down": (gbuf, w2, y, L, inter, inter, L * inter, 1, inter, False, True, False),
-                "dg": (dout, w2, gout, inter, L, L, L * inter, inter, 1, True, False, True),
-                "dx": (dh, w1, y, L, 2 * inter, 2 * inter, 2 * inter * L, L, 1, False, False, False)}[name]
-        a_, b_, out, n_out, k_dim, sam, sbe, sbk, sbn, ga, sc, so = args
+        # a, b, out, N_OUT, K_DIM, stride_am, stride_be, stride_bk, stride_bn, GATHER_A, SORTED_OUT
+        args = {"down": (gbuf, w2, y, L, inter, inter, L * inter, 1, inter, False, False),
+                "dg": (dout, w2, gout, inter, L, L, L * inter, inter, 1, True, True),
+                "dx": (dh, w1, y, L, 2 * inter, 2 * inter, 2 * inter * L, L, 1, False, False)}[name]
+        a_, b_, out, n_out, k_dim, sam, sbe, sbk, sbn, ga, so = args
 
         def launch():
             return rows_fn[(plan.max_tiles * triton.cdiv(n_out, bn),)](
-                a_, b_, *common, out, w, e, n_out, k_dim, k, sam, sbe, sbk, sbn,
-                GATHER_A=ga, SCALE=sc, SORTED_OUT=so, PREC=prec, BM=bm, BN=bn, BK=bk, num_warps=nw, num_stages=ns)
+                a_, b_, *common, out, e, n_out, k_dim, k, sam, sbe, sbk, sbn,
+                GATHER_A=ga, SORTED_OUT=so, PREC=prec, BM=bm, BN=bn, BK=bk, num_warps=nw, num_stages=ns)
 
         row = {"gemm": name, "BM": bm, "BN": bn, "BK": bk, "warps": nw, "stages": ns}
         return row, launch, flops[name], None, smem_estimate(bm, bn, bk, ns)
@@ -208,7 +208,7 @@ def main():
 
         def launch():
             return gu_fn[(plan.max_tiles * triton.cdiv(inter, bn),)](
-                x, w1, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, gout, hout, e, inter, L, k,
+                x, w1, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, w, gout, hout, e, inter, L, k,
                 4.0, 25.0, ACT=act, SAVE_H=True, PREC=prec, BM=bm, BN=bn, BK=bk, num_warps=nw, num_stages=ns)
 
         row = {"gemm": "gate_up", "BM": bm, "BN": bn, "BK": bk, "warps": nw, "stages": ns}
@@ -216,15 +216,15 @@ def main():
 
     def wgrad(name, bp, bq, bk, nw, ns):
         plan = plans[BMS[0]]  # the weight gradients read only order and row_offs
-        # a, b, out, P, Q, stride_am, stride_bm, GATHER_A, GATHER_B, SCALE_A
-        args = {"dw1": (dh, x, dw1, 2 * inter, L, 2 * inter, L, False, True, False),
-                "dw2": (dout, gbuf, dw2, L, inter, L, inter, True, False, True)}[name]
-        a_, b_, out, p_, q_, sam, sbm, ga, gb, sa = args
+        # a, b, out, P, Q, stride_am, stride_bm, GATHER_A, GATHER_B
+        args = {"dw1": (dh, x, dw1, 2 * inter, L, 2 * inter, L, False, True),
+                "dw2": (dout, gbuf, dw2, L, inter, L, inter, True, False)}[name]
+        a_, b_, out, p_, q_, sam, sbm, ga, gb = args
 
         def launch():
             return wg_fn[(e * triton.cdiv(p_, bp) * triton.cdiv(q_, bq),)](
-                a_, b_, plan.order, plan.row_offs, experts, w, out, e, p_, q_, k, sam, sbm,
-                GATHER_A=ga, GATHER_B=gb, SCALE_A=sa, PREC=prec, BP=bp, BQ=bq, BK=bk, num_warps=nw, num_stages=ns)
+                a_, b_, plan.order, plan.row_offs, experts, out, e, p_, q_, k, sam, sbm,
+                GATHER_A=ga, GATHER_B=gb, PREC=prec, BP=bp, BQ=bq, BK=bk, num_warps=nw, num_stages=ns)
 
         row = {"gemm": name, "BP": bp, "BQ": bq, "BK": bk, "warps": nw, "stages": ns}
         return row, launch, flops[name], None, smem_estimate(bp, bq, bk, ns)

@@ -131,13 +131,12 @@ def _interpreter_launch(plan: _Plan, counts: torch.Tensor) -> None:
     plan.wgrad_experts = torch.sort(experts).values.to(torch.int32)
 
 
-def _rows_gemm(plan, a, b, out, w, n_out, k_dim, stride_am, stride_be, stride_bk, stride_bn, gather_a, scale,
-               sorted_out, prec):
+def _rows_gemm(plan, a, b, out, n_out, k_dim, stride_am, stride_be, stride_bk, stride_bn, gather_a, sorted_out, prec):
     grid = lambda meta: (plan.max_tiles * triton.cdiv(n_out, meta["BN"]),)  # noqa: E731
     _rows_gemm_kernel[grid](
-        a, b, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, out, w,
+        a, b, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, out,
         plan.e, n_out, k_dim, plan.k, stride_am, stride_be, stride_bk, stride_bn,
-        GATHER_A=gather_a, SCALE=scale, SORTED_OUT=sorted_out, PREC=prec, BM=plan.bm,
+        GATHER_A=gather_a, SORTED_OUT=sorted_out, PREC=prec, BM=plan.bm,
     )
 
 
@@ -153,12 +152,12 @@ def _glu_rows_bwd(plan, dg, h, w, dh, dw, act, betas):
     )
 
 
-def _wgrad(plan, a, b, w, out, p, q, stride_am, stride_bm, gather_a, gather_b, scale_a, prec):
+def _wgrad(plan, a, b, out, p, q, stride_am, stride_bm, gather_a, gather_b, prec):
     n_exp = plan.wgrad_experts.numel()
     grid = lambda meta: (n_exp * triton.cdiv(p, meta["BP"]) * triton.cdiv(q, meta["BQ"]),)  # noqa: E731
     _wgrad_kernel[grid](
-        a, b, plan.order, plan.row_offs, plan.wgrad_experts, w, out, plan.e, p, q, plan.k, stride_am, stride_bm,
-        GATHER_A=gather_a, GATHER_B=gather_b, SCALE_A=scale_a, PREC=prec,
+        a, b, plan.order, plan.row_offs, plan.wgrad_experts, out, plan.e, p, q, plan.k, stride_am, stride_bm,
+        GATHER_A=gather_a, GATHER_B=gather_b, PREC=prec,
     )
 
 
@@ -190,17 +189,19 @@ class MoEExpertsFunction(torch.autograd.Function):
         dt = x.dtype
         prec = _prec(dt)
         save_h = torch.is_grad_enabled() or any(ctx.needs_input_grad)
+        # g_w = w · GLU(h) per sorted row, rounded to the input dtype once: the down projection y = g_w @ W2ᵀ is then
+        # the weighted slot output, and ∂W2 = Σ ∂out[tok]ᵀ g_w a plain GEMM
         g = torch.empty(plan.m, inter, device=x.device, dtype=dt)
         h = torch.empty(plan.m if save_h else 1, two_i, device=x.device, dtype=dt)
         grid = lambda meta: (plan.max_tiles * triton.cdiv(inter, meta["BN"]),)  # noqa: E731
         _gate_up_fwd_kernel[grid](
-            x, w1, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, g, h, e, inter, hid, plan.k,
+            x, w1, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, w, g, h, e, inter, hid, plan.k,
             beta1, beta2,
             ACT=act, SAVE_H=save_h, PREC=prec, BM=plan.bm,
         )
         y = torch.empty(plan.m, hid, device=x.device, dtype=dt)
-        _rows_gemm(plan, g, w2, y, w, hid, inter, inter, hid * inter, 1, inter, gather_a=False, scale=True,
-                   sorted_out=False, prec=prec)
+        _rows_gemm(plan, g, w2, y, hid, inter, inter, hid * inter, 1, inter, gather_a=False, sorted_out=False,
+                   prec=prec)
         out = torch.empty(n, hid, device=x.device, dtype=dt)
         _combine(y, idx, out, e)
         ctx.save_for_backward(x, idx, w, w1, w2, g, h)
@@ -224,8 +225,8 @@ class MoEExpertsFunction(torch.autograd.Function):
         need_w1, need_w2 = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
         # ∂g' = ∂out[tok] @ W2 per sorted row (unweighted), then ∂h (sorted rows) and ∂w (per slot) element-wise
         dg = torch.empty(plan.m, inter, device=x.device, dtype=dt)
-        _rows_gemm(plan, dout, w2, dg, w, inter, hid, hid, hid * inter, inter, 1, gather_a=True, scale=False,
-                   sorted_out=True, prec=prec)
+        _rows_gemm(plan, dout, w2, dg, inter, hid, hid, hid * inter, inter, 1, gather_a=True, sorted_out=True,
+                   prec=prec)
         dw = torch.empty(plan.m, device=x.device, dtype=torch.float32)
         dh = torch.empty(plan.m, two_i, device=x.device, dtype=dt)
         _glu_rows_bwd(plan, dg, h, w, dh, dw, ctx.act, ctx.betas)
@@ -233,18 +234,16 @@ class MoEExpertsFunction(torch.autograd.Function):
         dx = dw1 = dw2 = None
         if need_x:
             y = torch.empty(plan.m, hid, device=x.device, dtype=dt)
-            _rows_gemm(plan, dh, w1, y, w, hid, two_i, two_i, two_i * hid, hid, 1, gather_a=False, scale=False,
-                       sorted_out=False, prec=prec)
+            _rows_gemm(plan, dh, w1, y, hid, two_i, two_i, two_i * hid, hid, 1, gather_a=False, sorted_out=False,
+                       prec=prec)
             dx = torch.empty(n, hid, device=x.device, dtype=dt)
             _combine(y, idx, dx, e)
         if need_w1:
             dw1 = _weight_grad_buffer(plan, w1)
-            _wgrad(plan, dh, x, w, dw1, two_i, hid, two_i, hid, gather_a=False, gather_b=True, scale_a=False,
-                   prec=prec)
+            _wgrad(plan, dh, x, dw1, two_i, hid, two_i, hid, gather_a=False, gather_b=True, prec=prec)
         if need_w2:
             dw2 = _weight_grad_buffer(plan, w2)
-            _wgrad(plan, dout, g, w, dw2, hid, inter, hid, inter, gather_a=True, gather_b=False, scale_a=True,
-                   prec=prec)
+            _wgrad(plan, dout, g, dw2, hid, inter, hid, inter, gather_a=True, gather_b=False, prec=prec)
         dweights = dw.view(n, plan.k).to(ctx.w_dtype) if need_w else None
         return dx, None, dweights, dw1, dw2, None, None, None
 
@@ -278,8 +277,9 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     Without a gradient to compute (``torch.no_grad`` / ``inference_mode``, or no float input requiring grad) and
     with at most ``GEMV_MAX_ROWS`` routed slots ``N·k`` (one decode step), two GEMV kernels of ``gemv.py`` run
     instead of the grouped GEMMs: no permutation plan, no host synchronisation, CUDA-graph capturable. Both
-    paths accumulate in float32 and round ``GLU(·)`` to the input dtype before the down projection; the
-    GEMV path sums the k slots in float32 and rounds once, the grouped path rounds each slot first.
+    paths accumulate in float32; before the down projection the grouped path rounds ``w · GLU(·)`` to the input
+    dtype, the GEMV path ``GLU(·)`` (applying ``w`` in float32 after); the GEMV path sums the k slots in float32
+    and rounds once, the grouped path rounds each slot first.
 
     Under ``torch.autocast`` the float inputs are cast to the autocast dtype first (float32 weights then get
     float32 gradients); otherwise all three float tensors must share one dtype.

@@ -9,11 +9,11 @@ expert. Here each routed row reads its expert's weights directly, in two kernels
   down + combine  out[t, n] = Σ_{j: e < E} w[t, j] · (W2[e, n, :] · h[t·k + j])
 
 with ``W1 = gate_up_proj [E, 2I, ℓ]``, ``W2 = down_proj [E, ℓ, I]``, float32 accumulation, GLU of
-``activation.py`` (SiTU-GLU, Kimi K3 report §2.3, or SwiGLU). Rounding points are the grouped path's: ``h`` is
-stored in the input dtype before the down projection, the routing weight (any float dtype, read as float32)
-scales each slot's contribution in float32. One difference: the grouped path rounds every slot's weighted
-output to the input dtype before its combine kernel sums them, here the sum over slots stays in float32 and the
-output is rounded once (no extra buffer, no third kernel).
+``activation.py`` (SiTU-GLU, Kimi K3 report §2.3, or SwiGLU). Rounding points differ from the grouped path's:
+here ``h`` is stored in the input dtype before the down projection and the routing weight (any float dtype, read as
+float32) scales each slot's contribution in float32; the grouped path stores ``w · GLU`` in the input dtype (one
+rounding after the weight) and rounds every slot's output to the input dtype before its combine kernel sums them,
+while here the sum over slots stays in float32 and the output is rounded once (no extra buffer, no third kernel).
 
 Slots with ``index == E`` (expert parallelism: another rank's expert) are skipped by both kernels; their rows
 of ``h`` are never written nor read. No host synchronisation and no data-dependent shape: the path can be
@@ -96,7 +96,7 @@ def _down_combine_gemv_kernel(
     nmask = offs_n < L
     offs_i = tl.arange(0, BLOCK_I)
     # Σ_j w_j Σ_i W2[e_j, n, i] h_j[i] accumulates elementwise in a [BLOCK_N, BLOCK_I] float32 tile, reduced
-    # once at the end; the routing weight scales h_j in float32 (the grouped path scales the float32 dot instead)
+    # once at the end; the routing weight scales h_j in float32 (the grouped path stores w·GLU rounded instead)
     acc = tl.zeros((BLOCK_N, BLOCK_I), dtype=tl.float32)
     w2_offs = offs_n[:, None].to(tl.int64) * I + offs_i[None, :]
     row0 = t.to(tl.int64) * TOPK

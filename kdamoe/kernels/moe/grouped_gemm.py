@@ -8,12 +8,14 @@ zero-token experts own zero tiles). Tokens are gathered by index inside the A-op
 activations is ever written.
 
 Kernels (per expert e, W1 = gate_up_proj[e] [2I, ℓ], W2 = down_proj[e] [ℓ, I]):
-  gate_up_fwd : h = x[tok] @ W1ᵀ, g = GLU(h[:, :I], h[:, I:])           (activation in the epilogue)
-  rows_gemm   : C = A[rows] @ B_e, scaled by the routing weight (optional), stored at row ``flat`` (forward
-                down projection with the weighted combine, backward ∂x per slot) or at the sorted row (backward
-                ∂g' = ∂out[tok] @ W2, unweighted)
-  glu_rows_bwd: per sorted row, ∂h = GLU'(h)·(w·∂g') and ∂w = Σ_i ∂g'_i · g_i (element-wise, after rows_gemm)
-  wgrad       : ∂W_e = Σ_{r∈e} A[r]ᵀ B[r]   (K loop over the expert's rows; experts from a list)
+  gate_up_fwd : h = x[tok] @ W1ᵀ, g_w = w · GLU(h[:, :I], h[:, I:])     (activation and routing weight in the
+                epilogue)
+  rows_gemm   : C = A[rows] @ B_e, stored at row ``flat`` (forward down projection y = g_w @ W2ᵀ, already weighted;
+                backward ∂x per slot) or at the sorted row (backward ∂g' = ∂out[tok] @ W2, unweighted)
+  glu_rows_bwd: per sorted row, ∂h = GLU'(h)·(w·∂g') and ∂w = Σ_i ∂g'_i · g_i (element-wise, after rows_gemm;
+                g recomputed from h)
+  wgrad       : ∂W_e = Σ_{r∈e} A[r]ᵀ B[r]   (K loop over the expert's rows; experts from a list; ∂W2 takes g_w as B,
+                so no operand is rescaled inside the loop)
   combine     : out[t] = Σ_{j: index[t,j] < E} Y[t·k + j]
 Sources: LatentMoE (arXiv:2601.18089) for the expert layout; Kimi K3 report §2.3 for SiTU-GLU.
 """
@@ -40,7 +42,7 @@ def _cfgs(gpu):
 )
 @triton.jit
 def _gate_up_fwd_kernel(
-    x_ptr, w_ptr, order_ptr, tile_expert_ptr, tile_offs_ptr, row_offs_ptr, g_ptr, h_ptr,
+    x_ptr, w_ptr, order_ptr, tile_expert_ptr, tile_offs_ptr, row_offs_ptr, rw_ptr, g_ptr, h_ptr,
     E, I, L, TOPK, beta1, beta2,
     ACT: tl.constexpr, SAVE_H: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -77,7 +79,11 @@ def _gate_up_fwd_kernel(
             a_ptrs += BK
             bg_ptrs += BK
             bu_ptrs += BK
-        g = glu_forward(acc_g, acc_u, ACT, beta1, beta2)
+        # the routing weight of the slot, applied here once per row: the down projection then needs no scaling, and
+        # the ∂W2 GEMM reads g_w as its B operand as it is (a rescaled operand inside its K loop cost a third of its
+        # throughput on the H200: 273 against 367 TFLOP/s for ∂W1, benchmarks/results/e2e_h200.md at 193d245)
+        rw = tl.load(rw_ptr + flat, mask=rmask, other=0.0).to(tl.float32)
+        g = glu_forward(acc_g, acc_u, ACT, beta1, beta2) * rw[:, None]
         omask = rmask[:, None] & nmask[None, :]
         rows64 = rows.to(tl.int64)
         tl.store(g_ptr + rows64[:, None] * I + offs_n[None, :], g.to(g_ptr.dtype.element_ty), mask=omask)
@@ -102,9 +108,9 @@ def _gate_up_fwd_kernel(
 )
 @triton.jit
 def _rows_gemm_kernel(
-    a_ptr, b_ptr, order_ptr, tile_expert_ptr, tile_offs_ptr, row_offs_ptr, out_ptr, w_ptr,
+    a_ptr, b_ptr, order_ptr, tile_expert_ptr, tile_offs_ptr, row_offs_ptr, out_ptr,
     E, N_OUT, K_DIM, TOPK, stride_am, stride_be, stride_bk, stride_bn,
-    GATHER_A: tl.constexpr, SCALE: tl.constexpr, SORTED_OUT: tl.constexpr, PREC: tl.constexpr,
+    GATHER_A: tl.constexpr, SORTED_OUT: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -138,9 +144,6 @@ def _rows_gemm_kernel(
             acc = tl.dot(a, b, acc, input_precision=PREC)
             a_ptrs += BK
             b_ptrs += BK * stride_bk
-        if SCALE:
-            wv = tl.load(w_ptr + flat, mask=rmask, other=0.0).to(tl.float32)
-            acc = acc * wv[:, None]
         if SORTED_OUT:
             dst = rows.to(tl.int64)
         else:
@@ -184,18 +187,21 @@ def _glu_rows_bwd_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# weight gradients: out[e, p, q] = Σ_{r ∈ rows of e} s_r · A[srcA(r), p] · B[srcB(r), q]
+# weight gradients: out[e, p, q] = Σ_{r ∈ rows of e} A[srcA(r), p] · B[srcB(r), q]
 # ----------------------------------------------------------------------------------------------
+# On the H200 at the e2e shape (benchmarks/results/moe_rows_tune_h200.md) 128 x 128 x 64 on 8 warps, 3 stages was the
+# best of the swept tiles for both weight gradients (128 x 256, 256 x 128 and BK = 32 were slower); 4 stages was not
+# swept.
 @autotune(
     configs=_cfgs([({"BP": 128, "BQ": 128, "BK": 64}, 8, 3), ({"BP": 128, "BQ": 64, "BK": 64}, 4, 4),
-                   ({"BP": 64, "BQ": 128, "BK": 64}, 4, 4)]),
+                   ({"BP": 64, "BQ": 128, "BK": 64}, 4, 4), ({"BP": 128, "BQ": 128, "BK": 64}, 8, 4)]),
     key=["P", "Q", "TOPK"],
 )
 @triton.jit
 def _wgrad_kernel(
-    a_ptr, b_ptr, order_ptr, row_offs_ptr, experts_ptr, w_ptr, out_ptr,
+    a_ptr, b_ptr, order_ptr, row_offs_ptr, experts_ptr, out_ptr,
     E, P, Q, TOPK, stride_am, stride_bm,
-    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, SCALE_A: tl.constexpr, PREC: tl.constexpr,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, PREC: tl.constexpr,
     BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -225,9 +231,6 @@ def _wgrad_kernel(
         else:
             sb = rows.to(tl.int64)
         a = tl.load(a_ptr + sa[None, :] * stride_am + offs_p[:, None], mask=rmask[None, :] & pmask[:, None], other=0.0)
-        if SCALE_A:
-            wv = tl.load(w_ptr + flat, mask=rmask, other=0.0).to(tl.float32)
-            a = (a.to(tl.float32) * wv[None, :]).to(a_ptr.dtype.element_ty)
         b = tl.load(b_ptr + sb[:, None] * stride_bm + offs_q[None, :], mask=rmask[:, None] & qmask[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
     out_ptrs = out_ptr + e.to(tl.int64) * P * Q + offs_p[:, None].to(tl.int64) * Q + offs_q[None, :]
