@@ -20,6 +20,10 @@ Statistics, both left out for tokens whose ``token_mask`` is 0 (padding):
   * QB histogram: ``num_bins`` uniform bins per expert over ``[min(b) − 1, max(b) + 1]``; bin
     ``clamp(floor((r − lo) / width), 0, num_bins − 1)`` evaluated in float64 on the float32 ``r`` — the
     formula of ``kdamoe.quantile_balancing.qb_histogram``, so both count alike for the same ``r``.
+
+Backward (``_route_bwd_kernel``, one launch): the gradient of the gate weights to the logits of the k dispatched
+experts, written as whole rows with zeros elsewhere. The forward's range and the backward each once ran as about ten
+small PyTorch ops per layer; at 8K tokens a training step is bound by the host's launches, so each is one kernel.
 """
 
 from typing import NamedTuple, Optional
@@ -33,7 +37,7 @@ from ..utils import is_interpreter
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, bias_ptr, mask_ptr, idx_ptr, w_ptr, count_ptr, hist_ptr, range_ptr,
+    logits_ptr, bias_ptr, mask_ptr, idx_ptr, w_ptr, count_ptr, hist_ptr,
     N, E, stride_ln, scaling,
     TOPK: tl.constexpr, KP: tl.constexpr, HAS_MASK: tl.constexpr, COUNT: tl.constexpr, HIST: tl.constexpr,
     NUM_BINS: tl.constexpr, BT: tl.constexpr, EP: tl.constexpr,
@@ -81,14 +85,49 @@ def _route_kernel(
     if COUNT:
         tl.atomic_add(count_ptr + offs_e, tl.sum(tl.where(valid, picked, 0), axis=0), mask=emask)
     if HIST:
-        lo = tl.load(range_ptr)
-        width = tl.load(range_ptr + 1)
+        # the range [min(b) − 1, max(b) + 1] in float64, the operations of quantile_balancing.histogram_range (each
+        # program reduces the E biases itself: no separate launches for the range, no host synchronisation)
+        lo = tl.min(tl.where(emask, b, float("inf")), axis=0).to(tl.float64) - 1.0
+        hi = tl.max(tl.where(emask, b, float("-inf")), axis=0).to(tl.float64) + 1.0
+        width = (hi - lo) / NUM_BINS
         r = (tl.where(picked != 0, alpha[:, None], kth[:, None]) - s).to(tl.float64)
         pos = (r - lo) / width
         pos = tl.minimum(tl.maximum(pos, 0.0), NUM_BINS - 1.0)  # ≥ 0, so truncation == floor
         bins = pos.to(tl.int32)
         ones = tl.full((BT, EP), 1, dtype=tl.int32)
         tl.atomic_add(hist_ptr + offs_e[None, :] * NUM_BINS + bins, ones, mask=valid)
+
+
+@triton.jit
+def _route_bwd_kernel(
+    logits_ptr, idx_ptr, dw_ptr, dlogits_ptr, N, E, stride_ln, scaling,
+    TOPK: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, EP: tl.constexpr,
+):
+    # p_j = c·s_j/S with S = Σ_{r∈T} s_r  ⇒  ∂L/∂s_m = (c/S)(∂L/∂p_m − Σ_j ∂L/∂p_j · s_j/S), ∂s/∂logit = s(1 − s);
+    # the E − k experts outside T get 0. One program writes whole rows [BT, E] (no zeros launch, no scatter).
+    pid = tl.program_id(0)
+    offs_t = pid * BT + tl.arange(0, BT)
+    offs_e = tl.arange(0, EP)
+    cols = tl.arange(0, KP)
+    tmask = offs_t < N
+    kmask = tmask[:, None] & (cols[None, :] < TOPK)
+    rows64 = offs_t.to(tl.int64)
+    idx = tl.load(idx_ptr + rows64[:, None] * TOPK + cols[None, :], mask=kmask, other=0)
+    x = tl.load(logits_ptr + rows64[:, None] * stride_ln + idx, mask=kmask, other=0.0).to(tl.float32)
+    s = tl.where(kmask, 1.0 / (1.0 + tl.exp(-x)), 0.0)
+    ssum = tl.sum(s, axis=1)
+    ssum = tl.where(tmask, ssum, 1.0)  # rows past N: no 0/0
+    dw = tl.load(dw_ptr + rows64[:, None] * TOPK + cols[None, :], mask=kmask, other=0.0).to(tl.float32)
+    ds = scaling / ssum[:, None] * (dw - (tl.sum(dw * s, axis=1) / ssum)[:, None])
+    val = ds * s * (1.0 - s)
+    out = tl.zeros((BT, EP), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        pick = cols[None, :] == j
+        e_j = tl.sum(tl.where(pick, idx, 0), axis=1)
+        v_j = tl.sum(tl.where(pick, val, 0.0), axis=1)
+        out = tl.where(offs_e[None, :] == e_j[:, None], v_j[:, None], out)
+    tl.store(dlogits_ptr + rows64[:, None] * E + offs_e[None, :], out.to(dlogits_ptr.dtype.element_ty),
+             mask=tmask[:, None] & (offs_e < E)[None, :])
 
 
 class MoERouting(NamedTuple):
@@ -98,17 +137,6 @@ class MoERouting(NamedTuple):
     top_k_weights: torch.Tensor  # [N, k] float32, normalised unbiased scores (differentiable)
     tokens_per_expert: Optional[torch.Tensor]  # [E] float64 counted tokens per expert (None unless count_tokens)
     histogram: Optional[torch.Tensor]  # [E, num_bins] float64 QB counts of r = τ − s (None unless num_bins)
-
-
-def _histogram_range(bias: torch.Tensor, num_bins: int) -> torch.Tensor:
-    """``[lo, width]`` float64 on ``bias``'s device: lo = min(b) − 1, width = (max(b) + 1 − lo) / num_bins.
-
-    The same float64 operations as ``kdamoe.quantile_balancing.histogram_range`` and ``qb_histogram``,
-    without their host synchronisation.
-    """
-    lo = bias.min().double() - 1.0
-    hi = bias.max().double() + 1.0
-    return torch.stack([lo, (hi - lo) / num_bins])
 
 
 def _route_block_tokens(num_experts_pow2: int) -> int:
@@ -128,12 +156,11 @@ class _RouteFunction(torch.autograd.Function):
         idx = torch.empty(n, top_k, device=x.device, dtype=torch.int64)
         w = torch.empty(n, top_k, device=x.device, dtype=torch.float32)
         hist_on, count_on = histogram is not None, counts is not None
-        rng = _histogram_range(bias, num_bins) if hist_on else w
         mask = token_mask if token_mask is not None else w
         ep = triton.next_power_of_2(e)
         bt = _route_block_tokens(ep)
         _route_kernel[(triton.cdiv(n, bt),)](
-            x, bias, mask, idx, w, counts if count_on else w, histogram if hist_on else w, rng,
+            x, bias, mask, idx, w, counts if count_on else w, histogram if hist_on else w,
             n, e, x.stride(0), float(scaling),
             TOPK=top_k, KP=triton.next_power_of_2(top_k), HAS_MASK=token_mask is not None, COUNT=count_on,
             HIST=hist_on, NUM_BINS=num_bins if hist_on else 1, BT=bt, EP=ep, num_warps=4 if ep <= 256 else 8,
@@ -145,16 +172,17 @@ class _RouteFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _didx, dw):
-        # p_j = c·s_j/S, S = Σ_{r∈T} s_r  ⇒  ∂L/∂s_m = (c/S)(∂L/∂p_m − Σ_j ∂L/∂p_j · s_j/S)
-        # and ∂s/∂logit = s(1 − s)
         x, idx = ctx.saved_tensors
-        s = torch.sigmoid(x.gather(1, idx).float())
-        ssum = s.sum(-1, keepdim=True)
-        dw = dw.float()
-        ds = ctx.scaling / ssum * (dw - (dw * s).sum(-1, keepdim=True) / ssum)
-        dlogits = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
-        dlogits.scatter_(1, idx, ds * s * (1.0 - s))
-        return dlogits.to(x.dtype), None, None, None, None, None, None, None
+        n, e = x.shape
+        top_k = idx.shape[1]
+        dlogits = torch.empty(n, e, device=x.device, dtype=x.dtype)  # every entry is written
+        ep = triton.next_power_of_2(e)
+        bt = _route_block_tokens(ep)
+        _route_bwd_kernel[(triton.cdiv(n, bt),)](
+            x, idx, dw.contiguous(), dlogits, n, e, x.stride(0), ctx.scaling,
+            TOPK=top_k, KP=triton.next_power_of_2(top_k), BT=bt, EP=ep, num_warps=4 if ep <= 256 else 8,
+        )
+        return dlogits, None, None, None, None, None, None, None
 
 
 def moe_route(router_logits, e_score_correction_bias, top_k, routed_scaling_factor=1.0, token_mask=None,
