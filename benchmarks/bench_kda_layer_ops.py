@@ -1,8 +1,9 @@
 """The KDA layer's two small ops on one GPU: the short conv and the gate, in one run (bf16, median times).
 
 (a) conv, ``x [1, T, C]`` with ``C = 3·H·K = 3072`` (q|k|v of H=8 heads of 128), width W=4, SiLU fused:
-    our Triton ``kdamoe.kernels.causal_conv1d`` over all C channels, and as the KDA layer calls it (once per
-    q / k / v part on its column slice of x, read in place), vs the PyTorch loop ``kda_torch.causal_conv1d_torch``
+    our Triton ``kdamoe.kernels.causal_conv1d`` over all C channels, and as the KDA layer calls it
+    (``causal_conv1d_parts``: one op over q|k|v writing three contiguous outputs, taking their three gradients), vs
+    the PyTorch loop ``kda_torch.causal_conv1d_torch``
     (the model's CPU path) vs fla's ``fla.modules.causal_conv1d.causal_conv1d(activation="silu")`` if it imports;
     forward, and forward+backward (dx, dweight).
 (b) gate, the model's KDA shape (B=1, H=8, K=V=128, L2 norm in kernel, fp32 beta): ``kda_gate`` in PyTorch
@@ -52,7 +53,7 @@ if "kdamoe" not in sys.modules:
     sys.modules["kdamoe"] = package
 
 from kdamoe.kda_torch import causal_conv1d_torch, kda_gate  # noqa: E402
-from kdamoe.kernels import causal_conv1d, chunk_kda  # noqa: E402
+from kdamoe.kernels import causal_conv1d, causal_conv1d_parts, chunk_kda  # noqa: E402
 
 LB = -5.0
 START = time.perf_counter()
@@ -104,13 +105,14 @@ def bench_conv(T, C, W, dtype, device, measure, rows, notes):
     if why:
         notes.add(f"fla conv not run: {why}")
     parts = [slice(i * C // 3, (i + 1) * C // 3) for i in range(3)]
+    part_dys = [dy[..., p].contiguous() for p in parts]  # the KDA op hands back contiguous gradients
 
-    def per_part():  # the model's call: one op per q / k / v part, each reading its column slice of x in place
-        return [causal_conv1d(x[..., p], w[p], output_final_state=False)[0] for p in parts]
+    def as_layer():  # the model's call: one op over q|k|v, three contiguous outputs
+        return list(causal_conv1d_parts(x, w, parts=3, output_final_state=False)[0])
 
     variants = {
         "triton (ours)": lambda: causal_conv1d(x, w)[0],
-        "triton (ours), per part in place": per_part,
+        "triton (ours), q/k/v parts (as the layer)": as_layer,
         "torch loop": lambda: causal_conv1d_torch(x, w)[0],
     }
     if fla_fn is not None:
@@ -127,7 +129,7 @@ def bench_conv(T, C, W, dtype, device, measure, rows, notes):
         def step():
             out = fn()
             if isinstance(out, list):
-                torch.autograd.backward(out, [dy[..., p] for p in parts])
+                torch.autograd.backward(out, part_dys)
             else:
                 out.backward(dy)
 

@@ -18,8 +18,8 @@ Facts only about the compiler this machine has (the Triton version printed in th
 another. Writes ``kernel_resources.{json,md}`` into ``--out``.
 
 ``--family conv`` does the same for the short conv's kernels (``kdamoe.kernels.conv``: forward, and the backward's
-dpre and dx kernels) at one bf16 launch of the KDA layer's training step: x a column slice with row stride
-``--row-stride``, packed documents (``seq_idx``), no cached state.
+dpre and dx kernels) at one bf16 launch of the KDA layer's training step: x the q|k|v column slice (three parts of
+``--channels``) with row stride ``--row-stride``, packed documents (``seq_idx``), no cached state.
 """
 
 import argparse
@@ -117,18 +117,21 @@ def calls(n: int, e: int, L: int, inter: int, k: int) -> list[tuple]:
     ]
 
 
-def conv_calls(n: int, C: int, sx: int, W: int) -> list[tuple]:
+def conv_calls(n: int, cp: int, sx: int, W: int) -> list[tuple]:
     """``(name, kernel, types, constexprs, integer values, configs)`` of the short conv's launches (forward, and the two
-    backward kernels) for one bf16 column slice of ``n`` tokens with packed documents and no cached state."""
-    flags = {"W": W, "HAS_STATE": False, "HAS_SEQ": True, "state": None}
+    backward kernels) as the KDA layer makes them: its q|k|v (three parts of ``cp`` channels, one bf16 column slice of
+    ``n`` tokens with row stride ``sx``), packed documents, no cached state."""
+    C = 3 * cp
+    flags = {"W": W, "PARTS": 3, "HAS_STATE": False, "HAS_SEQ": True, "state": None}
     nt = -(-n // conv_backward.BT_DPRE)
+    parts = lambda name: {f"{name}{i}": "*bf16" for i in range(3)}  # noqa: E731
     return [
         ("conv_fwd", conv_forward._conv_fwd_kernel,
-         {"x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", "y": "*bf16"}, flags, {"T": n, "C": C, "SX": sx},
-         conv_forward._conv_fwd_kernel.configs),
+         {"x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", **parts("y")}, flags,
+         {"T": n, "C": C, "CP": cp, "SX": sx}, conv_forward._conv_fwd_kernel.configs),
         ("conv_bwd_dpre", conv_backward._conv_bwd_dpre_kernel,
-         {"x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", "dy": "*bf16", "dpre_out": "*fp32", "dw_part": "*fp32"},
-         {**flags, "BT": conv_backward.BT_DPRE}, {"T": n, "C": C, "SX": sx, "NT": nt},
+         {"x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", **parts("dy"), "dpre_out": "*fp32", "dw_part": "*fp32"},
+         {**flags, "BT": conv_backward.BT_DPRE}, {"T": n, "C": C, "CP": cp, "SX": sx, "NT": nt},
          conv_backward._conv_bwd_dpre_kernel.configs),
         ("conv_bwd_dx", conv_backward._conv_bwd_dx_kernel,
          {"dpre": "*fp32", "weight": "*bf16", "seq_idx": "*i64", "dx": "*bf16"},

@@ -11,8 +11,8 @@ device of the inputs:
   ``attnres_torch``.
 
 The choice is per call and per device, unlike transformers' ``use_kernel_func_from_hub_with_fallback``,
-which binds the package once at import time whatever the device. On top of that chain the three layer
-ops (:func:`causal_conv1d`, :func:`chunk_kda`, :func:`fused_recurrent_kda`) carry transformers'
+which binds the package once at import time whatever the device. On top of that chain the layer ops
+(:func:`causal_conv1d`, :func:`causal_conv1d_parts`, :func:`chunk_kda`, :func:`fused_recurrent_kda`) carry transformers'
 hub-kernel hook (``use_kernel_forward_from_hub``; the KDA layer lists them with ``use_kernelized_func``),
 so ``kernels.kernelize`` can swap in a Hub kernel when a user opts in. Every argument after ``beta`` / ``x``
 is passed by keyword, in fla's names, so a Hub build of fla's ops accepts the same call.
@@ -28,6 +28,7 @@ from types import SimpleNamespace
 
 import torch
 from transformers.integrations import use_kernel_forward_from_hub
+from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.utils import logging
 
 from .attnres_torch import block_attnres_torch
@@ -201,6 +202,39 @@ def causal_conv1d(x, weight, conv_state=None, seq_idx=None, *, output_final_stat
         return _fla_causal_conv1d(fla_kernels(), x, weight, conv_state, seq_idx, output_final_state)
     y, new_state = causal_conv1d_torch(x, weight, conv_state, seq_idx)
     return y, new_state if output_final_state else None
+
+
+MAX_CONV_PARTS = 3  # kdamoe.kernels.conv's MAX_PARTS (q, k, v); a limit on every backend, so each raises alike
+
+
+@use_kernel_forward_from_hub("kdamoe_causal_conv1d_parts")
+def causal_conv1d_parts(x, weight, conv_state=None, seq_idx=None, *, parts, output_final_state=True, backend="auto"):
+    """:func:`causal_conv1d` over channels made of ``parts`` equal parts, the output split into them: the KDA layer's
+    short conv of q, k and v, ``x`` the q|k|v columns of its fused projection. Returns ``(ys, new_state)``: ``ys`` a
+    tuple of ``parts`` tensors ``[B, T, C / parts]`` (part i = channels ``[i·C/parts, (i+1)·C/parts)``), ``new_state``
+    ``[B, C, W]`` over all channels (None unless ``output_final_state``), both in x's dtype.
+
+    The backend is :func:`causal_conv1d`'s. The kdamoe kernels run it as one op (``kdamoe.kernels.causal_conv1d_parts``:
+    one forward launch reading x in place and writing each part to its own contiguous tensor; in the backward one
+    ``dx [B, T, C]``, the gradient of x itself, from two launches whatever ``parts`` is). fla, PyTorch and a decode
+    step (one token on a cache, no gradient: the single update launch) run :func:`causal_conv1d` once over the C
+    channels and return column views of its output.
+
+    Raises:
+        ValueError: ``parts`` not an int in [1, 3] dividing C (before any backend runs); the errors of
+            :func:`causal_conv1d` otherwise.
+    """
+    if isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= MAX_CONV_PARTS or (
+            isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[-1] % parts):
+        raise ValueError(f"parts must be an int in [1, {MAX_CONV_PARTS}] dividing x's channels "
+                         f"({getattr(x, 'shape', None)}), got {parts!r}")
+    impl = resolve(backend, x.device, "causal_conv1d")
+    if impl == "kdamoe" and not (conv_state is not None and _is_decode_step(x, conv_state, seq_idx, weight)):
+        return kdamoe_kernels().causal_conv1d_parts(x, weight, conv_state, seq_idx, parts=parts,
+                                                    output_final_state=output_final_state)
+    y, new_state = causal_conv1d(x, weight, conv_state, seq_idx, output_final_state=output_final_state,
+                                 backend=backend)
+    return y.chunk(parts, dim=-1), new_state
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -377,3 +411,24 @@ def glu_activation(gate, up, act_fn, *, backend="auto"):
     if resolve(backend, gate.device, "glu") == "kdamoe":
         return kdamoe_kernels().glu(gate, up, act_fn.hidden_act, act_fn.beta, act_fn.linear_beta)
     return act_fn(gate, up)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Causal-LM cross-entropy
+# ----------------------------------------------------------------------------------------------------
+def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, *,
+                   backend="auto"):
+    """transformers' ``ForCausalLMLoss`` (the same arguments and result: shifted labels or ``shift_labels``,
+    ``ignore_index``, sum / ``num_items_in_batch`` or the mean, a float32 0-d loss) on logits ``[..., V]``.
+
+    The kdamoe kernel (``kdamoe.kernels.loss``: one launch forward, one backward, reading float16 / bfloat16 /
+    float32 logits in place, no float32 copy) runs on CUDA or under the interpreter with ``backend="triton"``; else,
+    and for ``"fla"`` (no such kernel), transformers' ``ForCausalLMLoss`` itself. The kernel raises ValueError for
+    inputs it cannot take (e.g. float64 logits) and does not read target values on the host (see
+    ``kdamoe.kernels.loss.causal_lm_loss``).
+    """
+    if resolve(backend, logits.device, "causal_lm_loss") == "kdamoe":
+        return kdamoe_kernels().causal_lm_loss(logits, labels, vocab_size, num_items_in_batch, ignore_index,
+                                               shift_labels)
+    return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                           ignore_index=ignore_index, shift_labels=shift_labels)

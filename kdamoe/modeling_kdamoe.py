@@ -22,6 +22,7 @@ from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation, use_kernelized_func
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -41,6 +42,8 @@ from .decode_graph import DecodeGraph
 from .kernel_dispatch import (
     block_attnres,
     causal_conv1d,
+    causal_conv1d_parts,
+    causal_lm_loss,
     chunk_kda,
     decode_graphs_supported,
     fused_recurrent_kda,
@@ -60,7 +63,9 @@ logger = logging.get_logger(__name__)
 # ----------------------------------------------------------------------------------------------------
 # Norms and dense MLPs
 # ----------------------------------------------------------------------------------------------------
-def fused_linear(hidden_states: torch.Tensor, modules: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+def fused_linear(
+    hidden_states: torch.Tensor, modules: tuple[nn.Module | tuple[nn.Module, ...], ...]
+) -> tuple[torch.Tensor, ...]:
     """``tuple(m(hidden_states) for m in modules)`` for projections that read the same input.
 
     When every module is a plain ``nn.Linear`` without bias, the outputs come from one GEMM over the concatenated
@@ -76,18 +81,25 @@ def fused_linear(hidden_states: torch.Tensor, modules: tuple[nn.Module, ...]) ->
     always seen. A module that is not plain (:func:`_is_plain_linear`: a PEFT LoRA layer, a forward hook, an offload
     hook) makes every module run on its own.
 
+    An entry of ``modules`` may be a tuple of modules (a group): its output is one ``[..., Σ out_features]`` tensor,
+    their outputs side by side in that order; in the fused case one view, so the split's backward takes the group's
+    gradient as one piece (the KDA layer's q|k|v: its short conv reads them as one input and returns one gradient,
+    :meth:`KDAMoEDeltaAttention._short_conv`); when the modules run on their own, their outputs are concatenated.
+
     Args:
         hidden_states: ``[..., in_features]``.
-        modules: the projections, all with ``in_features`` inputs.
+        modules: the projections or groups of projections, all with ``in_features`` inputs.
 
     Returns:
-        ``[..., out_features_i]`` per module, in the GEMM's dtype; in the fused case views of one
-        ``[..., Σ out_features]`` tensor (row stride ``Σ out_features``).
+        ``[..., out_features]`` per entry (a group's: the sum of its modules'), in the GEMM's dtype; in the fused case
+        views of one ``[..., Σ out_features]`` tensor (row stride ``Σ out_features``).
     """
-    if all(_is_plain_linear(m) for m in modules):
-        weight = torch.cat([m.weight for m in modules])
-        return F.linear(hidden_states, weight).split([m.out_features for m in modules], dim=-1)
-    return tuple(m(hidden_states) for m in modules)
+    groups = [entry if isinstance(entry, tuple) else (entry,) for entry in modules]
+    if all(_is_plain_linear(m) for group in groups for m in group):
+        weight = torch.cat([m.weight for group in groups for m in group])
+        return F.linear(hidden_states, weight).split([sum(m.out_features for m in g) for g in groups], dim=-1)
+    outs = [[m(hidden_states) for m in group] for group in groups]
+    return tuple(o[0] if len(o) == 1 else torch.cat(o, dim=-1) for o in outs)
 
 
 def _is_plain_linear(module: nn.Module) -> bool:
@@ -171,7 +183,7 @@ def packed_sequence_info(position_ids: torch.Tensor) -> dict:
 # ----------------------------------------------------------------------------------------------------
 # Token mixer 1: Kimi Delta Attention with the lower-bounded gate
 # ----------------------------------------------------------------------------------------------------
-@use_kernelized_func([causal_conv1d, chunk_kda, fused_recurrent_kda])
+@use_kernelized_func([causal_conv1d, causal_conv1d_parts, chunk_kda, fused_recurrent_kda])
 class KDAMoEDeltaAttention(nn.Module):
     """KDA layer (Kimi Linear report §3; docs/architecture.md §1).
 
@@ -237,11 +249,11 @@ class KDAMoEDeltaAttention(nn.Module):
                 conv_state = conv_state.clone()
                 recurrent_state = recurrent_state.clone() if recurrent_state is not None else None
 
-        q, k, v, f, beta, gate = fused_linear(
-            hidden_states, (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.g_a_proj)
+        qkv, f, beta, gate = fused_linear(
+            hidden_states, ((self.q_proj, self.k_proj, self.v_proj), self.f_a_proj, self.b_proj, self.g_a_proj)
         )
         seq_idx = packed["seq_idx"] if packed is not None else None
-        q, k, v, new_conv_state = self._short_conv(q, k, v, conv_state, seq_idx, cache is not None)
+        q, k, v, new_conv_state = self._short_conv(qkv, conv_state, seq_idx, cache is not None)
         q, k, v = (x.view(B, T, H, K) for x in (q, k, v))
 
         f = self.f_b_proj(f).view(B, T, H, K)  # raw gate input
@@ -272,32 +284,26 @@ class KDAMoEDeltaAttention(nn.Module):
         o = self.o_norm(o, gate).reshape(B, T, H * K)
         return self.o_proj(o)
 
-    def _short_conv(self, q, k, v, conv_state, seq_idx, output_final_state):
-        """The depthwise conv + SiLU of q, k and v (``[B, T, width]`` each) → ``(q, k, v, new_conv_state)``, the state
-        ``[B, 3·width, W]`` over the q|k|v channels as the cache keeps it (None unless ``output_final_state``).
+    def _short_conv(self, qkv, conv_state, seq_idx, output_final_state):
+        """The depthwise conv + SiLU of q|k|v (``[B, T, 3·width]``, the q, k and v columns side by side) →
+        ``(q, k, v, new_conv_state)``, each part ``[B, T, width]``, the state ``[B, 3·width, W]`` over the q|k|v
+        channels as the cache keeps it (None unless ``output_final_state``).
 
-        The conv is depthwise, so it runs as one op per part with that part's channels of the weight: each reads its
-        column slice of the fused projection in place and writes a contiguous output, as the KDA op wants its inputs;
-        one op over the concatenation would copy q|k|v in, copy q, k and v out, and concatenate their gradients.
-        A decode step (one token on a cached state) runs the single update op on the concatenation instead: there the
-        copies are a few KB and the launches are what costs.
+        One op for the three parts (``causal_conv1d_parts``; the conv is depthwise, so each part only sees its own
+        channels of the one weight). ``qkv`` is one column view of the fused projection's output (``fused_linear``
+        groups the three projections), so with the kdamoe kernels a single forward launch reads it in place through
+        its row stride and writes q, k and v as three contiguous tensors, as the KDA op wants them, and the backward
+        (two launches, one sum of the dweight partials) takes their three gradients as they come and writes one
+        ``[B, T, 3·width]`` gradient for that view, the one piece the split's backward concatenates for the three.
+        Neither a copy of q|k|v nor of the outputs is made. Before, one op per part (three launches forward, six
+        backward, three dweight sums); a single op over a concatenation of separate q, k, v would instead have
+        copied q|k|v in, q, k and v out, and concatenated their gradients. fla and PyTorch run one conv over the
+        columns and return column views; a decode step (one token on a cached state, no gradient) is the backend's
+        single update launch.
         """
-        weight = self.conv1d.weight.squeeze(1)
-        backend = self.config.kernel_backend
-        if conv_state is not None and q.shape[1] == 1:
-            mixed, new_state = causal_conv1d(torch.cat([q, k, v], -1), weight, conv_state, seq_idx,
-                                             output_final_state=output_final_state, backend=backend)
-            return (*mixed.chunk(3, dim=-1), new_state)
-        width = q.shape[-1]
-        outs, states = [], []
-        for i, x in enumerate((q, k, v)):
-            part = slice(i * width, (i + 1) * width)
-            state = conv_state[:, part] if conv_state is not None else None
-            y, new_state = causal_conv1d(x, weight[part], state, seq_idx, output_final_state=output_final_state,
-                                         backend=backend)
-            outs.append(y)
-            states.append(new_state)
-        return (*outs, torch.cat(states, dim=1) if output_final_state else None)
+        ys, new_state = causal_conv1d_parts(qkv, self.conv1d.weight.squeeze(1), conv_state, seq_idx, parts=3,
+                                            output_final_state=output_final_state, backend=self.config.kernel_backend)
+        return (*ys, new_state)
 
     def _packed(self, q, k, v, f, beta, recurrent_state, packed, **kwargs):
         """Run every packed document as its own sequence (``cu_seqlens`` over the flattened batch)."""
@@ -943,14 +949,18 @@ def packed_causal_mask_function(doc_ids: torch.Tensor) -> Callable:
     return same_document
 
 
-def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids, past: int | None) -> dict:
+def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids, past: int | None,
+                          targets: torch.Tensor | None = None, ignore_index: int = -100) -> dict:
     """Raise ``ValueError`` naming the bad input before anything runs; return what the same sync learned.
 
     ``input_ids`` must be a non-empty integer ``[B, T]`` tensor with ids in ``[0, vocab_size)``; ``inputs_embeds``
     ``[B, T, hidden_size]``; a 2-D ``attention_mask`` ``[B, past + T]`` of 0 / 1 values (``past`` = cached tokens,
-    ``None`` when the cache cannot tell: an all-linear-attention model); ``position_ids`` ``[B or 1, T]``. The value
-    checks cost one device sync together, and so do the two facts the forward needs from the values, which ride on
-    it (a sync stalls the launch queue: the GPU idles while the host catches up).
+    ``None`` when the cache cannot tell: an all-linear-attention model); ``position_ids`` ``[B or 1, T]``; ``targets``
+    (the class ids a causal-LM loss will read, any shape: the shifted ``labels`` or ``shift_labels``) an integer
+    tensor with values in ``[0, vocab_size)`` or equal to ``ignore_index`` (the fused loss kernel cannot raise, and
+    PyTorch's raises a device assert on CUDA). The value checks cost one device sync together, and so do the two
+    facts the forward needs from the values, which ride on it (a sync stalls the launch queue: the GPU idles while
+    the host catches up).
 
     Returns:
         ``{"mask_all_ones": bool}`` for a 2-D ``attention_mask`` (no padding: the plain causal kernels apply) and
@@ -985,11 +995,24 @@ def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, posi
     position_ok = position_ids is not None and position_ids.dim() == 2 and position_ids.shape[-1] == T
     if position_ok and T > 1:
         checks["position_restarts"] = (position_ids[:, 1:] == 0).any()
+    if targets is not None:
+        if not isinstance(targets, torch.Tensor):
+            raise ValueError(f"`labels` / `shift_labels` must be a tensor of class ids, got {type(targets).__name__}")
+        if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+            raise ValueError(f"`labels` must be an integer tensor of class ids, got dtype {targets.dtype}")
+        if targets.numel() > 0:  # ignored targets count as 0, a valid id, so only the others can fail the range
+            kept = torch.where(targets == ignore_index, 0, targets)
+            checks["target_low"], checks["target_high"] = torch.aminmax(kept)
     if checks:
-        checks = dict(zip(checks, torch.stack([v.to(torch.float64) for v in checks.values()]).tolist()))
+        device = (input_ids if input_ids is not None else inputs_embeds).device  # the labels may lie elsewhere
+        checks = dict(zip(checks, torch.stack([v.to(device, torch.float64) for v in checks.values()]).tolist()))
     if input_ids is not None and (checks["low"] < 0 or checks["high"] >= config.vocab_size):
         bad = int(checks["low"] if checks["low"] < 0 else checks["high"])
         raise ValueError(f"`input_ids` contains {bad}, outside [0, vocab_size={config.vocab_size})")
+    if "target_low" in checks and (checks["target_low"] < 0 or checks["target_high"] >= config.vocab_size):
+        bad = int(checks["target_low"] if checks["target_low"] < 0 else checks["target_high"])
+        raise ValueError(f"the loss targets (`labels` shifted by one, or `shift_labels`) contain {bad}, outside "
+                         f"[0, vocab_size={config.vocab_size}) and not ignore_index={ignore_index}")
     if checks.get("mask_not_binary"):
         others = sorted(set(attention_mask.unique().tolist()) - {0, 1})[:5]
         raise ValueError(f"`attention_mask` must hold only 0 (padding) and 1 (token), got also {others}")
@@ -1106,6 +1129,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         output_hidden_states: bool | None = None,
         past_key_values: Cache | None = None,
         prefill_chunk_size: int | None = None,
+        loss_targets: torch.Tensor | None = None,
         **kwargs,
     ) -> MoeModelOutputWithPast:
         """Run the stack. Inputs ``input_ids [B, T]`` (or ``inputs_embeds [B, T, d]``), optional 2-D
@@ -1116,6 +1140,8 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         ``prefill_chunk_size`` (default ``config.prefill_chunk_size``; 0 = off): a forward without grad longer
         than this runs in chunks of that many tokens, with the same result (docs/long-context.md); packed inputs
         and forwards with grad always run in one pass (autograd keeps every chunk's activations anyway).
+        ``loss_targets``: the class ids a loss on this output will read (the CausalLM passes its shifted labels), whose
+        range is checked in the same host sync as the inputs, with the ``ignore_index`` keyword (default −100) exempt.
 
         Returns ``last_hidden_state [B, T, d]``, the ``cache`` and, when asked, ``router_logits`` (tuple of
         ``[B·T, E]`` float32, one per MoE layer), ``attentions`` (eager attention only: one ``[B, H, T, past+T]``
@@ -1153,7 +1179,8 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         tokens = input_ids if input_ids is not None else inputs_embeds  # validated below: one of them is given
         facts = {}
         if not managed:  # the graph validates the real ids before each replay
-            facts = validate_model_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past)
+            facts = validate_model_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past,
+                                          loss_targets, kwargs.get("ignore_index", -100))
             if cache is not None:
                 check_cache_matches(self.config, cache, tokens.shape[0])
         past = past or 0
@@ -1291,6 +1318,11 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         return self.norm(hidden_states), all_hidden_states
 
 
+# The keyword arguments transformers' ForCausalLMLoss reads; a forward passing any other keyword calls
+# `self.loss_function` itself (it would receive the keyword, whatever it does with it).
+_CAUSAL_LM_LOSS_KWARGS = frozenset(("num_items_in_batch", "ignore_index", "shift_labels"))
+
+
 class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
     """KDAMoE with a language-modelling head; ``MoeCausalLMOutputWithPast`` out, ``generate()`` ready."""
 
@@ -1335,6 +1367,13 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
         CausalLM. ``logits_to_keep``: an int keeps the last n positions (0 = all), a tensor selects them.
         With ``output_router_logits`` and ``router_aux_loss_coef > 0``, the softmax load-balancing aux
         loss (Switch Transformer) is added to the loss.
+
+        The loss is ``self.loss_function``'s. When that is transformers' ``ForCausalLMLoss`` (the default: no other
+        ``loss_type`` or ``loss_function`` set) and the only loss keywords are ``num_items_in_batch``,
+        ``ignore_index`` and ``shift_labels``, it runs through ``kernel_dispatch.causal_lm_loss``: the fused Triton
+        cross-entropy on the kernel backend (the bf16 logits read in place, no float32 copy; same result), else
+        ``ForCausalLMLoss`` itself. Its targets are then range-checked in the input check's one host sync: a target
+        outside ``[0, vocab_size)`` other than ``ignore_index`` raises ``ValueError``.
         """
         output_router_logits = (
             output_router_logits if output_router_logits is not None else self.config.output_router_logits
@@ -1346,6 +1385,13 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
             logits = self._graph_decode(input_ids, attention_mask, cache)
             if logits is not None:
                 return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
+        causal_lm_loss_call = (labels is not None and kwargs.keys() <= _CAUSAL_LM_LOSS_KWARGS
+                               and self.loss_function is ForCausalLMLoss)
+        loss_targets = None  # what the loss will read, checked by the backbone's input check (no second host sync)
+        if causal_lm_loss_call:
+            loss_targets = kwargs.get("shift_labels")
+            if loss_targets is None and isinstance(labels, torch.Tensor) and labels.dim() > 0:
+                loss_targets = labels[..., 1:]  # the first label is never a target
         with _capture_stream(cache) if graph_step == "warm_up" else contextlib.nullcontext():
             outputs = self.model(
                 input_ids=input_ids,
@@ -1355,6 +1401,7 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
                 inputs_embeds=inputs_embeds,
                 use_cache=use_cache,
                 output_router_logits=output_router_logits,
+                loss_targets=loss_targets,
                 **kwargs,
             )
         if isinstance(outputs.cache, KDAMoECache) and (input_ids if input_ids is not None else inputs_embeds).shape[1] == 1:
@@ -1364,7 +1411,9 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden_states[:, keep, :])
 
         loss = aux_loss = None
-        if labels is not None:
+        if causal_lm_loss_call:
+            loss = causal_lm_loss(logits, labels, self.config.vocab_size, **kwargs, backend=self.config.kernel_backend)
+        elif labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         if output_router_logits and outputs.router_logits:
             aux_loss = load_balancing_loss_func(

@@ -178,3 +178,56 @@ def test_fla_kda_adapter_passes_fla_arguments(fake_fla, monkeypatch):
     for kwargs in (chunk_kwargs, rec_kwargs):
         assert kwargs["initial_state"].dtype == torch.float32  # fla asserts a float32 state
         assert kwargs["use_gate_in_kernel"] is True and kwargs["dt_bias"] is dt_bias and kwargs["A_log"] is None
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "fla"])
+def test_conv_parts_on_every_backend_equal_the_reference(backend, fake_fla, monkeypatch):
+    """``causal_conv1d_parts`` over the q|k|v columns of a wider tensor, with packed documents, a cached state that
+    takes a gradient and the returned state: each part, the state and the gradients of the wide tensor, the weight and
+    the state equal the float64 reference over all channels, on every backend (fla through the fake, forced). A
+    decode step (one token on the cache, no gradient) gives the same parts and state; on fla it is fla's update op."""
+    if backend == "fla":
+        monkeypatch.setattr(dispatch, "resolve", lambda backend, device, op: "fla")
+    gen = torch.Generator().manual_seed(8)
+    B, T, CP, W = 2, 9, 5, 4
+    wide = torch.randn(B, T, 3 * CP + 4, generator=gen, requires_grad=True)
+    w, state = torch.randn(3 * CP, W, generator=gen), torch.randn(B, 3 * CP, W, generator=gen)
+    dys, dstate = torch.randn(B, T, 3 * CP, generator=gen), torch.randn(B, 3 * CP, W, generator=gen)
+    seq_idx = torch.tensor([[0] * 3 + [1] * 6, [2] * 9])
+    inputs = [w.clone().requires_grad_(), state.clone().requires_grad_()]
+    ys, new_state = dispatch.causal_conv1d_parts(wide[..., 1:1 + 3 * CP], *inputs, seq_idx, parts=3, backend=backend)
+    ref_in = [wide.detach()[..., 1:1 + 3 * CP].double().requires_grad_(), w.double().requires_grad_(),
+              state.double().requires_grad_()]
+    y_ref, state_ref = causal_conv1d_torch(*ref_in, seq_idx)
+    assert len(ys) == 3
+    for i, y in enumerate(ys):
+        torch.testing.assert_close(y.double(), y_ref[..., i * CP:(i + 1) * CP], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(new_state.double(), state_ref, rtol=0, atol=0)
+    loss = (torch.cat(ys, -1) * dys).sum() + (new_state * dstate).sum()
+    grads = torch.autograd.grad(loss, [wide, *inputs])
+    grads_ref = torch.autograd.grad((y_ref * dys.double()).sum() + (state_ref * dstate.double()).sum(), ref_in)
+    torch.testing.assert_close(grads[0][..., 1:1 + 3 * CP].double(), grads_ref[0], rtol=1e-5, atol=1e-5)
+    assert grads[0][..., 0].abs().max() == 0 and grads[0][..., 1 + 3 * CP:].abs().max() == 0
+    for got, want in zip(grads[1:], grads_ref[1:]):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+    with torch.no_grad():
+        ys, new_state = dispatch.causal_conv1d_parts(wide[:, :1, 1:1 + 3 * CP], w, state, None, parts=3,
+                                                     backend=backend)
+    y_ref, state_ref = causal_conv1d_torch(wide.detach()[:, :1, 1:1 + 3 * CP].double(), w.double(), state.double())
+    for i, y in enumerate(ys):
+        torch.testing.assert_close(y.double(), y_ref[..., i * CP:(i + 1) * CP], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(new_state.double(), state_ref, rtol=0, atol=0)
+    if backend == "fla":
+        assert [c[0] for c in fake_fla.calls] == ["causal_conv1d", "causal_conv1d_update"]
+
+
+def test_conv_parts_refuses_bad_parts_before_any_backend(monkeypatch):
+    def no_backend(*args):
+        raise AssertionError("a backend was chosen")
+
+    monkeypatch.setattr(dispatch, "resolve", no_backend)
+    x, w = torch.zeros(1, 3, 6), torch.zeros(6, 4)
+    for parts in (0, 4, 2.0, True, 5):  # 6 channels: 5 does not divide them
+        with pytest.raises(ValueError, match=f"parts must be .* got {parts!r}"):
+            dispatch.causal_conv1d_parts(x, w, parts=parts)

@@ -235,6 +235,25 @@ def test_fused_linear_equals_each_projection_and_leaves_wrapped_modules_to_thems
         torch.testing.assert_close(out, m(x), rtol=0, atol=0)
 
 
+def test_fused_linear_group_is_one_view_of_its_modules_side_by_side():
+    """A tuple entry (the KDA layer's q|k|v) gives one output, its modules' outputs side by side: in the fused case a
+    single column view of the one GEMM (row stride Σ out), so its gradient reaches autograd as one piece; with a
+    module that is not plain, the modules' own outputs concatenated. Values as each ``nn.Linear`` (float64)."""
+    from kdamoe.modeling_kdamoe import fused_linear
+
+    gen = torch.Generator().manual_seed(5)
+    mods = tuple(torch.nn.Linear(24, n, bias=False).double() for n in (6, 6, 6, 3))
+    x = torch.randn(2, 7, 24, generator=gen, dtype=torch.float64)
+    group, rest = fused_linear(x, (mods[:3], mods[3]))
+    assert group.shape == (2, 7, 18) and group.stride(1) == 21 and rest.data_ptr() == group.data_ptr() + 18 * 8
+    torch.testing.assert_close(group, torch.cat([x @ m.weight.T for m in mods[:3]], -1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(rest, x @ mods[3].weight.T, rtol=1e-12, atol=1e-12)
+    biased = torch.nn.Linear(24, 6, bias=True).double()
+    group, rest = fused_linear(x, ((mods[0], biased), mods[3]))
+    torch.testing.assert_close(group, torch.cat([mods[0](x), biased(x)], -1), rtol=0, atol=0)
+    torch.testing.assert_close(rest, mods[3](x), rtol=0, atol=0)
+
+
 def test_fused_linear_first_and_second_derivatives_equal_each_projection_on_its_own():
     """Gradients of the input and of every weight through the fused GEMM against separate ``nn.Linear`` modules in
     float64, and the same for a gradient penalty (double backward, ``create_graph=True``)."""

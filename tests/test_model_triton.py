@@ -187,11 +187,13 @@ class _ActivationCopies(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_kda_layer_training_step_copies_no_activation(monkeypatch):
-    """The KDA layer's forward + backward with the kernels copies one activation-sized tensor: the six fused
-    projections' gradients, concatenated by autograd for one ∂x and one ∂W GEMM (fewer bytes than a GEMM per output,
-    see ``fused_linear``). Before, also: q|k|v concatenated for the conv (forward), q, k and v copied to contiguous
-    for the KDA op, and their gradients concatenated back. The layer's output and gradients still equal the torch
-    backend's."""
+    """The KDA layer's forward + backward with the kernels copies one activation-sized tensor: the fused projections'
+    gradients, concatenated by autograd for one ∂x and one ∂W GEMM (fewer bytes than a GEMM per output, see
+    ``fused_linear``), q|k|v among them as the conv's one gradient. Before, also: q|k|v concatenated for the conv
+    (forward), q, k and v copied to contiguous for the KDA op, and their gradients concatenated back. The short conv
+    of q, k and v is one kernel launch forward and two backward (before: three and six), at a width (2 heads × 16 =
+    32 channels per part) that is not a multiple of the conv's channel block. The layer's output and gradients still
+    equal the torch backend's."""
     import triton.runtime.interpreter as interpreter
 
     from kdamoe.modeling_kdamoe import KDAMoEDeltaAttention
@@ -203,7 +205,10 @@ def test_kda_layer_training_step_copies_no_activation(monkeypatch):
     upstream = torch.randn(B, T, layer.config.hidden_size, generator=torch.Generator().manual_seed(4))
     mode = _ActivationCopies(B, T)
 
+    names = []
+
     def launch_unseen(self, *args, _real=interpreter.GridExecutor.__call__, **kwargs):
+        names.append(self.fn.__name__)
         mode.paused += 1
         try:
             return _real(self, *args, **kwargs)
@@ -217,6 +222,8 @@ def test_kda_layer_training_step_copies_no_activation(monkeypatch):
     fused_width = sum(m.out_features for m in (layer.q_proj, layer.k_proj, layer.v_proj, layer.f_a_proj,
                                                 layer.b_proj, layer.g_a_proj))
     assert mode.copies == [("cat", (B, T, fused_width))]
+    conv_launches = [n for n in names if n.startswith("_conv_")]
+    assert conv_launches == ["_conv_fwd_kernel", "_conv_bwd_dpre_kernel", "_conv_bwd_dx_kernel"]
     layer.config.kernel_backend = "torch"
     out_ref = layer(x)
     grads_ref = torch.autograd.grad((out_ref * upstream).sum(), [x, *layer.parameters()])

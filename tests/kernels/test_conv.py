@@ -1,6 +1,7 @@
-"""causal_conv1d / causal_conv1d_update (Triton) against the float64 PyTorch reference ``causal_conv1d_torch``
-(itself checked by brute force in tests/test_kda_torch.py): outputs, returned state, gradients of x, weight
-and conv_state, packed rows, the decode chain, argument errors.
+"""causal_conv1d / causal_conv1d_parts / causal_conv1d_update (Triton) against the float64 PyTorch reference
+``causal_conv1d_torch`` (itself checked by brute force in tests/test_kda_torch.py): outputs, returned state,
+gradients of x, weight and conv_state, packed rows, the q|k|v parts of one fused projection, the decode chain,
+argument errors.
 
 Runs on the CPU interpreter (tests/conftest.py) in float32 and float16; with KDAMOE_TEST_ON_GPU=1 on a CUDA
 machine the same tests run on the GPU.
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from kdamoe.kda_torch import causal_conv1d_torch
-from kdamoe.kernels import causal_conv1d, causal_conv1d_update
+from kdamoe.kernels import causal_conv1d, causal_conv1d_parts, causal_conv1d_update
 
 ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -151,6 +152,96 @@ def test_a_column_slice_is_read_in_place_and_matches_the_reference(dtype, B, pac
     assert grad_wide[..., :C].abs().max() == 0 and grad_wide[..., 2 * C:].abs().max() == 0
 
 
+PARTS_CASES = [  # dtype, B, T, CP (channels per part), parts, W, seed, with_state, packed
+    (F32, 2, 70, 12, 3, 4, 61, True, True),  # CP < the 64-channel block: one masked block per part
+    (F32, 1, 100, 70, 3, 4, 62, False, True),  # CP = 70: two blocks per part, the second masked; rows cross tiles
+    (F16, 3, 5, 8, 3, 4, 63, True, False),
+    (F32, 2, 33, 10, 2, 3, 64, True, False),
+    (F32, 1, 40, 6, 3, 1, 65, True, True),
+]
+
+
+def launches(monkeypatch):
+    """The names of the Triton kernels the interpreter runs from now on, in order; None on the GPU (where the
+    autotuner's timing runs would count too)."""
+    if ON_GPU:
+        return None
+    import triton.runtime.interpreter as interpreter
+
+    names = []
+
+    def counted(self, *args, _real=interpreter.GridExecutor.__call__, **kwargs):
+        names.append(self.fn.__name__)
+        return _real(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+    return names
+
+
+@pytest.mark.parametrize("dtype,B,T,CP,parts,W,seed,with_state,packed", PARTS_CASES)
+def test_parts_read_a_fused_projection_in_place_and_match_the_reference(dtype, B, T, CP, parts, W, seed, with_state,
+                                                                        packed, monkeypatch):
+    """causal_conv1d_parts on the q|k|v columns of a wider [B, T, 3 + parts·CP + 5] tensor (the KDA layer's fused
+    projection): each part a contiguous [B, T, CP] output equal to its channels of the float64 reference over all
+    parts; the returned state exactly the reference's; the gradients of the wide tensor (only in those columns),
+    the weight and the state from separate per-part output gradients and the state's; one kernel launch forward and
+    two backward (the dx kernel writes the wide tensor's gradient as one [B, T, parts·CP] piece)."""
+    C = parts * CP
+    _, w, state, seq_idx, _, dstate = make(B, T, C, W, seed, dtype, with_state, packed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    wide = torch.randn(B, T, 3 + C + 5, generator=gen).to(dtype).to(DEVICE).requires_grad_()
+    dys = [torch.randn(B, T, CP, generator=gen) for _ in range(parts)]
+    x = wide[..., 3:3 + C]
+    dev = [t.to(DEVICE).requires_grad_() if t is not None else None for t in (w, state)]
+    ids = seq_idx.to(DEVICE) if seq_idx is not None else None
+    names = launches(monkeypatch)
+    ys, new_state = causal_conv1d_parts(x, dev[0], dev[1], ids, parts=parts)
+    assert names is None or names == ["_conv_fwd_kernel"]
+    assert len(ys) == parts and new_state.shape == (B, C, W) and new_state.dtype == dtype
+    assert all(y.shape == (B, T, CP) and y.is_contiguous() and y.dtype == dtype for y in ys)
+
+    ref_in = [t.double().requires_grad_() if t is not None else None for t in (x.detach().cpu(), w, state)]
+    y_ref, state_ref = causal_conv1d_torch(ref_in[0], ref_in[1], ref_in[2], seq_idx)
+    for i, y in enumerate(ys):
+        assert rel(y, y_ref[..., i * CP:(i + 1) * CP]) <= TOL[dtype], f"part {i}"
+    torch.testing.assert_close(new_state.double().cpu(), state_ref.detach(), rtol=0, atol=0)
+
+    loss = sum((y.float() * dy.to(DEVICE)).sum() for y, dy in zip(ys, dys))
+    loss = loss + (new_state.float() * dstate.to(DEVICE)).sum()
+    wanted = [wide] + [t for t in dev if t is not None]
+    names = launches(monkeypatch)
+    grads = torch.autograd.grad(loss, wanted)
+    assert names is None or names == ["_conv_bwd_dpre_kernel", "_conv_bwd_dx_kernel"]
+    loss_ref = (y_ref * torch.cat(dys, -1).double()).sum() + (state_ref * dstate.double()).sum()
+    grads_ref = torch.autograd.grad(loss_ref, [t for t in ref_in if t is not None])
+    assert rel(grads[0][..., 3:3 + C], grads_ref[0]) <= TOL[dtype] * 5, "dx"
+    assert grads[0][..., :3].abs().max() == 0 and grads[0][..., 3 + C:].abs().max() == 0
+    for name, got, want in zip(("weight", "conv_state"), grads[1:], grads_ref[1:]):
+        assert got.dtype == dtype, name
+        assert rel(got, want) <= TOL[dtype] * 5, f"d{name}"
+
+
+def test_parts_with_an_unused_part_and_no_final_state():
+    """A part whose output takes no gradient (autograd hands the op zeros for it) and output_final_state=False
+    (None): the gradients are those of the used parts alone, against the float64 reference."""
+    B, T, CP, W = 2, 20, 9, 4
+    x, w, state, seq_idx, dy, _ = make(B, T, 3 * CP, W, 71, torch.float32, True, True)
+    dev = [t.clone().requires_grad_() for t in (x, w, state)]
+    ys, new_state = causal_conv1d_parts(*dev, seq_idx, parts=3, output_final_state=False)
+    assert new_state is None
+    used = [0, 2]
+    grads = torch.autograd.grad(sum((ys[i] * dy[..., i * CP:(i + 1) * CP]).sum() for i in used), dev)
+    ref_in = [t.double().requires_grad_() for t in (x, w, state)]
+    y_ref, _ = causal_conv1d_torch(*ref_in, seq_idx)
+    mask = torch.zeros(3 * CP, dtype=torch.float64)
+    for i in used:
+        mask[i * CP:(i + 1) * CP] = 1
+    grads_ref = torch.autograd.grad((y_ref * dy.double() * mask).sum(), ref_in)
+    for name, got, want in zip(("x", "weight", "conv_state"), grads, grads_ref):
+        assert rel(got, want) <= TOL[torch.float32] * 5, f"d{name}"
+    assert grads[0][..., CP:2 * CP].abs().max() == 0  # depthwise: the unused part's channels feed only its output
+
+
 def test_rows_that_are_not_evenly_spaced_are_copied_first():
     """A slice of tokens of a batch of several rows (rows T' apart in a tensor of T > T' tokens) cannot be read with
     one row stride: it is copied, and the result equals the contiguous input's."""
@@ -220,3 +311,8 @@ def test_bad_arguments_raise_value_error():
         causal_conv1d_update(x[:, 0], None, w)
     with pytest.raises(ValueError, match="no backward"):
         causal_conv1d_update(x[:, 0].requires_grad_(), state, w)
+    for parts in (0, 4, 4.0, True, 5):  # 6 channels: 5 does not divide them
+        with pytest.raises(ValueError, match=f"parts must be .* got {parts!r}"):
+            causal_conv1d_parts(x, w, parts=parts)
+    with pytest.raises(ValueError, match="weight must be"):
+        causal_conv1d_parts(x, w[:5], parts=3)

@@ -24,6 +24,11 @@ written by the first kernel, dpre 4 + dx 2 by the second, about 14 bytes against
 At B = 1, T = 32768, C = 1024, W = 4, x a column slice: 14 B × 2²⁵ elements ≈ 470 MB (plus 8 MB of dweight
 partials), so the prediction on an H200 (about 4 TB/s) is ≤ 0.2 ms per call, against 0.65 ms for the single kernel
 it replaces. The scratch is ``4·B·T·C`` bytes, held during the call.
+
+Parts (``conv_bwd`` with several ``dys``, the KDA layer's q|k|v; see ``forward.py``): the dpre kernel's channel
+blocks lie within one part and read that part's own contiguous ``dy``; the scratch, the partials, dx and dstate are
+over the global channels, so the dx kernel does not know about parts and dx is one ``[B, T, C]`` tensor. One call
+covers the three parts (C = 3072 in the KDA layer at H·K = 1024) where three calls of C = 1024 ran before.
 """
 
 import torch
@@ -31,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ..utils import autotune
-from .forward import conv_rows, conv_tap
+from .forward import MAX_PARTS, conv_rows, conv_tap, part_cols, part_ptr
 
 BT_DPRE = 64  # fixed: it sets the number of dweight partials (one per BT_DPRE rows of each batch row)
 
@@ -46,30 +51,31 @@ _DX_CONFIGS = [triton.Config({"BT": 64, "BC": 64}, num_warps=4), triton.Config({
                triton.Config({"BT": 64, "BC": 128}, num_warps=8), triton.Config({"BT": 16, "BC": 256}, num_warps=4)]
 
 
-@autotune(configs=_DPRE_CONFIGS, key=["C", "W", "HAS_STATE", "HAS_SEQ"])
+@autotune(configs=_DPRE_CONFIGS, key=["C", "CP", "W", "HAS_STATE", "HAS_SEQ"])
 @triton.jit
-def _conv_bwd_dpre_kernel(x, weight, state, seq_idx, dy, dpre_out, dw_part, T, C, SX, NT, W: tl.constexpr,
-                          BT: tl.constexpr, BC: tl.constexpr, HAS_STATE: tl.constexpr, HAS_SEQ: tl.constexpr):
+def _conv_bwd_dpre_kernel(x, weight, state, seq_idx, dy0, dy1, dy2, dpre_out, dw_part, T, C, CP, SX, NT,
+                          W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PARTS: tl.constexpr,
+                          HAS_STATE: tl.constexpr, HAS_SEQ: tl.constexpr):
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = i_t * BT + tl.arange(0, BT)
-    cols = i_c * BC + tl.arange(0, BC)
+    p, local, cols, mcol = part_cols(i_c, CP, BC)
     mrow = rows < T
-    mcol = cols < C
     first_id = 0
     if HAS_SEQ:
         first_id = tl.load(seq_idx + i_b * T).to(tl.int64)
     pre, ids = conv_rows(x, weight, state, seq_idx, i_b, rows, cols, mcol, T, C, SX, first_id, W, HAS_STATE, HAS_SEQ)
-    off = (i_b * T + rows).to(tl.int64) * C
     mask = mrow[:, None] & mcol[None, :]
-    g = tl.load(dy + off[:, None] + cols[None, :], mask=mask, other=0.).to(tl.float32)
+    dy = part_ptr(p, dy0, dy1, dy2, PARTS)
+    g = tl.load(dy + ((i_b * T + rows).to(tl.int64) * CP)[:, None] + local[None, :], mask=mask,
+                other=0.).to(tl.float32)
     sg = tl.sigmoid(pre)
     dpre = g * sg * (1. + pre * (1. - sg))  # 0 on rows ≥ T
-    tl.store(dpre_out + off[:, None] + cols[None, :], dpre, mask=mask)
-    part = (i_b * NT + i_t).to(tl.int64) * C * W + cols * W
+    tl.store(dpre_out + ((i_b * T + rows).to(tl.int64) * C)[:, None] + cols[None, :], dpre, mask=mask)
+    w_off = (i_b * NT + i_t).to(tl.int64) * C * W + cols * W
     for j in tl.static_range(W):
         tap = conv_tap(x, state, seq_idx, i_b, rows, mrow, ids, cols, mcol, T, C, SX, first_id, j, W, HAS_STATE,
                        HAS_SEQ)
-        tl.store(dw_part + part + (W - 1 - j), tl.sum(dpre * tap, 0), mask=mcol)
+        tl.store(dw_part + w_off + (W - 1 - j), tl.sum(dpre * tap, 0), mask=mcol)
 
 
 @autotune(configs=_DX_CONFIGS, key=["C", "W", "HAS_SEQ", "STATE_GRAD"])
@@ -118,14 +124,17 @@ def _conv_bwd_dx_kernel(dpre, weight, seq_idx, dx, dstate, T, C, W: tl.constexpr
                 tl.store(dstate + soff + m, ds, mask=mcol)
 
 
-def conv_bwd(x, weight, state, seq_idx, dy, state_grad):
-    """Gradients of :func:`conv_fwd`'s output, for its inputs (``x`` with token stride ``x.stride(1)``) and a
-    contiguous ``dy [B, T, C]``.
+def conv_bwd(x, weight, state, seq_idx, dys, state_grad):
+    """Gradients of :func:`conv_fwd`'s outputs, for its inputs (``x`` with token stride ``x.stride(1)``) and the
+    contiguous gradients ``dys`` of its ``len(dys)`` parts (each ``[B, T, C / len(dys)]``).
 
-    Returns ``(dx [B, T, C] contiguous in x's dtype, dweight [C, W] float32, dstate [B, C, W] float32 or None)``.
+    Returns ``(dx [B, T, C] contiguous in x's dtype, dweight [C, W] float32, dstate [B, C, W] float32 or None)``:
+    one dx over all parts, so that it is the gradient of x itself (no concatenation).
     """
     B, T, C = x.shape
     W = weight.shape[1]
+    parts = len(dys)
+    CP = C // parts
     NT = triton.cdiv(T, BT_DPRE)
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     dstate = torch.zeros(B, C, W, dtype=torch.float32, device=x.device) if state_grad else None  # slot 0 stays 0
@@ -134,9 +143,10 @@ def conv_bwd(x, weight, state, seq_idx, dy, state_grad):
     dpre = torch.empty(B, T, C, dtype=torch.float32, device=x.device)
     dw_part = torch.empty(B * NT, C, W, dtype=torch.float32, device=x.device)  # every entry is written
     has_seq = seq_idx is not None
-    _conv_bwd_dpre_kernel[lambda meta: (NT, triton.cdiv(C, meta["BC"]), B)](
-        x, weight, state, seq_idx, dy, dpre, dw_part, T, C, x.stride(1), NT, W=W, BT=BT_DPRE,
-        HAS_STATE=state is not None, HAS_SEQ=has_seq)
+    dy0, dy1, dy2 = (list(dys) + [dys[0]] * MAX_PARTS)[:MAX_PARTS]
+    _conv_bwd_dpre_kernel[lambda meta: (NT, parts * triton.cdiv(CP, meta["BC"]), B)](
+        x, weight, state, seq_idx, dy0, dy1, dy2, dpre, dw_part, T, C, CP, x.stride(1), NT, W=W, BT=BT_DPRE,
+        PARTS=parts, HAS_STATE=state is not None, HAS_SEQ=has_seq)
     _conv_bwd_dx_kernel[lambda meta: (triton.cdiv(T, meta["BT"]), triton.cdiv(C, meta["BC"]), B)](
         dpre, weight, seq_idx, dx, dstate, T, C, W=W, HAS_SEQ=has_seq, STATE_GRAD=bool(state_grad))
     return dx, dw_part.sum(0), dstate

@@ -8,13 +8,18 @@ first), an optional ``seq_idx [B, T]`` that keeps packed sequences apart.
 
 Stages (one file each): ``forward`` (conv + SiLU), ``backward`` (dx, dweight, dstate), ``update`` (one decode
 step). The returned state (the last W inputs) is gathered in PyTorch, so autograd differentiates it.
+
+:func:`causal_conv1d_parts` is the same op over channels made of 1 to 3 equal parts (the KDA layer's q|k|v, one
+column slice ``[B, T, 3·width]`` of its fused projection): one launch forward writes each part's output to its own
+contiguous tensor, the backward takes the parts' gradients as they come and writes one ``dx [B, T, C]`` (two
+launches and one sum of the dweight partials). :func:`causal_conv1d` is its one-part case.
 """
 
 import torch
 
 from ..utils import is_interpreter
 from .backward import conv_bwd
-from .forward import conv_fwd
+from .forward import MAX_PARTS, conv_fwd
 from .update import conv_update
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -22,22 +27,22 @@ MAX_WIDTH = 8  # the kernels unroll their W shifted tile loads (and the state gr
 
 
 class CausalConv1dFunction(torch.autograd.Function):
-    """Autograd over the inputs :func:`causal_conv1d` prepared (x row-strided, the others contiguous); differentiable
-    in x, weight and conv_state."""
+    """Autograd over the inputs :func:`causal_conv1d_parts` prepared (x row-strided, the others contiguous): returns
+    the ``parts`` outputs as a tuple; differentiable in x, weight and conv_state."""
 
     @staticmethod
-    def forward(ctx, x, weight, conv_state, seq_idx):
+    def forward(ctx, x, weight, conv_state, seq_idx, parts):
         ctx.save_for_backward(x, weight, conv_state, seq_idx)
-        return conv_fwd(x, weight, conv_state, seq_idx)
+        return tuple(conv_fwd(x, weight, conv_state, seq_idx, parts))
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, *dys):
         x, weight, conv_state, seq_idx = ctx.saved_tensors
         state_grad = conv_state is not None and ctx.needs_input_grad[2]
-        dx, dw, dstate = conv_bwd(x, weight, conv_state, seq_idx, dy.contiguous(), state_grad)
+        dx, dw, dstate = conv_bwd(x, weight, conv_state, seq_idx, [dy.contiguous() for dy in dys], state_grad)
         if dstate is not None:
             dstate = dstate.to(conv_state.dtype)
-        return dx, dw.to(weight.dtype), dstate, None
+        return dx, dw.to(weight.dtype), dstate, None, None
 
 
 def _check_device(name, t, device):
@@ -135,11 +140,42 @@ def causal_conv1d(x, weight, conv_state=None, seq_idx=None, *, output_final_stat
     Raises:
         ValueError: wrong shapes, dtypes or devices, or W outside [1, 8].
     """
-    _, _, _, W = _validate(x, weight, conv_state, seq_idx)
+    (y,), new_state = causal_conv1d_parts(x, weight, conv_state, seq_idx, parts=1,
+                                          output_final_state=output_final_state)
+    return y, new_state
+
+
+def causal_conv1d_parts(x, weight, conv_state=None, seq_idx=None, *, parts, output_final_state=True):
+    r""":func:`causal_conv1d` over channels that are ``parts`` equal parts, each part's output its own contiguous
+    tensor: the KDA layer's short conv of q, k and v in one launch.
+
+    The values are those of ``causal_conv1d(x, weight, conv_state, seq_idx)`` with its output split into ``parts``
+    column blocks (the conv is depthwise, so every channel only sees its own taps; Mamba, Gu & Dao 2023 §3.4, the
+    causal-conv1d convention). One forward launch reads x in place (e.g. the q|k|v columns of a fused projection,
+    through its row stride) and stores each part to a fresh contiguous ``[B, T, C / parts]`` tensor, so neither a
+    copy of x nor of the outputs is made. The backward takes the parts' gradients as they are (separate tensors,
+    no concatenation) and writes one ``dx [B, T, C]``, the gradient of x as autograd hands it back; two launches
+    and one PyTorch sum of the dweight partials whatever ``parts`` is.
+
+    Args:
+        x, weight, conv_state, seq_idx, output_final_state: as in :func:`causal_conv1d` (``x [B, T, C]``,
+            ``weight [C, W]``, ``conv_state [B, C, W]`` over all C channels, ``seq_idx [B, T]``).
+        parts: 1, 2 or 3 (an int dividing C); part i holds channels ``[i·C/parts, (i+1)·C/parts)``.
+
+    Returns:
+        ``(ys, new_state)``: ``ys`` a tuple of ``parts`` contiguous ``[B, T, C / parts]`` tensors in x's dtype;
+        ``new_state [B, C, W]`` as :func:`causal_conv1d` returns it (over all C channels), or None.
+
+    Raises:
+        ValueError: as :func:`causal_conv1d`, or ``parts`` not an int in [1, 3] dividing C.
+    """
+    _, _, C, W = _validate(x, weight, conv_state, seq_idx)
+    if isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= MAX_PARTS or C % parts:
+        raise ValueError(f"parts must be an int in [1, {MAX_PARTS}] dividing the C = {C} channels, got {parts!r}")
     state = conv_state.contiguous() if conv_state is not None else None
     ids = seq_idx.contiguous() if seq_idx is not None else None
-    y = CausalConv1dFunction.apply(_rows_strided(x), weight.contiguous(), state, ids)
-    return y, final_conv_state(x, conv_state, seq_idx, W) if output_final_state else None
+    ys = CausalConv1dFunction.apply(_rows_strided(x), weight.contiguous(), state, ids, parts)
+    return ys, final_conv_state(x, conv_state, seq_idx, W) if output_final_state else None
 
 
 def causal_conv1d_update(x, conv_state, weight):

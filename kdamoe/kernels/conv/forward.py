@@ -8,6 +8,11 @@ convention, Gu & Dao 2023 §3.4)::
 Positions t−j < 0 read the cached state ``state[b, c, W + t − j]`` (the W inputs before x, oldest first),
 which counts as the row's first sequence id. One program per (BT rows, BC channels, batch row); the W
 shifted tiles overlap, so after the first one they come from L1/L2 and DRAM sees x about once.
+
+The C channels may be ``PARTS`` equal parts of ``CP = C / PARTS`` channels (the KDA layer's q|k|v) whose outputs are
+separate contiguous ``[B, T, CP]`` tensors: a channel block never straddles two parts (``cdiv(CP, BC)`` blocks per
+part, the last one masked when BC does not divide CP), so a program stores to one part's tensor, picked by
+:func:`part_ptr`. x, weight and the state stay indexed by the global channel ``p·CP + c``.
 """
 
 import torch
@@ -61,33 +66,63 @@ def conv_rows(x, weight, state, seq_idx, i_b, rows, cols, mcol, T, C, SX, first_
     return acc, ids
 
 
-@autotune(configs=_FWD_CONFIGS, key=["C", "W", "HAS_STATE", "HAS_SEQ"])
+MAX_PARTS = 3  # the output / gradient pointers a launch takes (q, k, v)
+
+
 @triton.jit
-def _conv_fwd_kernel(x, weight, state, seq_idx, y, T, C, SX, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                     HAS_STATE: tl.constexpr, HAS_SEQ: tl.constexpr):
+def part_ptr(p, t0, t1, t2, PARTS: tl.constexpr):
+    """The pointer of part ``p`` (a program's scalar part index) among ``t0, t1, t2`` (``PARTS ≤ 3``; the unused
+    trailing ones may repeat ``t0``)."""
+    ptr = t0
+    if PARTS > 1:
+        if p == 1:
+            ptr = t1
+    if PARTS > 2:
+        if p == 2:
+            ptr = t2
+    return ptr
+
+
+@triton.jit
+def part_cols(i_c, CP, BC: tl.constexpr):
+    """``(p, local, cols, mcol)`` of channel block ``i_c``: its part ``p``, its channels within the part ``local``
+    (``[BC]``), the same as global channels ``cols = p·CP + local`` and the mask ``local < CP``."""
+    nb = tl.cdiv(CP, BC)
+    p = i_c // nb
+    local = (i_c - p * nb) * BC + tl.arange(0, BC)
+    return p, local, p * CP + local, local < CP
+
+
+@autotune(configs=_FWD_CONFIGS, key=["C", "CP", "W", "HAS_STATE", "HAS_SEQ"])
+@triton.jit
+def _conv_fwd_kernel(x, weight, state, seq_idx, y0, y1, y2, T, C, CP, SX, W: tl.constexpr, BT: tl.constexpr,
+                     BC: tl.constexpr, PARTS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_SEQ: tl.constexpr):
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = i_t * BT + tl.arange(0, BT)
-    cols = i_c * BC + tl.arange(0, BC)
-    mcol = cols < C
+    p, local, cols, mcol = part_cols(i_c, CP, BC)
     first_id = 0
     if HAS_SEQ:
         first_id = tl.load(seq_idx + i_b * T).to(tl.int64)
     pre, _ = conv_rows(x, weight, state, seq_idx, i_b, rows, cols, mcol, T, C, SX, first_id, W, HAS_STATE, HAS_SEQ)
     out = pre * tl.sigmoid(pre)
-    off = (i_b * T + rows).to(tl.int64) * C
-    tl.store(y + off[:, None] + cols[None, :], out.to(y.dtype.element_ty), mask=(rows < T)[:, None] & mcol[None, :])
+    y = part_ptr(p, y0, y1, y2, PARTS)
+    off = (i_b * T + rows).to(tl.int64) * CP
+    tl.store(y + off[:, None] + local[None, :], out.to(y.dtype.element_ty), mask=(rows < T)[:, None] & mcol[None, :])
 
 
-def conv_fwd(x, weight, state, seq_idx):
+def conv_fwd(x, weight, state, seq_idx, parts):
     """``SiLU(conv(x))`` for ``x [B, T, C]`` with unit channel stride and token stride ``SX = x.stride(1)``
     (``x.stride(0) = T·SX``: contiguous, or a column slice of a contiguous tensor), contiguous ``weight [C, W]``,
-    ``state [B, C, W]`` or None, ``seq_idx [B, T]`` or None; returns a contiguous ``y [B, T, C]`` in x's dtype."""
+    ``state [B, C, W]`` or None, ``seq_idx [B, T]`` or None; returns ``parts`` (1 … 3, dividing C) contiguous
+    ``[B, T, C / parts]`` tensors in x's dtype, part i holding channels ``[i·C/parts, (i+1)·C/parts)``."""
     B, T, C = x.shape
     W = weight.shape[1]
-    y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+    CP = C // parts
+    ys = [torch.empty(B, T, CP, dtype=x.dtype, device=x.device) for _ in range(parts)]
     if B * T * C == 0:
-        return y
-    grid = lambda meta: (triton.cdiv(T, meta["BT"]), triton.cdiv(C, meta["BC"]), B)
-    _conv_fwd_kernel[grid](x, weight, state, seq_idx, y, T, C, x.stride(1), W=W, HAS_STATE=state is not None,
-                           HAS_SEQ=seq_idx is not None)
-    return y
+        return ys
+    grid = lambda meta: (triton.cdiv(T, meta["BT"]), parts * triton.cdiv(CP, meta["BC"]), B)
+    y0, y1, y2 = (ys + ys[:1] * MAX_PARTS)[:MAX_PARTS]
+    _conv_fwd_kernel[grid](x, weight, state, seq_idx, y0, y1, y2, T, C, CP, x.stride(1), W=W, PARTS=parts,
+                           HAS_STATE=state is not None, HAS_SEQ=seq_idx is not None)
+    return ys
