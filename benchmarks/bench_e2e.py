@@ -159,14 +159,11 @@ def render_markdown(doc: dict) -> str:
                   f"{_fmt(host['gc_on_median_ms'], 4)}); GC collected, frozen and disabled: "
                   f"{', '.join(_fmt(x, 4) for x in host['gc_frozen_off_ms'])} ms (median "
                   f"{_fmt(host['gc_frozen_off_median_ms'], 4)}). Under cProfile: {_fmt(host['cprofile_wall_ms'], 4)} ms "
-                  f"per step, own time of all functions {_fmt(host['own_total_ms'], 4)} ms.", "",
-                  "| function (by own time) | calls/step | own ms/step | cumulative ms/step |", "|---|---|---|---|"]
-        lines += [f"| `{r['function']}` | {_fmt(r['calls'])} | {_fmt(r['own_ms'])} | {_fmt(r['cum_ms'])} |"
-                  for r in host["by_own"][:30]]
-        lines += ["", "| function (by cumulative time) | calls/step | own ms/step | cumulative ms/step |",
-                  "|---|---|---|---|"]
-        lines += [f"| `{r['function']}` | {_fmt(r['calls'])} | {_fmt(r['own_ms'])} | {_fmt(r['cum_ms'])} |"
-                  for r in host["by_cumulative"][:30]]
+                  f"per step, own time of all functions {_fmt(host['own_total_ms'], 4)} ms."]
+        for order, rows in (("own time", host["by_own"]), ("cumulative time", host["by_cumulative"])):
+            lines += ["", f"| function (by {order}) | calls/step | own ms/step | cumulative ms/step |", "|---|---|---|---|"]
+            lines += [f"| `{r['function']}` | {_fmt(r['calls'])} | {_fmt(r['own_ms'])} | {_fmt(r['cum_ms'])} |"
+                      for r in rows[:30]]
     problems = [(f"{group}/{key}", _why(v)) for group, entries in raw.items() if isinstance(entries, dict)
                 for key, v in entries.items() if _why(v) is not None]
     if problems:
