@@ -123,25 +123,26 @@ def conv_calls(n: int, cp: int, sx: int, W: int) -> list[tuple]:
     ``n`` tokens with row stride ``sx``), packed documents, no cached state."""
     C = 3 * cp
     flags = {"W": W, "PARTS": 3, "HAS_STATE": False, "HAS_SEQ": True, "state": None}
-    nt = -(-n // conv_backward.BT_DPRE)
+    nt = -(-n // conv_backward.BT_DX)
     parts = lambda name: {f"{name}{i}": "*bf16" for i in range(3)}  # noqa: E731
+    dx_types = {"dpre": "*fp32", "x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", "dx": "*bf16", "dw_part": "*fp32"}
+    dx_ints = {"T": n, "C": C, "SX": sx, "NT": nt}
     return [
         ("conv_fwd", conv_forward._conv_fwd_kernel,
          {"x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", **parts("y")}, flags,
          {"T": n, "C": C, "CP": cp, "SX": sx}, conv_forward._conv_fwd_kernel.configs),
         ("conv_bwd_dpre", conv_backward._conv_bwd_dpre_kernel,
-         {"x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", **parts("dy"), "dpre_out": "*fp32", "dw_part": "*fp32"},
-         {**flags, "BT": conv_backward.BT_DPRE}, {"T": n, "C": C, "CP": cp, "SX": sx, "NT": nt},
-         conv_backward._conv_bwd_dpre_kernel.configs),
-        ("conv_bwd_dx", conv_backward._conv_bwd_dx_kernel,
-         {"dpre": "*fp32", "weight": "*bf16", "seq_idx": "*i64", "dx": "*bf16"},
-         {"W": W, "HAS_SEQ": True, "STATE_GRAD": False, "dstate": None}, {"T": n, "C": C},
-         conv_backward._conv_bwd_dx_kernel.configs),
-        # the state gradient (a forward with grad that continues a cache): the interpreter does not type-check
-        # branches, and triton 3.6 (the GPU's) once refused this one where 3.7 compiled it; run the script with 3.6 too
+         {"x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", **parts("dy"), "dpre_out": "*fp32"},
+         flags, {"T": n, "C": C, "CP": cp, "SX": sx}, conv_backward._conv_bwd_dpre_kernel.configs),
+        ("conv_bwd_dx", conv_backward._conv_bwd_dx_kernel, dx_types,
+         {"W": W, "BT": conv_backward.BT_DX, "HAS_STATE": False, "HAS_SEQ": True, "STATE_GRAD": False, "state": None,
+          "dstate": None}, dx_ints, conv_backward._conv_bwd_dx_kernel.configs),
+        # a cached state and its gradient (a forward with grad that continues a cache): the interpreter does not
+        # type-check branches, and triton 3.6 (the GPU's) once refused this one where 3.7 compiled it; run the
+        # script with 3.6 too
         ("conv_bwd_dx state grad", conv_backward._conv_bwd_dx_kernel,
-         {"dpre": "*fp32", "weight": "*bf16", "seq_idx": "*i64", "dx": "*bf16", "dstate": "*fp32"},
-         {"W": W, "HAS_SEQ": True, "STATE_GRAD": True}, {"T": n, "C": C},
+         {**dx_types, "state": "*bf16", "dstate": "*fp32"},
+         {"W": W, "BT": conv_backward.BT_DX, "HAS_STATE": True, "HAS_SEQ": True, "STATE_GRAD": True}, dx_ints,
          conv_backward._conv_bwd_dx_kernel.configs[:1]),
     ]
 

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ..utils import autotune
 
-_FWD_CONFIGS = [triton.Config({"BT": 64, "BC": 64}, num_warps=4), triton.Config({"BT": 32, "BC": 128}, num_warps=4),
+TILE_CONFIGS = [triton.Config({"BT": 64, "BC": 64}, num_warps=4), triton.Config({"BT": 32, "BC": 128}, num_warps=4),
                 triton.Config({"BT": 128, "BC": 64}, num_warps=8), triton.Config({"BT": 64, "BC": 128}, num_warps=8),
                 triton.Config({"BT": 16, "BC": 256}, num_warps=4)]
 
@@ -93,7 +93,7 @@ def part_cols(i_c, CP, BC: tl.constexpr):
     return p, local, p * CP + local, local < CP
 
 
-@autotune(configs=_FWD_CONFIGS, key=["C", "CP", "W", "HAS_STATE", "HAS_SEQ"])
+@autotune(configs=TILE_CONFIGS, key=["C", "CP", "W", "HAS_STATE", "HAS_SEQ"])
 @triton.jit
 def _conv_fwd_kernel(x, weight, state, seq_idx, y0, y1, y2, T, C, CP, SX, W: tl.constexpr, BT: tl.constexpr,
                      BC: tl.constexpr, PARTS: tl.constexpr, HAS_STATE: tl.constexpr, HAS_SEQ: tl.constexpr):
