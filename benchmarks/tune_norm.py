@@ -1,0 +1,59 @@
+"""Tile and program-count sweep of the RMSNorm kernels (``kdamoe.kernels.norm``) at the model's two norm shapes.
+
+    python benchmarks/tune_norm.py [--tokens 32768] [--hidden 2048] [--heads 8 --head-dim 128] [--out DIR]
+
+The backward is a persistent kernel: ``BACKWARD_PROGRAMS_PER_SM`` programs per SM loop over row blocks of
+``BLOCK_ELEMS`` elements and each writes one float32 ``dw`` partial row. It times ``norm_backward`` and
+``norm_forward`` (``triton.testing.do_bench``, median ms) for each pair of those two module constants, on bf16 rows of
+the hidden size (the decoder's pre-norms) and, gated, of the head dimension (the KDA output norm), and reports the
+achieved bandwidth over the bytes the op must move (x, dout, dx, plus gate and dgate; forward: x, out, plus gate).
+Writes ``norm_tune.json`` into ``--out`` ($OUT). Needs a GPU.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+
+from kdamoe.kernels.norm import kernels as nk
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_norm.py needs a GPU")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for name, n, D, gated in (("hidden", a.tokens, a.hidden, False), ("gated head", a.tokens * a.heads, a.head_dim, True)):
+        x = torch.randn(n, D, device="cuda", generator=gen).bfloat16()
+        g = torch.randn(n, D, device="cuda", generator=gen).bfloat16() if gated else None
+        w = torch.rand(D, device="cuda", generator=gen).bfloat16() + 0.5
+        dout = torch.randn(n, D, device="cuda", generator=gen).bfloat16()
+        moved = (n * D * 2 * (5 if gated else 3), n * D * 2 * (3 if gated else 2))  # backward, forward (bytes)
+        for per_sm in (2, 4, 8, 16):
+            for elems in (2048, 4096, 8192, 16384):
+                nk.BACKWARD_PROGRAMS_PER_SM, nk.BLOCK_ELEMS = per_sm, elems
+                try:
+                    bwd = triton.testing.do_bench(lambda: nk.norm_backward(x, g, w, dout, 1e-6, torch.bfloat16))
+                    fwd = triton.testing.do_bench(lambda: nk.norm_forward(x, g, w, 1e-6, torch.bfloat16, torch.bfloat16))
+                except Exception as e:  # e.g. out of resources at a large tile
+                    rows.append({"shape": name, "per_sm": per_sm, "block_elems": elems, "error": repr(e)[:200]})
+                    continue
+                row = {"shape": name, "rows": n, "D": D, "per_sm": per_sm, "block_elems": elems,
+                       "bwd_ms": bwd, "bwd_tb_s": moved[0] / bwd / 1e9, "fwd_ms": fwd, "fwd_tb_s": moved[1] / fwd / 1e9}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    with open(os.path.join(a.out, "norm_tune.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
