@@ -1369,8 +1369,9 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
         loss (Switch Transformer) is added to the loss.
 
         The loss is ``self.loss_function``'s. When that is transformers' ``ForCausalLMLoss`` (the default: no other
-        ``loss_type`` or ``loss_function`` set) and the only loss keywords are ``num_items_in_batch``,
-        ``ignore_index`` and ``shift_labels``, it runs through ``kernel_dispatch.causal_lm_loss``: the fused Triton
+        ``loss_type`` or ``loss_function`` set), it runs through ``kernel_dispatch.causal_lm_loss`` with the three
+        keywords ``ForCausalLMLoss`` reads (``num_items_in_batch``, ``ignore_index``, ``shift_labels``; it ignores
+        any other): the fused Triton
         cross-entropy on the kernel backend (the bf16 logits read in place, no float32 copy; same result), else
         ``ForCausalLMLoss`` itself. Its targets are then range-checked in the input check's one host sync: a target
         outside ``[0, vocab_size)`` other than ``ignore_index`` raises ``ValueError``.
@@ -1385,8 +1386,9 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
             logits = self._graph_decode(input_ids, attention_mask, cache)
             if logits is not None:
                 return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
-        causal_lm_loss_call = (labels is not None and kwargs.keys() <= _CAUSAL_LM_LOSS_KWARGS
-                               and self.loss_function is ForCausalLMLoss)
+        # ForCausalLMLoss reads these three keywords and ignores the rest (the packing collator's, output flags), so
+        # the fused path takes the same three whatever else came
+        causal_lm_loss_call = labels is not None and self.loss_function is ForCausalLMLoss
         loss_targets = None  # what the loss will read, checked by the backbone's input check (no second host sync)
         if causal_lm_loss_call:
             loss_targets = kwargs.get("shift_labels")
@@ -1412,7 +1414,9 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
 
         loss = aux_loss = None
         if causal_lm_loss_call:
-            loss = causal_lm_loss(logits, labels, self.config.vocab_size, **kwargs, backend=self.config.kernel_backend)
+            loss_kwargs = {key: kwargs[key] for key in _CAUSAL_LM_LOSS_KWARGS if key in kwargs}
+            loss = causal_lm_loss(logits, labels, self.config.vocab_size, **loss_kwargs,
+                                  backend=self.config.kernel_backend)
         elif labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         if output_router_logits and outputs.router_logits:

@@ -106,11 +106,25 @@ def test_default_loss_goes_through_the_dispatch_with_its_keywords(monkeypatch):
     assert calls == ["torch"] * 3
 
 
-@pytest.mark.parametrize("change", ["loss_type", "loss_function", "keyword"])
+def test_keywords_the_default_loss_ignores_keep_the_dispatch(monkeypatch):
+    """A keyword ``ForCausalLMLoss`` does not read (it ignores ``**kwargs``; here one the backbone ignores too) still
+    goes through the dispatch, with the same loss as ``ForCausalLMLoss`` given every keyword. It fell back before, so a
+    packing collator's extra keywords cost the fused kernel."""
+    calls = _spy_dispatch(monkeypatch)
+    model = _model()
+    ids, labels = _batch()
+    with torch.no_grad():
+        out = model(ids, labels=labels, num_items_in_batch=9, label_smoothing_note=0.1)
+    assert calls == ["torch"]
+    torch.testing.assert_close(out.loss, ForCausalLMLoss(out.logits, labels, V, num_items_in_batch=9,
+                                                         label_smoothing_note=0.1))
+
+
+@pytest.mark.parametrize("change", ["loss_type", "loss_function"])
 def test_anything_else_falls_back_to_the_model_loss_function(monkeypatch, change):
-    """A custom ``loss_type`` (transformers then picks another LOSS_MAPPING entry), a custom ``loss_function`` or a
-    keyword the fused path does not handle: ``self.loss_function`` is called with every keyword, the dispatch is not,
-    and the labels are not range-checked (a custom loss may read them differently)."""
+    """A custom ``loss_type`` (transformers then picks another LOSS_MAPPING entry) or a custom ``loss_function``:
+    ``self.loss_function`` is called with every keyword, the dispatch is not, and the labels are not range-checked
+    (a custom loss may read them differently)."""
     calls = _spy_dispatch(monkeypatch)
     model = _model()
     ids, labels = _batch()
@@ -125,8 +139,6 @@ def test_anything_else_falls_back_to_the_model_loss_function(monkeypatch, change
             return ForCausalLMLoss(logits, labels, vocab_size, **kw)
 
         model.loss_function = custom
-    else:
-        kwargs = {"label_smoothing_note": 0.1}  # not one of the keywords ForCausalLMLoss reads
     with torch.no_grad():
         out = model(ids, labels=labels, num_items_in_batch=9, **kwargs)
         expected = model.loss_function(out.logits, labels, V, num_items_in_batch=9, **kwargs)
