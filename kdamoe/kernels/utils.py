@@ -41,6 +41,34 @@ def autotune(configs, key, **kwargs):
     return triton.autotune(configs=configs, key=key, **kwargs)
 
 
+_CONSTANTS: dict = {}
+
+
+def cached_constant(key, build):
+    """The device tensor(s) ``build()`` returns, built once per ``key`` and then reused: index tables that depend on
+    shapes only (aranges, chunk tables), so that a forward does not launch kernels to rebuild them every call.
+    Callers only read them (kernel arguments, saved for backward), never write them.
+
+    Built outside inference mode (an inference tensor could not be saved for a later training backward), and not
+    kept when built while a CUDA graph is being captured (its memory belongs to the graph's pool)."""
+    value = _CONSTANTS.get(key)
+    if value is None:
+        with torch.inference_mode(False):
+            value = build()
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return value
+        if len(_CONSTANTS) > 1024:
+            _CONSTANTS.clear()
+        _CONSTANTS[key] = value
+    return value
+
+
+def cached_arange(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.arange(n, dtype=dtype, device=device)``, cached (:func:`cached_constant`); read-only."""
+    return cached_constant(("arange", n, dtype, device),
+                           lambda: torch.arange(n, dtype=dtype, device=device))
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (a host-side property, no sync); 1 for any other device."""

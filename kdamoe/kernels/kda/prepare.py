@@ -12,13 +12,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import autotune
+from ..utils import autotune, cached_constant
 
 BT = 64  # chunk length (tokens); 4 sub-chunks of 16
 BS = 16  # sub-chunk length
 
 # Only the warp count varies, which the CPU interpreter does not have (kdamoe.kernels.utils.autotune).
 _PREP_CONFIGS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8)]
+
+
+def _uniform_chunk_table(N: int, per: int, device):
+    """:func:`chunk_table` of N sequences of ``per`` chunks each."""
+    n = torch.arange(N, device=device, dtype=torch.int32).repeat_interleave(per)
+    c = torch.arange(per, device=device, dtype=torch.int32).repeat(N)
+    offsets = torch.arange(N + 1, device=device, dtype=torch.int32) * per
+    return torch.stack([n, c], 1).contiguous(), offsets, N * per
 
 
 def chunk_table(cu_seqlens: torch.Tensor, total_tokens: int, uniform_len: int = None):
@@ -37,11 +45,9 @@ def chunk_table(cu_seqlens: torch.Tensor, total_tokens: int, uniform_len: int = 
     device = cu_seqlens.device
     N = cu_seqlens.numel() - 1
     if uniform_len is not None:
+        # depends on (N, per) only: built once and reused (seven launches per call before), read-only
         per = triton.cdiv(uniform_len, BT)
-        n = torch.arange(N, device=device, dtype=torch.int32).repeat_interleave(per)
-        c = torch.arange(per, device=device, dtype=torch.int32).repeat(N)
-        offsets = torch.arange(N + 1, device=device, dtype=torch.int32) * per
-        return torch.stack([n, c], 1).contiguous(), offsets, N * per
+        return cached_constant(("kda_chunk_table", N, per, device), lambda: _uniform_chunk_table(N, per, device))
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
     per = (lens + BT - 1) // BT
     per_host = per.tolist()  # one host sync, as any varlen kernel launch needs the grid size
