@@ -6,7 +6,7 @@ Inference on few routed rows (a decode step) takes the two-kernel GEMV path of `
 import torch
 import triton
 
-from ..utils import is_interpreter
+from ..utils import cached_arange, is_interpreter
 from .activation import ACTIVATIONS
 from .gemv import moe_experts_gemv
 from .grouped_gemm import _combine_kernel, _gate_up_fwd_kernel, _glu_rows_bwd_kernel, _rows_gemm_kernel, _wgrad_kernel
@@ -104,11 +104,12 @@ class _Plan:
         # upper bound Σ_e ceil(c_e/BM) <= ceil(M/BM) + E without a host sync; extra programs exit at once
         self.max_tiles = triton.cdiv(self.m, self.bm) + num_experts
         # every expert, so empty experts store zero weight gradients and the gradients can be torch.empty
-        self.wgrad_experts = torch.arange(num_experts, device=top_k_index.device, dtype=torch.int32)
+        # (both aranges are cached constants, read only: no launch per call)
+        self.wgrad_experts = cached_arange(num_experts, torch.int32, top_k_index.device)
         if is_interpreter():
             _interpreter_launch(self, counts)
-        tiles = torch.arange(self.max_tiles, device=top_k_index.device, dtype=torch.int32)
-        self.tile_expert = torch.searchsorted(self.tile_offs[1:], tiles, right=True).to(torch.int32)
+        tiles = cached_arange(self.max_tiles, torch.int32, top_k_index.device)
+        self.tile_expert = torch.searchsorted(self.tile_offs[1:], tiles, right=True, out_int32=True)
 
 
 def _interpreter_launch(plan: _Plan, counts: torch.Tensor) -> None:

@@ -8,6 +8,8 @@ belong to no expert. ``row_offs[e] : row_offs[e+1]`` is expert e's row range ([E
 
 import torch
 
+from ..utils import cached_arange
+
 
 def expert_permutation(top_k_index: torch.Tensor, num_experts: int):
     """Group the slots of ``top_k_index`` ([N, k], ints in [0, E]) by expert.
@@ -16,9 +18,10 @@ def expert_permutation(top_k_index: torch.Tensor, num_experts: int):
     """
     flat = top_k_index.reshape(-1)
     sorted_ids, order = torch.sort(flat, stable=True)
-    # offsets by binary search in the sorted ids: no atomics (heavily contended for small E), no host sync
-    bounds = torch.arange(num_experts + 1, device=flat.device, dtype=sorted_ids.dtype)
-    row_offs = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
+    # offsets by binary search in the sorted ids: no atomics (heavily contended for small E), no host sync; the
+    # bounds 0..E are a cached constant and the search writes int32 itself (no arange, no cast launched per call)
+    bounds = cached_arange(num_experts + 1, sorted_ids.dtype, flat.device)
+    row_offs = torch.searchsorted(sorted_ids, bounds, out_int32=True)
     counts = row_offs[1:] - row_offs[:-1]
     return order.to(torch.int32), counts, row_offs
 
