@@ -13,7 +13,7 @@ tensor cores with the lower-bounded-gate anchor trick, WY solve, w/u/kg/qg) run 
 
 import torch
 
-from ..utils import is_interpreter
+from ..utils import cached_constant, is_interpreter
 from .prepare import chunk_table
 from .intra import intra_fwd
 from .state import state_fwd, state_bwd
@@ -144,18 +144,12 @@ def validate_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_
     return N
 
 
-_CU_CACHE = {}
-
-
 def _uniform_cu(B, T, device):
-    """``[0, T, 2T, …, BT]`` int32, cached: building it costs two kernel launches, noticeable per decode step."""
-    key = (B, T, str(device))
-    cu = _CU_CACHE.get(key)
-    if cu is None:
-        if len(_CU_CACHE) > 256:
-            _CU_CACHE.clear()
-        cu = _CU_CACHE[key] = torch.arange(B + 1, dtype=torch.int32, device=device) * T
-    return cu
+    """``[0, T, 2T, …, BT]`` int32, cached (``utils.cached_constant``: built outside inference mode, so a table first
+    built by an ``inference_mode`` forward can still be saved by a later training forward): building it costs two
+    kernel launches, noticeable per decode step."""
+    return cached_constant(("kda_uniform_cu", B, T, device),
+                           lambda: torch.arange(B + 1, dtype=torch.int32, device=device) * T)
 
 
 def pack(q, k, v, g, beta, cu_seqlens):
