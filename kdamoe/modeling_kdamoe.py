@@ -390,8 +390,10 @@ class KDAMoEAttention(nn.Module):
             if masks["latent"]:
                 return self._latent_attention(q, layer_cache, masks["key_mask"]), None
 
-        kv = self.kv_b_proj(latent).view(B, -1, self.num_heads, self.qk_head_dim + self.v_head_dim).transpose(1, 2)
-        k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
+        # split before the head transpose: the split's backward then concatenates dk | dv straight into the
+        # projection's [B, T, H, Dk + Dv] layout (after the transpose it wrote [B, H, T, ·], copied once more back)
+        kv = self.kv_b_proj(latent).view(B, -1, self.num_heads, self.qk_head_dim + self.v_head_dim)
+        k, v = (t.transpose(1, 2) for t in kv.split([self.qk_head_dim, self.v_head_dim], dim=-1))
         if layer_cache is not None and not isinstance(layer_cache, KDAMoELatentCacheLayer):
             k, v = cache.update(k, v, self.layer_idx)  # a per-head DynamicCache passed by the user
         q = q.transpose(1, 2)
