@@ -255,3 +255,24 @@ def test_gradients_through_a_cache_continuation_equal_the_full_forward(backend, 
         assert (got is None) == (want is None), name
         if want is not None:
             assert _relative_l2(got, want) < 1e-4, name
+
+
+def test_training_after_an_inference_mode_forward_of_the_same_shape():
+    """An ``inference_mode`` forward, then a training step at the same (B, T): the kernels' cached index tables
+    (e.g. the KDA layer's uniform ``cu_seqlens``) must not be inference tensors, which a training forward cannot save
+    for backward (it raised "Inference tensors cannot be saved for backward"). The step's gradients equal those of a
+    fresh model that never ran in inference mode."""
+    model = _model()
+    model.config.kernel_backend = "triton"
+    ids = torch.randint(3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        model.eval()(ids, use_cache=False)
+    model.train()
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    fresh = _model()
+    fresh.config.kernel_backend = "triton"
+    fresh(ids, labels=ids, use_cache=False).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
