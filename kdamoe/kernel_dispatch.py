@@ -35,7 +35,7 @@ from .attnres_torch import block_attnres_torch
 from .kda_torch import causal_conv1d_torch, chunk_kda_torch, conv_final_state, recurrent_kda_torch
 from .mla_torch import latent_attention_torch
 from .moe_torch import moe_experts_torch, moe_route_torch
-from .norm_torch import gated_rms_norm_torch, rms_norm_torch
+from .norm_torch import add_rms_norm_torch, gated_rms_norm_torch, rms_norm_torch
 
 logger = logging.get_logger(__name__)
 
@@ -344,6 +344,17 @@ def rms_norm(x, weight, eps, *, backend="auto"):
     if resolve(backend, x.device, "rms_norm") == "kdamoe":
         return kdamoe_kernels().rms_norm(x, weight, eps)
     return rms_norm_torch(x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps, *, backend="auto"):
+    """A residual add and the pre-norm after it: ``(h = x + residual, rms_norm(h, weight, eps))``.
+
+    Semantics, shapes and errors of :func:`norm_torch.add_rms_norm_torch`; the backend choice of :func:`rms_norm`
+    (the kdamoe kernel: one launch forward writing h and the norm, one backward adding h's own gradient).
+    """
+    if resolve(backend, x.device, "rms_norm") == "kdamoe":
+        return kdamoe_kernels().add_rms_norm(x, residual, weight, eps)
+    return add_rms_norm_torch(x, residual, weight, eps)
 
 
 def gated_rms_norm(x, gate, weight, eps, *, backend="auto"):

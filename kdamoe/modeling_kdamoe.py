@@ -40,6 +40,7 @@ from .configuration_kdamoe import KDAMoEConfig, check_prefill_chunk_size
 from .cache_kdamoe import KDAMoECache, KDAMoELatentCacheLayer
 from .decode_graph import DecodeGraph
 from .kernel_dispatch import (
+    add_rms_norm,
     block_attnres,
     causal_conv1d,
     causal_conv1d_parts,
@@ -128,8 +129,12 @@ class KDAMoERMSNorm(nn.Module):
     def kernel_backend(self) -> str:
         return self.config.kernel_backend if self.config is not None else "auto"
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon, backend=self.kernel_backend)
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
+        """``[..., D]`` → the norm ``[..., D]``; with ``residual`` (hidden_states' shape) → ``(h, norm(h))`` for
+        ``h = hidden_states + residual``, the residual add fused into the norm (``kernel_dispatch.add_rms_norm``)."""
+        if residual is None:
+            return rms_norm(hidden_states, self.weight, self.variance_epsilon, backend=self.kernel_backend)
+        return add_rms_norm(hidden_states, residual, self.weight, self.variance_epsilon, backend=self.kernel_backend)
 
 
 class KDAMoEGatedRMSNorm(KDAMoERMSNorm):
@@ -758,10 +763,9 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
         attention_mask = attention_mask or {"linear_attention": None, "full_attention": None, "latent": False,
                                             "key_mask": None}
         if not self.use_attnres:
-            residual = hidden_states
             mixed = self._mix(self.input_layernorm(hidden_states), attention_mask, cache, packed, **kwargs)
-            hidden_states = residual + mixed
-            return hidden_states + self._mlp(self.post_attention_layernorm(hidden_states), token_mask)
+            hidden_states, normed = self.post_attention_layernorm(mixed, hidden_states)  # the residual add, fused
+            return hidden_states + self._mlp(normed, token_mask)
 
         partial = hidden_states
         h = self.attn_res(_sources(block_states, partial))

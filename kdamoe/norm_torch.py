@@ -1,5 +1,5 @@
-"""Pure-PyTorch RMSNorm and gated RMSNorm: the CPU path of the model's norms and the reference of the Triton
-kernels ``kdamoe.kernels.rms_norm`` / ``kdamoe.kernels.gated_rms_norm``.
+"""Pure-PyTorch RMSNorm, gated RMSNorm and residual add + RMSNorm: the CPU path of the model's norms and the reference
+of the Triton kernels ``kdamoe.kernels.rms_norm`` / ``gated_rms_norm`` / ``add_rms_norm``.
 
 RMSNorm (Zhang & Sennrich, "Root Mean Square Layer Normalization", 2019, eq. 4) over the last dim, computed in
 float32 whatever the input dtype; the normalised value is rounded back to the input's dtype *before* the weight
@@ -19,15 +19,16 @@ import torch
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_norm_args(x, weight, eps, gate=None, floats=_FLOATS) -> None:
-    """Shape / dtype / device checks shared by the norm ops (no value is read: no host sync).
+def check_norm_args(x, weight, eps, gate=None, floats=_FLOATS, gate_name="gate") -> None:
+    """Shape / dtype / device checks shared by the norm ops (no value is read: no host sync). ``gate`` is any second
+    input of x's shape, named ``gate_name`` in the errors (the gated norm's gate, the add + norm's residual).
 
     Raises:
         ValueError: naming the bad argument: a non-tensor, ``x`` without a last dim, ``weight`` not ``[D]``
             with ``D = x.shape[-1]``, ``gate`` not of x's shape, a dtype outside ``floats``, a tensor on
             another device than x, or ``eps`` not a non-negative float.
     """
-    named = (("x", x), ("weight", weight)) + ((("gate", gate),) if gate is not None else ())
+    named = (("x", x), ("weight", weight)) + (((gate_name, gate),) if gate is not None else ())
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -37,7 +38,7 @@ def check_norm_args(x, weight, eps, gate=None, floats=_FLOATS) -> None:
     if weight.shape != (D,):
         raise ValueError(f"weight must be [D] = ({D},) like x's last dim, got shape {tuple(weight.shape)}")
     if gate is not None and gate.shape != x.shape:
-        raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+        raise ValueError(f"{gate_name} must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
     for name, t in named:
         if t.dtype not in floats:
             raise ValueError(f"{name} dtype must be one of {floats}, got {t.dtype}")
@@ -90,3 +91,22 @@ def gated_rms_norm_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
     check_norm_args(x, weight, eps, gate)
     normed = _rms_norm(x, weight, eps)
     return (normed.float() * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """``h = x + residual`` and ``rms_norm_torch(h, weight, eps)``: a residual add and the pre-norm after it.
+
+    Args:
+        x, residual: ``[..., D]`` of the same shape, any float dtypes (h in their promoted dtype, torch's add).
+        weight: ``[D]`` float.
+        eps: added to the mean square (≥ 0).
+
+    Returns:
+        ``(h, out)``: h ``[..., D]`` in ``promote(x, residual)``, out ``[..., D]`` in ``promote(h, weight)``.
+
+    Raises:
+        ValueError: see :func:`check_norm_args` (the residual is checked like a gate: x's shape).
+    """
+    check_norm_args(x, weight, eps, residual, gate_name="residual")
+    h = x + residual
+    return h, _rms_norm(h, weight, eps)

@@ -12,6 +12,6 @@ from .moe import glu, moe_experts, moe_route  # noqa: E402,F401
 from .kda import chunk_kda, fused_recurrent_kda  # noqa: E402,F401
 from .conv import causal_conv1d, causal_conv1d_parts, causal_conv1d_update  # noqa: E402,F401
 from .mla import latent_attention  # noqa: E402,F401
-from .norm import gated_rms_norm, rms_norm  # noqa: E402,F401
+from .norm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402,F401
 from .attnres import block_attnres  # noqa: E402,F401
 from .loss import causal_lm_loss  # noqa: E402,F401

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from kdamoe import kernel_dispatch
-from kdamoe.kernels import gated_rms_norm, rms_norm
+from kdamoe.kernels import add_rms_norm, gated_rms_norm, rms_norm
 from kdamoe.modeling_kdamoe import KDAMoERMSNorm
-from kdamoe.norm_torch import gated_rms_norm_torch, rms_norm_torch
+from kdamoe.norm_torch import add_rms_norm_torch, gated_rms_norm_torch, rms_norm_torch
 
 ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -123,6 +123,73 @@ def test_empty_input():
     assert out.shape == (0, 3, 8) and dx.shape == x.shape and torch.equal(dw, torch.zeros_like(w))
 
 
+# (x dtype, residual dtype, weight dtype, shape): one dtype throughout, a float32 stream with a low-precision branch
+# output (autocast), a low-precision stream with a float32 weight, odd widths, leading dims, many row blocks.
+ADD_CASES = [(dt, dt, dt, (5, 64)) for dt in DTYPES]
+ADD_CASES += [(dt, torch.float32, torch.float32, (2, 3, 72)) for dt in DTYPES if dt != torch.float32]
+ADD_CASES += [(dt, dt, torch.float32, (3, 1000)) for dt in DTYPES if dt != torch.float32]
+ADD_CASES += [(torch.float32, torch.float32, torch.float32, (300, 16))]
+
+
+@pytest.mark.parametrize("x_dtype, r_dtype, w_dtype, shape", ADD_CASES, ids=lambda v: str(v).replace("torch.", ""))
+def test_add_rms_norm_matches_float64_autograd_and_the_unfused_ops(x_dtype, r_dtype, w_dtype, shape):
+    """``(h, out) = add_rms_norm(x, residual, w)`` with gradients flowing into both outputs (h continues the residual
+    stream). Forward: h equals the torch add to the bit, out ``rms_norm_torch(h)`` as the plain kernel does (the same
+    rounding points), and both match float64. Gradients of x, residual and w: against float64 autograd of ``h = x + r, out = norm(h)``, and
+    against the unfused ops within one rounding of the dtype (the kernel adds h's gradient before rounding)."""
+    gen = torch.Generator().manual_seed(sum(shape) + 11)
+    x = 2 * torch.randn(shape, generator=gen)
+    r = torch.randn(shape, generator=gen)
+    w = 1 + 0.5 * torch.randn(shape[-1], generator=gen)
+    dh, dout = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    args = [x.to(DEVICE, x_dtype).requires_grad_(), r.to(DEVICE, r_dtype).requires_grad_(),
+            w.to(DEVICE, w_dtype).requires_grad_()]
+
+    def grads(fn):
+        h, out = fn(*args, EPS)
+        g = torch.autograd.grad((h, out), args, (dh.to(DEVICE, h.dtype), dout.to(DEVICE, out.dtype)))
+        return h, out, g
+
+    h, out, g = grads(add_rms_norm)
+    h_same, out_same, g_same = grads(add_rms_norm_torch)
+    h_dtype = torch.promote_types(x_dtype, r_dtype)
+    assert h.dtype == h_dtype and out.dtype == torch.promote_types(h_dtype, w_dtype) and out.shape == x.shape
+    assert torch.equal(h, h_same)
+    torch.testing.assert_close(out, out_same)  # rms_norm's own agreement: the same rounding points
+    assert [t.dtype for t in g] == [a.dtype for a in args]
+
+    leaves = [a.detach().double().requires_grad_() for a in args]
+    h64 = leaves[0] + leaves[1]
+    out64 = leaves[2] * (h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + EPS))
+    g64 = torch.autograd.grad((h64, out64), leaves, (dh.double(), dout.double()))
+    tol = max(TOL[x_dtype], TOL[r_dtype], TOL[w_dtype])
+    assert rel(out, out64) < tol
+    for name, got, same, want in zip(("x", "residual", "weight"), g, g_same, g64):
+        assert rel(got, want) < tol, name
+        assert rel(got, same) < tol, name
+
+
+def test_add_rms_norm_with_an_unused_sum_and_in_the_module():
+    """Only ``out`` takes a gradient (autograd hands zeros for h): the norm's gradient alone. ``KDAMoERMSNorm`` with
+    a ``residual`` runs the fused op and returns ``(h, out)``; without one, the plain norm."""
+    gen = torch.Generator().manual_seed(3)
+    x, r = torch.randn(4, 32, generator=gen).to(DEVICE), torch.randn(4, 32, generator=gen).to(DEVICE)
+    w = (1 + 0.5 * torch.randn(32, generator=gen)).to(DEVICE)
+    dout = torch.randn(4, 32, generator=gen).to(DEVICE)
+    args = [t.clone().requires_grad_() for t in (x, r, w)]
+    _, out = add_rms_norm(*args, EPS)
+    got = torch.autograd.grad(out, args, dout)
+    ref = [t.clone().requires_grad_() for t in (x, r, w)]
+    want = torch.autograd.grad(rms_norm_torch(ref[0] + ref[1], ref[2], EPS), ref, dout)
+    for name, a, b in zip(("x", "residual", "weight"), got, want):
+        assert rel(a, b) < 1e-5, name
+    norm = KDAMoERMSNorm(32, eps=EPS).to(DEVICE)
+    norm.config = type("C", (), {"kernel_backend": "triton"})()
+    h, out = norm(x, r)
+    assert torch.equal(h, x + r) and torch.equal(out, rms_norm(x + r, norm.weight, EPS))  # the same kernel math
+    assert torch.equal(norm(x), rms_norm(x, norm.weight, EPS))
+
+
 def test_bad_arguments_raise_value_errors_naming_them():
     x = torch.randn(2, 8, device=DEVICE)
     w = torch.ones(8, device=DEVICE)
@@ -130,6 +197,11 @@ def test_bad_arguments_raise_value_errors_naming_them():
         rms_norm(x, torch.ones(7, device=DEVICE), EPS)
     with pytest.raises(ValueError, match="gate must have x's shape"):
         gated_rms_norm(x, torch.randn(2, 4, device=DEVICE), w, EPS)
+    for fn in (add_rms_norm, add_rms_norm_torch):
+        with pytest.raises(ValueError, match=r"residual must have x's shape \(2, 8\), got \(1, 8\)"):
+            fn(x, torch.randn(1, 8, device=DEVICE), w, EPS)  # no broadcasting
+        with pytest.raises(ValueError, match="residual dtype"):
+            fn(x, x.int(), w, EPS)
     with pytest.raises(ValueError, match="x dtype"):
         rms_norm(x.long(), w, EPS)
     with pytest.raises(ValueError, match="x dtype"):

@@ -1,4 +1,4 @@
-"""Triton kernels of RMSNorm and the gated RMSNorm: one launch forward, one launch backward.
+"""Triton kernels of RMSNorm, the gated RMSNorm and the residual add + RMSNorm: one launch forward, one backward.
 
 Semantics and rounding points are those of ``kdamoe.norm_torch`` (the reference), on ``[rows, D]`` views with a
 unit last stride. Per row, with ``x̂ = float32(x)``, ``r = rsqrt(mean(x̂²) + eps)``, ``y = cast_x(x̂ r)`` (the
@@ -11,6 +11,11 @@ for the gated op, ``s = σ(float32(gate))``::
               dn  = cast_o(dout s),  dgate = dout n s (1 − s)       (gated: autograd of the two casts)
               dy  = cast_x(dn w)                                     (autograd casts the grad to y's dtype)
               dx  = r dy − x̂ r³ mean(dy x̂),   dw = Σ_rows dn y      (float32 sums)
+
+Residual add + RMSNorm: the normalised input is ``h = cast_h(x̂ + r̂)`` (``h`` in ``promote(x, r)``, torch's add: one
+rounding of the float32 sum), stored as a second output; the backward adds the residual stream's gradient ``dh``
+to ``dx`` in float32 before the one rounding (autograd of the unfused ops rounds ``dx`` to h's dtype first, then the
+sum: one rounding fewer here).
 
 ``cast_*`` are rounding steps done in float32 registers (exact for the products involved: the operands of
 ``w y`` carry at most 24 + 11 significant bits and a rounding of their float32 product to float16 / bfloat16
@@ -49,22 +54,35 @@ def _round(v, CODE: tl.constexpr):
 
 
 @triton.jit
-def _normalise(x_ptr, rows, cols, mask, stride_x, D, eps):
-    """``(x̂, r, y)`` of a tile: x in float32, the per-row rsqrt, the normalised value rounded to x's dtype."""
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.).to(tl.float32)
-    r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-    y = (x * r[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+def _normalise(x_ptr, rows, cols, mask, stride_x, D, eps, R, H, stride_r, HAS_RES: tl.constexpr):
+    """``(x̂, r, y)`` of a tile: x in float32, the per-row rsqrt, the normalised value rounded to x's dtype.
+
+    With ``HAS_RES`` the normalised input is ``h = x + R`` rounded to H's dtype as torch's add rounds it (the sum in
+    float32, one rounding); the forward stores it to ``H`` (``[rows, D]``), the backward passes ``H`` as ``x_ptr``."""
+    rows64 = rows[:, None].to(tl.int64)
+    x = tl.load(x_ptr + rows64 * stride_x + cols[None, :], mask=mask, other=0.).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.).to(tl.float32)
+        x = x.to(H.dtype.element_ty)
+        tl.store(H + rows64 * D + cols[None, :], x, mask=mask)
+        x = x.to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+        y = (x * r[:, None]).to(H.dtype.element_ty).to(tl.float32)
+    else:
+        r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+        y = (x * r[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
     return x, r, y
 
 
 @triton.jit
-def _forward_kernel(X, G, W, O, n_rows, D, stride_x, stride_g, eps,
-                    N_CODE: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _forward_kernel(X, R, G, W, O, H, n_rows, D, stride_x, stride_r, stride_g, eps,
+                    N_CODE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     mask = (rows < n_rows)[:, None] & col_ok[None, :]
-    _, _, y = _normalise(X, rows, cols, mask, stride_x, D, eps)
+    _, _, y = _normalise(X, rows, cols, mask, stride_x, D, eps, R, H, stride_r, HAS_RES)
     w = tl.load(W + cols, mask=col_ok, other=0.).to(tl.float32)
     out = _round(w[None, :] * y, N_CODE)
     if HAS_GATE:
@@ -74,8 +92,9 @@ def _forward_kernel(X, G, W, O, n_rows, D, stride_x, stride_g, eps,
 
 
 @triton.jit
-def _backward_kernel(X, G, W, DO, DX, DG, DW, n_rows, D, stride_x, stride_g, stride_do, eps, n_blocks, P,
-                     N_CODE: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _backward_kernel(X, G, W, DO, DR, DX, DG, DW, n_rows, D, stride_x, stride_g, stride_do, stride_dr, eps, n_blocks,
+                     P, N_CODE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
@@ -84,7 +103,7 @@ def _backward_kernel(X, G, W, DO, DX, DG, DW, n_rows, D, stride_x, stride_g, str
     for blk in range(pid, n_blocks, P):
         rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (rows < n_rows)[:, None] & col_ok[None, :]
-        x, r, y = _normalise(X, rows, cols, mask, stride_x, D, eps)
+        x, r, y = _normalise(X, rows, cols, mask, stride_x, D, eps, X, X, stride_x, False)
         rows64 = rows[:, None].to(tl.int64)
         dn = tl.load(DO + rows64 * stride_do + cols[None, :], mask=mask, other=0.).to(tl.float32)
         if HAS_GATE:
@@ -97,28 +116,37 @@ def _backward_kernel(X, G, W, DO, DX, DG, DW, n_rows, D, stride_x, stride_g, str
         dy = (dn * w[None, :]).to(X.dtype.element_ty).to(tl.float32)
         dot = tl.sum(dy * x, axis=1) / D
         dx = r[:, None] * dy - x * (r * r * r * dot)[:, None]
+        if HAS_DRES:  # the residual stream's own gradient, added before the one rounding
+            dx += tl.load(DR + rows64 * stride_dr + cols[None, :], mask=mask, other=0.).to(tl.float32)
         tl.store(DX + rows64 * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
     tl.store(DW + pid.to(tl.int64) * D + cols, dw, mask=col_ok)
 
 
-def norm_forward(x2, gate2, weight, eps, out_dtype, n_dtype):
-    """Forward launch on ``x2 [rows, D]`` (unit last stride), optional ``gate2`` like x2: ``out [rows, D]``."""
+def norm_forward(x2, gate2, weight, eps, out_dtype, n_dtype, residual2=None, h_dtype=None):
+    """Forward launch on ``x2 [rows, D]`` (unit last stride), optional ``gate2`` like x2: ``out [rows, D]``.
+
+    With ``residual2`` (like x2) the input is ``h = x2 + residual2`` in ``h_dtype``; returns ``(out, h [rows, D])``.
+    """
     n_rows, D = x2.shape
     out = torch.empty((n_rows, D), dtype=out_dtype, device=x2.device)
-    if n_rows == 0:
-        return out
-    block_m, block_d, warps = row_tile(n_rows, D, BLOCK_ELEMS)
-    has_gate = gate2 is not None
-    g = gate2 if has_gate else x2
-    _forward_kernel[(triton.cdiv(n_rows, block_m),)](
-        x2, g, weight, out, n_rows, D, x2.stride(0), g.stride(0), eps,
-        N_CODE=_CODES[n_dtype], HAS_GATE=has_gate, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps,
-    )
-    return out
+    has_res = residual2 is not None
+    h = torch.empty((n_rows, D), dtype=h_dtype, device=x2.device) if has_res else None
+    if n_rows > 0:
+        block_m, block_d, warps = row_tile(n_rows, D, BLOCK_ELEMS)
+        has_gate = gate2 is not None
+        g = gate2 if has_gate else x2
+        r = residual2 if has_res else x2
+        _forward_kernel[(triton.cdiv(n_rows, block_m),)](
+            x2, r, g, weight, out, h if has_res else out, n_rows, D, x2.stride(0), r.stride(0), g.stride(0), eps,
+            N_CODE=_CODES[n_dtype], HAS_GATE=has_gate, HAS_RES=has_res, BLOCK_M=block_m, BLOCK_D=block_d,
+            num_warps=warps,
+        )
+    return (out, h) if has_res else out
 
 
-def norm_backward(x2, gate2, weight, dout2, eps, n_dtype):
-    """Backward launch: ``(dx [rows, D] in x's dtype, dgate like gate2 or None, dw [D] float32)``."""
+def norm_backward(x2, gate2, weight, dout2, eps, n_dtype, dres2=None):
+    """Backward launch: ``(dx [rows, D] in x's dtype, dgate like gate2 or None, dw [D] float32)``; ``dres2`` (like
+    x2), when given, is added to dx before its rounding (the residual stream's gradient of an add + norm)."""
     n_rows, D = x2.shape
     dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
     has_gate = gate2 is not None
@@ -130,9 +158,11 @@ def norm_backward(x2, gate2, weight, dout2, eps, n_dtype):
     programs = partial_programs(n_blocks, x2.device, BACKWARD_PROGRAMS_PER_SM)
     partial = torch.empty((programs, D), dtype=torch.float32, device=x2.device)
     g = gate2 if has_gate else x2
+    dr = dres2 if dres2 is not None else dout2
     _backward_kernel[(programs,)](
-        x2, g, weight, dout2, dx, dg if has_gate else dx, partial, n_rows, D,
-        x2.stride(0), g.stride(0), dout2.stride(0), eps, n_blocks, programs,
-        N_CODE=_CODES[n_dtype], HAS_GATE=has_gate, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps,
+        x2, g, weight, dout2, dr, dx, dg if has_gate else dx, partial, n_rows, D,
+        x2.stride(0), g.stride(0), dout2.stride(0), dr.stride(0), eps, n_blocks, programs,
+        N_CODE=_CODES[n_dtype], HAS_GATE=has_gate, HAS_DRES=dres2 is not None, BLOCK_M=block_m, BLOCK_D=block_d,
+        num_warps=warps,
     )
     return dx, dg, partial.sum(0)

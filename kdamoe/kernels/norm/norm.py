@@ -1,4 +1,4 @@
-"""RMSNorm and gated RMSNorm in Triton: public functions and their autograd Functions.
+"""RMSNorm, gated RMSNorm and residual add + RMSNorm in Triton: public functions and their autograd Functions.
 
 Semantics are those of ``kdamoe.norm_torch`` (``rms_norm_torch`` / ``gated_rms_norm_torch``, the references),
 including the dtypes and rounding points; the launches are in ``kernels.py``. Any leading dims are flattened
@@ -21,8 +21,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
 
 
-def _validate(x, weight, eps, gate=None):
-    check_norm_args(x, weight, eps, gate, floats=_FLOATS)
+def _validate(x, weight, eps, gate=None, gate_name="gate"):
+    check_norm_args(x, weight, eps, gate, floats=_FLOATS, gate_name=gate_name)
     if x.shape[-1] > MAX_D:
         raise ValueError(f"x's last dim D = {x.shape[-1]} exceeds the kernels' maximum {MAX_D}")
     if x.device.type != "cuda" and not (x.device.type == "cpu" and is_interpreter()):
@@ -65,6 +65,29 @@ class GatedRMSNormFunction(torch.autograd.Function):
         x2, gate2, weight = ctx.saved_tensors
         dx, dgate, dw = norm_backward(x2, gate2, weight, _rows(dout), ctx.eps, ctx.n_dtype)
         return dx.view(ctx.shape), dgate.view(ctx.shape), dw.to(weight.dtype), None
+
+
+class AddRMSNormFunction(torch.autograd.Function):
+    """Autograd of :func:`add_rms_norm`: returns ``(h, out)``; differentiable in x, residual and weight."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps):
+        x2, r2, weight = _rows(x), _rows(residual), weight.contiguous()
+        h_dtype = torch.promote_types(x.dtype, residual.dtype)
+        out_dtype = torch.promote_types(h_dtype, weight.dtype)
+        out, h2 = norm_forward(x2, None, weight, eps, out_dtype, out_dtype, residual2=r2, h_dtype=h_dtype)
+        ctx.save_for_backward(h2, weight)
+        ctx.eps, ctx.n_dtype, ctx.shape, ctx.dtypes = eps, out_dtype, x.shape, (x.dtype, residual.dtype)
+        return h2.view(x.shape), out.view(x.shape)
+
+    @staticmethod
+    @once_differentiable  # the backward is a kernel: a double backward raises instead of treating it as constant
+    def backward(ctx, dh, dout):
+        h2, weight = ctx.saved_tensors
+        # autograd hands zeros for an output nobody used (materialised grads): one read of zeros, still correct
+        dx, _, dw = norm_backward(h2, None, weight, _rows(dout), ctx.eps, ctx.n_dtype, dres2=_rows(dh))
+        dx = dx.view(ctx.shape)
+        return dx.to(ctx.dtypes[0]), dx.to(ctx.dtypes[1]), dw.to(weight.dtype), None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -111,3 +134,30 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     """
     _validate(x, weight, eps, gate)
     return GatedRMSNormFunction.apply(x, gate, weight, float(eps))
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    r"""The residual add and the next pre-norm in one kernel forward and one backward: ``h = x + residual``,
+    ``out = rms_norm(h, weight, eps)``; differentiable in all three.
+
+    A decoder layer's ``h = h + mixer(norm1(h))`` followed by ``norm2(h)``: fused, the forward reads x and residual
+    once and writes h and out (the add kernel's separate pass over h is gone), and the backward adds h's own gradient
+    (from the rest of the residual stream) to the norm's input gradient in float32 before one rounding, where
+    autograd of the two ops rounds the norm's gradient to h's dtype and then adds in a kernel of its own. Forward, h is
+    torch's add to the bit and out is :func:`rms_norm` of h; the gradients differ from the unfused ops' by that one
+    rounding.
+
+    Args:
+        x, residual: ``[..., D]`` of the same shape, float16 / bfloat16 / float32 (their dtypes may differ: h is in
+            ``torch.promote_types`` of the two, as torch's add gives), 1 ≤ D ≤ 8192.
+        weight: ``[D]`` float16 / bfloat16 / float32.
+        eps: added to the mean square (≥ 0).
+
+    Returns:
+        ``(h [..., D] in promote(x, residual), out [..., D] in promote(h, weight))``.
+
+    Raises:
+        ValueError: as :func:`rms_norm`, and a residual that is not a float tensor of x's shape on x's device.
+    """
+    _validate(x, weight, eps, residual, gate_name="residual")
+    return AddRMSNormFunction.apply(x, residual, weight, float(eps))
