@@ -158,7 +158,7 @@ def test_add_rms_norm_matches_float64_autograd_and_the_unfused_ops(x_dtype, r_dt
     torch.testing.assert_close(out, out_same)  # rms_norm's own agreement: the same rounding points
     assert [t.dtype for t in g] == [a.dtype for a in args]
 
-    leaves = [a.detach().double().requires_grad_() for a in args]
+    leaves = [a.detach().cpu().double().requires_grad_() for a in args]
     h64 = leaves[0] + leaves[1]
     out64 = leaves[2] * (h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + EPS))
     g64 = torch.autograd.grad((h64, out64), leaves, (dh.double(), dout.double()))
