@@ -42,6 +42,8 @@ def autotune(configs, key, **kwargs):
 
 
 _CONSTANTS: dict = {}
+_MAX_CONSTANTS = 1024  # past this many keys the cache drops the entries no captured graph reads
+_PINNED: set = set()  # keys a CUDA graph was captured with: their memory must outlive the graph, so they stay
 
 
 def cached_constant(key, build):
@@ -49,17 +51,23 @@ def cached_constant(key, build):
     shapes only (aranges, chunk tables), so that a forward does not launch kernels to rebuild them every call.
     Callers only read them (kernel arguments, saved for backward), never write them.
 
-    Built outside inference mode (an inference tensor could not be saved for a later training backward), and not
-    kept when built while a CUDA graph is being captured (its memory belongs to the graph's pool)."""
+    Built outside inference mode (an inference tensor could not be saved for a later training backward). Under CUDA
+    graph capture: a value built then is not kept (its memory belongs to the graph's pool), and a cached value read
+    then is pinned, since the graph replays its address and a later eviction would free memory the graph still reads;
+    past ``_MAX_CONSTANTS`` keys the unpinned entries are dropped."""
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     value = _CONSTANTS.get(key)
     if value is None:
         with torch.inference_mode(False):
             value = build()
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing:
             return value
-        if len(_CONSTANTS) > 1024:
-            _CONSTANTS.clear()
+        if len(_CONSTANTS) >= _MAX_CONSTANTS:
+            for old in [k for k in _CONSTANTS if k not in _PINNED]:
+                del _CONSTANTS[old]
         _CONSTANTS[key] = value
+    elif capturing:
+        _PINNED.add(key)
     return value
 
 
