@@ -1,6 +1,6 @@
 """Tile and program-count sweep of the RMSNorm kernels (``kdamoe.kernels.norm``) at the model's two norm shapes.
 
-    python benchmarks/tune_norm.py [--tokens 32768] [--hidden 2048] [--heads 8 --head-dim 128] [--out DIR]
+    python benchmarks/tune_norm.py [--tokens 32768] [--hidden 1024] [--heads 8 --head-dim 128] [--out DIR]
 
 The backward is a persistent kernel: ``BACKWARD_PROGRAMS_PER_SM`` programs per SM loop over row blocks of
 ``BLOCK_ELEMS`` elements and each writes one float32 ``dw`` partial row. It times ``norm_backward`` and
@@ -23,7 +23,7 @@ from kdamoe.kernels.norm import kernels as nk
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=32768)
-    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=1024, help="the e2e benchmark shape's hidden size")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--out", default=os.environ.get("OUT", "."))

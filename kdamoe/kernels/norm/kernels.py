@@ -36,9 +36,11 @@ from ..utils import partial_programs, row_tile
 
 MAX_D = 8192  # the whole last dim sits in one block
 BLOCK_ELEMS = 4096  # rows × columns of one forward / backward tile (fp32 registers per program)
-# Programs per SM of the backward: the dw partial buffer grows with it; 8 against 4 took the [32768, 2048] bf16
+# Programs per SM of the backward: the dw partial buffer grows with it; 8 against 4 took a [32768, 2048] bf16
 # backward from 0.185 to 0.149 ms and the gated [262144, 128] from 0.176 to 0.170 ms on the H200
-# (benchmarks/tune_norm.py, results in benchmarks/results/norm_tune_h200.json; 16 gave no more)
+# (benchmarks/tune_norm.py, results in benchmarks/results/norm_tune_h200.json; 16 gave no more). Swept at hidden
+# 2048, not the e2e shape's 1024; there the step's norm backward went from 9.2 to 8.0 ms at 32K with this and the
+# fused residual add together (benchmarks/results/e2e_h200_f5f2d34.md, e2e_h200_99300f8.md).
 BACKWARD_PROGRAMS_PER_SM = 8
 _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # dtype of n, passed as a constexpr
 
