@@ -131,7 +131,11 @@ class KDAMoERMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
         """``[..., D]`` → the norm ``[..., D]``; with ``residual`` (hidden_states' shape) → ``(h, norm(h))`` for
-        ``h = hidden_states + residual``, the residual add fused into the norm (``kernel_dispatch.add_rms_norm``)."""
+        ``h = hidden_states + residual``, the residual add fused into the norm (``kernel_dispatch.add_rms_norm``).
+
+        The decoder layer's ``post_attention_layernorm`` is called the second way in the standard residual stream
+        (``attnres_num_blocks = 0``): a forward hook on it sees the inputs ``(mixed, residual)`` and the output
+        ``(h, normed)``."""
         if residual is None:
             return rms_norm(hidden_states, self.weight, self.variance_epsilon, backend=self.kernel_backend)
         return add_rms_norm(hidden_states, residual, self.weight, self.variance_epsilon, backend=self.kernel_backend)
@@ -1394,6 +1398,8 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
                 return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
         # ForCausalLMLoss reads these three keywords and ignores the rest (the packing collator's, output flags), so
         # the fused path takes the same three whatever else came
+        if "loss_targets" in kwargs:
+            raise ValueError("loss_targets is set by KDAMoEForCausalLM.forward from labels / shift_labels; pass those")
         causal_lm_loss_call = labels is not None and self.loss_function is ForCausalLMLoss
         loss_targets = None  # what the loss will read, checked by the backbone's input check (no second host sync)
         if causal_lm_loss_call:

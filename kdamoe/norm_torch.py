@@ -107,6 +107,8 @@ def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     Raises:
         ValueError: see :func:`check_norm_args` (the residual is checked like a gate: x's shape).
     """
+    if not isinstance(residual, torch.Tensor):
+        raise ValueError(f"residual must be a torch.Tensor of x's shape, got {type(residual).__name__}")
     check_norm_args(x, weight, eps, residual, gate_name="residual")
     h = x + residual
     return h, _rms_norm(h, weight, eps)

@@ -180,3 +180,12 @@ def test_out_of_range_labels_raise_in_the_input_check_sync(monkeypatch):
             model(ids, labels=first, shift_labels=shift)
         with pytest.raises(ValueError, match="integer tensor of class ids"):
             model(ids, labels=labels.float())
+
+
+def test_loss_targets_is_not_a_user_keyword():
+    """``loss_targets`` is what the CausalLM hands its backbone's input check; passed by a caller it collided with that
+    (a TypeError printing the whole model), now a ValueError saying what to pass instead."""
+    model = _model()
+    ids, labels = _batch()
+    with pytest.raises(ValueError, match="loss_targets is set by KDAMoEForCausalLM.forward"):
+        model(ids, labels=labels, loss_targets=labels)

@@ -169,8 +169,8 @@ def test_add_rms_norm_matches_float64_autograd_and_the_unfused_ops(x_dtype, r_dt
         assert rel(got, same) < tol, name
 
 
-def test_add_rms_norm_with_an_unused_sum_and_in_the_module():
-    """Only ``out`` takes a gradient (autograd hands zeros for h): the norm's gradient alone. ``KDAMoERMSNorm`` with
+def test_add_rms_norm_with_an_unused_output_and_in_the_module():
+    """Only ``out`` takes a gradient: the norm's gradient alone; only ``h``: the add's, and the weight none. ``KDAMoERMSNorm`` with
     a ``residual`` runs the fused op and returns ``(h, out)``; without one, the plain norm."""
     gen = torch.Generator().manual_seed(3)
     x, r = torch.randn(4, 32, generator=gen).to(DEVICE), torch.randn(4, 32, generator=gen).to(DEVICE)
@@ -183,6 +183,11 @@ def test_add_rms_norm_with_an_unused_sum_and_in_the_module():
     want = torch.autograd.grad(rms_norm_torch(ref[0] + ref[1], ref[2], EPS), ref, dout)
     for name, a, b in zip(("x", "residual", "weight"), got, want):
         assert rel(a, b) < 1e-5, name
+    # only h used: the add's gradient alone, and no weight gradient (as the unfused ops give: the norm is unused)
+    args = [t.clone().requires_grad_() for t in (x, r, w)]
+    h, _ = add_rms_norm(*args, EPS)
+    h.backward(dout)
+    assert torch.equal(args[0].grad, dout) and torch.equal(args[1].grad, dout) and args[2].grad is None
     norm = KDAMoERMSNorm(32, eps=EPS).to(DEVICE)
     norm.config = type("C", (), {"kernel_backend": "triton"})()
     h, out = norm(x, r)
@@ -202,6 +207,13 @@ def test_bad_arguments_raise_value_errors_naming_them():
             fn(x, torch.randn(1, 8, device=DEVICE), w, EPS)  # no broadcasting
         with pytest.raises(ValueError, match="residual dtype"):
             fn(x, x.int(), w, EPS)
+        with pytest.raises(ValueError, match="residual must be a torch.Tensor"):
+            fn(x, None, w, EPS)
+    for backend in ("torch", "triton"):
+        with pytest.raises(ValueError, match="residual must be a torch.Tensor"):
+            kernel_dispatch.add_rms_norm(x, None, w, EPS, backend=backend)
+        with pytest.raises(ValueError, match="x must be a torch.Tensor"):
+            kernel_dispatch.add_rms_norm([1.0] * 8, x, w, EPS, backend=backend)
     with pytest.raises(ValueError, match="x dtype"):
         rms_norm(x.long(), w, EPS)
     with pytest.raises(ValueError, match="x dtype"):

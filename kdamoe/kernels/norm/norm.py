@@ -78,16 +78,21 @@ class AddRMSNormFunction(torch.autograd.Function):
         out, h2 = norm_forward(x2, None, weight, eps, out_dtype, out_dtype, residual2=r2, h_dtype=h_dtype)
         ctx.save_for_backward(h2, weight)
         ctx.eps, ctx.n_dtype, ctx.shape, ctx.dtypes = eps, out_dtype, x.shape, (x.dtype, residual.dtype)
+        ctx.set_materialize_grads(False)  # an output nobody used has no gradient: no zeros to read, dw stays None
         return h2.view(x.shape), out.view(x.shape)
 
     @staticmethod
     @once_differentiable  # the backward is a kernel: a double backward raises instead of treating it as constant
     def backward(ctx, dh, dout):
         h2, weight = ctx.saved_tensors
-        # autograd hands zeros for an output nobody used (materialised grads): one read of zeros, still correct
-        dx, _, dw = norm_backward(h2, None, weight, _rows(dout), ctx.eps, ctx.n_dtype, dres2=_rows(dh))
-        dx = dx.view(ctx.shape)
-        return dx.to(ctx.dtypes[0]), dx.to(ctx.dtypes[1]), dw.to(weight.dtype), None
+        dw = None
+        if dout is None:  # only h was used: the add's gradient alone
+            dx = dh.to(h2.dtype).reshape(ctx.shape)
+        else:
+            dx, _, dw = norm_backward(h2, None, weight, _rows(dout), ctx.eps, ctx.n_dtype,
+                                      dres2=_rows(dh) if dh is not None else None)
+            dx, dw = dx.view(ctx.shape), dw.to(weight.dtype)
+        return dx.to(ctx.dtypes[0]), dx.to(ctx.dtypes[1]), dw, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -159,5 +164,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     Raises:
         ValueError: as :func:`rms_norm`, and a residual that is not a float tensor of x's shape on x's device.
     """
+    if not isinstance(residual, torch.Tensor):
+        raise ValueError(f"residual must be a torch.Tensor of x's shape, got {type(residual).__name__}")
     _validate(x, weight, eps, residual, gate_name="residual")
     return AddRMSNormFunction.apply(x, residual, weight, float(eps))
