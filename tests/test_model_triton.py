@@ -18,9 +18,9 @@ def _relative_l2(a, b):
     return float((a - b).double().norm() / b.double().norm().clamp(min=1e-30))
 
 
-def _model():
+def _model(**overrides):
     torch.manual_seed(0)
-    model = KDAMoEForCausalLM(tiny_config(kda_head_dim=16))  # the kernels need head dims >= 16
+    model = KDAMoEForCausalLM(tiny_config(kda_head_dim=16, **overrides))  # the kernels need head dims >= 16
     with torch.no_grad():
         for router in model._routers():
             router.e_score_correction_bias.copy_(0.05 * torch.randn(router.num_experts))
@@ -32,7 +32,7 @@ def _count_norm_kernel_calls(monkeypatch) -> dict:
     counted from now on."""
     import kdamoe.kernels as kernels
 
-    calls = {"rms_norm": 0, "gated_rms_norm": 0, "block_attnres": 0}
+    calls = {"rms_norm": 0, "add_rms_norm": 0, "gated_rms_norm": 0, "block_attnres": 0}
     for name in calls:
         def counted(*args, _real=getattr(kernels, name), _name=name):
             calls[_name] += 1
@@ -42,17 +42,20 @@ def _count_norm_kernel_calls(monkeypatch) -> dict:
     return calls
 
 
-def test_training_step_matches_torch_backend_on_packed_batch(monkeypatch):
+@pytest.mark.parametrize("attnres_num_blocks", [2, 0], ids=["attnres", "residual"])
+def test_training_step_matches_torch_backend_on_packed_batch(monkeypatch, attnres_num_blocks):
     """Logits and every parameter's gradient agree; switching ``config.kernel_backend`` on the built model moves
     every RMSNorm onto the Triton norm kernels (one call per norm module), the KDA output norm onto the gated one and
-    every Block AttnRes mix (with its key norm) onto the AttnRes kernel."""
+    every Block AttnRes mix (with its key norm) onto the AttnRes kernel; in the plain residual stream each layer's
+    post-attention norm runs fused with the residual add."""
     from kdamoe.modeling_kdamoe import KDAMoEBlockAttnRes, KDAMoEGatedRMSNorm, KDAMoERMSNorm
 
-    model = _model().train()
+    model = _model(attnres_num_blocks=attnres_num_blocks).train()
     mixes = sum(isinstance(m, KDAMoEBlockAttnRes) for m in model.modules())
     norms = [m for m in model.modules() if isinstance(m, KDAMoERMSNorm)]
     gated = sum(isinstance(m, KDAMoEGatedRMSNorm) for m in norms)
-    assert gated > 0 and mixes > 0 and len(norms) > gated + mixes
+    fused = 0 if attnres_num_blocks else model.config.num_hidden_layers
+    assert gated > 0 and (mixes > 0) == (attnres_num_blocks > 0) and len(norms) > gated + mixes + fused
     calls = _count_norm_kernel_calls(monkeypatch)
     ids = torch.randint(3, 97, (1, 30), generator=torch.Generator().manual_seed(0))
     position_ids = torch.cat([torch.arange(13), torch.arange(17)]).unsqueeze(0)
@@ -65,8 +68,8 @@ def test_training_step_matches_torch_backend_on_packed_batch(monkeypatch):
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results[backend] = out.logits.detach(), grads
         expected = 0 if backend == "torch" else 1
-        assert calls == {"rms_norm": expected * (len(norms) - gated - mixes), "gated_rms_norm": expected * gated,
-                         "block_attnres": expected * mixes}, backend
+        assert calls == {"rms_norm": expected * (len(norms) - gated - mixes - fused), "add_rms_norm": expected * fused,
+                         "gated_rms_norm": expected * gated, "block_attnres": expected * mixes}, backend
     (ref_logits, ref_grads), (logits, grads) = results["torch"], results["triton"]
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     assert ref_grads.keys() == grads.keys()
