@@ -352,9 +352,8 @@ def add_rms_norm(x, residual, weight, eps, *, backend="auto"):
     Semantics, shapes and errors of :func:`norm_torch.add_rms_norm_torch`; the backend choice of :func:`rms_norm`
     (the kdamoe kernel: one launch forward writing h and the norm, one backward adding h's own gradient).
     """
-    if not isinstance(x, torch.Tensor) or not isinstance(residual, torch.Tensor):
-        bad = "x" if not isinstance(x, torch.Tensor) else "residual"
-        raise ValueError(f"{bad} must be a torch.Tensor, got {type(x if bad == 'x' else residual).__name__}")
+    if not isinstance(x, torch.Tensor):  # read for the backend choice, before either op checks its arguments
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if resolve(backend, x.device, "rms_norm") == "kdamoe":
         return kdamoe_kernels().add_rms_norm(x, residual, weight, eps)
     return add_rms_norm_torch(x, residual, weight, eps)

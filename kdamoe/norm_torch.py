@@ -48,6 +48,17 @@ def check_norm_args(x, weight, eps, gate=None, floats=_FLOATS, gate_name="gate")
         raise ValueError(f"eps must be a float >= 0, got {eps!r}")
 
 
+def check_add_norm_args(x, residual, weight, eps, floats=_FLOATS) -> None:
+    """:func:`check_norm_args` for the residual add + norm: ``residual`` is required (a tensor of x's shape).
+
+    Raises:
+        ValueError: a residual that is not a tensor, or anything :func:`check_norm_args` refuses.
+    """
+    if not isinstance(residual, torch.Tensor):
+        raise ValueError(f"residual must be a torch.Tensor of x's shape, got {type(residual).__name__}")
+    check_norm_args(x, weight, eps, residual, floats=floats, gate_name="residual")
+
+
 def _rms_norm(x, weight, eps):
     """The formula of :func:`rms_norm_torch` on checked arguments."""
     xf = x.float()
@@ -107,8 +118,6 @@ def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     Raises:
         ValueError: see :func:`check_norm_args` (the residual is checked like a gate: x's shape).
     """
-    if not isinstance(residual, torch.Tensor):
-        raise ValueError(f"residual must be a torch.Tensor of x's shape, got {type(residual).__name__}")
-    check_norm_args(x, weight, eps, residual, gate_name="residual")
+    check_add_norm_args(x, residual, weight, eps)
     h = x + residual
     return h, _rms_norm(h, weight, eps)

@@ -8,7 +8,7 @@ to rows (a view where possible: a row stride is passed to the kernels, only the 
 import torch
 from torch.autograd.function import once_differentiable
 
-from ...norm_torch import check_norm_args
+from ...norm_torch import check_add_norm_args, check_norm_args
 from ..utils import is_interpreter
 from .kernels import MAX_D, norm_backward, norm_forward
 
@@ -21,8 +21,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
 
 
-def _validate(x, weight, eps, gate=None, gate_name="gate"):
-    check_norm_args(x, weight, eps, gate, floats=_FLOATS, gate_name=gate_name)
+def _validate(x, weight, eps, gate=None):
+    check_norm_args(x, weight, eps, gate, floats=_FLOATS)
     if x.shape[-1] > MAX_D:
         raise ValueError(f"x's last dim D = {x.shape[-1]} exceeds the kernels' maximum {MAX_D}")
     if x.device.type != "cuda" and not (x.device.type == "cpu" and is_interpreter()):
@@ -164,7 +164,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     Raises:
         ValueError: as :func:`rms_norm`, and a residual that is not a float tensor of x's shape on x's device.
     """
-    if not isinstance(residual, torch.Tensor):
-        raise ValueError(f"residual must be a torch.Tensor of x's shape, got {type(residual).__name__}")
-    _validate(x, weight, eps, residual, gate_name="residual")
+    check_add_norm_args(x, residual, weight, eps, floats=_FLOATS)
+    _validate(x, weight, eps)  # the kernels' own limits (D, device)
     return AddRMSNormFunction.apply(x, residual, weight, float(eps))
