@@ -31,16 +31,17 @@ Parts (``--only``, comma list; default all, in this order):
     run in a 512-wide latent, Block Attention Residuals over 4 blocks), at ``--recipe-t`` (32K, then 8K);
     compared with kdamoe's plain shape at the same length.
 ``profile``
-    One kdamoe step at each of ``--profile-t`` (32K, then 8K) under ``torch.profiler`` (CPU + CUDA activity),
+    One kdamoe step at each of ``--profile-t`` (32K, then 8K), then one recipe-shape step at each of
+    ``--profile-recipe-t`` (none by default), under ``torch.profiler`` (CPU + CUDA activity),
     after one warm-up step and two unprofiled timed steps: the top 40 GPU kernels by summed time (calls and µs per
     step, share of all GPU time; the markdown shows 25), summed GPU time per step against the unprofiled and the
     profiled wall per step (a GPU busy share well under 1 means the host's launches set the pace), and the top 25
     host-side operators and CUDA runtime calls by self CPU time.
 ``host``
-    Where the host's time goes in a kdamoe step at ``--host-t`` (8K), where the host sets the pace: ``--host-steps``
-    (8) timed steps with Python's cyclic garbage collector as it is, then as many with it frozen and disabled
-    (``gc.collect(); gc.freeze(); gc.disable()``, re-enabled after: a collection pass over the millions of objects a
-    loaded transformers process holds stalls the launch queue), then ``cProfile`` over 2 steps: the 40 Python
+    Where the host's time goes in a kdamoe step at ``--host-t`` (8K), where the host sets the pace: after one step
+    that compiles and tunes, ``--host-steps`` (8) timed steps with Triton kernels launched through
+    ``kdamoe.kernels.launch.FastLaunch`` (the default) and as many through Triton's own launch path
+    (``KDAMOE_FAST_LAUNCH=0``), alternating two steps of each; then ``cProfile`` over 2 steps: the 40 Python
     functions with the most own time, and the 30 with the most cumulative time, per step (cProfile's own cost
     inflates both; compare rows with each other).
 
@@ -138,7 +139,8 @@ def render_markdown(doc: dict) -> str:
     for key, prof in (raw.get("profile") or {}).items():
         if not isinstance(prof, dict) or "table" not in prof:
             continue
-        lines += ["", f"## Profile: one kdamoe training step at {label(prof['T'])}", "",
+        shape = "recipe-shape " if key.startswith("recipe") else ""
+        lines += ["", f"## Profile: one {shape}kdamoe training step at {label(prof['T'])}", "",
                   f"Wall per step: {_fmt(prof['wall_ms'], 4)} ms unprofiled (median of {prof['timed_steps']}), "
                   f"{_fmt(prof['profiled_wall_ms'], 4)} ms under the profiler ({prof['profiled_steps']} step(s)). "
                   f"GPU time per step (kernels, memcpy, memset summed): {_fmt(prof['kernel_ms'], 4)} ms, "
@@ -155,11 +157,13 @@ def render_markdown(doc: dict) -> str:
         if not isinstance(host, dict) or "by_own" not in host:
             continue
         lines += ["", f"## Host: where a kdamoe step at {label(host['T'])} spends the host's time", "",
-                  f"Step times, Python's GC as it is: {', '.join(_fmt(x, 4) for x in host['gc_on_ms'])} ms (median "
-                  f"{_fmt(host['gc_on_median_ms'], 4)}); GC collected, frozen and disabled: "
-                  f"{', '.join(_fmt(x, 4) for x in host['gc_frozen_off_ms'])} ms (median "
-                  f"{_fmt(host['gc_frozen_off_median_ms'], 4)}). Under cProfile: {_fmt(host['cprofile_wall_ms'], 4)} ms "
-                  f"per step, own time of all functions {_fmt(host['own_total_ms'], 4)} ms."]
+                  f"Step times, Triton kernels launched through kdamoe's short path (the default): "
+                  f"{', '.join(_fmt(x, 4) for x in host['fast_launch_ms'])} ms (median "
+                  f"{_fmt(host['fast_launch_median_ms'], 4)}); through Triton's own path (KDAMOE_FAST_LAUNCH=0): "
+                  f"{', '.join(_fmt(x, 4) for x in host['triton_launch_ms'])} ms (median "
+                  f"{_fmt(host['triton_launch_median_ms'], 4)}); the two alternate, {host['rounds']} rounds. Under "
+                  f"cProfile (short path): {_fmt(host['cprofile_wall_ms'], 4)} ms per step, own time of all functions "
+                  f"{_fmt(host['own_total_ms'], 4)} ms."]
         for order, rows in (("own time", host["by_own"]), ("cumulative time", host["by_cumulative"])):
             lines += ["", f"| function (by {order}) | calls/step | own ms/step | cumulative ms/step |", "|---|---|---|---|"]
             lines += [f"| `{r['function']}` | {_fmt(r['calls'])} | {_fmt(r['own_ms'])} | {_fmt(r['cum_ms'])} |"
@@ -308,12 +312,14 @@ def run_train(bench: Bench, part: str) -> None:
 
 
 def run_profile(bench: Bench) -> None:
-    """One kdamoe step at each ``--profile-t`` length under ``torch.profiler`` (module docstring, ``profile``)."""
-    model = None
-    for T in bench.args.profile_t:
-        model = profile_one(bench, model, T)
-    del model
-    bench.free()
+    """One kdamoe step at each ``--profile-t`` length, then one recipe-shape step at each ``--profile-recipe-t``
+    length, under ``torch.profiler`` (module docstring, ``profile``)."""
+    for part, lengths in (("kdamoe", bench.args.profile_t), ("recipe", bench.args.profile_recipe_t)):
+        model = None
+        for T in lengths:
+            model = profile_one(bench, model, T, part)
+        del model
+        bench.free()
 
 
 def host_summary(prof, steps: int, top: int = 25) -> list[dict]:
@@ -326,17 +332,18 @@ def host_summary(prof, steps: int, top: int = 25) -> list[dict]:
     return sorted(rows, key=lambda r: -r["self_us"])[:top]
 
 
-def profile_one(bench: Bench, model, T: int):
-    """The profile at ``T`` tokens with ``model`` (built here when None); returns the model for the next length."""
+def profile_one(bench: Bench, model, T: int, part: str = "kdamoe"):
+    """The profile of ``part`` (``kdamoe`` or ``recipe``) at ``T`` tokens with ``model`` (built here when None);
+    returns the model for the next length."""
     from torch.profiler import ProfilerActivity, profile
 
     a, rec = bench.args, bench.rec
-    key = f"kdamoe_T{T}"
+    key = f"{part}_T{T}"
     if not rec.need("profile", key, bench.est(30) + step_estimate(bench, T, 3 + 2 * a.profile_steps)):
         return model
     try:
         if model is None:
-            model, _ = build(bench, "kdamoe")
+            model, _ = build(bench, part)
         timed = time_steps(bench, model, T, warmup=1, steps=2)
         ids = token_ids(bench, T)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.cuda else [])
@@ -368,9 +375,9 @@ def _func_name(func: tuple) -> str:
 
 
 def run_host(bench: Bench) -> None:
-    """The host part (module docstring, ``host``): GC on / frozen step times and a cProfile table."""
+    """The host part (module docstring, ``host``): step times with the short launch path and with Triton's, then a
+    cProfile table."""
     import cProfile
-    import gc
     import pstats
 
     a, rec = bench.args, bench.rec
@@ -379,15 +386,16 @@ def run_host(bench: Bench) -> None:
         return
     model, _ = build(bench, "kdamoe")
     try:
-        gc_on = time_steps(bench, model, T, warmup=1, steps=a.host_steps)
-        gc.collect()
-        gc.freeze()
-        gc.disable()
+        times = {"1": [], "0": []}
+        rounds = max(1, a.host_steps // 2)
+        time_steps(bench, model, T, warmup=1, steps=1)  # compiles and tunes (the short path needs both done)
         try:
-            gc_off = time_steps(bench, model, T, warmup=1, steps=a.host_steps)
+            for _ in range(rounds):  # alternating, so a drift of the machine touches both settings alike
+                for setting in ("1", "0"):
+                    os.environ["KDAMOE_FAST_LAUNCH"] = setting
+                    times[setting] += time_steps(bench, model, T, warmup=0, steps=2)["steps_ms"]
         finally:
-            gc.enable()
-            gc.unfreeze()
+            os.environ["KDAMOE_FAST_LAUNCH"] = "1"
         ids = token_ids(bench, T)
         prof = cProfile.Profile()
         bench.sync()
@@ -403,13 +411,14 @@ def run_host(bench: Bench) -> None:
         rows = [{"function": _func_name(f), "calls": v[1] / 2, "own_ms": v[2] / 2 * 1e3, "cum_ms": v[3] / 2 * 1e3}
                 for f, v in stats.items()]
         rec.put("host", f"kdamoe_T{T}", {
-            "T": T, "gc_on_ms": gc_on["steps_ms"], "gc_frozen_off_ms": gc_off["steps_ms"],
-            "gc_on_median_ms": gc_on["median_ms"], "gc_frozen_off_median_ms": gc_off["median_ms"],
+            "T": T, "rounds": rounds, "fast_launch_ms": times["1"], "triton_launch_ms": times["0"],
+            "fast_launch_median_ms": statistics.median(times["1"]),
+            "triton_launch_median_ms": statistics.median(times["0"]),
             "cprofile_wall_ms": wall, "own_total_ms": sum(r["own_ms"] for r in rows),
             "by_own": sorted(rows, key=lambda r: -r["own_ms"])[:40],
             "by_cumulative": sorted(rows, key=lambda r: -r["cum_ms"])[:30]})
-        print("host", label(T), f"gc on {gc_on['median_ms']:.1f} ms, gc frozen+off {gc_off['median_ms']:.1f} ms, "
-              f"cProfile wall {wall:.1f} ms", flush=True)
+        print("host", label(T), f"short launch path {statistics.median(times['1']):.1f} ms, Triton's path "
+              f"{statistics.median(times['0']):.1f} ms, cProfile wall {wall:.1f} ms", flush=True)
     except Exception:
         rec.error("host", f"kdamoe_T{T}")
     del model
@@ -431,6 +440,7 @@ def parse_args(argv=None):
     p.add_argument("--train-t", type=ints, default=None, help="kdamoe and native lengths (default 8K,32K)")
     p.add_argument("--recipe-t", type=ints, default=None, help="recipe-shape lengths, in this order (default 32K,8K)")
     p.add_argument("--profile-t", type=ints, default=None, help="the profiled steps' lengths, in order (default 32K,8K)")
+    p.add_argument("--profile-recipe-t", type=ints, default=[], help="recipe-shape profiled lengths (default none)")
     p.add_argument("--profile-steps", type=int, default=1, help="profiled steps")
     p.add_argument("--host-t", type=int, default=None, help="the host part's length (default 8K)")
     p.add_argument("--host-steps", type=int, default=8, help="the host part's timed steps per GC setting")

@@ -9,9 +9,10 @@
 # E2E_PARITY (0; 1 runs benchmarks/model_parity.py first, limited to E2E_PARITY_S, default 150 s, taken from the
 # bench's time: with a cold Triton cache it takes minutes, so it is off by default), E2E_TUNE (0; 1 first times every
 # block config of the experts GEMMs, benchmarks/tune_moe_rows.py, limit E2E_TUNE_S = 150 s), E2E_FSDP (0; 1 runs
-# benchmarks/bench_fsdp_overhead.py after the bench, limit E2E_FSDP_S = 240 s; carry data/shakespeare for it).
+# benchmarks/bench_fsdp_overhead.py after the bench, limit E2E_FSDP_S = 240 s; carry data/shakespeare for it), E2E_LAUNCH
+# (0; 1 first runs benchmarks/launch_overhead.py, limit 120 s: host µs per kernel launch, short path vs Triton's).
 # Files back: e2e.json, e2e.md, e2e.log (the output of every step), model_parity.json (E2E_PARITY=1),
-# moe_rows_tune.json (E2E_TUNE=1), fsdp_overhead.json (E2E_FSDP=1) and at most four 15 MB parts of the Triton cache (more would pass the 8 files a call returns; then none are kept).
+# moe_rows_tune.json (E2E_TUNE=1), fsdp_overhead.json (E2E_FSDP=1), launch_overhead.json (E2E_LAUNCH=1) and at most four 15 MB parts of the Triton cache (more would pass the 8 files a call returns; then none are kept).
 set -u
 source "$(dirname "$0")/tcache.sh"  # tcache_restore / tcache_pack: the Triton cache between calls
 T0=$(date +%s)
@@ -38,6 +39,12 @@ if [ "${E2E_PARITY:-0}" = 1 ] && [ -f benchmarks/model_parity.py ]; then
     echo "== model parity, limit ${E2E_PARITY_S:-150} s" >> "$LOG"
     timeout "${E2E_PARITY_S:-150}" python3 benchmarks/model_parity.py --out "$OUT/model_parity.json" >> "$LOG" 2>&1
     echo "model parity exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
+fi
+
+if [ "${E2E_LAUNCH:-0}" = 1 ]; then
+    echo "== launch overhead, limit 120 s" >> "$LOG"
+    timeout 120 python3 benchmarks/launch_overhead.py --out "$OUT" >> "$LOG" 2>&1
+    echo "launch overhead exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
 fi
 
 if [ "${E2E_TUNE:-0}" = 1 ]; then

@@ -41,6 +41,7 @@ from triton.runtime import JITFunction  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from kdamoe.kernels.launch import FastLaunch  # noqa: E402
 from kdamoe.kernels.conv import backward as conv_backward  # noqa: E402
 from kdamoe.kernels.conv import forward as conv_forward  # noqa: E402
 from kdamoe.kernels.moe import grouped_gemm as gg  # noqa: E402
@@ -57,6 +58,8 @@ def compile_report(kernel, types: dict, consts: dict, ints: dict, config) -> dic
     ``types`` maps pointer/float arguments to Triton type strings; ``ints`` gives the integer arguments' values
     at the shape (for the launch's specialisation); ``consts`` the constexpr arguments besides the config's.
     """
+    if isinstance(kernel, FastLaunch):  # kdamoe.kernels.launch's wrapper: the kernel it launches
+        kernel = kernel.kernel
     fn = kernel if isinstance(kernel, JITFunction) else kernel.fn  # a JITFunction's own .fn is the Python function
     consts = {**consts, **config.kwargs}
     div16 = [n for n, t in types.items() if t.startswith("*")]

@@ -22,7 +22,7 @@ def _load_bench():
 
 
 def test_bench_e2e_tiny_writes_finite_rows(tmp_path):
-    assert _load_bench().main(["--tiny", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert _load_bench().main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--profile-recipe-t", "64"]) == 0
     text = (tmp_path / "e2e.json").read_text()
     doc = json.loads(text)
 
@@ -45,12 +45,14 @@ def test_bench_e2e_tiny_writes_finite_rows(tmp_path):
             assert len(entry["steps_ms"]) == doc["settings"]["steps"] and math.isfinite(entry["loss_last"])
     profile = doc["raw"]["profile"]["kdamoe_T64"]
     assert profile["wall_ms"] > 0 and profile["profiled_wall_ms"] > 0
+    assert doc["raw"]["profile"]["recipe_T64"]["kernels_per_step"] >= 0
     host = doc["raw"]["host"]["kdamoe_T64"]
-    assert len(host["gc_on_ms"]) == len(host["gc_frozen_off_ms"]) == 8
+    assert len(host["fast_launch_ms"]) == len(host["triton_launch_ms"]) == 8
     # the model's forward runs under cProfile: a function of the model file appears among the cumulative rows
     assert any("modeling_kdamoe.py" in r["function"] for r in host["by_cumulative"]), host["by_cumulative"][:5]
     assert all(r["calls"] > 0 and r["cum_ms"] >= r["own_ms"] >= 0 for r in host["by_own"])
     md = (tmp_path / "e2e.md").read_text()
     assert "| train step 128 (kdamoe) |" in md and "## Host: where a kdamoe step at 64" in md
+    assert "## Profile: one recipe-shape kdamoe training step at 64" in md
     for saved in (text, md):
         assert str(tmp_path) not in saved and ROOT not in saved

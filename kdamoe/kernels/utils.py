@@ -12,6 +12,8 @@ import os
 import torch
 import triton
 
+from .launch import fast_launch
+
 
 def is_interpreter() -> bool:
     """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
@@ -19,7 +21,8 @@ def is_interpreter() -> bool:
 
 
 def autotune(configs, key, **kwargs):
-    """``triton.autotune`` on a GPU; the first config, fixed, under the interpreter.
+    """``triton.autotune`` on a GPU, launched through ``launch.FastLaunch``; the first config, fixed, under the
+    interpreter.
 
     The interpreter cannot time configs (each would run for real, at CPU speed), so the tests run
     ``configs[0]``; order each list so that its first entry is a config the GPU may pick. Only
@@ -38,7 +41,8 @@ def autotune(configs, key, **kwargs):
             return triton.heuristics({name: (lambda _args, v=v: v) for name, v in first.kwargs.items()})(fn)
 
         return wrap
-    return triton.autotune(configs=configs, key=key, **kwargs)
+    tune = triton.autotune(configs=configs, key=key, **kwargs)
+    return lambda fn: fast_launch(tune(fn))
 
 
 _CONSTANTS: dict = {}

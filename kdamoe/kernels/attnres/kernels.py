@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import fast_launch
 from ..utils import partial_programs, row_tile
 
 MAX_D = 8192  # the whole last dim sits in one block
@@ -44,6 +45,7 @@ def _key_logit(v, w, D, eps):
     return r, r * tl.sum(v * w[None, :], axis=1)
 
 
+@fast_launch
 @triton.jit
 def _forward_kernel(V, Q, G, O, LSE, n_rows, D, eps,
                     S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -70,6 +72,7 @@ def _forward_kernel(V, Q, G, O, LSE, n_rows, D, eps,
     tl.store(LSE + rows, m + tl.log(den), mask=row_ok)
 
 
+@fast_launch
 @triton.jit
 def _backward_kernel(V, Q, G, DH, LSE, DV, U, n_rows, D, eps, n_blocks, P,
                      S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):

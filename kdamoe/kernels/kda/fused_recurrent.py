@@ -12,9 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import fast_launch
+
 from .chunk import _uniform_cu, validate_kda_inputs
 
 
+@fast_launch
 @triton.jit
 def _fused_recurrent_kernel(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, scale, lower_bound,
                             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import fast_launch
 from ..utils import autotune
 from .prepare import BT, chunk_bounds
 
@@ -53,6 +54,7 @@ def output_fwd(qg, h, vnew, Aqk, chunk_idx, cu_seqlens, NC):
     return o
 
 
+@fast_launch
 @triton.jit
 def _dv_local_kernel(Aqk, do, dvl, chunk_idx, cu_seqlens,
                      H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):

@@ -29,9 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import fast_launch
+
 MAX_BLOCK_V = 4096  # columns per loop step; larger rows loop, smaller ones use next_pow2(V)
 
 
+@fast_launch
 @triton.jit
 def _forward_kernel(X, TARGET, LOSS, ROW_MAX, LOG_SUM, V, stride_x, ignore_index, BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
@@ -64,6 +67,7 @@ def _forward_kernel(X, TARGET, LOSS, ROW_MAX, LOG_SUM, V, stride_x, ignore_index
     tl.store(LOG_SUM + row, tl.where(active, r, 0.0))
 
 
+@fast_launch
 @triton.jit
 def _backward_kernel(X, TARGET, ROW_MAX, LOG_SUM, DLOSS, DX, V, stride_x, stride_dloss, ignore_index,
                      BLOCK_V: tl.constexpr):

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ...mla_torch import check_latent_attention_args
+from ..launch import fast_launch
 from ..utils import is_interpreter, sm_count
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -53,6 +54,7 @@ PROGRAMS_PER_SM = 2  # split programs per SM at B = 1: enough loads in flight to
 NUM_STAGES = 3  # software-pipelined key tiles in flight per split program
 
 
+@fast_launch
 @triton.jit
 def _split_kernel(q, latent, seq_len, key_mask, acc_ws, m_ws, l_ws,
                   T, H, M, P, S_lim, qk_scale,
@@ -107,6 +109,7 @@ def _split_kernel(q, latent, seq_len, key_mask, acc_ws, m_ws, l_ws,
     tl.store(l_ws + ws_rows, l_i, mask=row_ok)
 
 
+@fast_launch
 @triton.jit
 def _combine_kernel(acc_ws, m_ws, l_ws, o, seq_len, T, H, M, P, S_lim, stride_ob,
                     R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_P: tl.constexpr,

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import fast_launch
 from ..utils import is_interpreter
 from .activation import ACTIVATIONS, glu_backward, glu_forward
 
@@ -33,6 +34,7 @@ BLOCK = 2048
 NUM_WARPS = 8
 
 
+@fast_launch
 @triton.jit
 def _glu_fwd_kernel(gate, up, out, n, width, stride_gate, stride_up, beta1, beta2, ACT: tl.constexpr,
                     BLOCK: tl.constexpr):
@@ -45,6 +47,7 @@ def _glu_fwd_kernel(gate, up, out, n, width, stride_gate, stride_up, beta1, beta
     tl.store(out + offs, y.to(out.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _glu_bwd_kernel(gate, up, dout, dgate, dup, n, width, stride_gate, stride_up, beta1, beta2, ACT: tl.constexpr,
                     BLOCK: tl.constexpr):

@@ -23,6 +23,7 @@ Sources: LatentMoE (arXiv:2601.18089) for the expert layout; Kimi K3 report §2.
 import triton
 import triton.language as tl
 
+from ..launch import fast_launch
 from ..utils import autotune
 from .activation import glu_backward, glu_forward
 
@@ -155,6 +156,7 @@ def _rows_gemm_kernel(
 # ----------------------------------------------------------------------------------------------
 # backward of the GLU per sorted row: ∂h = GLU'(h) · (w·∂g'), ∂w = Σ_i ∂g'_i · g_i
 # ----------------------------------------------------------------------------------------------
+@fast_launch
 @triton.jit
 def _glu_rows_bwd_kernel(
     dg_ptr, h_ptr, order_ptr, row_offs_ptr, w_ptr, dh_ptr, dw_ptr, M, E, I, beta1, beta2,
@@ -240,6 +242,7 @@ def _wgrad_kernel(
 # ----------------------------------------------------------------------------------------------
 # combine: out[t] = Σ_j [index[t, j] < E] · Y[t·k + j]
 # ----------------------------------------------------------------------------------------------
+@fast_launch
 @triton.jit
 def _combine_kernel(y_ptr, idx_ptr, out_ptr, N, L, E, TOPK: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr):
     pid_t = tl.program_id(0)

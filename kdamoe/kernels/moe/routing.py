@@ -32,9 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import fast_launch
 from ..utils import is_interpreter
 
 
+@fast_launch
 @triton.jit
 def _route_kernel(
     logits_ptr, bias_ptr, mask_ptr, idx_ptr, w_ptr, count_ptr, hist_ptr,
@@ -98,6 +100,7 @@ def _route_kernel(
         tl.atomic_add(hist_ptr + offs_e[None, :] * NUM_BINS + bins, ones, mask=valid)
 
 
+@fast_launch
 @triton.jit
 def _route_bwd_kernel(
     logits_ptr, idx_ptr, dw_ptr, dlogits_ptr, N, E, stride_ln, scaling,

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import fast_launch
 from ..utils import partial_programs, row_tile
 
 MAX_D = 8192  # the whole last dim sits in one block
@@ -76,6 +77,7 @@ def _normalise(x_ptr, rows, cols, mask, stride_x, D, eps, R, H, stride_r, HAS_RE
     return x, r, y
 
 
+@fast_launch
 @triton.jit
 def _forward_kernel(X, R, G, W, O, H, n_rows, D, stride_x, stride_r, stride_g, eps,
                     N_CODE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -93,6 +95,7 @@ def _forward_kernel(X, R, G, W, O, H, n_rows, D, stride_x, stride_r, stride_g, e
     tl.store(O + rows[:, None].to(tl.int64) * D + cols[None, :], out.to(O.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _backward_kernel(X, G, W, DO, DR, DX, DG, DW, n_rows, D, stride_x, stride_g, stride_do, stride_dr, eps, n_blocks,
                      P, N_CODE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr,

@@ -1,0 +1,88 @@
+"""Host time of one kernel launch: ``kdamoe.kernels.launch.FastLaunch``'s short path against Triton's own.
+
+Each case launches one kernel on a tiny input (a few µs of GPU work, so the host is what is timed) ``--calls``
+times without synchronising, and reports host µs per call (median of ``--repeats`` rounds, after one untimed round
+that compiles and autotunes). Cases:
+
+``norm_forward``
+    ``kernels.norm.kernels.norm_forward`` on ``[64, 1024]`` bf16: one plain ``triton.jit`` launch and one
+    ``torch.empty``.
+``conv_forward``
+    ``kernels.conv.forward`` via ``causal_conv1d(..., output_final_state=False)`` on ``[1, 64, 1024]`` bf16: one
+    autotuned launch plus the op's own Python (validation, autograd Function).
+``torch_add``
+    ``torch.add`` of two ``[64, 1024]`` bf16 tensors, for scale (one ATen op, no Triton).
+
+Both settings of ``KDAMOE_FAST_LAUNCH`` (``1`` short path, ``0`` Triton's) run in alternating rounds in one process.
+Writes ``launch_overhead.json`` into ``--out``.
+
+    python3 benchmarks/launch_overhead.py --out "$OUT"     # on the H200
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kdamoe.kernels.conv.conv import causal_conv1d  # noqa: E402
+from kdamoe.kernels.norm.kernels import norm_forward  # noqa: E402
+
+
+def cases(device):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(64, 1024, generator=gen).to(device, torch.bfloat16)
+    w = torch.randn(1024, generator=gen).to(device, torch.bfloat16)
+    xc = torch.randn(1, 64, 1024, generator=gen).to(device, torch.bfloat16)
+    wc = torch.randn(1024, 4, generator=gen).to(device, torch.bfloat16)
+    return {
+        "norm_forward": lambda: norm_forward(x, None, w, 1e-6, torch.bfloat16, torch.bfloat16),
+        "conv_forward": lambda: causal_conv1d(xc, wc, output_final_state=False),
+        "torch_add": lambda: torch.add(x, x),
+    }
+
+
+def per_call_us(fn, calls: int) -> float:
+    """Host µs per call of ``calls`` back-to-back calls (synchronised before and after, the host clock between)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return host / calls * 1e6
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device")
+    rows = []
+    for name, fn in cases("cuda").items():
+        times = {"1": [], "0": []}
+        for _ in range(a.repeats + 1):
+            for setting in ("1", "0"):
+                os.environ["KDAMOE_FAST_LAUNCH"] = setting
+                times[setting].append(per_call_us(fn, a.calls))
+        os.environ["KDAMOE_FAST_LAUNCH"] = "1"
+        row = {"case": name, "fast_us": statistics.median(times["1"][1:]), "triton_us": statistics.median(times["0"][1:]),
+               "fast_rounds_us": times["1"][1:], "triton_rounds_us": times["0"][1:]}
+        rows.append(row)
+        print(f"{name}: short path {row['fast_us']:.1f} µs/call, Triton's path {row['triton_us']:.1f} µs/call", flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "launch_overhead.json"), "w") as f:
+        json.dump({"calls": a.calls, "repeats": a.repeats, "torch": torch.__version__,
+                   "triton": __import__("triton").__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""A shorter host path for launching an already compiled Triton kernel (the training step is host-bound at 8K).
+
+``kernel[grid](*args)`` on a ``triton.autotune``-wrapped ``triton.jit`` kernel runs, in Python, for every launch:
+the autotuner's ``run`` (a dict of every argument, the tuning key with one ``str(dtype)`` per tensor, the config
+lookup, a merged keyword dict), then ``JITFunction.run`` (knob reads, pre-run hooks, the argument binder that computes
+the specialisation, the compiled-kernel lookup, the check of every global the kernel reads, the grid, the launch
+metadata) and only then the C launcher. A training step of the e2e shape launches ~470 Triton kernels, 270 of them
+autotuned, and at 8K tokens the host, not the GPU, sets the step time (``benchmarks/results/e2e_h200_*.md``: 72 ms of
+GPU work in a 100-135 ms step).
+
+:class:`FastLaunch` keeps the parts of that path that decide *which* compiled kernel runs and drops the rest:
+
+- the autotuner's config is looked up under the key Triton's ``Autotuner.run`` builds (the ``key`` arguments' values,
+  then ``str(dtype)`` of every argument with a dtype, in argument order), so a hit is the config Triton would run;
+- Triton's own binder computes the specialisation (integer divisibility by 16, pointer alignment, the constexprs, the
+  options) and Triton's ``compute_cache_key`` turns it into the compiled-kernel key, so a hit is the binary Triton
+  would launch;
+- that binary's C launcher is called with the same arguments ``JITFunction.run`` passes it.
+
+Anything the short path does not handle goes through Triton's own ``kernel[grid](...)``, unchanged: a first call
+(compilation, autotuning), a config with a ``pre_hook``, pre-run hooks, launch hooks (Triton's profiler) or a pipeline
+inspection hook. What is skipped is the check that globals a kernel reads did not change after compilation (ours read
+none) and Python-side bookkeeping (``Autotuner.nargs``). Under the CPU interpreter (``TRITON_INTERPRET=1``) kernels
+are not wrapped at all. ``KDAMOE_FAST_LAUNCH=0`` (read at launch) sends every launch through Triton's path, for a
+comparison (``benchmarks/launch_overhead.py``).
+
+Written against Triton 3.6 (``triton/runtime/jit.py``, ``JITFunction.run``; ``triton/runtime/autotuner.py``,
+``Autotuner.run``) and checked against 3.7: other versions keep the interface through ``triton.__version__`` checked
+at wrap time (other versions are not wrapped).
+"""
+
+import os
+
+import torch
+import triton
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.jit import JITFunction, compute_cache_key
+
+try:
+    from triton import knobs
+except ImportError:  # pragma: no cover - Triton < 3.4 has no knobs module: not wrapped (see _SUPPORTED)
+    knobs = None
+
+_SUPPORTED = ("3.6.", "3.7.")  # the versions whose JITFunction.run / Autotuner.run this module mirrors
+
+
+def enabled() -> bool:
+    """Whether launches take the short path (``KDAMOE_FAST_LAUNCH`` is not ``"0"``); read at every launch."""
+    return os.environ.get("KDAMOE_FAST_LAUNCH", "1") != "0"
+
+
+class FastLaunch:
+    """A launched Triton kernel (``triton.jit``, or ``triton.autotune`` around it) with the short launch path.
+
+    ``wrapped[grid](*args, **kwargs)`` launches as ``kernel[grid](*args, **kwargs)`` would: same config, same binary,
+    same arguments. Every other attribute (``configs``, ``cache``, ``fn``, ``best_config``, …) is the kernel's own.
+
+    Attributes:
+        kernel: the wrapped ``JITFunction`` or ``Autotuner``.
+        fast, slow: launches that took the short path / Triton's path (counters, for tests and benchmarks).
+
+    Raises:
+        TypeError: ``kernel`` is neither a ``JITFunction`` nor an ``Autotuner`` around one.
+    """
+
+    def __init__(self, kernel):
+        autotuner = kernel if isinstance(kernel, Autotuner) else None
+        jit = kernel.fn if autotuner is not None else kernel
+        if not isinstance(jit, JITFunction):
+            raise TypeError(f"FastLaunch wraps a triton.jit kernel or an autotuner around one, got {type(kernel)}")
+        self.kernel, self.autotuner, self.jit = kernel, autotuner, jit
+        self.fast = self.slow = 0
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.run(grid, args, kwargs)
+
+    def run(self, grid, args: tuple, kwargs: dict):
+        """Launch on ``grid`` (a tuple or a callable of the bound arguments); returns what Triton's launch returns
+        on its path and the compiled kernel on the short one."""
+        if not enabled():
+            return self._slow(grid, args, kwargs)
+        at = self.autotuner
+        if at is not None:
+            if len(at.configs) > 1:
+                named = dict(zip(at.arg_names, args))
+                for name, value in kwargs.items():
+                    if name in named or name in at.arg_names:
+                        named[name] = value
+                # Autotuner.run's key: the key arguments' values, then str(dtype) of each argument with a dtype
+                key = [named[k] for k in at.keys if k in named]
+                key.extend(str(v.dtype) for v in named.values() if hasattr(v, "dtype"))
+                config = at.cache.get(tuple(key))
+                if config is None:  # not tuned yet: Triton tunes and launches
+                    return self._slow(grid, args, kwargs)
+            else:
+                config = at.configs[0]
+            if config.pre_hook is not None:
+                return self._slow(grid, args, kwargs)
+            at.best_config = config
+            kwargs = {**kwargs, **config.all_kwargs()}
+        return self._run_jit(grid, args, kwargs)
+
+    def _slow(self, grid, args, kwargs):
+        self.slow += 1
+        return self.kernel[grid](*args, **kwargs)
+
+    def _run_jit(self, grid, args, kwargs):
+        jit = self.jit
+        runtime = knobs.runtime
+        if (jit.pre_run_hooks or runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+                or getattr(runtime, "add_stages_inspection_hook", None) is not None):
+            self.slow += 1
+            return jit.run(*args, grid=grid, warmup=False, **kwargs)
+        # the two options JITFunction.run adds before binding: part of the compiled kernel's key
+        kwargs["debug"] = kwargs.get("debug", jit.debug) or runtime.debug
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        device = torch.cuda.current_device()
+        kernel_cache, kernel_key_cache, _target, _backend, binder = jit.device_caches[device]
+        bound_args, specialization, options = binder(*args, **kwargs)
+        kernel = kernel_cache.get(compute_cache_key(kernel_key_cache, specialization, options))
+        if kernel is None:  # not compiled for this specialisation yet
+            self.slow += 1
+            return jit.run(*args, grid=grid, warmup=False, **kwargs)
+        if callable(grid):
+            grid = grid(bound_args)
+        n = len(grid)
+        if hasattr(kernel, "result"):  # an asynchronous compilation's future (Triton 3.6)
+            kernel = kernel.result()
+        launcher = kernel.run  # first: loads the binary, which sets kernel.function
+        launcher(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                 torch.cuda.current_stream(device).cuda_stream, kernel.function, kernel.packed_metadata,
+                 None, None, None, *bound_args.values())
+        self.fast += 1
+        return kernel
+
+
+def fast_launch(kernel):
+    """Decorator (outermost, above ``triton.jit`` / ``autotune``) giving a launched kernel :class:`FastLaunch`'s
+    short path. Returns ``kernel`` itself under the interpreter, on a Triton version this module does not mirror
+    (see ``_SUPPORTED``), or for an already wrapped kernel."""
+    if isinstance(kernel, FastLaunch) or knobs is None or not triton.__version__.startswith(_SUPPORTED):
+        return kernel
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return kernel
+    return FastLaunch(kernel)

@@ -1,0 +1,58 @@
+"""``kdamoe.kernels.launch``: the short launch path launches the config and binary Triton's own path would.
+
+On the CPU the kernels run on the interpreter and are not wrapped (checked here); the short path itself is checked on
+a GPU (``KDAMOE_TEST_ON_GPU=1``): the same outputs, bit for bit, as Triton's path for a plain and an autotuned kernel,
+and the short path taken (not a silent fallback that would leave the overhead in place).
+"""
+
+import os
+
+import pytest
+import torch
+
+from kdamoe.kernels.launch import FastLaunch, fast_launch
+from kdamoe.kernels.moe import grouped_gemm
+from kdamoe.kernels.norm import kernels as norm_kernels
+from kdamoe.kernels.utils import is_interpreter
+
+ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()
+
+
+def test_interpreter_kernels_are_not_wrapped():
+    """Under TRITON_INTERPRET=1 (the CPU suite) a launched kernel is Triton's own object, so the CPU tests run
+    Triton's launch path; wrapping twice is a no-op and a non-kernel is refused."""
+    if not is_interpreter():
+        pytest.skip("the CPU suite's interpreter setting")
+    assert not isinstance(norm_kernels._forward_kernel, FastLaunch)
+    assert not isinstance(grouped_gemm._rows_gemm_kernel, FastLaunch)
+    assert fast_launch(norm_kernels._forward_kernel) is norm_kernels._forward_kernel
+    with pytest.raises(TypeError, match="triton.jit"):
+        FastLaunch(lambda: None)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs KDAMOE_TEST_ON_GPU=1 and CUDA")
+def test_short_path_matches_tritons_path(monkeypatch):
+    """A plain kernel (the RMSNorm forward) and an autotuned one (the causal conv forward) give the same bits through
+    both paths; after the first call (compile, tune) every call takes the short path."""
+    from kdamoe.kernels.conv import forward as conv_forward
+    from kdamoe.kernels.conv.conv import causal_conv1d
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(37, 1000, generator=gen).cuda().bfloat16()
+    w = torch.randn(1000, generator=gen).cuda().bfloat16()
+    xc = torch.randn(2, 75, 96, generator=gen).cuda().bfloat16()
+    wc = torch.randn(96, 4, generator=gen).cuda().bfloat16()
+    cases = [(norm_kernels._forward_kernel,
+              lambda: norm_kernels.norm_forward(x, None, w, 1e-6, torch.bfloat16, torch.bfloat16)),
+             (conv_forward._conv_fwd_kernel, lambda: causal_conv1d(xc, wc, output_final_state=False)[0])]
+    for kernel, op in cases:
+        assert isinstance(kernel, FastLaunch)
+        monkeypatch.setenv("KDAMOE_FAST_LAUNCH", "0")
+        want = op()
+        monkeypatch.setenv("KDAMOE_FAST_LAUNCH", "1")
+        fast_before = kernel.fast
+        got = [op() for _ in range(3)]
+        torch.cuda.synchronize()
+        assert kernel.fast - fast_before == 3, (kernel.fast, fast_before, kernel.slow)
+        for g in got:
+            assert torch.equal(g, want)
