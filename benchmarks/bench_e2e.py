@@ -38,10 +38,10 @@ Parts (``--only``, comma list; default all, in this order):
     profiled wall per step (a GPU busy share well under 1 means the host's launches set the pace), and the top 25
     host-side operators and CUDA runtime calls by self CPU time.
 ``host``
-    Where the host's time goes in a kdamoe step at ``--host-t`` (8K), where the host sets the pace: after one step
-    that compiles and tunes, ``--host-steps`` (8) timed steps with Triton kernels launched through
-    ``kdamoe.kernels.launch.FastLaunch`` (the default) and as many through Triton's own launch path
-    (``KDAMOE_FAST_LAUNCH=0``), alternating two steps of each; then ``cProfile`` over 2 steps: the 40 Python
+    Where the host's time goes in a kdamoe step at ``--host-t`` (8K), where the host sets the pace: ``--host-steps``
+    (8) timed steps with Triton kernels launched through ``kdamoe.kernels.launch.FastLaunch`` (the default) and as
+    many through Triton's own launch path (``launch.set_enabled(False)``), alternating one untimed and two timed
+    steps of each; then ``cProfile`` over 2 steps: the 40 Python
     functions with the most own time, and the 30 with the most cumulative time, per step (cProfile's own cost
     inflates both; compare rows with each other).
 
@@ -159,7 +159,7 @@ def render_markdown(doc: dict) -> str:
         lines += ["", f"## Host: where a kdamoe step at {label(host['T'])} spends the host's time", "",
                   f"Step times, Triton kernels launched through kdamoe's short path (the default): "
                   f"{', '.join(_fmt(x, 4) for x in host['fast_launch_ms'])} ms (median "
-                  f"{_fmt(host['fast_launch_median_ms'], 4)}); through Triton's own path (KDAMOE_FAST_LAUNCH=0): "
+                  f"{_fmt(host['fast_launch_median_ms'], 4)}); through Triton's own path: "
                   f"{', '.join(_fmt(x, 4) for x in host['triton_launch_ms'])} ms (median "
                   f"{_fmt(host['triton_launch_median_ms'], 4)}); the two alternate, {host['rounds']} rounds. Under "
                   f"cProfile (short path): {_fmt(host['cprofile_wall_ms'], 4)} ms per step, own time of all functions "
@@ -386,16 +386,17 @@ def run_host(bench: Bench) -> None:
         return
     model, _ = build(bench, "kdamoe")
     try:
-        times = {"1": [], "0": []}
+        from kdamoe.kernels import launch
+
+        times = {True: [], False: []}
         rounds = max(1, a.host_steps // 2)
-        time_steps(bench, model, T, warmup=1, steps=1)  # compiles and tunes (the short path needs both done)
         try:
             for _ in range(rounds):  # alternating, so a drift of the machine touches both settings alike
-                for setting in ("1", "0"):
-                    os.environ["KDAMOE_FAST_LAUNCH"] = setting
-                    times[setting] += time_steps(bench, model, T, warmup=0, steps=2)["steps_ms"]
+                for fast in (True, False):
+                    launch.set_enabled(fast)  # one untimed step each: time_steps empties the allocator's cache first
+                    times[fast] += time_steps(bench, model, T, warmup=1, steps=2)["steps_ms"]
         finally:
-            os.environ["KDAMOE_FAST_LAUNCH"] = "1"
+            launch.set_enabled(True)
         ids = token_ids(bench, T)
         prof = cProfile.Profile()
         bench.sync()
@@ -411,14 +412,14 @@ def run_host(bench: Bench) -> None:
         rows = [{"function": _func_name(f), "calls": v[1] / 2, "own_ms": v[2] / 2 * 1e3, "cum_ms": v[3] / 2 * 1e3}
                 for f, v in stats.items()]
         rec.put("host", f"kdamoe_T{T}", {
-            "T": T, "rounds": rounds, "fast_launch_ms": times["1"], "triton_launch_ms": times["0"],
-            "fast_launch_median_ms": statistics.median(times["1"]),
-            "triton_launch_median_ms": statistics.median(times["0"]),
+            "T": T, "rounds": rounds, "fast_launch_ms": times[True], "triton_launch_ms": times[False],
+            "fast_launch_median_ms": statistics.median(times[True]),
+            "triton_launch_median_ms": statistics.median(times[False]),
             "cprofile_wall_ms": wall, "own_total_ms": sum(r["own_ms"] for r in rows),
             "by_own": sorted(rows, key=lambda r: -r["own_ms"])[:40],
             "by_cumulative": sorted(rows, key=lambda r: -r["cum_ms"])[:30]})
-        print("host", label(T), f"short launch path {statistics.median(times['1']):.1f} ms, Triton's path "
-              f"{statistics.median(times['0']):.1f} ms, cProfile wall {wall:.1f} ms", flush=True)
+        print("host", label(T), f"short launch path {statistics.median(times[True]):.1f} ms, Triton's path "
+              f"{statistics.median(times[False]):.1f} ms, cProfile wall {wall:.1f} ms", flush=True)
     except Exception:
         rec.error("host", f"kdamoe_T{T}")
     del model

@@ -13,7 +13,7 @@ that compiles and autotunes). Cases:
 ``torch_add``
     ``torch.add`` of two ``[64, 1024]`` bf16 tensors, for scale (one ATen op, no Triton).
 
-Both settings of ``KDAMOE_FAST_LAUNCH`` (``1`` short path, ``0`` Triton's) run in alternating rounds in one process.
+The short path and Triton's (``launch.set_enabled(True / False)``) run in alternating rounds in one process.
 Writes ``launch_overhead.json`` into ``--out``.
 
     python3 benchmarks/launch_overhead.py --out "$OUT"     # on the H200
@@ -29,6 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kdamoe.kernels import launch  # noqa: E402
 from kdamoe.kernels.conv.conv import causal_conv1d  # noqa: E402
 from kdamoe.kernels.norm.kernels import norm_forward  # noqa: E402
 
@@ -67,14 +68,14 @@ def main(argv=None) -> int:
         p.error("needs a CUDA device")
     rows = []
     for name, fn in cases("cuda").items():
-        times = {"1": [], "0": []}
+        times = {True: [], False: []}
         for _ in range(a.repeats + 1):
-            for setting in ("1", "0"):
-                os.environ["KDAMOE_FAST_LAUNCH"] = setting
-                times[setting].append(per_call_us(fn, a.calls))
-        os.environ["KDAMOE_FAST_LAUNCH"] = "1"
-        row = {"case": name, "fast_us": statistics.median(times["1"][1:]), "triton_us": statistics.median(times["0"][1:]),
-               "fast_rounds_us": times["1"][1:], "triton_rounds_us": times["0"][1:]}
+            for fast in (True, False):
+                launch.set_enabled(fast)
+                times[fast].append(per_call_us(fn, a.calls))
+        launch.set_enabled(True)
+        row = {"case": name, "fast_us": statistics.median(times[True][1:]), "triton_us": statistics.median(times[False][1:]),
+               "fast_rounds_us": times[True][1:], "triton_rounds_us": times[False][1:]}
         rows.append(row)
         print(f"{name}: short path {row['fast_us']:.1f} µs/call, Triton's path {row['triton_us']:.1f} µs/call", flush=True)
     os.makedirs(a.out, exist_ok=True)

@@ -21,8 +21,8 @@ Anything the short path does not handle goes through Triton's own ``kernel[grid]
 (compilation, autotuning), a config with a ``pre_hook``, pre-run hooks, launch hooks (Triton's profiler) or a pipeline
 inspection hook. What is skipped is the check that globals a kernel reads did not change after compilation (ours read
 none) and Python-side bookkeeping (``Autotuner.nargs``). Under the CPU interpreter (``TRITON_INTERPRET=1``) kernels
-are not wrapped at all. ``KDAMOE_FAST_LAUNCH=0`` (read at launch) sends every launch through Triton's path, for a
-comparison (``benchmarks/launch_overhead.py``).
+are not wrapped at all. ``KDAMOE_FAST_LAUNCH=0`` (read at import) sends every launch through Triton's path, for a
+comparison (``benchmarks/launch_overhead.py``); so does :func:`set_enabled`.
 
 Written against Triton 3.6 (``triton/runtime/jit.py``, ``JITFunction.run``; ``triton/runtime/autotuner.py``,
 ``Autotuner.run``) and checked against 3.7: other versions keep the interface through ``triton.__version__`` checked
@@ -42,11 +42,30 @@ except ImportError:  # pragma: no cover - Triton < 3.4 has no knobs module: not 
     knobs = None
 
 _SUPPORTED = ("3.6.", "3.7.")  # the versions whose JITFunction.run / Autotuner.run this module mirrors
+# the device index and raw stream handle as Triton's CUDA driver reads them (without building a torch.cuda.Stream)
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
+                          lambda device: torch.cuda.current_stream(device).cuda_stream)
+
+
+_ENABLED = os.environ.get("KDAMOE_FAST_LAUNCH", "1") != "0"
 
 
 def enabled() -> bool:
-    """Whether launches take the short path (``KDAMOE_FAST_LAUNCH`` is not ``"0"``); read at every launch."""
-    return os.environ.get("KDAMOE_FAST_LAUNCH", "1") != "0"
+    """Whether launches take the short path: ``KDAMOE_FAST_LAUNCH`` (not ``"0"``) at import, or :func:`set_enabled`."""
+    return _ENABLED
+
+
+def set_enabled(value: bool) -> None:
+    """Send later launches through the short path (True) or Triton's own (False), e.g. to compare the two."""
+    global _ENABLED
+    _ENABLED = bool(value)
+
+
+def _unhooked(hook) -> bool:
+    """A launch hook that does nothing: None (Triton 3.7) or an empty ``HookChain`` (Triton 3.6's default, which
+    Triton's path still calls twice per launch, with a launch-metadata dict built for it)."""
+    return hook is None or (type(hook).__name__ == "HookChain" and not hook.calls)
 
 
 class FastLaunch:
@@ -80,7 +99,7 @@ class FastLaunch:
     def run(self, grid, args: tuple, kwargs: dict):
         """Launch on ``grid`` (a tuple or a callable of the bound arguments); returns what Triton's launch returns
         on its path and the compiled kernel on the short one."""
-        if not enabled():
+        if not _ENABLED:
             return self._slow(grid, args, kwargs)
         at = self.autotuner
         if at is not None:
@@ -91,7 +110,9 @@ class FastLaunch:
                         named[name] = value
                 # Autotuner.run's key: the key arguments' values, then str(dtype) of each argument with a dtype
                 key = [named[k] for k in at.keys if k in named]
-                key.extend(str(v.dtype) for v in named.values() if hasattr(v, "dtype"))
+                for value in named.values():
+                    if hasattr(value, "dtype"):
+                        key.append(str(value.dtype))
                 config = at.cache.get(tuple(key))
                 if config is None:  # not tuned yet: Triton tunes and launches
                     return self._slow(grid, args, kwargs)
@@ -110,14 +131,15 @@ class FastLaunch:
     def _run_jit(self, grid, args, kwargs):
         jit = self.jit
         runtime = knobs.runtime
-        if (jit.pre_run_hooks or runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+        if (jit.pre_run_hooks or not _unhooked(runtime.launch_enter_hook) or not _unhooked(runtime.launch_exit_hook)
                 or getattr(runtime, "add_stages_inspection_hook", None) is not None):
             self.slow += 1
             return jit.run(*args, grid=grid, warmup=False, **kwargs)
-        # the two options JITFunction.run adds before binding: part of the compiled kernel's key
+        # the two options JITFunction.run adds before binding, part of the compiled kernel's key (the instrumentation
+        # mode is an environment read on each access, so it is read once per process here)
         kwargs["debug"] = kwargs.get("debug", jit.debug) or runtime.debug
-        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        device = torch.cuda.current_device()
+        kwargs["instrumentation_mode"] = _instrumentation_mode()
+        device = _current_device()
         kernel_cache, kernel_key_cache, _target, _backend, binder = jit.device_caches[device]
         bound_args, specialization, options = binder(*args, **kwargs)
         kernel = kernel_cache.get(compute_cache_key(kernel_key_cache, specialization, options))
@@ -131,10 +153,20 @@ class FastLaunch:
             kernel = kernel.result()
         launcher = kernel.run  # first: loads the binary, which sets kernel.function
         launcher(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
-                 torch.cuda.current_stream(device).cuda_stream, kernel.function, kernel.packed_metadata,
+                 _current_stream(device), kernel.function, kernel.packed_metadata,
                  None, None, None, *bound_args.values())
         self.fast += 1
         return kernel
+
+
+_INSTRUMENTATION = []
+
+
+def _instrumentation_mode():
+    """``knobs.compilation.instrumentation_mode`` (``TRITON_INSTRUMENTATION_MODE``) as first read by this process."""
+    if not _INSTRUMENTATION:
+        _INSTRUMENTATION.append(knobs.compilation.instrumentation_mode)
+    return _INSTRUMENTATION[0]
 
 
 def fast_launch(kernel):

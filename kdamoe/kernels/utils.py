@@ -81,6 +81,18 @@ def cached_arange(n: int, dtype: torch.dtype, device: torch.device) -> torch.Ten
                            lambda: torch.arange(n, dtype=dtype, device=device))
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of Python ints, on the host (``triton.cdiv`` is a ``constexpr_function`` in Triton 3.6 whose call
+    unwraps its arguments: ~10× the cost, ~750 calls in a training step)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 ≥ ``n`` (``n`` itself for 0 and 1), on the host: ``triton.next_power_of_2``'s result
+    without its ``constexpr_function`` wrapper (see :func:`cdiv`)."""
+    return n if n <= 1 else 1 << (n - 1).bit_length()
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (a host-side property, no sync); 1 for any other device."""
@@ -92,8 +104,8 @@ def sm_count(device: torch.device) -> int:
 def row_tile(n_rows: int, D: int, block_elems: int) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_D, num_warps)`` of a row-wise kernel that holds whole rows of ``D`` columns: as many rows as
     fit ``block_elems`` elements (float32 registers per program), one warp per 512 elements, at most 16."""
-    block_d = triton.next_power_of_2(D)
-    block_m = min(triton.next_power_of_2(n_rows), max(1, block_elems // block_d))
+    block_d = next_power_of_2(D)
+    block_m = min(next_power_of_2(n_rows), max(1, block_elems // block_d))
     return block_m, block_d, min(16, max(1, block_m * block_d // 512))
 
 

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from kdamoe.kernels import launch
 from kdamoe.kernels.launch import FastLaunch, fast_launch
 from kdamoe.kernels.moe import grouped_gemm
 from kdamoe.kernels.norm import kernels as norm_kernels
@@ -31,7 +32,7 @@ def test_interpreter_kernels_are_not_wrapped():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs KDAMOE_TEST_ON_GPU=1 and CUDA")
-def test_short_path_matches_tritons_path(monkeypatch):
+def test_short_path_matches_tritons_path():
     """A plain kernel (the RMSNorm forward) and an autotuned one (the causal conv forward) give the same bits through
     both paths; after the first call (compile, tune) every call takes the short path."""
     from kdamoe.kernels.conv import forward as conv_forward
@@ -47,9 +48,11 @@ def test_short_path_matches_tritons_path(monkeypatch):
              (conv_forward._conv_fwd_kernel, lambda: causal_conv1d(xc, wc, output_final_state=False)[0])]
     for kernel, op in cases:
         assert isinstance(kernel, FastLaunch)
-        monkeypatch.setenv("KDAMOE_FAST_LAUNCH", "0")
-        want = op()
-        monkeypatch.setenv("KDAMOE_FAST_LAUNCH", "1")
+        launch.set_enabled(False)
+        try:
+            want = op()
+        finally:
+            launch.set_enabled(True)
         fast_before = kernel.fast
         got = [op() for _ in range(3)]
         torch.cuda.synchronize()

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..launch import fast_launch
-from ..utils import partial_programs, row_tile
+from ..utils import cdiv, partial_programs, row_tile
 
 MAX_D = 8192  # the whole last dim sits in one block
 BLOCK_ELEMS = 4096  # rows × columns of one tile (fp32 registers per program and per live tile)
@@ -116,7 +116,7 @@ def attnres_forward(sources, query, key_weight, eps, out_dtype):
     if n_rows == 0:
         return out, lse
     block_m, block_d, warps = row_tile(n_rows, D, BLOCK_ELEMS)
-    _forward_kernel[(triton.cdiv(n_rows, block_m),)](
+    _forward_kernel[(cdiv(n_rows, block_m),)](
         tuple(sources), query, key_weight, out, lse, n_rows, D, eps,
         S=len(sources), BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps,
     )
@@ -131,7 +131,7 @@ def attnres_backward(sources, query, key_weight, lse, dh, eps):
     if n_rows == 0:
         return dv, torch.zeros(D, dtype=torch.float32, device=dh.device)
     block_m, block_d, warps = row_tile(n_rows, D, BLOCK_ELEMS)
-    n_blocks = triton.cdiv(n_rows, block_m)
+    n_blocks = cdiv(n_rows, block_m)
     programs = partial_programs(n_blocks, dh.device, BACKWARD_PROGRAMS_PER_SM)
     partial = torch.empty((programs, D), dtype=torch.float32, device=dh.device)
     _backward_kernel[(programs,)](

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import autotune
+from ..utils import autotune, cdiv
 from .forward import TILE_CONFIGS, MAX_PARTS, conv_rows, part_cols, part_ptr
 
 BT_DX = 64  # fixed: it sets the number of dweight partials (one per BT_DX rows of each batch row)
@@ -147,7 +147,7 @@ def conv_bwd(x, weight, state, seq_idx, dys, state_grad):
     W = weight.shape[1]
     parts = len(dys)
     CP = C // parts
-    NT = triton.cdiv(T, BT_DX)
+    NT = cdiv(T, BT_DX)
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     dstate = torch.zeros(B, C, W, dtype=torch.float32, device=x.device) if state_grad else None  # slot 0 stays 0
     if B * T * C == 0:
@@ -156,10 +156,10 @@ def conv_bwd(x, weight, state, seq_idx, dys, state_grad):
     dw_part = torch.empty(B * NT, C, W, dtype=torch.float32, device=x.device)  # every entry is written
     has_state, has_seq = state is not None, seq_idx is not None
     dy0, dy1, dy2 = (list(dys) + [dys[0]] * MAX_PARTS)[:MAX_PARTS]
-    _conv_bwd_dpre_kernel[lambda meta: (triton.cdiv(T, meta["BT"]), parts * triton.cdiv(CP, meta["BC"]), B)](
+    _conv_bwd_dpre_kernel[lambda meta: (cdiv(T, meta["BT"]), parts * cdiv(CP, meta["BC"]), B)](
         x, weight, state, seq_idx, dy0, dy1, dy2, dpre, T, C, CP, x.stride(1), W=W, PARTS=parts,
         HAS_STATE=has_state, HAS_SEQ=has_seq)
-    _conv_bwd_dx_kernel[lambda meta: (NT, triton.cdiv(C, meta["BC"]), B)](
+    _conv_bwd_dx_kernel[lambda meta: (NT, cdiv(C, meta["BC"]), B)](
         dpre, x, weight, state, seq_idx, dx, dw_part, dstate, T, C, x.stride(1), NT, W=W, BT=BT_DX,
         HAS_STATE=has_state, HAS_SEQ=has_seq, STATE_GRAD=bool(state_grad))
     return dx, dw_part.sum(0), dstate

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import autotune
+from ..utils import autotune, cdiv
 
 TILE_CONFIGS = [triton.Config({"BT": 64, "BC": 64}, num_warps=4), triton.Config({"BT": 32, "BC": 128}, num_warps=4),
                 triton.Config({"BT": 128, "BC": 64}, num_warps=8), triton.Config({"BT": 64, "BC": 128}, num_warps=8),
@@ -121,7 +121,7 @@ def conv_fwd(x, weight, state, seq_idx, parts):
     ys = [torch.empty(B, T, CP, dtype=x.dtype, device=x.device) for _ in range(parts)]
     if B * T * C == 0:
         return ys
-    grid = lambda meta: (triton.cdiv(T, meta["BT"]), parts * triton.cdiv(CP, meta["BC"]), B)
+    grid = lambda meta: (cdiv(T, meta["BT"]), parts * cdiv(CP, meta["BC"]), B)
     y0, y1, y2 = (ys + ys[:1] * MAX_PARTS)[:MAX_PARTS]
     _conv_fwd_kernel[grid](x, weight, state, seq_idx, y0, y1, y2, T, C, CP, x.stride(1), W=W, PARTS=parts,
                            HAS_STATE=state is not None, HAS_SEQ=seq_idx is not None)

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import autotune
+from ..utils import autotune, cdiv, next_power_of_2
 
 _UPDATE_CONFIGS = [triton.Config({"BC": 128}, num_warps=4), triton.Config({"BC": 256}, num_warps=4),
                    triton.Config({"BC": 64}, num_warps=2), triton.Config({"BC": 512}, num_warps=8)]
@@ -41,6 +41,6 @@ def conv_update(x, state, weight):
     y = torch.empty_like(x)
     new_state = torch.empty(B, C, W, dtype=x.dtype, device=x.device)
     if B * C > 0:
-        grid = lambda meta: (triton.cdiv(C, meta["BC"]), B)
-        _conv_update_kernel[grid](x, state, weight, y, new_state, C, W=W, BW=triton.next_power_of_2(W))
+        grid = lambda meta: (cdiv(C, meta["BC"]), B)
+        _conv_update_kernel[grid](x, state, weight, y, new_state, C, W=W, BW=next_power_of_2(W))
     return y, new_state

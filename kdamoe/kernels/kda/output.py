@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ..launch import fast_launch
-from ..utils import autotune
+from ..utils import autotune, cdiv
 from .prepare import BT, chunk_bounds
 
 OUT_BV = 64
@@ -49,7 +49,7 @@ def output_fwd(qg, h, vnew, Aqk, chunk_idx, cu_seqlens, NC):
     V = vnew.shape[-1]
     o = torch.empty_like(vnew)
     if NC > 0:
-        grid = lambda meta: (NC, H, triton.cdiv(V, meta['BV']))
+        grid = lambda meta: (NC, H, cdiv(V, meta['BV']))
         _output_fwd_kernel[grid](qg, h, vnew, Aqk, o, chunk_idx, cu_seqlens, H=H, K=K, V=V, BT=BT)
     return o
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import autotune, cached_constant
+from ..utils import autotune, cached_constant, cdiv
 
 BT = 64  # chunk length (tokens); 4 sub-chunks of 16
 BS = 16  # sub-chunk length
@@ -46,7 +46,7 @@ def chunk_table(cu_seqlens: torch.Tensor, total_tokens: int, uniform_len: int = 
     N = cu_seqlens.numel() - 1
     if uniform_len is not None:
         # depends on (N, per) only: built once and reused (seven launches per call before), read-only
-        per = triton.cdiv(uniform_len, BT)
+        per = cdiv(uniform_len, BT)
         return cached_constant(("kda_chunk_table", N, per, device), lambda: _uniform_chunk_table(N, per, device))
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
     per = (lens + BT - 1) // BT

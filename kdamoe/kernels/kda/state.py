@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import autotune
+from ..utils import autotune, cdiv
 from .prepare import BT
 
 # Value-block width, warps and pipeline depth of the sequential passes (cdiv(V, BV) · N · H programs run at
@@ -76,7 +76,7 @@ def state_fwd(w, u, kg, G, h0, cu_seqlens, chunk_offsets, NC, N, output_final_st
     h = torch.empty(NC, H, K, V, dtype=w.dtype, device=w.device)
     vnew = torch.empty_like(u)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=w.device) if output_final_state else None
-    grid = lambda meta: (triton.cdiv(V, meta['BV']), N * H)
+    grid = lambda meta: (cdiv(V, meta['BV']), N * H)
     _state_fwd_kernel[grid](w, u, kg, G, h, vnew, h0, ht, cu_seqlens, chunk_offsets, H=H, K=K, V=V, BT=BT,
                             HAS_H0=h0 is not None, STORE_FINAL=output_final_state)
     return h, vnew, ht
@@ -134,7 +134,7 @@ def state_bwd(qg, G, w, kg, do, dvl, dht, cu_seqlens, chunk_offsets, NC, N, need
     dh = torch.empty(NC, H, K, V, dtype=w.dtype, device=w.device)
     dvnew = torch.empty_like(do)
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=w.device) if need_dh0 else None
-    grid = lambda meta: (triton.cdiv(V, meta['BV']), N * H)
+    grid = lambda meta: (cdiv(V, meta['BV']), N * H)
     _state_bwd_kernel[grid](qg, G, w, kg, do, dvl, dh, dvnew, dht, dh0, cu_seqlens, chunk_offsets,
                             H=H, K=K, V=V, BT=BT, HAS_DHT=dht is not None, HAS_H0=need_dh0)
     return dh, dvnew, dh0

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..launch import fast_launch
+from ..utils import next_power_of_2
 
 MAX_BLOCK_V = 4096  # columns per loop step; larger rows loop, smaller ones use next_pow2(V)
 
@@ -97,7 +98,7 @@ def _launch_config(V: int) -> tuple[int, int]:
     """``(BLOCK_V, num_warps)``: next_pow2(V) up to :data:`MAX_BLOCK_V` columns per step, one warp per 512 columns
     (16 elements per thread at the maximum), at least one. Fixed, not autotuned: a launch costs no timing runs, and
     the rows are long enough that the loop, not the tile shape, decides the bandwidth."""
-    block = min(MAX_BLOCK_V, triton.next_power_of_2(V))
+    block = min(MAX_BLOCK_V, next_power_of_2(V))
     return block, max(1, min(8, block // 512))
 
 

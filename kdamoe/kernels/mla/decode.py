@@ -45,7 +45,7 @@ import triton.language as tl
 
 from ...mla_torch import check_latent_attention_args
 from ..launch import fast_launch
-from ..utils import is_interpreter, sm_count
+from ..utils import cdiv, is_interpreter, next_power_of_2, sm_count
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 COMBINE_BLOCK_R = 32  # R chunk of one combine program: 8 rows × (256 / 32) = 64 programs at B = 1, T = 1
@@ -156,7 +156,7 @@ def block_sizes(M: int, R: int) -> tuple[int, int, int]:
 def num_splits(B: int, row_blocks: int, key_blocks: int, sms: int) -> int:
     """Splits ``P`` of the key axis: about ``PROGRAMS_PER_SM`` programs per SM over ``B · row_blocks · P``,
     at most one split per key block of the buffer. Depends on shapes only (CUDA-graph safe)."""
-    return max(1, min(key_blocks, triton.cdiv(PROGRAMS_PER_SM * sms, B * row_blocks)))
+    return max(1, min(key_blocks, cdiv(PROGRAMS_PER_SM * sms, B * row_blocks)))
 
 
 def _validate(q, latent, seq_len, key_mask):
@@ -210,8 +210,8 @@ def latent_attention(q, latent, seq_len, scale, key_mask=None):
     if key_mask is not None and key_mask.dtype == torch.bool:
         key_mask = key_mask.view(torch.uint8)  # same bytes, a plain integer pointer for Triton
     block_m, block_n, num_warps = block_sizes(M, R)
-    row_blocks = triton.cdiv(M, block_m)
-    P = num_splits(B, row_blocks, triton.cdiv(S_lim, block_n), sm_count(q.device))
+    row_blocks = cdiv(M, block_m)
+    P = num_splits(B, row_blocks, cdiv(S_lim, block_n), sm_count(q.device))
     acc_ws = torch.empty(B, P, M, R, dtype=torch.float32, device=q.device)
     m_ws = torch.empty(B, P, M, dtype=torch.float32, device=q.device)
     l_ws = torch.empty(B, P, M, dtype=torch.float32, device=q.device)
@@ -225,6 +225,6 @@ def latent_attention(q, latent, seq_len, scale, key_mask=None):
     block_r = min(R, COMBINE_BLOCK_R)
     _combine_kernel[(M, R // block_r, B)](
         acc_ws, m_ws, l_ws, o, seq_len, T, H, M, P, S_lim, o.stride(0),
-        R=R, BLOCK_N=block_n, BLOCK_P=triton.next_power_of_2(P), CHUNK_P=COMBINE_CHUNK_P, BLOCK_R=block_r,
+        R=R, BLOCK_N=block_n, BLOCK_P=next_power_of_2(P), CHUNK_P=COMBINE_CHUNK_P, BLOCK_R=block_r,
         num_warps=4)
     return o

@@ -4,9 +4,8 @@ Inference on few routed rows (a decode step) takes the two-kernel GEMV path of `
 """
 
 import torch
-import triton
 
-from ..utils import cached_arange, is_interpreter
+from ..utils import cached_arange, cdiv, is_interpreter
 from .activation import ACTIVATIONS
 from .gemv import moe_experts_gemv
 from .grouped_gemm import _combine_kernel, _gate_up_fwd_kernel, _glu_rows_bwd_kernel, _rows_gemm_kernel, _wgrad_kernel
@@ -102,7 +101,7 @@ class _Plan:
         self.bm = _block_m(self.m, num_experts)
         self.tile_offs = tile_offsets(counts, self.bm)
         # upper bound Σ_e ceil(c_e/BM) <= ceil(M/BM) + E without a host sync; extra programs exit at once
-        self.max_tiles = triton.cdiv(self.m, self.bm) + num_experts
+        self.max_tiles = cdiv(self.m, self.bm) + num_experts
         # every expert, so empty experts store zero weight gradients and the gradients can be torch.empty
         # (both aranges are cached constants, read only: no launch per call)
         self.wgrad_experts = cached_arange(num_experts, torch.int32, top_k_index.device)
@@ -133,7 +132,7 @@ def _interpreter_launch(plan: _Plan, counts: torch.Tensor) -> None:
 
 
 def _rows_gemm(plan, a, b, out, n_out, k_dim, stride_am, stride_be, stride_bk, stride_bn, gather_a, sorted_out, prec):
-    grid = lambda meta: (plan.max_tiles * triton.cdiv(n_out, meta["BN"]),)  # noqa: E731
+    grid = lambda meta: (plan.max_tiles * cdiv(n_out, meta["BN"]),)  # noqa: E731
     _rows_gemm_kernel[grid](
         a, b, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, out,
         plan.e, n_out, k_dim, plan.k, stride_am, stride_be, stride_bk, stride_bn,
@@ -147,7 +146,7 @@ GLU_ROWS, GLU_COLS = 32, 64
 
 
 def _glu_rows_bwd(plan, dg, h, w, dh, dw, act, betas):
-    _glu_rows_bwd_kernel[(triton.cdiv(plan.m, GLU_ROWS),)](
+    _glu_rows_bwd_kernel[(cdiv(plan.m, GLU_ROWS),)](
         dg, h, plan.order, plan.row_offs, w, dh, dw, plan.m, plan.e, dg.shape[1], betas[0], betas[1],
         ACT=act, BR=GLU_ROWS, BI=GLU_COLS, num_warps=4,
     )
@@ -155,7 +154,7 @@ def _glu_rows_bwd(plan, dg, h, w, dh, dw, act, betas):
 
 def _wgrad(plan, a, b, out, p, q, stride_am, stride_bm, gather_a, gather_b, prec):
     n_exp = plan.wgrad_experts.numel()
-    grid = lambda meta: (n_exp * triton.cdiv(p, meta["BP"]) * triton.cdiv(q, meta["BQ"]),)  # noqa: E731
+    grid = lambda meta: (n_exp * cdiv(p, meta["BP"]) * cdiv(q, meta["BQ"]),)  # noqa: E731
     _wgrad_kernel[grid](
         a, b, plan.order, plan.row_offs, plan.wgrad_experts, out, plan.e, p, q, plan.k, stride_am, stride_bm,
         GATHER_A=gather_a, GATHER_B=gather_b, PREC=prec,
@@ -170,7 +169,7 @@ def _weight_grad_buffer(plan: _Plan, weight: torch.Tensor) -> torch.Tensor:
 def _combine(y, top_k_index, out, num_experts):
     n, hid = out.shape
     bt, bl = 16, 256
-    grid = (triton.cdiv(n, bt), triton.cdiv(hid, bl))
+    grid = (cdiv(n, bt), cdiv(hid, bl))
     _combine_kernel[grid](y, top_k_index, out, n, hid, num_experts, TOPK=top_k_index.shape[1], BT=bt, BL=bl,
                           num_warps=4)
 
@@ -194,7 +193,7 @@ class MoEExpertsFunction(torch.autograd.Function):
         # the weighted slot output, and ∂W2 = Σ ∂out[tok]ᵀ g_w a plain GEMM
         g = torch.empty(plan.m, inter, device=x.device, dtype=dt)
         h = torch.empty(plan.m if save_h else 1, two_i, device=x.device, dtype=dt)
-        grid = lambda meta: (plan.max_tiles * triton.cdiv(inter, meta["BN"]),)  # noqa: E731
+        grid = lambda meta: (plan.max_tiles * cdiv(inter, meta["BN"]),)  # noqa: E731
         _gate_up_fwd_kernel[grid](
             x, w1, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, w, g, h, e, inter, hid, plan.k,
             beta1, beta2,

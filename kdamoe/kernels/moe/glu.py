@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..launch import fast_launch
-from ..utils import is_interpreter
+from ..utils import cdiv, is_interpreter
 from .activation import ACTIVATIONS, glu_backward, glu_forward
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -63,7 +63,7 @@ def _glu_bwd_kernel(gate, up, dout, dgate, dup, n, width, stride_gate, stride_up
 
 
 def _grid(n: int):
-    return (triton.cdiv(n, BLOCK),)
+    return (cdiv(n, BLOCK),)
 
 
 class GLUFunction(torch.autograd.Function):

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ..launch import fast_launch
-from ..utils import is_interpreter
+from ..utils import cdiv, is_interpreter, next_power_of_2
 
 
 @fast_launch
@@ -160,12 +160,12 @@ class _RouteFunction(torch.autograd.Function):
         w = torch.empty(n, top_k, device=x.device, dtype=torch.float32)
         hist_on, count_on = histogram is not None, counts is not None
         mask = token_mask if token_mask is not None else w
-        ep = triton.next_power_of_2(e)
+        ep = next_power_of_2(e)
         bt = _route_block_tokens(ep)
-        _route_kernel[(triton.cdiv(n, bt),)](
+        _route_kernel[(cdiv(n, bt),)](
             x, bias, mask, idx, w, counts if count_on else w, histogram if hist_on else w,
             n, e, x.stride(0), float(scaling),
-            TOPK=top_k, KP=triton.next_power_of_2(top_k), HAS_MASK=token_mask is not None, COUNT=count_on,
+            TOPK=top_k, KP=next_power_of_2(top_k), HAS_MASK=token_mask is not None, COUNT=count_on,
             HIST=hist_on, NUM_BINS=num_bins if hist_on else 1, BT=bt, EP=ep, num_warps=4 if ep <= 256 else 8,
         )
         ctx.save_for_backward(x, idx)
@@ -179,11 +179,11 @@ class _RouteFunction(torch.autograd.Function):
         n, e = x.shape
         top_k = idx.shape[1]
         dlogits = torch.empty(n, e, device=x.device, dtype=x.dtype)  # every entry is written
-        ep = triton.next_power_of_2(e)
+        ep = next_power_of_2(e)
         bt = _route_block_tokens(ep)
-        _route_bwd_kernel[(triton.cdiv(n, bt),)](
+        _route_bwd_kernel[(cdiv(n, bt),)](
             x, idx, dw.contiguous(), dlogits, n, e, x.stride(0), ctx.scaling,
-            TOPK=top_k, KP=triton.next_power_of_2(top_k), BT=bt, EP=ep, num_warps=4 if ep <= 256 else 8,
+            TOPK=top_k, KP=next_power_of_2(top_k), BT=bt, EP=ep, num_warps=4 if ep <= 256 else 8,
         )
         return dlogits, None, None, None, None, None, None, None
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ..launch import fast_launch
-from ..utils import partial_programs, row_tile
+from ..utils import cdiv, partial_programs, row_tile
 
 MAX_D = 8192  # the whole last dim sits in one block
 BLOCK_ELEMS = 4096  # rows × columns of one forward / backward tile (fp32 registers per program)
@@ -141,7 +141,7 @@ def norm_forward(x2, gate2, weight, eps, out_dtype, n_dtype, residual2=None, h_d
         has_gate = gate2 is not None
         g = gate2 if has_gate else x2
         r = residual2 if has_res else x2
-        _forward_kernel[(triton.cdiv(n_rows, block_m),)](
+        _forward_kernel[(cdiv(n_rows, block_m),)](
             x2, r, g, weight, out, h if has_res else out, n_rows, D, x2.stride(0), r.stride(0), g.stride(0), eps,
             N_CODE=_CODES[n_dtype], HAS_GATE=has_gate, HAS_RES=has_res, BLOCK_M=block_m, BLOCK_D=block_d,
             num_warps=warps,
@@ -159,7 +159,7 @@ def norm_backward(x2, gate2, weight, dout2, eps, n_dtype, dres2=None):
     if n_rows == 0:
         return dx, dg, torch.zeros(D, dtype=torch.float32, device=x2.device)
     block_m, block_d, warps = row_tile(n_rows, D, BLOCK_ELEMS)
-    n_blocks = triton.cdiv(n_rows, block_m)
+    n_blocks = cdiv(n_rows, block_m)
     programs = partial_programs(n_blocks, x2.device, BACKWARD_PROGRAMS_PER_SM)
     partial = torch.empty((programs, D), dtype=torch.float32, device=x2.device)
     g = gate2 if has_gate else x2
