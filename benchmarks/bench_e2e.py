@@ -30,6 +30,12 @@ Parts (``--only``, comma list; default all, in this order):
     kdamoe in the training recipe's shape, ``moe_latent_size=512``, ``attnres_num_blocks=4`` (the routed experts
     run in a 512-wide latent, Block Attention Residuals over 4 blocks), at ``--recipe-t`` (32K, then 8K);
     compared with kdamoe's plain shape at the same length.
+``graph``
+    kdamoe's plain shape, then the recipe shape, through ``kdamoe.train_graph.TrainStepGraph`` (the step captured as
+    a CUDA graph and replayed) at ``--graph-t`` (8K, 32K): one eager step first (its loss is recorded next to the
+    graphed steps'), then a first call that warms up and captures (timed apart), ``--warmup`` untimed and ``--steps``
+    timed calls, each timed between synchronisations like the eager step. Rows: plain graphed vs native + fla, recipe
+    graphed vs plain graphed. CUDA only (the tiny CPU mode records the error TrainStepGraph raises).
 ``profile``
     One kdamoe step at each of ``--profile-t`` (32K, then 8K), then one recipe-shape step at each of
     ``--profile-recipe-t`` (none by default), under ``torch.profiler`` (CPU + CUDA activity),
@@ -71,7 +77,7 @@ from bench_long_context import (  # noqa: E402  (the benchmarks folder is not a 
     label, run_part, stack_versions,
 )
 
-PARTS = ("kdamoe", "native", "recipe", "profile", "host")
+PARTS = ("kdamoe", "native", "recipe", "graph", "profile", "host")
 RECIPE = {"moe_latent_size": 512, "attnres_num_blocks": 4}
 TINY_RECIPE = {"moe_latent_size": 32, "attnres_num_blocks": 2}
 PLAIN = "plain"
@@ -106,6 +112,18 @@ def make_rows(raw: dict) -> list[dict]:
         o, p = recipe.get(f"train_T{T}"), ours.get(f"train_T{T}")
         rows.append({**_row(f"recipe shape train step {label(T)}", _num(o, "median_ms"), PLAIN, _num(p, "median_ms"),
                             **_side("ours", o), **_side("peer", p)), "ours": "kdamoe recipe"})
+    graph = raw.get("graph", {})
+    plain_g = {k[len("kdamoe_"):]: v for k, v in graph.items() if k.startswith("kdamoe_")}
+    recipe_g = {k[len("recipe_"):]: v for k, v in graph.items() if k.startswith("recipe_")}
+    for T in lengths(plain_g):
+        o, p = plain_g.get(f"train_T{T}"), native.get(f"train_T{T}")
+        rows.append({**_row(f"CUDA-graph train step {label(T)}", _num(o, "median_ms"), NATIVE, _num(p, "median_ms"),
+                            **_side("ours", o), **_side("peer", p)), "ours": "kdamoe, TrainStepGraph"})
+    for T in lengths(recipe_g):
+        o, p = recipe_g.get(f"train_T{T}"), plain_g.get(f"train_T{T}")
+        rows.append({**_row(f"recipe shape CUDA-graph train step {label(T)}", _num(o, "median_ms"), "plain graphed",
+                            _num(p, "median_ms"), **_side("ours", o), **_side("peer", p)),
+                     "ours": "kdamoe recipe, TrainStepGraph"})
     return rows
 
 
@@ -311,6 +329,53 @@ def run_train(bench: Bench, part: str) -> None:
     bench.free()
 
 
+def run_graph(bench: Bench) -> None:
+    """The ``graph`` part (module docstring): kdamoe's plain and recipe shapes through ``TrainStepGraph``."""
+    from kdamoe.train_graph import TrainStepGraph
+
+    a, rec = bench.args, bench.rec
+    for part in ("kdamoe", "recipe"):
+        if not rec.need("graph", f"{part}_model", bench.est(30) + step_estimate(bench, min(a.graph_t), 4 + a.steps)):
+            continue
+        model, info = build(bench, part)
+        for T in a.graph_t:
+            key = f"{part}_train_T{T}"
+            if not rec.need("graph", key, step_estimate(bench, T, 6 + a.warmup + a.steps)):
+                continue
+            try:
+                ids = token_ids(bench, T)
+                eager = train_step(model, ids).item()  # the same step eagerly, for the loss check
+                step = TrainStepGraph(model)
+                times, losses = [], []
+                for i in range(1 + a.warmup + a.steps):  # the first call warms up and captures
+                    bench.sync()
+                    t0 = time.perf_counter()
+                    loss = step(ids)
+                    bench.sync()
+                    times.append((time.perf_counter() - t0) * 1e3)
+                    losses.append(loss.item())
+                    if i == a.warmup and bench.cuda:
+                        torch.cuda.reset_peak_memory_stats()
+                timed = times[1 + a.warmup:]
+                median = statistics.median(timed)
+                stats = {"T": T, "median_ms": median, "steps_ms": timed, "capture_call_ms": times[0],
+                         "warmup_ms": times[1:1 + a.warmup], "tok_s": T / median * 1e3,
+                         "mfu": 6 * info["params_active"] * (T / median * 1e3) / (a.peak_tflops * 1e12),
+                         "peak_gib": torch.cuda.max_memory_allocated() / GIB if bench.cuda else None,
+                         "eager_loss": eager, "graph_losses": losses, "captures": step.captures}
+                if not all(math.isfinite(x) for x in losses):
+                    raise FloatingPointError(f"non-finite loss at T={T}: {losses}")
+                rec.put("graph", key, stats)
+                print("graph", part, label(T), f"{median:.1f} ms, loss {losses[-1]:.6f} vs eager {eager:.6f}", flush=True)
+                del step
+            except Exception:
+                rec.error("graph", key)
+            model.zero_grad(set_to_none=True)
+            bench.free()
+        del model
+        bench.free()
+
+
 def run_profile(bench: Bench) -> None:
     """One kdamoe step at each ``--profile-t`` length, then one recipe-shape step at each ``--profile-recipe-t``
     length, under ``torch.profiler`` (module docstring, ``profile``)."""
@@ -440,6 +505,7 @@ def parse_args(argv=None):
                    help="deadline: measurements that do not fit in what is left are recorded as 'skipped: time'")
     p.add_argument("--train-t", type=ints, default=None, help="kdamoe and native lengths (default 8K,32K)")
     p.add_argument("--recipe-t", type=ints, default=None, help="recipe-shape lengths, in this order (default 32K,8K)")
+    p.add_argument("--graph-t", type=ints, default=None, help="the graph part's lengths (default 8K,32K)")
     p.add_argument("--profile-t", type=ints, default=None, help="the profiled steps' lengths, in order (default 32K,8K)")
     p.add_argument("--profile-recipe-t", type=ints, default=[], help="recipe-shape profiled lengths (default none)")
     p.add_argument("--profile-steps", type=int, default=1, help="profiled steps")
@@ -451,6 +517,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     defaults = dict(train_t=[64, 128] if a.tiny else [8 * K, 32 * K], recipe_t=[128, 64] if a.tiny else [32 * K, 8 * K],
                     profile_t=[64] if a.tiny else [32 * K, 8 * K], warmup=1 if a.tiny else 2, steps=2 if a.tiny else 5,
+                    graph_t=[64] if a.tiny else [8 * K, 32 * K],
                     host_t=64 if a.tiny else 8 * K)
     for name, value in defaults.items():
         if getattr(a, name) is None:
@@ -494,7 +561,8 @@ def main(argv=None) -> int:
     rec.save()
     print("stack:", rec.stack, flush=True)
     for part in a.only:  # in the order asked
-        fn = {"profile": lambda: run_profile(bench), "host": lambda: run_host(bench)}.get(part, lambda: run_train(bench, part))
+        fn = {"profile": lambda: run_profile(bench), "host": lambda: run_host(bench),
+              "graph": lambda: run_graph(bench)}.get(part, lambda: run_train(bench, part))
         run_part(bench, part, fn)
     rec.save()
     with open(os.path.join(a.out, "e2e.md")) as f:

@@ -517,7 +517,12 @@ class KDAMoETopkRouter(nn.Module):
         self.reset_statistics()
 
     def reset_statistics(self):
-        """Forget the tokens counted since the last bias update."""
+        """Forget the tokens counted since the last bias update. Once allocated, the statistics are zeroed in place, so
+        a captured training step (``train_graph.TrainStepGraph``) keeps counting into the tensors Python reads."""
+        if getattr(self, "tokens_per_expert", None) is not None:
+            self.tokens_per_expert.zero_()
+            self.qb_counts.zero_()
+            return
         self.qb_counts = None  # [E, qb_num_bins] float64 histogram of r = α − s
         self.tokens_per_expert = None  # [E] float64
 
@@ -1188,7 +1193,9 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
             past = cache.get_seq_length() if has_full_attention else None
         tokens = input_ids if input_ids is not None else inputs_embeds  # validated below: one of them is given
         facts = {}
-        if not managed:  # the graph validates the real ids before each replay
+        # a DecodeGraph / TrainStepGraph validates the real inputs before each replay; while a graph is captured the
+        # check's host read could not run anyway
+        if not managed and not (tokens is not None and tokens.is_cuda and torch.cuda.is_current_stream_capturing()):
             facts = validate_model_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past,
                                           loss_targets, kwargs.get("ignore_index", -100))
             if cache is not None:

@@ -199,7 +199,9 @@ def test_model_router_counts_only_in_training_with_grad():
         router.train()
         with torch.no_grad():
             router(x, token_mask=mask)
-        assert router.tokens_per_expert is None and router.expert_load().sum() == 0, backend
+        # reset_statistics zeroes counts in place once they exist (a captured training step keeps counting into them)
+        assert router.tokens_per_expert is None or not router.tokens_per_expert.any(), backend
+        assert router.expert_load().sum() == 0, backend
 
 
 def test_torch_route_op_matches_bruteforce():

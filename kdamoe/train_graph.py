@@ -1,0 +1,124 @@
+"""A training step (forward, causal-LM loss, backward) of a fixed batch shape, captured once as a CUDA graph and
+replayed (docs/performance.md, "CUDA-graph training step").
+
+A training step of the e2e benchmark's model launches ~2,000 kernels; at 8K tokens per step the host needs longer to
+launch them from Python than the GPU needs to run them (72 ms of GPU work in a 110-140 ms step on the H200), and even
+at 32K the gaps between kernels add ~9 ms. A CUDA graph records the launches once and replays them with one call
+(NVIDIA, "CUDA Graphs", CUDA C++ Programming Guide; PyTorch's ``torch.cuda.graph``, "whole-network capture").
+
+What makes the step capturable: no op of the model's training forward or backward reads a device value on the host
+(``tests/test_model_triton.py`` checks it) except the input check, which this class runs itself before each replay
+(the model skips it while a capture is under way); the Triton kernels are compiled and autotuned by the eager warm-up
+steps before the capture; the router statistics accumulate in place into tensors that exist before the capture.
+
+What it does not cover (use the eager step): packed documents (``position_ids`` with restarts: the varlen kernels size
+their grids from the document lengths on the host), attention masks, gradient checkpointing, more than one batch
+shape at a time (a new shape captures again, dropping the old graph), and gradient accumulation across calls (each
+replay writes the gradients, as ``zero_grad(set_to_none=True)`` then ``backward()`` would).
+"""
+
+import torch
+
+from .modeling_kdamoe import KDAMoETopkRouter, validate_model_inputs
+
+
+class TrainStepGraph:
+    """``model(input_ids, labels=labels).loss.backward()`` as a captured CUDA graph.
+
+    Call it like the eager step: ``loss = step(input_ids, labels)`` leaves the gradients in ``p.grad`` (written, not
+    accumulated) and the router statistics counted, and returns the loss. Then step the optimizer as usual: it updates
+    the parameters in place, which the graph reads at the next replay.
+
+    The first call for a batch shape runs ``warmup_steps`` eager steps on a side stream (they compile and tune the
+    kernels; their gradients are overwritten and their router counts removed again), captures the step, then replays
+    it. Later calls with that shape copy the batch into the graph's input buffers and replay. The graph is captured
+    again when the shape changes or a parameter was moved or replaced (a new ``data_ptr`` or ``Parameter``).
+
+    Args:
+        model: a ``KDAMoEForCausalLM`` on a CUDA device, in training mode.
+        warmup_steps: eager steps before a capture (≥ 1).
+
+    Raises:
+        ValueError: a model that is not on CUDA, a ``warmup_steps`` below 1; at a call, inputs that the eager forward
+            would refuse (see ``validate_model_inputs``), labels of another shape or device, or grad mode / training
+            mode off.
+    """
+
+    def __init__(self, model, warmup_steps: int = 2):
+        if not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be an int >= 1, got {warmup_steps!r}")
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            raise ValueError(f"TrainStepGraph needs the model on a CUDA device, it is on {device}")
+        self.model, self.warmup_steps, self.device = model, warmup_steps, device
+        self.graph = None
+        self.captures = 0  # how many times a graph was captured (for tests and benchmarks)
+
+    # ------------------------------------------------------------------------------------------ public
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """One training step on ``input_ids [B, T]`` (int64) with ``labels [B, T]`` (−100 = ignored; None: the ids).
+
+        Returns the loss, a 0-d float32 tensor of its own (not overwritten by the next replay).
+        """
+        model = self.model
+        if not (model.training and torch.is_grad_enabled()):
+            raise ValueError("TrainStepGraph runs a training step: the model must be in train() mode with grad enabled")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be a [B, T] tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
+        labels = input_ids if labels is None else labels
+        if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
+            raise ValueError(f"labels must be a tensor of input_ids' shape {tuple(input_ids.shape)}, got "
+                             f"{getattr(labels, 'shape', type(labels))}")
+        if input_ids.device != self.device or labels.device != self.device:
+            raise ValueError(f"input_ids and labels must be on the model's device {self.device}, got "
+                             f"{input_ids.device} and {labels.device}")
+        # the eager forward's value checks (ids and targets in range), one host sync, before anything is replayed
+        validate_model_inputs(model.config, input_ids, None, None, None, None, labels[..., 1:])
+        if self.graph is None or self.shape != tuple(input_ids.shape) or self._moved():
+            self._capture(input_ids, labels)
+        self.input_ids.copy_(input_ids)
+        self.labels.copy_(labels)
+        self.graph.replay()
+        for p, g in self.grads:  # a zero_grad(set_to_none=True) in between would have detached them
+            p.grad = g
+        return self.loss.detach().clone()
+
+    # ------------------------------------------------------------------------------------------ capture
+
+    def _moved(self) -> bool:
+        """Whether a parameter is no longer the one, or no longer at the address, the graph was captured with."""
+        return any(module._parameters.get(name) is not p or p.data_ptr() != ptr for module, name, p, ptr in self.slots)
+
+    def _step(self):
+        loss = self.model(input_ids=self.input_ids, labels=self.labels, use_cache=False).loss
+        loss.backward()
+        return loss
+
+    def _capture(self, input_ids, labels):
+        model = self.model
+        self.graph = None  # frees the previous graph's memory pool
+        self.shape = tuple(input_ids.shape)
+        self.input_ids, self.labels = input_ids.clone(), labels.clone()
+        routers = [m for m in model.modules() if isinstance(m, KDAMoETopkRouter)]
+        saved = [(r.tokens_per_expert, r.qb_counts) for r in routers]
+        saved = [tuple(None if t is None else t.clone() for t in pair) for pair in saved]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # eager warm-up: compiles, tunes, allocates the router statistics
+            for _ in range(self.warmup_steps):
+                model.zero_grad(set_to_none=True)
+                self._step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        for router, (tokens, counts) in zip(routers, saved):  # the warm-up steps' counts out again, in place
+            for now, before in ((router.tokens_per_expert, tokens), (router.qb_counts, counts)):
+                if now is not None:
+                    now.copy_(before) if before is not None else now.zero_()
+        model.zero_grad(set_to_none=True)  # the captured backward allocates the gradients in the graph's pool
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loss = self._step()
+        self.graph, self.loss, self.captures = graph, loss, self.captures + 1
+        self.grads = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+        self.slots = [(module, name, p, p.data_ptr()) for module in model.modules()
+                      for name, p in module._parameters.items() if p is not None]
