@@ -15,7 +15,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.nn.attention.bias import causal_lower_right
 from transformers import initialization as init
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
@@ -496,36 +495,6 @@ def _inside_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class RouterLinearFunction(torch.autograd.Function):
-    """``x Wᵀ`` in float32 from bf16 / fp16 ``x [N, d]`` and ``W [E, d]`` of one dtype: one tensor-core GEMM with
-    float32 accumulation and output (``torch.mm(..., out_dtype=torch.float32)``) instead of a float32 copy of ``x``
-    and a float32 (SIMT) GEMM. The products of bf16 / fp16 values are exact in float32, so the logits equal
-    ``F.linear(x.float(), W.float())`` up to the order of the float32 sums. The backward is the one autograd runs for
-    that expression: float32 GEMMs of the float32 logit gradient, rounded to the operands' dtype."""
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        return torch.mm(x, weight.t(), out_dtype=torch.float32)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        dx = (grad @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
-        dw = (grad.t() @ x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw
-
-
-def router_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Router logits ``[N, E]`` float32 of ``x [N, d]`` and ``weight [E, d]``: :class:`RouterLinearFunction` for CUDA
-    bf16 / fp16 operands of one dtype (the bf16 training step: 5.9 ms of float32 SIMT GEMMs and casts at 32K tokens
-    on the H200), ``F.linear`` in float32 otherwise."""
-    if x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2:
-        return RouterLinearFunction.apply(x, weight)
-    return F.linear(x.float(), weight.float())
-
-
 class KDAMoETopkRouter(nn.Module):
     """Sigmoid router with a selection-only bias, Top-(k+1) and the Quantile Balancing statistics.
 
@@ -565,7 +534,7 @@ class KDAMoETopkRouter(nn.Module):
         activation checkpoint recomputes the layer inside backward.
         """
         with torch.autocast(device_type=hidden_states.device.type, enabled=False):
-            router_logits = router_linear(hidden_states, self.weight)
+            router_logits = F.linear(hidden_states.float(), self.weight.float())
         record = self.training and torch.is_grad_enabled() and not _inside_backward()
         quantile = record and self.config.router_bias_update == "quantile"
         route = moe_route_op(self.config.kernel_backend, router_logits.device)
