@@ -35,7 +35,8 @@ Parts (``--only``, comma list; default all, in this order):
     a CUDA graph and replayed) at ``--graph-t`` (8K, 32K): one eager step first (its loss is recorded next to the
     graphed steps'), then a first call that warms up and captures (timed apart), ``--warmup`` untimed and ``--steps``
     timed calls, each timed between synchronisations like the eager step. Rows: plain graphed vs native + fla, recipe
-    graphed vs plain graphed. CUDA only (the tiny CPU mode records the error TrainStepGraph raises).
+    graphed vs plain graphed. Peak memory: from before the capturing call (its eager warm-up steps and the graph's
+    memory pool) over the timed calls. CUDA only (the tiny CPU mode records the error TrainStepGraph raises).
 ``profile``
     One kdamoe step at each of ``--profile-t`` (32K, then 8K), then one recipe-shape step at each of
     ``--profile-recipe-t`` (none by default), under ``torch.profiler`` (CPU + CUDA activity),
@@ -347,15 +348,15 @@ def run_graph(bench: Bench) -> None:
                 eager = train_step(model, ids).item()  # the same step eagerly, for the loss check
                 step = TrainStepGraph(model)
                 times, losses = [], []
-                for i in range(1 + a.warmup + a.steps):  # the first call warms up and captures
+                if bench.cuda:  # the graph's activations are allocated at the capture: the peak must include it
+                    torch.cuda.reset_peak_memory_stats()
+                for _ in range(1 + a.warmup + a.steps):  # the first call warms up and captures
                     bench.sync()
                     t0 = time.perf_counter()
                     loss = step(ids)
                     bench.sync()
                     times.append((time.perf_counter() - t0) * 1e3)
                     losses.append(loss.item())
-                    if i == a.warmup and bench.cuda:
-                        torch.cuda.reset_peak_memory_stats()
                 timed = times[1 + a.warmup:]
                 median = statistics.median(timed)
                 stats = {"T": T, "median_ms": median, "steps_ms": timed, "capture_call_ms": times[0],
