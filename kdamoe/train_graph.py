@@ -1,5 +1,5 @@
 """A training step (forward, causal-LM loss, backward) of a fixed batch shape, captured once as a CUDA graph and
-replayed (docs/performance.md, "CUDA-graph training step").
+replayed (docs/pretraining.md, "CUDA-graph training step").
 
 A training step of the e2e benchmark's model launches ~2,000 kernels; at 8K tokens per step the host needs longer to
 launch them from Python than the GPU needs to run them (72 ms of GPU work in a 110-140 ms step on the H200), and even
