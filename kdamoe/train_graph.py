@@ -118,7 +118,9 @@ class TrainStepGraph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             loss = self._step()
-        self.graph, self.loss, self.captures = graph, loss, self.captures + 1
+        # detached: the loss's autograd graph (with the AccumulateGrad nodes recorded on the capture stream) must not
+        # outlive the capture, or a later eager backward reuses those nodes across streams (PyTorch warns about it)
+        self.graph, self.loss, self.captures = graph, loss.detach(), self.captures + 1
         self.grads = [(p, p.grad) for p in model.parameters() if p.grad is not None]
         self.slots = [(module, name, p, p.data_ptr()) for module in model.modules()
                       for name, p in module._parameters.items() if p is not None]
