@@ -8,6 +8,7 @@ Formulas and their sources are in docs/architecture.md and in the flat modules t
 """
 
 import contextlib
+import contextvars
 import math
 import os
 from collections.abc import Callable
@@ -550,6 +551,10 @@ class KDAMoETopkRouter(nn.Module):
 
     @torch.no_grad()
     def _accumulate(self, tokens_per_expert, qb_counts):
+        if self.tokens_per_expert is not None and self.tokens_per_expert.device != tokens_per_expert.device:
+            # plain tensors, which a model.to() does not move (and reset_statistics keeps them once allocated)
+            self.tokens_per_expert = self.tokens_per_expert.to(tokens_per_expert.device)
+            self.qb_counts = self.qb_counts.to(tokens_per_expert.device)
         if self.tokens_per_expert is None:
             self.tokens_per_expert = torch.zeros_like(tokens_per_expert)
             self.qb_counts = torch.zeros(self.num_experts, self.config.qb_num_bins, dtype=torch.float64,
@@ -1094,6 +1099,21 @@ def check_cache_matches(config, cache: Cache, rows: int) -> None:
                              "this batch (or reorder / select its rows first)")
 
 
+_INPUTS_PREVALIDATED = contextvars.ContextVar("kdamoe_inputs_prevalidated", default=False)
+
+
+@contextlib.contextmanager
+def inputs_prevalidated():
+    """Within this context the model's forward skips :func:`validate_model_inputs`: for a caller that ran the check
+    itself on the real inputs, e.g. ``train_graph.TrainStepGraph`` while it captures a step (a host read cannot run
+    during a CUDA graph capture), which checks each batch before its replay."""
+    token = _INPUTS_PREVALIDATED.set(True)
+    try:
+        yield
+    finally:
+        _INPUTS_PREVALIDATED.reset(token)
+
+
 def _last_document_start(packed: dict, past: int) -> int:
     """Key position (cached tokens included) where every row's last packed document starts.
 
@@ -1193,9 +1213,9 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
             past = cache.get_seq_length() if has_full_attention else None
         tokens = input_ids if input_ids is not None else inputs_embeds  # validated below: one of them is given
         facts = {}
-        # a DecodeGraph / TrainStepGraph validates the real inputs before each replay; while a graph is captured the
-        # check's host read could not run anyway
-        if not managed and not (tokens is not None and tokens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # a DecodeGraph / TrainStepGraph validates the real inputs before each replay (and the check's host read could
+        # not run while a graph is captured)
+        if not managed and not _INPUTS_PREVALIDATED.get():
             facts = validate_model_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, past,
                                           loss_targets, kwargs.get("ignore_index", -100))
             if cache is not None:

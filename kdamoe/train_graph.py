@@ -19,7 +19,7 @@ replay writes the gradients, as ``zero_grad(set_to_none=True)`` then ``backward(
 
 import torch
 
-from .modeling_kdamoe import KDAMoETopkRouter, validate_model_inputs
+from .modeling_kdamoe import KDAMoETopkRouter, inputs_prevalidated, validate_model_inputs
 
 
 class TrainStepGraph:
@@ -32,26 +32,26 @@ class TrainStepGraph:
     The first call for a batch shape runs ``warmup_steps`` eager steps on a side stream (they compile and tune the
     kernels; their gradients are overwritten and their router counts removed again), captures the step, then replays
     it. Later calls with that shape copy the batch into the graph's input buffers and replay. The graph is captured
-    again when the shape changes or a parameter was moved or replaced (a new ``data_ptr`` or ``Parameter``).
+    again when the shape changes, a parameter or buffer was moved or replaced (also by a module replaced or added,
+    e.g. an adapter), a parameter's ``requires_grad`` changed, or autocast was turned on or off.
 
     Args:
         model: a ``KDAMoEForCausalLM`` on a CUDA device, in training mode.
         warmup_steps: eager steps before a capture (≥ 1).
 
     Raises:
-        ValueError: a model that is not on CUDA, a ``warmup_steps`` below 1; at a call, inputs that the eager forward
-            would refuse (see ``validate_model_inputs``), labels of another shape or device, or grad mode / training
-            mode off.
+        ValueError: a model without parameters or not on CUDA, a ``warmup_steps`` that is not an int >= 1; at a call,
+            inputs that the eager forward would refuse (see ``validate_model_inputs``), labels of another shape, inputs
+            off the model's device, grad mode / training mode off, or gradient checkpointing on.
     """
 
     def __init__(self, model, warmup_steps: int = 2):
-        if not isinstance(warmup_steps, int) or warmup_steps < 1:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"warmup_steps must be an int >= 1, got {warmup_steps!r}")
-        device = next(model.parameters()).device
-        if device.type != "cuda":
-            raise ValueError(f"TrainStepGraph needs the model on a CUDA device, it is on {device}")
-        self.model, self.warmup_steps, self.device = model, warmup_steps, device
-        self.graph = None
+        self.model, self.warmup_steps = model, warmup_steps
+        self._device()  # raises for a model without parameters or off CUDA
+        self.graph = self.loss = None
+        self.grads, self.tensors, self.signature = [], [], None
         self.captures = 0  # how many times a graph was captured (for tests and benchmarks)
 
     # ------------------------------------------------------------------------------------------ public
@@ -64,18 +64,22 @@ class TrainStepGraph:
         model = self.model
         if not (model.training and torch.is_grad_enabled()):
             raise ValueError("TrainStepGraph runs a training step: the model must be in train() mode with grad enabled")
+        if getattr(model, "is_gradient_checkpointing", False):
+            raise ValueError("TrainStepGraph does not capture gradient checkpointing (its recomputation runs inside the "
+                             "backward); call model.gradient_checkpointing_disable() or use the eager step")
+        device = self._device()
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a [B, T] tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
         labels = input_ids if labels is None else labels
         if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
             raise ValueError(f"labels must be a tensor of input_ids' shape {tuple(input_ids.shape)}, got "
                              f"{getattr(labels, 'shape', type(labels))}")
-        if input_ids.device != self.device or labels.device != self.device:
-            raise ValueError(f"input_ids and labels must be on the model's device {self.device}, got "
+        if input_ids.device != device or labels.device != device:
+            raise ValueError(f"input_ids and labels must be on the model's device {device}, got "
                              f"{input_ids.device} and {labels.device}")
         # the eager forward's value checks (ids and targets in range), one host sync, before anything is replayed
         validate_model_inputs(model.config, input_ids, None, None, None, None, labels[..., 1:])
-        if self.graph is None or self.shape != tuple(input_ids.shape) or self._moved():
+        if self.graph is None or self.shape != tuple(input_ids.shape) or self._changed():
             self._capture(input_ids, labels)
         self.input_ids.copy_(input_ids)
         self.labels.copy_(labels)
@@ -86,9 +90,23 @@ class TrainStepGraph:
 
     # ------------------------------------------------------------------------------------------ capture
 
-    def _moved(self) -> bool:
-        """Whether a parameter is no longer the one, or no longer at the address, the graph was captured with."""
-        return any(module._parameters.get(name) is not p or p.data_ptr() != ptr for module, name, p, ptr in self.slots)
+    def _device(self) -> torch.device:
+        first = next(self.model.parameters(), None)
+        if first is None or first.device.type != "cuda":
+            where = "has no parameters" if first is None else f"is on {first.device}"
+            raise ValueError(f"TrainStepGraph needs a model with parameters on a CUDA device; this one {where}")
+        return first.device
+
+    def _signature(self) -> list:
+        """What the captured graph depends on outside its inputs: every parameter (the object, its address, whether
+        it is trained), every buffer (object and address), and whether autocast is on. Walked each call (~1 ms on a
+        2-core CPU for the 1.68 B model), so a replaced or added module (e.g. an adapter) is seen too."""
+        model = self.model
+        return ([(id(p), p.data_ptr(), p.requires_grad) for p in model.parameters()]
+                + [(id(b), b.data_ptr()) for b in model.buffers()] + [torch.is_autocast_enabled("cuda")])
+
+    def _changed(self) -> bool:
+        return self._signature() != self.signature
 
     def _step(self):
         loss = self.model(input_ids=self.input_ids, labels=self.labels, use_cache=False).loss
@@ -97,30 +115,35 @@ class TrainStepGraph:
 
     def _capture(self, input_ids, labels):
         model = self.model
-        self.graph = None  # frees the previous graph's memory pool
+        # everything that points into the previous graph's memory pool goes first, so the pool is freed before the
+        # warm-up and the new capture allocate
+        self.graph = self.loss = None
+        self.grads = []
+        model.zero_grad(set_to_none=True)
         self.shape = tuple(input_ids.shape)
         self.input_ids, self.labels = input_ids.clone(), labels.clone()
         routers = [m for m in model.modules() if isinstance(m, KDAMoETopkRouter)]
         saved = [(r.tokens_per_expert, r.qb_counts) for r in routers]
         saved = [tuple(None if t is None else t.clone() for t in pair) for pair in saved]
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        device = input_ids.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # eager warm-up: compiles, tunes, allocates the router statistics
             for _ in range(self.warmup_steps):
                 model.zero_grad(set_to_none=True)
                 self._step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.current_stream(device).wait_stream(side)
         for router, (tokens, counts) in zip(routers, saved):  # the warm-up steps' counts out again, in place
             for now, before in ((router.tokens_per_expert, tokens), (router.qb_counts, counts)):
                 if now is not None:
                     now.copy_(before) if before is not None else now.zero_()
         model.zero_grad(set_to_none=True)  # the captured backward allocates the gradients in the graph's pool
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with inputs_prevalidated(), torch.cuda.graph(graph):  # each batch is checked before its replay instead
             loss = self._step()
         # detached: the loss's autograd graph (with the AccumulateGrad nodes recorded on the capture stream) must not
         # outlive the capture, or a later eager backward reuses those nodes across streams (PyTorch warns about it)
         self.graph, self.loss, self.captures = graph, loss.detach(), self.captures + 1
         self.grads = [(p, p.grad) for p in model.parameters() if p.grad is not None]
-        self.slots = [(module, name, p, p.data_ptr()) for module in model.modules()
-                      for name, p in module._parameters.items() if p is not None]
+        self.tensors = list(model.parameters()) + list(model.buffers())  # held: their ids stay theirs
+        self.signature = self._signature()

@@ -23,8 +23,11 @@ def test_refuses_a_cpu_model_and_bad_warmup():
     model = KDAMoEForCausalLM(tiny_config())
     with pytest.raises(ValueError, match="CUDA device"):
         TrainStepGraph(model)
-    with pytest.raises(ValueError, match="warmup_steps"):
-        TrainStepGraph(model, warmup_steps=0)
+    for bad in (0, True, 1.0):  # True was taken for 1
+        with pytest.raises(ValueError, match="warmup_steps"):
+            TrainStepGraph(model, warmup_steps=bad)
+    with pytest.raises(ValueError, match="no parameters"):  # was StopIteration
+        TrainStepGraph(torch.nn.Module())
 
 
 def _eager(model, ids):
@@ -71,3 +74,30 @@ def test_graph_step_equals_eager_step(attnres):
     model.eval()
     with pytest.raises(ValueError, match="train"):
         step(batches[0])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs KDAMOE_TEST_ON_GPU=1 and CUDA")
+def test_graph_step_follows_model_changes():
+    """A replaced module (new parameters in a new slot) and a parameter frozen after the capture make the next call
+    capture again (before: the old graph kept training the old head and the frozen weight); gradient checkpointing is
+    refused. Router statistics counted on the CPU follow the model to the GPU."""
+    torch.manual_seed(0)
+    model = KDAMoEForCausalLM(tiny_config(kda_head_dim=16, kernel_backend="triton")).train()
+    ids = torch.randint(3, 97, (2, 64), generator=torch.Generator().manual_seed(1))
+    model.config.kernel_backend = "torch"
+    model(input_ids=ids, labels=ids).loss.backward()  # counts on the CPU
+    model.config.kernel_backend = "triton"
+    model.cuda()
+    ids = ids.cuda()
+    step = TrainStepGraph(model)
+    step(ids)  # the router statistics move with the counts (before: a device-mismatch RuntimeError)
+    assert step.captures == 1
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False).cuda()
+    step(ids)
+    assert step.captures == 2 and model.lm_head.weight.grad is not None
+    model.model.embed_tokens.weight.requires_grad_(False)
+    step(ids)
+    assert step.captures == 3 and model.model.embed_tokens.weight.grad is None
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="gradient checkpointing"):
+        step(ids)

@@ -18,8 +18,8 @@ GPU work in a 100-135 ms step).
 - that binary's C launcher is called with the same arguments ``JITFunction.run`` passes it.
 
 Anything the short path does not handle goes through Triton's own ``kernel[grid](...)``, unchanged: a first call
-(compilation, autotuning), a config with a ``pre_hook``, pre-run hooks, launch hooks (Triton's profiler) or a pipeline
-inspection hook. What is skipped is the check that globals a kernel reads did not change after compilation (ours read
+(compilation, autotuning), a config with a ``pre_hook``, a call-site keyword the config also sets, pre-run hooks,
+launch hooks (Triton's profiler), a pipeline inspection hook, a binary that failed to load. What is skipped is the check that globals a kernel reads did not change after compilation (ours read
 none) and Python-side bookkeeping (``Autotuner.nargs``). Under the CPU interpreter (``TRITON_INTERPRET=1``) kernels
 are not wrapped at all. ``KDAMOE_FAST_LAUNCH=0`` (read at import) sends every launch through Triton's path, for a
 comparison (``benchmarks/launch_overhead.py``); so does :func:`set_enabled`.
@@ -63,7 +63,7 @@ def set_enabled(value: bool) -> None:
 
 
 def _unhooked(hook) -> bool:
-    """A launch hook that does nothing: None (Triton 3.7) or an empty ``HookChain`` (Triton 3.6's default, which
+    """A launch hook that does nothing: None or an empty ``HookChain`` (the default of Triton 3.6 and 3.7, which
     Triton's path still calls twice per launch, with a launch-metadata dict built for it)."""
     return hook is None or (type(hook).__name__ == "HookChain" and not hook.calls)
 
@@ -72,7 +72,8 @@ class FastLaunch:
     """A launched Triton kernel (``triton.jit``, or ``triton.autotune`` around it) with the short launch path.
 
     ``wrapped[grid](*args, **kwargs)`` launches as ``kernel[grid](*args, **kwargs)`` would: same config, same binary,
-    same arguments. Every other attribute (``configs``, ``cache``, ``fn``, ``best_config``, …) is the kernel's own.
+    same arguments. Every other attribute (``configs``, ``cache``, ``fn``, ``run``, ``best_config``, …) is the kernel's
+    own.
 
     Attributes:
         kernel: the wrapped ``JITFunction`` or ``Autotuner``.
@@ -94,9 +95,9 @@ class FastLaunch:
         return getattr(self.kernel, name)
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.run(grid, args, kwargs)
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
-    def run(self, grid, args: tuple, kwargs: dict):
+    def launch(self, grid, args: tuple, kwargs: dict):
         """Launch on ``grid`` (a tuple or a callable of the bound arguments); returns what Triton's launch returns
         on its path and the compiled kernel on the short one."""
         if not _ENABLED:
@@ -118,10 +119,12 @@ class FastLaunch:
                     return self._slow(grid, args, kwargs)
             else:
                 config = at.configs[0]
-            if config.pre_hook is not None:
+            tuned = config.all_kwargs()
+            # a pre_hook runs on Triton's path; a keyword the config also sets is Triton's TypeError, raised there
+            if config.pre_hook is not None or not tuned.keys().isdisjoint(kwargs):
                 return self._slow(grid, args, kwargs)
             at.best_config = config
-            kwargs = {**kwargs, **config.all_kwargs()}
+            kwargs = {**kwargs, **tuned}
         return self._run_jit(grid, args, kwargs)
 
     def _slow(self, grid, args, kwargs):
@@ -135,10 +138,9 @@ class FastLaunch:
                 or getattr(runtime, "add_stages_inspection_hook", None) is not None):
             self.slow += 1
             return jit.run(*args, grid=grid, warmup=False, **kwargs)
-        # the two options JITFunction.run adds before binding, part of the compiled kernel's key (the instrumentation
-        # mode is an environment read on each access, so it is read once per process here)
+        # the two options JITFunction.run adds before binding: part of the compiled kernel's key
         kwargs["debug"] = kwargs.get("debug", jit.debug) or runtime.debug
-        kwargs["instrumentation_mode"] = _instrumentation_mode()
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
         device = _current_device()
         kernel_cache, kernel_key_cache, _target, _backend, binder = jit.device_caches[device]
         bound_args, specialization, options = binder(*args, **kwargs)
@@ -152,21 +154,14 @@ class FastLaunch:
         if hasattr(kernel, "result"):  # an asynchronous compilation's future (Triton 3.6)
             kernel = kernel.result()
         launcher = kernel.run  # first: loads the binary, which sets kernel.function
+        if kernel.function is None:  # the binary did not load: Triton's path loads it again and raises its error
+            self.slow += 1
+            return jit.run(*args, grid=grid, warmup=False, **kwargs)
         launcher(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
                  _current_stream(device), kernel.function, kernel.packed_metadata,
                  None, None, None, *bound_args.values())
         self.fast += 1
         return kernel
-
-
-_INSTRUMENTATION = []
-
-
-def _instrumentation_mode():
-    """``knobs.compilation.instrumentation_mode`` (``TRITON_INSTRUMENTATION_MODE``) as first read by this process."""
-    if not _INSTRUMENTATION:
-        _INSTRUMENTATION.append(knobs.compilation.instrumentation_mode)
-    return _INSTRUMENTATION[0]
 
 
 def fast_launch(kernel):

@@ -9,6 +9,8 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kdamoe.kernels import launch
 from kdamoe.kernels.launch import FastLaunch, fast_launch
@@ -59,3 +61,42 @@ def test_short_path_matches_tritons_path():
         assert kernel.fast - fast_before == 3, (kernel.fast, fast_before, kernel.slow)
         for g in got:
             assert torch.equal(g, want)
+
+
+def _noop(X, Y, N, M, S: tl.constexpr, BLOCK: tl.constexpr):
+    pass
+
+
+def test_autotuned_launch_passes_what_tritons_autotuner_passes(monkeypatch):
+    """On the CPU, with Triton's own objects (a ``JITFunction`` built with the interpreter off, an ``Autotuner``
+    around it) and the launches stubbed: for positional, keyword, reordered and extra call-site arguments, the short
+    path looks the config up under the key ``Autotuner.run`` stored, and hands the binder the arguments and keywords
+    (same order) that ``Autotuner.run`` hands ``JITFunction.run``. A call-site keyword that the config also sets goes
+    to Triton's path, which raises (before: the config's value silently won)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    jit = triton.jit(_noop)
+    first, second = triton.Config({"BLOCK": 32}, num_warps=4), triton.Config({"BLOCK": 64}, num_warps=8)
+    tuner = triton.autotune(configs=[first, second], key=["M", "N", "S"])(jit)
+    tuner._bench = lambda *args, config, **kwargs: [1.0 if config is second else 2.0] * 3  # no GPU timing
+    seen = {}
+    monkeypatch.setattr(jit, "run", lambda *args, **kwargs: seen.setdefault("triton", (args, kwargs)))
+    x, y = torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.float32)
+    calls = [((), dict(Y=y, X=x, N=7, M=9, S=3)), ((x, y, 7, 9), dict(S=3)), ((x,), dict(N=7, Y=y, S=3, M=9)),
+             ((x, y, 7), dict(S=3, M=9, extra=1))]
+    for args, kwargs in calls:
+        seen.clear()
+        tuner.cache.clear()
+        tuner.run(*args, **kwargs)  # Triton tunes (stubbed timings), stores the key, calls JITFunction.run
+        fast = FastLaunch(tuner)
+        monkeypatch.setattr(fast, "_run_jit", lambda grid, a, kw: seen.setdefault("fast", (a, kw)))
+        fast.launch((1,), args, dict(kwargs))
+        assert fast.slow == 0, (args, kwargs)  # the key Triton stored was found
+        t_args, t_kwargs = seen["triton"]
+        t_kwargs = {k: v for k, v in t_kwargs.items() if k not in ("grid", "warmup")}
+        f_args, f_kwargs = seen["fast"]
+        assert f_args == t_args and list(f_kwargs.items()) == list(t_kwargs.items()), (args, kwargs)
+    fast = FastLaunch(tuner)
+    monkeypatch.setattr(fast, "_run_jit", lambda *a: pytest.fail("the short path took a clashing keyword"))
+    with pytest.raises(TypeError, match="num_warps"):
+        fast.launch((1,), (x, y, 7, 9), dict(S=3, num_warps=2))
+    assert fast.slow == 1
