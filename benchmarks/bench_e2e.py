@@ -36,7 +36,7 @@ Parts (``--only``, comma list; default all, in this order):
     graphed steps'), then a first call that warms up and captures (timed apart), ``--warmup`` untimed and ``--steps``
     timed calls, each timed between synchronisations like the eager step. Rows: plain graphed vs native + fla, recipe
     graphed vs plain graphed. Peak memory: from before the capturing call (its eager warm-up steps and the graph's
-    memory pool) over the timed calls. CUDA only (the tiny CPU mode records the error TrainStepGraph raises).
+    memory pool) over the timed calls. CUDA only (elsewhere recorded as skipped).
 ``profile``
     One kdamoe step at each of ``--profile-t`` (32K, then 8K), then one recipe-shape step at each of
     ``--profile-recipe-t`` (none by default), under ``torch.profiler`` (CPU + CUDA activity),
@@ -335,6 +335,9 @@ def run_graph(bench: Bench) -> None:
     from kdamoe.train_graph import TrainStepGraph
 
     a, rec = bench.args, bench.rec
+    if not bench.cuda:
+        rec.put("graph", "device", "skipped: TrainStepGraph captures CUDA graphs; this run is not on CUDA")
+        return
     for part in ("kdamoe", "recipe"):
         if not rec.need("graph", f"{part}_model", bench.est(30) + step_estimate(bench, min(a.graph_t), 4 + a.steps)):
             continue
@@ -495,8 +498,16 @@ def run_host(bench: Bench) -> None:
 # ------------------------------------------------------------------------------------------------ main
 
 
+def _ints(text: str) -> list[int]:
+    """``--*-t`` values: a comma list of integers."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, e.g. 8192,32768; got {text!r}") from None
+
+
 def parse_args(argv=None):
-    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]
+    ints = _ints
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for e2e.{json,md}")
     p.add_argument("--only", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
@@ -511,7 +522,7 @@ def parse_args(argv=None):
     p.add_argument("--profile-recipe-t", type=ints, default=[], help="recipe-shape profiled lengths (default none)")
     p.add_argument("--profile-steps", type=int, default=1, help="profiled steps")
     p.add_argument("--host-t", type=int, default=None, help="the host part's length (default 8K)")
-    p.add_argument("--host-steps", type=int, default=8, help="the host part's timed steps per GC setting")
+    p.add_argument("--host-steps", type=int, default=8, help="the host part's timed steps per launch setting")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps before the timed ones (default 2)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5)")
     p.add_argument("--peak-tflops", type=float, default=757.0, help="the bf16 peak MFU divides by (TFLOP/s)")
@@ -530,9 +541,13 @@ def parse_args(argv=None):
     for name in ("warmup", "steps", "profile_steps", "host_steps"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
-    lengths = a.train_t + a.recipe_t + a.profile_t + [a.host_t]
-    if not a.train_t or not a.recipe_t or not a.profile_t or min(lengths) < 2:
-        p.error(f"lengths must be given and >= 2 (got train {a.train_t}, recipe {a.recipe_t}, profile {a.profile_t})")
+    for name in ("train_t", "recipe_t", "graph_t", "profile_t", "profile_recipe_t", "host_t"):
+        value = getattr(a, name)
+        values = value if isinstance(value, list) else [value]
+        if (not values and name != "profile_recipe_t") or any(v < 2 for v in values):
+            p.error(f"--{name.replace('_', '-')} must be lengths >= 2 (got {value})")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {a.device}: CUDA is not available here (use --device cpu with --tiny)")
     if not a.peak_tflops > 0:
         p.error(f"--peak-tflops must be > 0 (got {a.peak_tflops})")
     return a

@@ -64,6 +64,8 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args(argv)
+    if a.calls < 1 or a.repeats < 1:
+        p.error(f"--calls and --repeats must be >= 1 (got {a.calls}, {a.repeats})")
     if not torch.cuda.is_available():
         p.error("needs a CUDA device")
     rows = []

@@ -2,19 +2,22 @@
 replayed (docs/pretraining.md, "CUDA-graph training step").
 
 A training step of the e2e benchmark's model launches ~2,000 kernels; at 8K tokens per step the host needs longer to
-launch them from Python than the GPU needs to run them (72 ms of GPU work in a 110-140 ms step on the H200), and even
+launch them from Python than the GPU needs to run them (72 ms of GPU work in a 100-140 ms step on the H200), and even
 at 32K the gaps between kernels add ~9 ms. A CUDA graph records the launches once and replays them with one call
 (NVIDIA, "CUDA Graphs", CUDA C++ Programming Guide; PyTorch's ``torch.cuda.graph``, "whole-network capture").
 
 What makes the step capturable: no op of the model's training forward or backward reads a device value on the host
 (``tests/test_model_triton.py`` checks it) except the input check, which this class runs itself before each replay
-(the model skips it while a capture is under way); the Triton kernels are compiled and autotuned by the eager warm-up
+(the model skips it inside this class's capture, ``modeling_kdamoe.inputs_prevalidated``); the Triton kernels are compiled and autotuned by the eager warm-up
 steps before the capture; the router statistics accumulate in place into tensors that exist before the capture.
 
 What it does not cover (use the eager step): packed documents (``position_ids`` with restarts: the varlen kernels size
 their grids from the document lengths on the host), attention masks, gradient checkpointing, more than one batch
-shape at a time (a new shape captures again, dropping the old graph), and gradient accumulation across calls (each
-replay writes the gradients, as ``zero_grad(set_to_none=True)`` then ``backward()`` would).
+shape at a time (a new shape captures again, dropping the old graph), gradient accumulation across calls (each
+replay writes the gradients, as ``zero_grad(set_to_none=True)`` then ``backward()`` would; nothing warns), loss
+scaling (``GradScaler``: the backward runs on the unscaled loss inside the graph), DDP / FSDP wrappers, and changes
+it cannot see (the autocast dtype, config fields such as ``kernel_backend`` or ``router_bias_update``): build a new
+one after such a change.
 """
 
 import torch

@@ -6,7 +6,7 @@ lookup, a merged keyword dict), then ``JITFunction.run`` (knob reads, pre-run ho
 the specialisation, the compiled-kernel lookup, the check of every global the kernel reads, the grid, the launch
 metadata) and only then the C launcher. A training step of the e2e shape launches ~470 Triton kernels, 270 of them
 autotuned, and at 8K tokens the host, not the GPU, sets the step time (``benchmarks/results/e2e_h200_*.md``: 72 ms of
-GPU work in a 100-135 ms step).
+GPU work in a 100-140 ms step).
 
 :class:`FastLaunch` keeps the parts of that path that decide *which* compiled kernel runs and drops the rest:
 
@@ -24,9 +24,10 @@ none) and Python-side bookkeeping (``Autotuner.nargs``). Under the CPU interpret
 are not wrapped at all. ``KDAMOE_FAST_LAUNCH=0`` (read at import) sends every launch through Triton's path, for a
 comparison (``benchmarks/launch_overhead.py``); so does :func:`set_enabled`.
 
-Written against Triton 3.6 (``triton/runtime/jit.py``, ``JITFunction.run``; ``triton/runtime/autotuner.py``,
-``Autotuner.run``) and checked against 3.7: other versions keep the interface through ``triton.__version__`` checked
-at wrap time (other versions are not wrapped).
+Written against Triton 3.6, the GPU machine's (``triton/runtime/jit.py``, ``JITFunction.run``;
+``triton/runtime/autotuner.py``, ``Autotuner.run``), and read against 3.7, the CPU machine's (same path, plus a
+pipeline-inspection hook). ``triton.__version__`` is checked when a kernel is wrapped: under any other version kernels
+are left unwrapped and launch through Triton's own path.
 """
 
 import os
