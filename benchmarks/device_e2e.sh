@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One H200 device call for benchmarks/bench_e2e.py (issue #14): the training step (forward + loss + backward)
-# of kdamoe against transformers' native KimiLinear (+ fla) at 8K and 32K, kdamoe's recipe shape, and a
-# profile of one kdamoe 32K step; optionally benchmarks/model_parity.py first.
+# of kdamoe against transformers' native KimiLinear (+ fla) at 8K and 32K, kdamoe's recipe shape, both shapes
+# through kdamoe.train_graph.TrainStepGraph (the step replayed from a CUDA graph), and profiles of one kdamoe step at
+# 32K and 8K; optionally benchmarks/model_parity.py first.
 #   usage: bash benchmarks/device_e2e.sh [bench_e2e.py args...]   (writes under $OUT)
 # Carry .whl/ (transformers 5.24.0 and fla_core 0.6.0 wheels; the device reaches no registry) and, when an earlier
 # call returned them, .tcache/ (its tcache.part.* files: compiled Triton kernels and autotune choices).
-# Environment: E2E_TOTAL_S (480: the whole call, s), E2E_ONLY (the bench parts, default kdamoe,native,recipe,profile),
+# Environment: E2E_TOTAL_S (480: the whole call, s), E2E_ONLY (the bench parts, default kdamoe,native,recipe,graph,profile),
 # E2E_PARITY (0; 1 runs benchmarks/model_parity.py first, limited to E2E_PARITY_S, default 150 s, taken from the
 # bench's time: with a cold Triton cache it takes minutes, so it is off by default), E2E_TUNE (0; 1 first times every
 # block config of the experts GEMMs, benchmarks/tune_moe_rows.py, limit E2E_TUNE_S = 150 s), E2E_FSDP (0; 1 runs
@@ -57,7 +58,7 @@ budget=$(( $(left) - (${E2E_FSDP:-0} == 1 ? ${E2E_FSDP_S:-240} : 0) ))
 echo "== bench, budget $budget s (Triton cache restored: $E2E_TCACHE_RESTORED)" >> "$LOG"
 # the bench's own deadline is 20 s before the kill, so a measurement that runs past its estimate is still saved
 timeout "$budget" python3 benchmarks/bench_e2e.py --out "$OUT" --budget-s $(( budget - 20 )) \
-    --only "${E2E_ONLY:-kdamoe,native,recipe,profile}" "$@" >> "$LOG" 2>&1
+    --only "${E2E_ONLY:-kdamoe,native,recipe,graph,profile}" "$@" >> "$LOG" 2>&1
 echo "bench exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
 
 if [ "${E2E_FSDP:-0}" = 1 ]; then
