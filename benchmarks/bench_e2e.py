@@ -351,8 +351,7 @@ def run_graph(bench: Bench) -> None:
                 eager = train_step(model, ids).item()  # the same step eagerly, for the loss check
                 step = TrainStepGraph(model)
                 times, losses = [], []
-                if bench.cuda:  # the graph's activations are allocated at the capture: the peak must include it
-                    torch.cuda.reset_peak_memory_stats()
+                torch.cuda.reset_peak_memory_stats()  # from before the capture, which allocates the graph's memory
                 for _ in range(1 + a.warmup + a.steps):  # the first call warms up and captures
                     bench.sync()
                     t0 = time.perf_counter()
@@ -365,8 +364,8 @@ def run_graph(bench: Bench) -> None:
                 stats = {"T": T, "median_ms": median, "steps_ms": timed, "capture_call_ms": times[0],
                          "warmup_ms": times[1:1 + a.warmup], "tok_s": T / median * 1e3,
                          "mfu": 6 * info["params_active"] * (T / median * 1e3) / (a.peak_tflops * 1e12),
-                         "peak_gib": torch.cuda.max_memory_allocated() / GIB if bench.cuda else None,
-                         "eager_loss": eager, "graph_losses": losses, "captures": step.captures}
+                         "peak_gib": torch.cuda.max_memory_allocated() / GIB, "eager_loss": eager,
+                         "graph_losses": losses, "captures": step.captures}
                 if not all(math.isfinite(x) for x in losses):
                     raise FloatingPointError(f"non-finite loss at T={T}: {losses}")
                 rec.put("graph", key, stats)
@@ -507,7 +506,6 @@ def _ints(text: str) -> list[int]:
 
 
 def parse_args(argv=None):
-    ints = _ints
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for e2e.{json,md}")
     p.add_argument("--only", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
@@ -515,11 +513,11 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--budget-s", type=float, default=float(os.environ.get("E2E_BUDGET_S", "420")),
                    help="deadline: measurements that do not fit in what is left are recorded as 'skipped: time'")
-    p.add_argument("--train-t", type=ints, default=None, help="kdamoe and native lengths (default 8K,32K)")
-    p.add_argument("--recipe-t", type=ints, default=None, help="recipe-shape lengths, in this order (default 32K,8K)")
-    p.add_argument("--graph-t", type=ints, default=None, help="the graph part's lengths (default 8K,32K)")
-    p.add_argument("--profile-t", type=ints, default=None, help="the profiled steps' lengths, in order (default 32K,8K)")
-    p.add_argument("--profile-recipe-t", type=ints, default=[], help="recipe-shape profiled lengths (default none)")
+    p.add_argument("--train-t", type=_ints, default=None, help="kdamoe and native lengths (default 8K,32K)")
+    p.add_argument("--recipe-t", type=_ints, default=None, help="recipe-shape lengths, in this order (default 32K,8K)")
+    p.add_argument("--graph-t", type=_ints, default=None, help="the graph part's lengths (default 8K,32K)")
+    p.add_argument("--profile-t", type=_ints, default=None, help="the profiled steps' lengths, in order (default 32K,8K)")
+    p.add_argument("--profile-recipe-t", type=_ints, default=[], help="recipe-shape profiled lengths (default none)")
     p.add_argument("--profile-steps", type=int, default=1, help="profiled steps")
     p.add_argument("--host-t", type=int, default=None, help="the host part's length (default 8K)")
     p.add_argument("--host-steps", type=int, default=8, help="the host part's timed steps per launch setting")

@@ -8,8 +8,9 @@ at 32K the gaps between kernels add ~9 ms. A CUDA graph records the launches onc
 
 What makes the step capturable: no op of the model's training forward or backward reads a device value on the host
 (``tests/test_model_triton.py`` checks it) except the input check, which this class runs itself before each replay
-(the model skips it inside this class's capture, ``modeling_kdamoe.inputs_prevalidated``); the Triton kernels are compiled and autotuned by the eager warm-up
-steps before the capture; the router statistics accumulate in place into tensors that exist before the capture.
+(the model skips it inside this class's capture, ``modeling_kdamoe.inputs_prevalidated``); the Triton kernels are
+compiled and autotuned by the eager warm-up steps before the capture; the router statistics accumulate in place into
+tensors that exist before the capture.
 
 What it does not cover (use the eager step): packed documents (``position_ids`` with restarts: the varlen kernels size
 their grids from the document lengths on the host), attention masks, gradient checkpointing, more than one batch
@@ -138,8 +139,10 @@ class TrainStepGraph:
         torch.cuda.current_stream(device).wait_stream(side)
         for router, (tokens, counts) in zip(routers, saved):  # the warm-up steps' counts out again, in place
             for now, before in ((router.tokens_per_expert, tokens), (router.qb_counts, counts)):
-                if now is not None:
-                    now.copy_(before) if before is not None else now.zero_()
+                if now is not None and before is not None:
+                    now.copy_(before)
+                elif now is not None:
+                    now.zero_()
         model.zero_grad(set_to_none=True)  # the captured backward allocates the gradients in the graph's pool
         graph = torch.cuda.CUDAGraph()
         with inputs_prevalidated(), torch.cuda.graph(graph):  # each batch is checked before its replay instead

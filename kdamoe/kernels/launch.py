@@ -19,8 +19,9 @@ GPU work in a 100-140 ms step).
 
 Anything the short path does not handle goes through Triton's own ``kernel[grid](...)``, unchanged: a first call
 (compilation, autotuning), a config with a ``pre_hook``, a call-site keyword the config also sets, pre-run hooks,
-launch hooks (Triton's profiler), a pipeline inspection hook, a binary that failed to load. What is skipped is the check that globals a kernel reads did not change after compilation (ours read
-none) and Python-side bookkeeping (``Autotuner.nargs``). Under the CPU interpreter (``TRITON_INTERPRET=1``) kernels
+launch hooks (Triton's profiler), a pipeline inspection hook, a binary that failed to load. What is skipped is the
+check that globals a kernel reads did not change after compilation (ours read none) and Python-side bookkeeping
+(``Autotuner.nargs``). Under the CPU interpreter (``TRITON_INTERPRET=1``) kernels
 are not wrapped at all. ``KDAMOE_FAST_LAUNCH=0`` (read at import) sends every launch through Triton's path, for a
 comparison (``benchmarks/launch_overhead.py``); so does :func:`set_enabled`.
 
@@ -37,6 +38,8 @@ import triton
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction, compute_cache_key
 
+from .utils import is_interpreter
+
 try:
     from triton import knobs
 except ImportError:  # pragma: no cover - Triton < 3.4 has no knobs module: not wrapped (see _SUPPORTED)
@@ -50,11 +53,6 @@ _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
 
 
 _ENABLED = os.environ.get("KDAMOE_FAST_LAUNCH", "1") != "0"
-
-
-def enabled() -> bool:
-    """Whether launches take the short path: ``KDAMOE_FAST_LAUNCH`` (not ``"0"``) at import, or :func:`set_enabled`."""
-    return _ENABLED
 
 
 def set_enabled(value: bool) -> None:
@@ -108,7 +106,7 @@ class FastLaunch:
             if len(at.configs) > 1:
                 named = dict(zip(at.arg_names, args))
                 for name, value in kwargs.items():
-                    if name in named or name in at.arg_names:
+                    if name in at.arg_names:
                         named[name] = value
                 # Autotuner.run's key: the key arguments' values, then str(dtype) of each argument with a dtype
                 key = [named[k] for k in at.keys if k in named]
@@ -169,8 +167,7 @@ def fast_launch(kernel):
     """Decorator (outermost, above ``triton.jit`` / ``autotune``) giving a launched kernel :class:`FastLaunch`'s
     short path. Returns ``kernel`` itself under the interpreter, on a Triton version this module does not mirror
     (see ``_SUPPORTED``), or for an already wrapped kernel."""
-    if isinstance(kernel, FastLaunch) or knobs is None or not triton.__version__.startswith(_SUPPORTED):
-        return kernel
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if (isinstance(kernel, FastLaunch) or knobs is None or not triton.__version__.startswith(_SUPPORTED)
+            or is_interpreter()):
         return kernel
     return FastLaunch(kernel)

@@ -12,8 +12,6 @@ import os
 import torch
 import triton
 
-from .launch import fast_launch
-
 
 def is_interpreter() -> bool:
     """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
@@ -41,6 +39,8 @@ def autotune(configs, key, **kwargs):
             return triton.heuristics({name: (lambda _args, v=v: v) for name, v in first.kwargs.items()})(fn)
 
         return wrap
+    from .launch import fast_launch  # (launch imports this module)
+
     tune = triton.autotune(configs=configs, key=key, **kwargs)
     return lambda fn: fast_launch(tune(fn))
 
