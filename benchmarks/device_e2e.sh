@@ -9,11 +9,14 @@
 # Environment: E2E_TOTAL_S (480: the whole call, s), E2E_ONLY (the bench parts, default kdamoe,native,recipe,graph,profile),
 # E2E_PARITY (0; 1 runs benchmarks/model_parity.py first, limited to E2E_PARITY_S, default 150 s, taken from the
 # bench's time: with a cold Triton cache it takes minutes, so it is off by default), E2E_TUNE (0; 1 first times every
-# block config of the experts GEMMs, benchmarks/tune_moe_rows.py, limit E2E_TUNE_S = 150 s), E2E_FSDP (0; 1 runs
+# block config of the experts GEMMs, benchmarks/tune_moe_rows.py, limit E2E_TUNE_S = 150 s, with E2E_TUNE_ARGS, e.g.
+# "--gemms gate_up,dw1,dw2"), E2E_NORM (0; 1 first runs benchmarks/tune_norm.py, limit E2E_NORM_S = 120 s),
+# E2E_PYTEST (test files run after the bench with KDAMOE_TEST_ON_GPU=1, limit E2E_PYTEST_S = 200 s, taken from the
+# bench's time; default none), E2E_FSDP (0; 1 runs
 # benchmarks/bench_fsdp_overhead.py after the bench, limit E2E_FSDP_S = 240 s; carry data/shakespeare for it), E2E_LAUNCH
 # (0; 1 first runs benchmarks/launch_overhead.py, limit 120 s: host µs per kernel launch, short path vs Triton's).
 # Files back: e2e.json, e2e.md, e2e.log (the output of every step), model_parity.json (E2E_PARITY=1),
-# moe_rows_tune.json (E2E_TUNE=1), fsdp_overhead.json (E2E_FSDP=1), launch_overhead.json (E2E_LAUNCH=1) and at most four 15 MB parts of the Triton cache (more would pass the 8 files a call returns; then none are kept).
+# moe_rows_tune.json (E2E_TUNE=1), norm_tune.json (E2E_NORM=1), fsdp_overhead.json (E2E_FSDP=1), launch_overhead.json (E2E_LAUNCH=1) and at most four 15 MB parts of the Triton cache (more would pass the 8 files a call returns; then none are kept).
 set -u
 source "$(dirname "$0")/tcache.sh"  # tcache_restore / tcache_pack: the Triton cache between calls
 T0=$(date +%s)
@@ -50,16 +53,31 @@ fi
 
 if [ "${E2E_TUNE:-0}" = 1 ]; then
     echo "== experts GEMM sweep, limit ${E2E_TUNE_S:-150} s" >> "$LOG"
-    timeout "${E2E_TUNE_S:-150}" python3 benchmarks/tune_moe_rows.py --out "$OUT" >> "$LOG" 2>&1
+    timeout "${E2E_TUNE_S:-150}" python3 benchmarks/tune_moe_rows.py --out "$OUT" --budget-s $(( ${E2E_TUNE_S:-150} - 10 )) \
+        ${E2E_TUNE_ARGS:-} >> "$LOG" 2>&1
     echo "sweep exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
 fi
 
-budget=$(( $(left) - (${E2E_FSDP:-0} == 1 ? ${E2E_FSDP_S:-240} : 0) ))
+if [ "${E2E_NORM:-0}" = 1 ]; then
+    echo "== norm sweep, limit ${E2E_NORM_S:-120} s" >> "$LOG"
+    timeout "${E2E_NORM_S:-120}" python3 benchmarks/tune_norm.py --out "$OUT" >> "$LOG" 2>&1
+    echo "norm sweep exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
+fi
+
+pytest_s=$([ -n "${E2E_PYTEST:-}" ] && echo "${E2E_PYTEST_S:-200}" || echo 0)
+budget=$(( $(left) - (${E2E_FSDP:-0} == 1 ? ${E2E_FSDP_S:-240} : 0) - pytest_s ))
 echo "== bench, budget $budget s (Triton cache restored: $E2E_TCACHE_RESTORED)" >> "$LOG"
 # the bench's own deadline is 20 s before the kill, so a measurement that runs past its estimate is still saved
 timeout "$budget" python3 benchmarks/bench_e2e.py --out "$OUT" --budget-s $(( budget - 20 )) \
     --only "${E2E_ONLY:-kdamoe,native,recipe,graph,profile}" "$@" >> "$LOG" 2>&1
 echo "bench exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
+
+if [ -n "${E2E_PYTEST:-}" ]; then
+    echo "== GPU tests, limit $pytest_s s" >> "$LOG"
+    KDAMOE_TEST_ON_GPU=1 timeout "$pytest_s" python3 -m pytest -q -p no:cacheprovider --maxfail=20 \
+        $E2E_PYTEST >> "$LOG" 2>&1
+    echo "pytest exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
+fi
 
 if [ "${E2E_FSDP:-0}" = 1 ]; then
     echo "== FSDP2 wrapper overhead, limit $(left) s" >> "$LOG"

@@ -107,16 +107,16 @@ def calls(n: int, e: int, L: int, inter: int, k: int) -> list[tuple]:
                  "stride_bk": sbk, "stride_bn": sbn}, rows_cfgs)
 
     return [
-        ("gate_up", gg._gate_up_fwd_kernel, gu_t, {**act, "SAVE_H": True}, {"E": e, "I": inter, "L": L, "TOPK": k},
+        ("gate_up", gg._gate_up_fwd_kernel, gu_t, {**act, "SAVE_H": True, "TOPK": k}, {"E": e, "I": inter, "L": L},
          gg._gate_up_fwd_kernel.configs),
         ("down", gg._rows_gemm_kernel, row_t, *rows(False, False, L, inter, inter, L * inter, 1, inter)),
         ("dg", gg._rows_gemm_kernel, row_t, *rows(True, True, inter, L, L, L * inter, inter, 1)),
         ("glu_rows_bwd", gg._glu_rows_bwd_kernel, glu_t, {"ACT": 0}, {"M": m, "E": e, "I": inter}, glu_cfg),
         ("dx", gg._rows_gemm_kernel, row_t, *rows(False, False, L, 2 * inter, 2 * inter, 2 * inter * L, L, 1)),
-        ("dw1", gg._wgrad_kernel, wg_t, {"GATHER_A": False, "GATHER_B": True, "PREC": "tf32"},
-         {"E": e, "P": 2 * inter, "Q": L, "TOPK": k, "stride_am": 2 * inter, "stride_bm": L}, gg._wgrad_kernel.configs),
-        ("dw2", gg._wgrad_kernel, wg_t, {"GATHER_A": True, "GATHER_B": False, "PREC": "tf32"},
-         {"E": e, "P": L, "Q": inter, "TOPK": k, "stride_am": L, "stride_bm": inter}, gg._wgrad_kernel.configs),
+        ("dw1", gg._wgrad_kernel, wg_t, {"GATHER_A": False, "GATHER_B": True, "PREC": "tf32", "TOPK": k},
+         {"E": e, "P": 2 * inter, "Q": L, "stride_am": 2 * inter, "stride_bm": L}, gg._wgrad_kernel.configs),
+        ("dw2", gg._wgrad_kernel, wg_t, {"GATHER_A": True, "GATHER_B": False, "PREC": "tf32", "TOPK": k},
+         {"E": e, "P": L, "Q": inter, "stride_am": L, "stride_bm": inter}, gg._wgrad_kernel.configs),
     ]
 
 
@@ -128,14 +128,14 @@ def conv_calls(n: int, cp: int, sx: int, W: int) -> list[tuple]:
     flags = {"W": W, "PARTS": 3, "HAS_STATE": False, "HAS_SEQ": True, "state": None}
     nt = -(-n // conv_backward.BT_DX)
     parts = lambda name: {f"{name}{i}": "*bf16" for i in range(3)}  # noqa: E731
-    dx_types = {"dpre": "*fp32", "x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", "dx": "*bf16", "dw_part": "*fp32"}
+    dx_types = {"dpre": "*bf16", "x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", "dx": "*bf16", "dw_part": "*fp32"}
     dx_ints = {"T": n, "C": C, "SX": sx, "NT": nt}
     return [
         ("conv_fwd", conv_forward._conv_fwd_kernel,
          {"x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", **parts("y")}, flags,
          {"T": n, "C": C, "CP": cp, "SX": sx}, conv_forward._conv_fwd_kernel.configs),
         ("conv_bwd_dpre", conv_backward._conv_bwd_dpre_kernel,
-         {"x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", **parts("dy"), "dpre_out": "*fp32"},
+         {"x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", **parts("dy"), "dpre_out": "*bf16"},
          flags, {"T": n, "C": C, "CP": cp, "SX": sx}, conv_backward._conv_bwd_dpre_kernel.configs),
         ("conv_bwd_dx", conv_backward._conv_bwd_dx_kernel, dx_types,
          {"W": W, "BT": conv_backward.BT_DX, "HAS_STATE": False, "HAS_SEQ": True, "STATE_GRAD": False, "state": None,

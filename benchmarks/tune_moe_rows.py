@@ -50,8 +50,14 @@ from kdamoe.kernels.moe.permute import tile_offsets  # noqa: E402
 # (BR, BI, warps) for the element-wise GLU backward (experts.py launches GLU_ROWS x GLU_COLS, 4 warps)
 ROW_CFGS = [(128, 64, 8, 4), (128, 32, 4, 4), (64, 64, 4, 4), (64, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3),
             (128, 128, 8, 3)]
-WGRAD_CFGS = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3),
-              (256, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 128, 64, 8, 4)]
+# wgrad's last entry: IDX_AHEAD (the next K step's slot indices read one step ahead)
+WGRAD_CFGS = [(128, 128, 64, 8, 3, False), (128, 128, 64, 8, 3, True), (128, 128, 64, 8, 4, False),
+              (128, 128, 64, 8, 4, True), (128, 128, 32, 8, 5, True), (128, 128, 32, 8, 4, False),
+              (128, 64, 64, 4, 4, True), (64, 128, 64, 4, 4, True), (128, 256, 64, 8, 3, True),
+              (128, 128, 64, 4, 4, True), (256, 128, 64, 8, 3, True)]
+# gate/up: BN is the width of each half (the B tile holds 2·BN weight rows, gate then up)
+GATE_UP_CFGS = [(64, 64, 8, 3), (64, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 4), (64, 32, 4, 4), (128, 32, 8, 4),
+                (64, 128, 8, 3)]
 GLU_CFGS = [(GLU_ROWS, GLU_COLS, 4), (16, 128, 4), (8, 256, 4), (32, 128, 8), (16, 64, 2)]  # the first: the shipped one
 BMS = (128, 256)
 # H200 (sm_90): the most shared memory one block may reserve (227 KB, cudaDevAttrMaxSharedMemoryPerBlockOptin)
@@ -126,7 +132,8 @@ def _markdown(shape: dict, rows: list) -> str:
         return "" if v is None else v
 
     for r in sorted(rows, key=lambda r: (r["gemm"], r.get("ms") or 1e9)):
-        cfg = " ".join(f"{key}{r[key]}" for key in ("BM", "BN", "BP", "BQ", "BR", "BI", "BK", "warps", "stages")
+        cfg = " ".join(f"{key}{r[key]}" for key in ("BM", "BN", "BP", "BQ", "BR", "BI", "BK", "warps", "stages",
+                                                     "idx_ahead")
                        if key in r)
         note = r.get("error") or (f"skipped: {r['skipped']}" if "skipped" in r else "")
         lines.append(f"| {r['gemm']} | {cfg} | {num(r.get('ms'), '.3f')} | {num(r.get('tflops'), '.0f')} | "
@@ -147,8 +154,15 @@ def main():
                         "the sweep at 150 s)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes, first configs only (CPU interpreter); fails if a launch raises")
+    p.add_argument("--gemms", default=None,
+                   help="comma-separated kernels to sweep (of dg, dx, dw1, dw2, glu_rows_bwd, down, gate_up; "
+                        "default all)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     a = p.parse_args()
+    names = ("dg", "dx", "dw1", "dw2", "glu_rows_bwd", "down", "gate_up")
+    wanted = set(names if a.gemms is None else a.gemms.split(","))
+    if not wanted <= set(names):
+        p.error(f"--gemms: unknown kernel(s) {sorted(wanted - set(names))}; choose from {', '.join(names)}")
     if a.smoke:
         a.tokens, a.experts, a.latent, a.inter, a.top_k = 64, 4, 64, 32, 2
     deadline = T0 + a.budget_s
@@ -208,13 +222,14 @@ def main():
 
         def launch():
             return gu_fn[(plan.max_tiles * triton.cdiv(inter, bn),)](
-                x, w1, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, w, gout, hout, e, inter, L, k,
-                4.0, 25.0, ACT=act, SAVE_H=True, PREC=prec, BM=bm, BN=bn, BK=bk, num_warps=nw, num_stages=ns)
+                x, w1, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, w, gout, hout, e, inter, L,
+                4.0, 25.0, TOPK=k, ACT=act, SAVE_H=True, PREC=prec, BM=bm, BN=bn, BK=bk, num_warps=nw,
+                num_stages=ns)
 
         row = {"gemm": "gate_up", "BM": bm, "BN": bn, "BK": bk, "warps": nw, "stages": ns}
         return row, launch, flops["gate_up"], None, smem_estimate(bm, bn, bk, ns, b_tiles=2)
 
-    def wgrad(name, bp, bq, bk, nw, ns):
+    def wgrad(name, bp, bq, bk, nw, ns, ahead):
         plan = plans[BMS[0]]  # the weight gradients read only order and row_offs
         # a, b, out, P, Q, stride_am, stride_bm, GATHER_A, GATHER_B
         args = {"dw1": (dh, x, dw1, 2 * inter, L, 2 * inter, L, False, True),
@@ -223,10 +238,11 @@ def main():
 
         def launch():
             return wg_fn[(e * triton.cdiv(p_, bp) * triton.cdiv(q_, bq),)](
-                a_, b_, plan.order, plan.row_offs, experts, out, e, p_, q_, k, sam, sbm,
-                GATHER_A=ga, GATHER_B=gb, PREC=prec, BP=bp, BQ=bq, BK=bk, num_warps=nw, num_stages=ns)
+                a_, b_, plan.order, plan.row_offs, experts, out, e, p_, q_, sam, sbm,
+                TOPK=k, GATHER_A=ga, GATHER_B=gb, PREC=prec, BP=bp, BQ=bq, BK=bk, IDX_AHEAD=ahead, num_warps=nw,
+                num_stages=ns)
 
-        row = {"gemm": name, "BP": bp, "BQ": bq, "BK": bk, "warps": nw, "stages": ns}
+        row = {"gemm": name, "BP": bp, "BQ": bq, "BK": bk, "warps": nw, "stages": ns, "idx_ahead": ahead}
         return row, launch, flops[name], None, smem_estimate(bp, bq, bk, ns)
 
     def glu_rows_bwd(br, bi, nw):
@@ -240,6 +256,7 @@ def main():
         return {"gemm": "glu_rows_bwd", "BR": br, "BI": bi, "warps": nw}, launch, None, glu_bytes, 0
 
     row_cfgs = ROW_CFGS[:1] if a.smoke else ROW_CFGS
+    gate_up_cfgs = GATE_UP_CFGS[:1] if a.smoke else GATE_UP_CFGS
     wgrad_cfgs = WGRAD_CFGS[:1] if a.smoke else WGRAD_CFGS
     glu_cfgs = GLU_CFGS[:1] if a.smoke else GLU_CFGS
     jobs = []
@@ -250,7 +267,8 @@ def main():
         if bm == BMS[0]:
             jobs += [glu_rows_bwd(*c) for c in glu_cfgs]
         jobs += [rows_gemm("down", bm, *c) for c in rcfgs]
-        jobs += [gate_up(bm, *c) for c in rcfgs]
+        jobs += [gate_up(bm, *c) for c in gate_up_cfgs if bm * c[0] <= 128 * 128]
+    jobs = [j for j in jobs if j[0]["gemm"] in wanted]
 
     os.makedirs(a.out, exist_ok=True)
     shape = {"tokens": n, "experts": e, "latent": L, "inter": inter, "top_k": k, "dtype": str(dt),

@@ -11,7 +11,9 @@ convention) are::
 Two kernels, each over (BT rows, BC channels, batch row) tiles:
 
 1. ``_conv_bwd_dpre_kernel`` reads x (W shifted tiles through ``conv_rows``, the forward's helper, so ``pre`` is
-   the forward's to the bit) and dy, and writes ``dpre`` once to a float32 scratch ``[B, T, C]``.
+   the forward's to the bit) and dy, and writes ``dpre`` once to a scratch ``[B, T, C]`` in x's dtype (rounded
+   there as PyTorch's autograd rounds the SiLU's input gradient before the convolution's backward; a float32
+   scratch cost 4 more bytes per element, written once and read W times).
 2. ``_conv_bwd_dx_kernel`` reads the scratch (W shifted tiles, L1/L2 hits after the first) and x's own rows once,
    writes dx in x's dtype, and one dweight partial ``[C, W]`` per program: the shifted ``dpre`` tiles that dx
    needs are the ones dweight needs, so dweight costs one x tile and W row reductions there (the partials are
@@ -19,9 +21,9 @@ Two kernels, each over (BT rows, BC channels, batch row) tiles:
    count. The programs holding row 0 add the cached state's share of dweight and write dstate.
 
 Why two: dx[s] needs dpre at s … s+W−1, i.e. ``pre`` past the tile's end; computed in one kernel that is ``pre``
-at W shifted row sets (W² shifted x tiles and W cross-warp reductions per program). Saving dpre costs 8 bytes per
-element of DRAM traffic but removes that recomputation. Per element (bf16 x, dy, dx): x 2 + dy 2 + dpre 4 bytes
-by the first kernel, dpre 4 + x 2 + dx 2 by the second, about 16 bytes against a floor of 6 (x, dy, dx once).
+at W shifted row sets (W² shifted x tiles and W cross-warp reductions per program). Saving dpre costs 4 bytes per
+element of DRAM traffic (bf16) but removes that recomputation. Per element (bf16 x, dy, dx): x 2 + dy 2 + dpre 2
+bytes by the first kernel, dpre 2 + x 2 + dx 2 by the second, about 12 bytes against a floor of 6 (x, dy, dx once).
 
 dweight sat in the first kernel before (each program reloading its W shifted x tiles after computing dpre): at the
 KDA layer's C = 3072, T = 32768 on an H200 that kernel took 1.13 ms a call (0.7 TB/s; issue #14's profile); moved,
@@ -69,7 +71,8 @@ def _conv_bwd_dpre_kernel(x, weight, state, seq_idx, dy0, dy1, dy2, dpre_out, T,
                 other=0.).to(tl.float32)
     sg = tl.sigmoid(pre)
     dpre = g * sg * (1. + pre * (1. - sg))  # 0 on rows ≥ T
-    tl.store(dpre_out + ((i_b * T + rows).to(tl.int64) * C)[:, None] + cols[None, :], dpre, mask=mask)
+    tl.store(dpre_out + ((i_b * T + rows).to(tl.int64) * C)[:, None] + cols[None, :],
+             dpre.to(dpre_out.dtype.element_ty), mask=mask)
 
 
 @autotune(configs=_DX_CONFIGS, key=["C", "W", "HAS_STATE", "HAS_SEQ", "STATE_GRAD"])
@@ -95,7 +98,7 @@ def _conv_bwd_dx_kernel(dpre, x, weight, state, seq_idx, dx, dw_part, dstate, T,
         r = rows + i
         mr = r < T
         d = tl.load(dpre + ((i_b * T + r).to(tl.int64) * C)[:, None] + cols[None, :],
-                    mask=mr[:, None] & mcol[None, :], other=0.)
+                    mask=mr[:, None] & mcol[None, :], other=0.).to(tl.float32)
         if HAS_SEQ:
             if i > 0:
                 ids_r = tl.load(seq_idx + i_b * T + r, mask=mr, other=-1).to(tl.int64)
@@ -109,7 +112,7 @@ def _conv_bwd_dx_kernel(dpre, x, weight, state, seq_idx, dx, dw_part, dstate, T,
                     # targets t < i read the cached state's slot W + t − i; it belongs to the first sequence
                     for t in tl.static_range(i):
                         m_t = mcol & (t < T)
-                        d_t = tl.load(dpre + (i_b * T + t).to(tl.int64) * C + cols, mask=m_t, other=0.)
+                        d_t = tl.load(dpre + (i_b * T + t).to(tl.int64) * C + cols, mask=m_t, other=0.).to(tl.float32)
                         if HAS_SEQ:
                             id_t = tl.load(seq_idx + i_b * T + t, mask=t < T, other=first_id).to(tl.int64)
                             d_t = tl.where(id_t == first_id, d_t, 0.)
@@ -127,7 +130,7 @@ def _conv_bwd_dx_kernel(dpre, x, weight, state, seq_idx, dx, dw_part, dstate, T,
                 ds = tl.zeros([BC], dtype=tl.float32)
                 for rr in tl.static_range(m):
                     m_rr = mcol & (rr < T)  # its own name: the compiler refuses a [BC] redefinition of mr [BT]
-                    d_r = tl.load(dpre + (i_b * T + rr).to(tl.int64) * C + cols, mask=m_rr, other=0.)
+                    d_r = tl.load(dpre + (i_b * T + rr).to(tl.int64) * C + cols, mask=m_rr, other=0.).to(tl.float32)
                     if HAS_SEQ:
                         id_r = tl.load(seq_idx + i_b * T + rr, mask=rr < T, other=first_id).to(tl.int64)
                         d_r = tl.where(id_r == first_id, d_r, 0.)
@@ -152,7 +155,7 @@ def conv_bwd(x, weight, state, seq_idx, dys, state_grad):
     dstate = torch.zeros(B, C, W, dtype=torch.float32, device=x.device) if state_grad else None  # slot 0 stays 0
     if B * T * C == 0:
         return dx, torch.zeros(C, W, dtype=torch.float32, device=x.device), dstate
-    dpre = torch.empty(B, T, C, dtype=torch.float32, device=x.device)
+    dpre = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     dw_part = torch.empty(B * NT, C, W, dtype=torch.float32, device=x.device)  # every entry is written
     has_state, has_seq = state is not None, seq_idx is not None
     dy0, dy1, dy2 = (list(dys) + [dys[0]] * MAX_PARTS)[:MAX_PARTS]

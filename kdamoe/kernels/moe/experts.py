@@ -156,8 +156,8 @@ def _wgrad(plan, a, b, out, p, q, stride_am, stride_bm, gather_a, gather_b, prec
     n_exp = plan.wgrad_experts.numel()
     grid = lambda meta: (n_exp * cdiv(p, meta["BP"]) * cdiv(q, meta["BQ"]),)  # noqa: E731
     _wgrad_kernel[grid](
-        a, b, plan.order, plan.row_offs, plan.wgrad_experts, out, plan.e, p, q, plan.k, stride_am, stride_bm,
-        GATHER_A=gather_a, GATHER_B=gather_b, PREC=prec,
+        a, b, plan.order, plan.row_offs, plan.wgrad_experts, out, plan.e, p, q, stride_am, stride_bm,
+        TOPK=plan.k, GATHER_A=gather_a, GATHER_B=gather_b, PREC=prec,
     )
 
 
@@ -195,9 +195,8 @@ class MoEExpertsFunction(torch.autograd.Function):
         h = torch.empty(plan.m if save_h else 1, two_i, device=x.device, dtype=dt)
         grid = lambda meta: (plan.max_tiles * cdiv(inter, meta["BN"]),)  # noqa: E731
         _gate_up_fwd_kernel[grid](
-            x, w1, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, w, g, h, e, inter, hid, plan.k,
-            beta1, beta2,
-            ACT=act, SAVE_H=save_h, PREC=prec, BM=plan.bm,
+            x, w1, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, w, g, h, e, inter, hid, beta1, beta2,
+            TOPK=plan.k, ACT=act, SAVE_H=save_h, PREC=prec, BM=plan.bm,
         )
         y = torch.empty(plan.m, hid, device=x.device, dtype=dt)
         _rows_gemm(plan, g, w2, y, hid, inter, inter, hid * inter, 1, inter, gather_a=False, sorted_out=False,

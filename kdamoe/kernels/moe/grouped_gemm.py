@@ -37,15 +37,20 @@ def _cfgs(gpu):
 # ----------------------------------------------------------------------------------------------
 # forward: gate/up projection with the GLU activation in the epilogue
 # ----------------------------------------------------------------------------------------------
+# One B tile holds 2·BN weight rows, the BN gate rows n0 … n0+BN−1 then the BN up rows I+n0 …, so one dot of width
+# 2·BN fills one accumulator with both halves. Two dots of width BN into two accumulators (the kernel before) held the
+# same registers but issued two streams of narrower MMAs, and ran at 402-409 TFLOP/s on the H200 at the e2e shape
+# (128 x 2·128 x 64, 8 warps; benchmarks/results/moe_rows_tune_h200.md) against 515-610 for the plain row GEMMs.
 @autotune(
-    configs=_cfgs([({"BN": 128, "BK": 64}, 8, 4), ({"BN": 64, "BK": 64}, 4, 4), ({"BN": 128, "BK": 64}, 8, 3)]),
+    configs=_cfgs([({"BN": 64, "BK": 64}, 8, 3), ({"BN": 64, "BK": 64}, 8, 4), ({"BN": 128, "BK": 64}, 8, 3),
+                   ({"BN": 64, "BK": 64}, 4, 4)]),
     key=["I", "L", "BM"],
 )
 @triton.jit
 def _gate_up_fwd_kernel(
     x_ptr, w_ptr, order_ptr, tile_expert_ptr, tile_offs_ptr, row_offs_ptr, rw_ptr, g_ptr, h_ptr,
-    E, I, L, TOPK, beta1, beta2,
-    ACT: tl.constexpr, SAVE_H: tl.constexpr, PREC: tl.constexpr,
+    E, I, L, beta1, beta2,
+    TOPK: tl.constexpr, ACT: tl.constexpr, SAVE_H: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -62,36 +67,36 @@ def _gate_up_fwd_kernel(
         rmask = rows < row_end
         flat = tl.load(order_ptr + rows, mask=rmask, other=0)
         tok = (flat // TOPK).to(tl.int64)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        nmask = offs_n < I
+        # column c of the 2·BN-wide tile: gate column n0 + c (c < BN), up column n0 + c − BN (c ≥ BN), i.e. weight
+        # row ``wrow`` and h column ``wrow`` (h = [gate | up])
+        offs_c = tl.arange(0, 2 * BN)
+        col = pid_n * BN + offs_c % BN
+        cmask = col < I
+        wrow = col + (offs_c // BN) * I
         offs_k = tl.arange(0, BK)
         a_ptrs = x_ptr + tok[:, None] * L + offs_k[None, :]
-        bg_ptrs = w_ptr + e.to(tl.int64) * (2 * I * L) + offs_n[None, :].to(tl.int64) * L + offs_k[:, None]
-        bu_ptrs = bg_ptrs + I * L
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        b_ptrs = w_ptr + e.to(tl.int64) * (2 * I * L) + wrow[None, :].to(tl.int64) * L + offs_k[:, None]
+        acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
         for k0 in range(0, L, BK):
             kmask = (k0 + offs_k) < L
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-            bg = tl.load(bg_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            bu = tl.load(bu_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            acc_g = tl.dot(a, bg, acc_g, input_precision=PREC)
-            acc_u = tl.dot(a, bu, acc_u, input_precision=PREC)
+            b = tl.load(b_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
             a_ptrs += BK
-            bg_ptrs += BK
-            bu_ptrs += BK
+            b_ptrs += BK
+        rows64 = rows.to(tl.int64)
+        if SAVE_H:
+            tl.store(h_ptr + rows64[:, None] * (2 * I) + wrow[None, :], acc.to(h_ptr.dtype.element_ty),
+                     mask=rmask[:, None] & cmask[None, :])
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
         # the routing weight of the slot, applied here once per row: the down projection then needs no scaling, and
         # the ∂W2 GEMM reads g_w as its B operand as it is (a rescaled operand inside its K loop cost a third of its
         # throughput on the H200: 273 against 367 TFLOP/s for ∂W1, benchmarks/results/e2e_h200.md at 193d245)
         rw = tl.load(rw_ptr + flat, mask=rmask, other=0.0).to(tl.float32)
         g = glu_forward(acc_g, acc_u, ACT, beta1, beta2) * rw[:, None]
-        omask = rmask[:, None] & nmask[None, :]
-        rows64 = rows.to(tl.int64)
-        tl.store(g_ptr + rows64[:, None] * I + offs_n[None, :], g.to(g_ptr.dtype.element_ty), mask=omask)
-        if SAVE_H:
-            h_ptrs = h_ptr + rows64[:, None] * (2 * I) + offs_n[None, :]
-            tl.store(h_ptrs, acc_g.to(h_ptr.dtype.element_ty), mask=omask)
-            tl.store(h_ptrs + I, acc_u.to(h_ptr.dtype.element_ty), mask=omask)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        tl.store(g_ptr + rows64[:, None] * I + offs_n[None, :], g.to(g_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & (offs_n < I)[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,16 +200,20 @@ def _glu_rows_bwd_kernel(
 # best of the swept tiles for both weight gradients (128 x 256, 256 x 128 and BK = 32 were slower); 4 stages was not
 # swept.
 @autotune(
-    configs=_cfgs([({"BP": 128, "BQ": 128, "BK": 64}, 8, 3), ({"BP": 128, "BQ": 64, "BK": 64}, 4, 4),
-                   ({"BP": 64, "BQ": 128, "BK": 64}, 4, 4), ({"BP": 128, "BQ": 128, "BK": 64}, 8, 4)]),
+    configs=_cfgs([({"BP": 128, "BQ": 128, "BK": 64, "IDX_AHEAD": True}, 8, 4),
+                   ({"BP": 128, "BQ": 128, "BK": 64, "IDX_AHEAD": False}, 8, 3),
+                   ({"BP": 128, "BQ": 128, "BK": 64, "IDX_AHEAD": True}, 8, 3),
+                   ({"BP": 128, "BQ": 128, "BK": 64, "IDX_AHEAD": False}, 8, 4),
+                   ({"BP": 128, "BQ": 128, "BK": 32, "IDX_AHEAD": True}, 8, 5),
+                   ({"BP": 128, "BQ": 64, "BK": 64, "IDX_AHEAD": True}, 4, 4)]),
     key=["P", "Q", "TOPK"],
 )
 @triton.jit
 def _wgrad_kernel(
     a_ptr, b_ptr, order_ptr, row_offs_ptr, experts_ptr, out_ptr,
-    E, P, Q, TOPK, stride_am, stride_bm,
-    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, PREC: tl.constexpr,
-    BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+    E, P, Q, stride_am, stride_bm,
+    TOPK: tl.constexpr, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, PREC: tl.constexpr,
+    BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, IDX_AHEAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_p = (P + BP - 1) // BP
@@ -220,10 +229,13 @@ def _wgrad_kernel(
     pmask = offs_p < P
     qmask = offs_q < Q
     acc = tl.zeros((BP, BQ), dtype=tl.float32)
+    rows = row_start + tl.arange(0, BK)
+    flat = tl.load(order_ptr + rows, mask=rows < row_end, other=0)
     for r0 in range(row_start, row_end, BK):
-        rows = r0 + tl.arange(0, BK)
+        if not IDX_AHEAD:
+            rows = r0 + tl.arange(0, BK)
+            flat = tl.load(order_ptr + rows, mask=rows < row_end, other=0)
         rmask = rows < row_end
-        flat = tl.load(order_ptr + rows, mask=rmask, other=0)
         if GATHER_A:
             sa = (flat // TOPK).to(tl.int64)
         else:
@@ -234,6 +246,10 @@ def _wgrad_kernel(
             sb = rows.to(tl.int64)
         a = tl.load(a_ptr + sa[None, :] * stride_am + offs_p[:, None], mask=rmask[None, :] & pmask[:, None], other=0.0)
         b = tl.load(b_ptr + sb[:, None] * stride_bm + offs_q[None, :], mask=rmask[:, None] & qmask[None, :], other=0.0)
+        if IDX_AHEAD:
+            # the next step's slots, read one step ahead: the A / B loads then hang on a loop-carried value only
+            rows += BK
+            flat = tl.load(order_ptr + rows, mask=rows < row_end, other=0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
     out_ptrs = out_ptr + e.to(tl.int64) * P * Q + offs_p[:, None].to(tl.int64) * Q + offs_q[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & qmask[None, :])

@@ -43,6 +43,10 @@ BLOCK_ELEMS = 4096  # rows × columns of one forward / backward tile (fp32 regis
 # 2048, not the e2e shape's 1024; there the step's norm backward went from 9.2 to 8.0 ms at 32K with this and the
 # fused residual add together (benchmarks/results/e2e_h200_f5f2d34.md, e2e_h200_99300f8.md).
 BACKWARD_PROGRAMS_PER_SM = 8
+# Software-pipelining depth of the backward's loop over its row blocks (``tl.range(num_stages=...)``): with 2 the
+# next block's loads are issued as asynchronous copies into shared memory before the current block is computed; 1 is
+# the plain loop (each program waits for its loads, then stores, then loads again).
+BACKWARD_STAGES = 2
 _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # dtype of n, passed as a constexpr
 
 
@@ -99,13 +103,13 @@ def _forward_kernel(X, R, G, W, O, H, n_rows, D, stride_x, stride_r, stride_g, e
 @triton.jit
 def _backward_kernel(X, G, W, DO, DR, DX, DG, DW, n_rows, D, stride_x, stride_g, stride_do, stride_dr, eps, n_blocks,
                      P, N_CODE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
+                     BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     w = tl.load(W + cols, mask=col_ok, other=0.).to(tl.float32)
     dw = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for blk in range(pid, n_blocks, P):
+    for blk in tl.range(pid, n_blocks, P, num_stages=STAGES):
         rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (rows < n_rows)[:, None] & col_ok[None, :]
         x, r, y = _normalise(X, rows, cols, mask, stride_x, D, eps, X, X, stride_x, False)
@@ -168,6 +172,6 @@ def norm_backward(x2, gate2, weight, dout2, eps, n_dtype, dres2=None):
         x2, g, weight, dout2, dr, dx, dg if has_gate else dx, partial, n_rows, D,
         x2.stride(0), g.stride(0), dout2.stride(0), dr.stride(0), eps, n_blocks, programs,
         N_CODE=_CODES[n_dtype], HAS_GATE=has_gate, HAS_DRES=dres2 is not None, BLOCK_M=block_m, BLOCK_D=block_d,
-        num_warps=warps,
+        STAGES=BACKWARD_STAGES, num_warps=warps,
     )
     return dx, dg, partial.sum(0)
