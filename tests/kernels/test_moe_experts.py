@@ -64,8 +64,9 @@ def test_experts_very_uneven_loads():
 
 
 def test_experts_several_blocks_along_every_dimension():
-    """ℓ = 80 and I = 136: the K loops take two and three 64-wide steps with a masked tail, the 128-wide
-    column blocks of h and of ∂W1 come in two and three with a tail."""
+    """ℓ = 80 and I = 136: the K loops take two and three 64-wide steps with a masked tail; the gate/up tiles
+    (64 gate and 64 up columns each) come in three with a tail, the 128-wide column blocks of ∂W1 in two and
+    three with a tail."""
     check(40, 80, 136, 3, 2, seed=11)
 
 
