@@ -3,9 +3,9 @@
     python benchmarks/tune_norm.py [--tokens 32768] [--hidden 1024] [--heads 8 --head-dim 128] [--out DIR]
 
 The backward is a persistent kernel: ``BACKWARD_PROGRAMS_PER_SM`` programs per SM loop over row blocks of
-``BLOCK_ELEMS`` elements, that loop software-pipelined ``BACKWARD_STAGES`` deep, and each writes one float32 ``dw``
-partial row. It times ``norm_backward`` and ``norm_forward`` (``triton.testing.do_bench``, median ms) for each
-combination of those three module constants (the forward has no loop: its time depends on ``BLOCK_ELEMS`` only), on bf16 rows of
+``BLOCK_ELEMS`` elements and each writes one float32 ``dw`` partial row; its pipelining depth and warps are
+autotuned (the row records the config the autotuner chose). It times ``norm_backward`` and ``norm_forward``
+(``triton.testing.do_bench``, median ms) for each pair of those two module constants, on bf16 rows of
 the hidden size (the decoder's pre-norms) and, gated, of the head dimension (the KDA output norm), and reports the
 achieved bandwidth over the bytes the op must move (x, dout, dx, plus gate and dgate; forward: x, out, plus gate).
 Writes ``norm_tune.json`` into ``--out`` ($OUT) after every row. Needs a GPU.
@@ -40,16 +40,17 @@ def main():
         w = torch.rand(D, device="cuda", generator=gen).bfloat16() + 0.5
         dout = torch.randn(n, D, device="cuda", generator=gen).bfloat16()
         moved = (n * D * 2 * (5 if gated else 3), n * D * 2 * (3 if gated else 2))  # backward, forward (bytes)
-        for per_sm, elems, stages in itertools.product((4, 8), (2048, 4096, 8192), (1, 2, 3)):
-            nk.BACKWARD_PROGRAMS_PER_SM, nk.BLOCK_ELEMS, nk.BACKWARD_STAGES = per_sm, elems, stages
+        for per_sm, elems in itertools.product((4, 8, 16), (2048, 4096, 8192)):
+            nk.BACKWARD_PROGRAMS_PER_SM, nk.BLOCK_ELEMS = per_sm, elems
             try:
                 bwd = triton.testing.do_bench(lambda: nk.norm_backward(x, g, w, dout, 1e-6, torch.bfloat16))
                 fwd = triton.testing.do_bench(lambda: nk.norm_forward(x, g, w, 1e-6, torch.bfloat16, torch.bfloat16))
             except Exception as e:  # e.g. out of resources at a large tile
-                rows.append({"shape": name, "per_sm": per_sm, "block_elems": elems, "stages": stages,
-                             "error": repr(e)[:200]})
+                rows.append({"shape": name, "per_sm": per_sm, "block_elems": elems, "error": repr(e)[:200]})
                 continue
-            row = {"shape": name, "rows": n, "D": D, "per_sm": per_sm, "block_elems": elems, "stages": stages,
+            best = nk._backward_kernel.autotuner.best_config
+            row = {"shape": name, "rows": n, "D": D, "per_sm": per_sm, "block_elems": elems,
+                   "backward_config": {**best.kwargs, "num_warps": best.num_warps},
                    "bwd_ms": bwd, "bwd_tb_s": moved[0] / bwd / 1e9, "fwd_ms": fwd, "fwd_tb_s": moved[1] / fwd / 1e9}
             rows.append(row)
             print(json.dumps(row), flush=True)

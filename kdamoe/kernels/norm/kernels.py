@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ..launch import fast_launch
-from ..utils import cdiv, partial_programs, row_tile
+from ..utils import autotune, cdiv, partial_programs, row_tile
 
 MAX_D = 8192  # the whole last dim sits in one block
 BLOCK_ELEMS = 4096  # rows × columns of one forward / backward tile (fp32 registers per program)
@@ -43,10 +43,13 @@ BLOCK_ELEMS = 4096  # rows × columns of one forward / backward tile (fp32 regis
 # 2048, not the e2e shape's 1024; there the step's norm backward went from 9.2 to 8.0 ms at 32K with this and the
 # fused residual add together (benchmarks/results/e2e_h200_f5f2d34.md, e2e_h200_99300f8.md).
 BACKWARD_PROGRAMS_PER_SM = 8
-# Software-pipelining depth of the backward's loop over its row blocks (``tl.range(num_stages=...)``): with 2 the
-# next block's loads are issued as asynchronous copies into shared memory before the current block is computed; 1 is
-# the plain loop (each program waits for its loads, then stores, then loads again).
-BACKWARD_STAGES = 2
+# The backward's loop over its row blocks is software-pipelined ``STAGES`` deep (``tl.range(num_stages=...)``): with
+# 2 the next block's loads are issued as asynchronous copies into shared memory before the current block is
+# computed (compiled for sm_90a: cp.async, 24-32 KB of shared memory per program at D = 1024); 1 is the plain loop
+# (each program waits for its loads, computes, stores, then loads again). Autotuned together with the warps (the
+# outputs are written, never accumulated, so a tuning run leaves nothing behind); the interpreter runs the first.
+_BACKWARD_CONFIGS = [triton.Config({"STAGES": 2}, num_warps=8), triton.Config({"STAGES": 1}, num_warps=8),
+                     triton.Config({"STAGES": 3}, num_warps=8), triton.Config({"STAGES": 2}, num_warps=4)]
 _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # dtype of n, passed as a constexpr
 
 
@@ -99,7 +102,7 @@ def _forward_kernel(X, R, G, W, O, H, n_rows, D, stride_x, stride_r, stride_g, e
     tl.store(O + rows[:, None].to(tl.int64) * D + cols[None, :], out.to(O.dtype.element_ty), mask=mask)
 
 
-@fast_launch
+@autotune(configs=_BACKWARD_CONFIGS, key=["D", "N_CODE", "HAS_GATE", "HAS_DRES", "BLOCK_M", "BLOCK_D"])
 @triton.jit
 def _backward_kernel(X, G, W, DO, DR, DX, DG, DW, n_rows, D, stride_x, stride_g, stride_do, stride_dr, eps, n_blocks,
                      P, N_CODE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -162,7 +165,7 @@ def norm_backward(x2, gate2, weight, dout2, eps, n_dtype, dres2=None):
     dg = torch.empty_like(gate2, memory_format=torch.contiguous_format) if has_gate else None
     if n_rows == 0:
         return dx, dg, torch.zeros(D, dtype=torch.float32, device=x2.device)
-    block_m, block_d, warps = row_tile(n_rows, D, BLOCK_ELEMS)
+    block_m, block_d, _ = row_tile(n_rows, D, BLOCK_ELEMS)  # the warps are the autotuned config's
     n_blocks = cdiv(n_rows, block_m)
     programs = partial_programs(n_blocks, x2.device, BACKWARD_PROGRAMS_PER_SM)
     partial = torch.empty((programs, D), dtype=torch.float32, device=x2.device)
@@ -172,6 +175,5 @@ def norm_backward(x2, gate2, weight, dout2, eps, n_dtype, dres2=None):
         x2, g, weight, dout2, dr, dx, dg if has_gate else dx, partial, n_rows, D,
         x2.stride(0), g.stride(0), dout2.stride(0), dr.stride(0), eps, n_blocks, programs,
         N_CODE=_CODES[n_dtype], HAS_GATE=has_gate, HAS_DRES=dres2 is not None, BLOCK_M=block_m, BLOCK_D=block_d,
-        STAGES=BACKWARD_STAGES, num_warps=warps,
     )
     return dx, dg, partial.sum(0)
