@@ -1,4 +1,8 @@
-"""moe_experts (Triton, interpreter on CPU) against the float64 loop reference: outputs and all gradients."""
+"""moe_experts (Triton) against the float64 loop reference: outputs and all gradients.
+
+Runs on the CPU interpreter (tests/conftest.py) in float32 and float16; with KDAMOE_TEST_ON_GPU=1 on a CUDA machine
+the same tests run on the GPU (the references stay on the CPU), except those about the interpreter itself.
+"""
 
 import os
 
@@ -9,6 +13,11 @@ from moe_reference import moe_experts_ref
 from kdamoe.kernels import moe_experts
 from kdamoe.kernels.moe.permute import expert_permutation
 from kdamoe.kernels.utils import relative_error
+
+ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs KDAMOE_TEST_ON_GPU=1 and a CUDA device")
+interpreter_only = pytest.mark.skipif(ON_GPU, reason="about the CPU interpreter's launch")
 
 
 def make_case(n, hid, inter, e, k, seed, drop=0.0, skew=None, absent=(), scale=1.0, dtype=torch.float32):
@@ -27,12 +36,19 @@ def make_case(n, hid, inter, e, k, seed, drop=0.0, skew=None, absent=(), scale=1
     return [t.to(dtype) for t in (x, w, w1, w2)], idx
 
 
+def on_device(*tensors, grad=False):
+    """Copies of ``tensors`` on the test device (leaves requiring grad with ``grad=True``)."""
+    return [t.to(DEVICE).clone().requires_grad_(grad) for t in tensors]
+
+
 def check(n, hid, inter, e, k, seed, activation="situ", tol=2e-5, **kw):
+    """Output and the four gradients against the float64 reference; returns ``(idx, [x, w, w1, w2] leaves)`` with
+    ``idx`` on the CPU and the leaves on the test device."""
     (x, w, w1, w2), idx = make_case(n, hid, inter, e, k, seed, **kw)
-    ps = [t.clone().requires_grad_() for t in (x, w, w1, w2)]
-    out = moe_experts(ps[0], idx, ps[1], ps[2], ps[3], activation=activation)
+    ps = on_device(x, w, w1, w2, grad=True)
+    out = moe_experts(ps[0], idx.to(DEVICE), ps[1], ps[2], ps[3], activation=activation)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 7)).to(out.dtype)
-    out.backward(dout)
+    out.backward(dout.to(DEVICE))
     qs = [t.detach().double().requires_grad_() for t in (x, w, w1, w2)]
     ref = moe_experts_ref(qs[0], idx, qs[1], qs[2], qs[3], activation=activation)
     ref.backward(dout.double())
@@ -53,7 +69,7 @@ def test_experts_basic_with_skipped_slots_and_empty_expert(activation):
     # expert 2 got no tokens: its weight gradients are exactly zero (and match the reference)
     assert ps[2].grad[2].abs().max() == 0 and ps[3].grad[2].abs().max() == 0
     # skipped slots get no weight gradient
-    assert (ps[1].grad[idx == 6] == 0).all()
+    assert (ps[1].grad.cpu()[idx == 6] == 0).all()
 
 
 def test_experts_very_uneven_loads():
@@ -70,6 +86,7 @@ def test_experts_several_blocks_along_every_dimension():
     check(40, 80, 136, 3, 2, seed=11)
 
 
+@interpreter_only
 def test_experts_gpu_launch_under_the_interpreter(monkeypatch):
     """The GPU's launch (``ceil(M/BM) + E`` tiles, every expert in the weight gradients, uninitialised
     gradient buffers) gives the interpreter's results; empty experts get exactly zero gradients."""
@@ -117,7 +134,7 @@ def test_experts_grouped_path_writes_every_element_it_reads(monkeypatch):
     """Every ``torch.empty`` buffer of the grouped path filled with NaN: the output and all four gradients match the
     float64 reference, so every element of every output is written and no element left unwritten (rows of skipped
     slots in g, h, ∂g', ∂h; the tail past M of the last row tile) is read. Both launches: the interpreter's trimmed
-    one and the GPU's (``ceil(M/BM) + E`` tiles, every expert in the weight gradients)."""
+    one and the GPU's (``ceil(M/BM) + E`` tiles, every expert in the weight gradients); on a GPU both are the GPU's."""
     import kdamoe.kernels.moe.experts as experts
 
     # M = 37·3 = 111 rows: the GLU backward's 16-row blocks end in a tail; ℓ = 80 and I = 72 fill no block exactly
@@ -134,9 +151,9 @@ def test_experts_grouped_path_writes_every_element_it_reads(monkeypatch):
             m.setattr(experts, "torch", poisoned)
             if gpu_launch:
                 m.setattr(experts, "_interpreter_launch", lambda plan, counts: None)
-            ps = [t.clone().requires_grad_() for t in (x, w, w1, w2)]
-            out = moe_experts(ps[0], idx, ps[1], ps[2], ps[3])
-            out.backward(dout)
+            ps = on_device(x, w, w1, w2, grad=True)
+            out = moe_experts(ps[0], idx.to(DEVICE), ps[1], ps[2], ps[3])
+            out.backward(dout.to(DEVICE))
         assert poisoned.poisoned >= 8, poisoned.poisoned  # the buffers of the forward and the backward
         names = ["out", "d_hidden", "d_weights", "d_gate_up", "d_down"]
         got = [out.detach()] + [p.grad for p in ps]
@@ -144,7 +161,7 @@ def test_experts_grouped_path_writes_every_element_it_reads(monkeypatch):
         for name, a, b in zip(names, got, want):
             assert torch.isfinite(a).all(), (gpu_launch, name)
             assert relative_error(a, b) < 2e-5, (gpu_launch, name)
-        assert (ps[1].grad[idx == 6] == 0).all()
+        assert (ps[1].grad.cpu()[idx == 6] == 0).all()
         assert ps[2].grad[4].abs().max() == 0 and ps[3].grad[4].abs().max() == 0
 
 
@@ -161,18 +178,18 @@ def test_experts_many_experts_top16():
 
 def test_experts_odd_widths_int32_index_noncontiguous():
     (x, w, w1, w2), idx = make_case(20, 24, 20, 5, 2, seed=5)
-    x_nc = torch.cat([x, torch.zeros_like(x)], 1)[:, :24]  # non-contiguous view
+    x_nc = torch.cat([x, torch.zeros_like(x)], 1).to(DEVICE)[:, :24]  # non-contiguous view
     assert not x_nc.is_contiguous()
-    ps = [t.clone().requires_grad_() for t in (w, w1, w2)]
-    out = moe_experts(x_nc, idx.int(), ps[0], ps[1], ps[2], activation="situ")
+    ps = on_device(w, w1, w2, grad=True)
+    out = moe_experts(x_nc, idx.int().to(DEVICE), ps[0], ps[1], ps[2], activation="situ")
     ref = moe_experts_ref(x, idx, w, w1, w2)
     assert relative_error(out, ref) < 2e-5
 
 
 def test_experts_float16():
     (x, w, w1, w2), idx = make_case(32, 32, 16, 4, 2, seed=6, dtype=torch.float16)
-    ps = [t.clone().requires_grad_() for t in (x, w, w1, w2)]
-    out = moe_experts(*ps[:1], idx, *ps[1:])
+    ps = on_device(x, w, w1, w2, grad=True)
+    out = moe_experts(*ps[:1], idx.to(DEVICE), *ps[1:])
     out.float().sum().backward()
     qs = [t.detach().double().requires_grad_() for t in (x, w, w1, w2)]
     ref = moe_experts_ref(qs[0], idx, qs[1], qs[2], qs[3])
@@ -185,9 +202,9 @@ def test_experts_float16():
 
 def test_experts_under_autocast_float32_weights():
     (x, w, w1, w2), idx = make_case(16, 32, 16, 4, 2, seed=10)
-    ps = [t.clone().requires_grad_() for t in (x, w, w1, w2)]
-    with torch.autocast("cpu", dtype=torch.float16):
-        out = moe_experts(*ps[:1], idx, *ps[1:])
+    ps = on_device(x, w, w1, w2, grad=True)
+    with torch.autocast(DEVICE, dtype=torch.float16):
+        out = moe_experts(*ps[:1], idx.to(DEVICE), *ps[1:])
     assert out.dtype == torch.float16
     out.float().sum().backward()
     ref = moe_experts_ref(x, idx, w, w1, w2)
@@ -198,14 +215,14 @@ def test_experts_under_autocast_float32_weights():
 def test_experts_all_slots_skipped_gives_zero():
     (x, w, w1, w2), idx = make_case(8, 16, 16, 3, 2, seed=7)
     idx[:] = 3
-    out = moe_experts(x, idx, w, w1, w2)
+    out = moe_experts(*on_device(x, idx, w, w1, w2))
     assert out.shape == x.shape and out.abs().max() == 0
 
 
 def test_experts_no_tokens():
     (x, w, w1, w2), idx = make_case(3, 16, 16, 3, 2, seed=9)
-    ps = [t[:0].clone().requires_grad_() if i < 2 else t.clone().requires_grad_() for i, t in enumerate((x, w, w1, w2))]
-    out = moe_experts(ps[0], idx[:0], ps[1], ps[2], ps[3])
+    ps = on_device(x[:0], w[:0], w1, w2, grad=True)
+    out = moe_experts(ps[0], idx[:0].to(DEVICE), ps[1], ps[2], ps[3])
     assert out.shape == (0, 16) and out.dtype == x.dtype
     out.sum().backward()
     assert ps[2].grad.shape == w1.shape and ps[2].grad.abs().max() == 0
@@ -213,6 +230,7 @@ def test_experts_no_tokens():
 
 def test_experts_errors():
     (x, w, w1, w2), idx = make_case(8, 16, 16, 3, 2, seed=8)
+    x, idx, w, w1, w2 = on_device(x, idx, w, w1, w2)
     with pytest.raises(ValueError, match="activation"):
         moe_experts(x, idx, w, w1, w2, activation="relu")
     with pytest.raises(ValueError, match="hidden_states"):
@@ -234,7 +252,7 @@ def test_experts_errors():
     with pytest.raises(ValueError, match="dtype of hidden_states"):
         moe_experts(x, idx, w, w1.half(), w2)
     with pytest.raises(ValueError, match=r"\[0, num_experts=3\]"):
-        moe_experts(x, idx.clamp(max=2) + torch.tensor([[0, 2]]), w, w1, w2)  # value 4 > E
+        moe_experts(x, idx.clamp(max=2) + torch.tensor([[0, 2]], device=DEVICE), w, w1, w2)  # value 4 > E
     with pytest.raises(ValueError, match=r"\[0, num_experts=3\]"):
         moe_experts(x, idx - 3, w, w1, w2)
     with pytest.raises(ValueError, match="one device"):
@@ -245,6 +263,7 @@ def test_experts_errors():
         moe_experts(x.to("meta"), idx.to("meta"), w.to("meta"), w1.to("meta"), w2.to("meta"))
 
 
+@interpreter_only
 def test_experts_bfloat16_under_the_interpreter_is_refused(monkeypatch):
     """Triton's CPU interpreter gets tl.dot wrong in bfloat16 (errors of order 1e9): the grouped path must refuse it,
     also when bf16 comes from torch.autocast('cpu'), rather than return garbage."""
@@ -275,6 +294,7 @@ def test_expert_permutation_groups_slots_stably():
         assert (seg[1:] > seg[:-1]).all()
 
 
+@interpreter_only
 def test_interpreter_runs_the_first_autotune_config():
     import triton
     import triton.language as tl
@@ -306,9 +326,6 @@ def test_relative_error_refuses_meaningless_comparisons():
 # ---------------------------------------------------------------------------------------------------
 # Decode fast path (kdamoe/kernels/moe/gemv.py): no gradient needed and N·k <= GEMV_MAX_ROWS
 # ---------------------------------------------------------------------------------------------------
-ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs KDAMOE_TEST_ON_GPU=1 and a CUDA device")
 # Relative L2 against float64 on the same rounded inputs: float32 accumulates in float32 (SiTU's tanh via
 # 2σ(2x) − 1 costs ~1e-6); float16 rounds h and the output once each (2^-11).
 GEMV_TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
