@@ -50,11 +50,9 @@ from kdamoe.kernels.moe.permute import tile_offsets  # noqa: E402
 # (BR, BI, warps) for the element-wise GLU backward (experts.py launches GLU_ROWS x GLU_COLS, 4 warps)
 ROW_CFGS = [(128, 64, 8, 4), (128, 32, 4, 4), (64, 64, 4, 4), (64, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3),
             (128, 128, 8, 3)]
-# wgrad's last entry: IDX_AHEAD (the next K step's slot indices read one step ahead)
-WGRAD_CFGS = [(128, 128, 64, 8, 3, False), (128, 128, 64, 8, 3, True), (128, 128, 64, 8, 4, False),
-              (128, 128, 64, 8, 4, True), (128, 128, 32, 8, 5, True), (128, 128, 32, 8, 4, False),
-              (128, 64, 64, 4, 4, True), (64, 128, 64, 4, 4, True), (128, 256, 64, 8, 3, True),
-              (128, 128, 64, 4, 4, True), (256, 128, 64, 8, 3, True)]
+WGRAD_CFGS = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 5), (128, 64, 64, 4, 4),
+              (64, 128, 64, 4, 4), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3),
+              (256, 128, 64, 8, 4)]
 # gate/up: BN is the width of each half (the B tile holds 2·BN weight rows, gate then up)
 GATE_UP_CFGS = [(64, 64, 8, 3), (64, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 4), (64, 32, 4, 4), (128, 32, 8, 4),
                 (64, 128, 8, 3)]
@@ -132,8 +130,7 @@ def _markdown(shape: dict, rows: list) -> str:
         return "" if v is None else v
 
     for r in sorted(rows, key=lambda r: (r["gemm"], r.get("ms") or 1e9)):
-        cfg = " ".join(f"{key}{r[key]}" for key in ("BM", "BN", "BP", "BQ", "BR", "BI", "BK", "warps", "stages",
-                                                     "idx_ahead")
+        cfg = " ".join(f"{key}{r[key]}" for key in ("BM", "BN", "BP", "BQ", "BR", "BI", "BK", "warps", "stages")
                        if key in r)
         note = r.get("error") or (f"skipped: {r['skipped']}" if "skipped" in r else "")
         lines.append(f"| {r['gemm']} | {cfg} | {num(r.get('ms'), '.3f')} | {num(r.get('tflops'), '.0f')} | "
@@ -229,7 +226,7 @@ def main():
         row = {"gemm": "gate_up", "BM": bm, "BN": bn, "BK": bk, "warps": nw, "stages": ns}
         return row, launch, flops["gate_up"], None, smem_estimate(bm, bn, bk, ns, b_tiles=2)
 
-    def wgrad(name, bp, bq, bk, nw, ns, ahead):
+    def wgrad(name, bp, bq, bk, nw, ns):
         plan = plans[BMS[0]]  # the weight gradients read only order and row_offs
         # a, b, out, P, Q, stride_am, stride_bm, GATHER_A, GATHER_B
         args = {"dw1": (dh, x, dw1, 2 * inter, L, 2 * inter, L, False, True),
@@ -239,10 +236,9 @@ def main():
         def launch():
             return wg_fn[(e * triton.cdiv(p_, bp) * triton.cdiv(q_, bq),)](
                 a_, b_, plan.order, plan.row_offs, experts, out, e, p_, q_, sam, sbm,
-                TOPK=k, GATHER_A=ga, GATHER_B=gb, PREC=prec, BP=bp, BQ=bq, BK=bk, IDX_AHEAD=ahead, num_warps=nw,
-                num_stages=ns)
+                TOPK=k, GATHER_A=ga, GATHER_B=gb, PREC=prec, BP=bp, BQ=bq, BK=bk, num_warps=nw, num_stages=ns)
 
-        row = {"gemm": name, "BP": bp, "BQ": bq, "BK": bk, "warps": nw, "stages": ns, "idx_ahead": ahead}
+        row = {"gemm": name, "BP": bp, "BQ": bq, "BK": bk, "warps": nw, "stages": ns}
         return row, launch, flops[name], None, smem_estimate(bp, bq, bk, ns)
 
     def glu_rows_bwd(br, bi, nw):

@@ -196,16 +196,16 @@ def _glu_rows_bwd_kernel(
 # ----------------------------------------------------------------------------------------------
 # weight gradients: out[e, p, q] = Σ_{r ∈ rows of e} A[srcA(r), p] · B[srcB(r), q]
 # ----------------------------------------------------------------------------------------------
-# On the H200 at the e2e shape (benchmarks/results/moe_rows_tune_h200.md) 128 x 128 x 64 on 8 warps, 3 stages was the
-# best of the swept tiles for both weight gradients (128 x 256, 256 x 128 and BK = 32 were slower); 4 stages was not
-# swept.
+# The K loop runs over the expert's rows, gathered through ``order``. Read in the step that uses them, the slot
+# indices put an indirect load in front of the A / B loads, and Triton (3.6 / 3.7, sm_90a) then pipelined those loads
+# only two deep whatever num_stages said (64 KB of shared memory at 3 and at 4 stages); read one step ahead, the
+# indices are a loop-carried value and the loads take the full depth (96 / 128 KB). On the H200 at the e2e shape
+# (benchmarks/results/moe_rows_tune_h200.md, third sweep): ∂W1 1.33 → 1.23 ms at 128 x 128 x 64, and the larger
+# tiles, slower than 128 x 128 before, now lead: 256 x 128 1.06 ms (521 TFLOP/s, against 367 at best before);
+# ∂W2 0.68 ms at 128 x 128 x 64 either way.
 @autotune(
-    configs=_cfgs([({"BP": 128, "BQ": 128, "BK": 64, "IDX_AHEAD": True}, 8, 4),
-                   ({"BP": 128, "BQ": 128, "BK": 64, "IDX_AHEAD": False}, 8, 3),
-                   ({"BP": 128, "BQ": 128, "BK": 64, "IDX_AHEAD": True}, 8, 3),
-                   ({"BP": 128, "BQ": 128, "BK": 64, "IDX_AHEAD": False}, 8, 4),
-                   ({"BP": 128, "BQ": 128, "BK": 32, "IDX_AHEAD": True}, 8, 5),
-                   ({"BP": 128, "BQ": 64, "BK": 64, "IDX_AHEAD": True}, 4, 4)]),
+    configs=_cfgs([({"BP": 128, "BQ": 128, "BK": 64}, 8, 3), ({"BP": 256, "BQ": 128, "BK": 64}, 8, 3),
+                   ({"BP": 128, "BQ": 256, "BK": 64}, 8, 3)]),
     key=["P", "Q", "TOPK"],
 )
 @triton.jit
@@ -213,7 +213,7 @@ def _wgrad_kernel(
     a_ptr, b_ptr, order_ptr, row_offs_ptr, experts_ptr, out_ptr,
     E, P, Q, stride_am, stride_bm,
     TOPK: tl.constexpr, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, PREC: tl.constexpr,
-    BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, IDX_AHEAD: tl.constexpr,
+    BP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_p = (P + BP - 1) // BP
@@ -231,10 +231,7 @@ def _wgrad_kernel(
     acc = tl.zeros((BP, BQ), dtype=tl.float32)
     rows = row_start + tl.arange(0, BK)
     flat = tl.load(order_ptr + rows, mask=rows < row_end, other=0)
-    for r0 in range(row_start, row_end, BK):
-        if not IDX_AHEAD:
-            rows = r0 + tl.arange(0, BK)
-            flat = tl.load(order_ptr + rows, mask=rows < row_end, other=0)
+    for _ in range(row_start, row_end, BK):
         rmask = rows < row_end
         if GATHER_A:
             sa = (flat // TOPK).to(tl.int64)
@@ -246,10 +243,9 @@ def _wgrad_kernel(
             sb = rows.to(tl.int64)
         a = tl.load(a_ptr + sa[None, :] * stride_am + offs_p[:, None], mask=rmask[None, :] & pmask[:, None], other=0.0)
         b = tl.load(b_ptr + sb[:, None] * stride_bm + offs_q[None, :], mask=rmask[:, None] & qmask[None, :], other=0.0)
-        if IDX_AHEAD:
-            # the next step's slots, read one step ahead: the A / B loads then hang on a loop-carried value only
-            rows += BK
-            flat = tl.load(order_ptr + rows, mask=rows < row_end, other=0)
+        # the next step's slots, read one step ahead (see above)
+        rows += BK
+        flat = tl.load(order_ptr + rows, mask=rows < row_end, other=0)
         acc = tl.dot(a, b, acc, input_precision=PREC)
     out_ptrs = out_ptr + e.to(tl.int64) * P * Q + offs_p[:, None].to(tl.int64) * Q + offs_q[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & qmask[None, :])
