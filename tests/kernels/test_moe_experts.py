@@ -324,6 +324,89 @@ def test_relative_error_refuses_meaningless_comparisons():
 
 
 # ---------------------------------------------------------------------------------------------------
+# Every autotune config of the grouped GEMMs, in bfloat16 on the GPU (the autotuner picks one per shape, so the
+# model-level tests reach only the configs it happens to pick; the interpreter runs only the first)
+# ---------------------------------------------------------------------------------------------------
+def _grouped_case():
+    """bf16 inputs on the GPU, 256 tokens top-4 over 8 experts (about 128 rows each, BM = 64), ℓ = 256, I = 192
+    (the 2·BN-wide gate/up tiles and the 256-wide weight-gradient tiles end in masked tails)."""
+    from kdamoe.kernels.moe.experts import _Plan
+
+    (x, w, w1, w2), idx = make_case(256, 256, 192, 8, 4, seed=31)
+    x, w, w1, w2, idx = (t.cuda() for t in (x, w, w1, w2, idx))
+    plan = _Plan(idx, 8)
+    order = plan.order.long()
+    tok, expert = order // 4, idx.flatten()[order]  # per sorted row: its token and its expert
+    return [t.bfloat16() for t in (x, w1, w2)] + [w], idx, plan, order, tok, expert
+
+
+def _launch(kernel, config, grid, *args, **kwargs):
+    """``kernel`` (kdamoe.kernels.launch.FastLaunch around an autotuner) launched with one fixed config."""
+    kernel.jit[grid](*args, **kwargs, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+@gpu_only
+def test_every_gate_up_config_matches_torch():
+    from kdamoe.kernels.moe import grouped_gemm as gg
+    from kdamoe.kernels.moe.activation import ACT_SITU
+
+    (x, w1, w2, w), idx, plan, order, tok, expert = _grouped_case()
+    m, inter = plan.m, w1.shape[1] // 2
+    h_ref = torch.einsum("rl,rnl->rn", x[tok].float(), w1[expert].float())  # [M, 2I]
+    a, b = h_ref[:, :inter], h_ref[:, inter:]
+    g_ref = 4.0 * torch.tanh(a / 4.0) * torch.sigmoid(a) * (25.0 * torch.tanh(b / 25.0)) * w.flatten()[order, None]
+    for config in gg._gate_up_fwd_kernel.autotuner.configs:
+        g = torch.full((m, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+        h = torch.full((m, 2 * inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+        grid = (plan.max_tiles * -(-inter // config.kwargs["BN"]),)
+        _launch(gg._gate_up_fwd_kernel, config, grid, x, w1, plan.order, plan.tile_expert, plan.tile_offs,
+                plan.row_offs, w, g, h, 8, inter, x.shape[1], 4.0, 25.0, TOPK=4, ACT=ACT_SITU, SAVE_H=True,
+                PREC="tf32", BM=plan.bm)
+        assert relative_error(h, h_ref) < 1e-2, config
+        assert relative_error(g, g_ref) < 1e-2, config
+
+
+@gpu_only
+def test_every_rows_gemm_config_matches_torch():
+    from kdamoe.kernels.moe import grouped_gemm as gg
+
+    (x, w1, w2, _), idx, plan, order, tok, expert = _grouped_case()
+    m, (hid, inter) = plan.m, w2.shape[1:]
+    gen = torch.Generator(device="cuda").manual_seed(32)
+    g = torch.randn(m, inter, device="cuda", generator=gen).bfloat16()
+    # the forward's down projection: y[slot] = g[r] @ W2[e]ᵀ, stored at the slot (unsorted)
+    want = torch.empty(m, hid, device="cuda")
+    want[order] = torch.einsum("ri,rli->rl", g.float(), w2[expert].float())
+    for config in gg._rows_gemm_kernel.autotuner.configs:
+        y = torch.full((m, hid), float("nan"), device="cuda", dtype=torch.bfloat16)
+        grid = (plan.max_tiles * -(-hid // config.kwargs["BN"]),)
+        _launch(gg._rows_gemm_kernel, config, grid, g, w2, plan.order, plan.tile_expert, plan.tile_offs,
+                plan.row_offs, y, 8, hid, inter, 4, inter, hid * inter, 1, inter, GATHER_A=False, SORTED_OUT=False,
+                PREC="tf32", BM=plan.bm)
+        assert relative_error(y, want) < 1e-2, config
+
+
+@gpu_only
+def test_every_wgrad_config_matches_torch():
+    from kdamoe.kernels.moe import grouped_gemm as gg
+
+    (x, w1, w2, _), idx, plan, order, tok, expert = _grouped_case()
+    m, two_i, hid = plan.m, w1.shape[1], w1.shape[2]
+    gen = torch.Generator(device="cuda").manual_seed(33)
+    dh = torch.randn(m, two_i, device="cuda", generator=gen).bfloat16()
+    # ∂W1[e] = Σ_{sorted rows r of e} dh[r]ᵀ x[tok(r)]  (A not gathered, B gathered by token)
+    want = torch.zeros(8, two_i, hid, device="cuda").index_add_(
+        0, expert, torch.einsum("rp,rq->rpq", dh.float(), x[tok].float()))
+    experts = torch.arange(8, device="cuda", dtype=torch.int32)
+    for config in gg._wgrad_kernel.autotuner.configs:
+        out = torch.full((8, two_i, hid), float("nan"), device="cuda", dtype=torch.bfloat16)
+        grid = (8 * -(-two_i // config.kwargs["BP"]) * -(-hid // config.kwargs["BQ"]),)
+        _launch(gg._wgrad_kernel, config, grid, dh, x, plan.order, plan.row_offs, experts, out, 8, two_i, hid,
+                two_i, hid, TOPK=4, GATHER_A=False, GATHER_B=True, PREC="tf32")
+        assert relative_error(out, want) < 1e-2, config
+
+
+# ---------------------------------------------------------------------------------------------------
 # Decode fast path (kdamoe/kernels/moe/gemv.py): no gradient needed and N·k <= GEMV_MAX_ROWS
 # ---------------------------------------------------------------------------------------------------
 # Relative L2 against float64 on the same rounded inputs: float32 accumulates in float32 (SiTU's tanh via
