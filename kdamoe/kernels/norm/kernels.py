@@ -48,6 +48,8 @@ BACKWARD_PROGRAMS_PER_SM = 8
 # computed (compiled for sm_90a: cp.async, 24-32 KB of shared memory per program at D = 1024); 1 is the plain loop
 # (each program waits for its loads, computes, stores, then loads again). Autotuned together with the warps (the
 # outputs are written, never accumulated, so a tuning run leaves nothing behind); the interpreter runs the first.
+# In the e2e step at 32K on the H200 the 50 norm backwards took 4.6 ms against 8.1 ms with the plain loop
+# (profiles of benchmarks/results/e2e_h200_80d5d19.md and e2e_h200_ee44576.md).
 _BACKWARD_CONFIGS = [triton.Config({"STAGES": 2}, num_warps=8), triton.Config({"STAGES": 1}, num_warps=8),
                      triton.Config({"STAGES": 3}, num_warps=8), triton.Config({"STAGES": 2}, num_warps=4)]
 _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # dtype of n, passed as a constexpr
