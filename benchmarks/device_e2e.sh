@@ -15,13 +15,14 @@
 # E2E_PYTEST (test files run after the bench with KDAMOE_TEST_ON_GPU=1, limit E2E_PYTEST_S = 200 s, taken from the
 # bench's time; default none), E2E_FSDP (0; 1 runs
 # benchmarks/bench_fsdp_overhead.py after the bench, limit E2E_FSDP_S = 240 s; carry data/shakespeare for it), E2E_LAUNCH
-# (0; 1 first runs benchmarks/launch_overhead.py, limit 120 s: host µs per kernel launch, short path vs Triton's).
+# (0; 1 first runs benchmarks/launch_overhead.py, limit 120 s: host µs per kernel launch, short path vs Triton's),
+# E2E_PACK (1; 0 returns no Triton cache, e.g. on the last call of a session, and gives its 45 s to the bench).
 # Files back: e2e.json, e2e.md, e2e.log (the output of every step), model_parity.json (E2E_PARITY=1),
 # moe_rows_tune.json (E2E_TUNE=1), norm_tune.json (E2E_NORM=1), fsdp_overhead.json (E2E_FSDP=1), launch_overhead.json (E2E_LAUNCH=1) and at most four 15 MB parts of the Triton cache (more would pass the 8 files a call returns; then none are kept).
 set -u
 source "$(dirname "$0")/tcache.sh"  # tcache_restore / tcache_pack: the Triton cache between calls
 T0=$(date +%s)
-END=$(( T0 + ${E2E_TOTAL_S:-480} - 45 ))  # the last 45 s pack the Triton cache
+END=$(( T0 + ${E2E_TOTAL_S:-480} - (${E2E_PACK:-1} == 1 ? 45 : 5) ))  # the last 45 s pack the Triton cache
 left() { echo $(( END - $(date +%s) )); }
 SCRATCH=$(mktemp -d)
 OUT=${OUT:-benchmarks/results}
@@ -90,7 +91,9 @@ if [ "${E2E_FSDP:-0}" = 1 ]; then
 fi
 
 rm -f "$OUT"/*.tmp  # a JSON write cut short by a timeout
-tcache_pack "$TRITON_CACHE_DIR" "$OUT"
+if [ "${E2E_PACK:-1}" = 1 ]; then
+    tcache_pack "$TRITON_CACHE_DIR" "$OUT"
+fi
 parts=$(ls "$OUT"/tcache.part.* 2>/dev/null | wc -l)
 if [ "$parts" -gt 4 ]; then
     rm -f "$OUT"/tcache.part.*
