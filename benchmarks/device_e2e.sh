@@ -68,7 +68,9 @@ fi
 
 pytest_s=$([ -n "${E2E_PYTEST:-}" ] && echo "${E2E_PYTEST_S:-200}" || echo 0)
 budget=$(( $(left) - (${E2E_FSDP:-0} == 1 ? ${E2E_FSDP_S:-240} : 0) - pytest_s ))
-if [ "${E2E_ONLY:-}" != none ]; then
+if [ "${E2E_ONLY:-}" != none ] && [ "$budget" -lt 30 ]; then
+    echo "== bench skipped: $budget s left for it (the earlier steps and the reserved time took the rest)" >> "$LOG"
+elif [ "${E2E_ONLY:-}" != none ]; then
     echo "== bench, budget $budget s (Triton cache restored: $E2E_TCACHE_RESTORED)" >> "$LOG"
     # the bench's own deadline is 20 s before the kill, so a measurement that runs past its estimate is still saved
     timeout "$budget" python3 benchmarks/bench_e2e.py --out "$OUT" --budget-s $(( budget - 20 )) \
@@ -77,13 +79,20 @@ if [ "${E2E_ONLY:-}" != none ]; then
 fi
 
 if [ -n "${E2E_PYTEST:-}" ]; then
-    echo "== GPU tests, limit $pytest_s s" >> "$LOG"
-    KDAMOE_TEST_ON_GPU=1 timeout "$pytest_s" python3 -m pytest -q -p no:cacheprovider --maxfail=20 \
-        $E2E_PYTEST >> "$LOG" 2>&1
-    echo "pytest exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
+    limit=$(( $(left) < pytest_s ? $(left) : pytest_s ))  # never into the time kept for packing the cache
+    if [ "$limit" -lt 10 ]; then
+        echo "== GPU tests skipped: $limit s left" >> "$LOG"
+    else
+        echo "== GPU tests, limit $limit s" >> "$LOG"
+        KDAMOE_TEST_ON_GPU=1 timeout "$limit" python3 -m pytest -q -p no:cacheprovider --maxfail=20 \
+            $E2E_PYTEST >> "$LOG" 2>&1
+        echo "pytest exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
+    fi
 fi
 
-if [ "${E2E_FSDP:-0}" = 1 ]; then
+if [ "${E2E_FSDP:-0}" = 1 ] && [ "$(left)" -lt 30 ]; then
+    echo "== FSDP2 wrapper overhead skipped: $(left) s left" >> "$LOG"
+elif [ "${E2E_FSDP:-0}" = 1 ]; then
     echo "== FSDP2 wrapper overhead, limit $(left) s" >> "$LOG"
     timeout "$(left)" python3 benchmarks/bench_fsdp_overhead.py --timeout-s $(( ($(left) - 10) / 2 )) --out "$OUT" \
         >> "$LOG" 2>&1

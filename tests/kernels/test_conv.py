@@ -128,6 +128,27 @@ def test_gradients_at_tile_and_document_boundaries(dtype, T, C, W, seed, starts)
         assert grads_ref[2][..., : W - starts[1]].abs().max() > 0
 
 
+def test_float16_backward_keeps_gradients_past_float16_range_in_the_scratch():
+    """float16 x whose SiLU input gradient dpre = dy · SiLU'(pre) exceeds float16's largest value (pre ≈ 2.4, where
+    SiLU' ≈ 1.1, and dy = 62000) while dx = Σ dpre · w (w = 0.1) does not: the backward's scratch must not be
+    float16 (it held inf there), and dx matches the float64 reference. (dweight = Σ dpre · x is past float16's range
+    itself here, inf on both.)"""
+    T, C, W = 8, 4, 4
+    x = torch.full((1, T, C), 6.0, dtype=F16)
+    w = torch.full((C, W), 0.1, dtype=F16)
+    dy = torch.zeros(1, T, C, dtype=F16)
+    dy[0, T - 1] = 62000.0
+    x_dev = x.to(DEVICE).requires_grad_()
+    y, _ = causal_conv1d(x_dev, w.to(DEVICE), None, None, output_final_state=False)
+    (dx,) = torch.autograd.grad(y, x_dev, dy.to(DEVICE))
+    x_ref = x.double().requires_grad_()
+    y_ref, _ = causal_conv1d_torch(x_ref, w.double(), None, None)
+    (dx_ref,) = torch.autograd.grad(y_ref, x_ref, dy.double())
+    assert 6000 < dx_ref.abs().max() < 65504  # dx in float16's range, dpre (about 68000) not
+    assert torch.isfinite(dx).all()
+    assert rel(dx, dx_ref) <= TOL[F16] * 5
+
+
 @pytest.mark.parametrize("dtype,B,packed", [(F32, 2, True), (F16, 3, False), (F32, 1, False)])
 def test_a_column_slice_is_read_in_place_and_matches_the_reference(dtype, B, packed):
     """x as the middle columns of a wider [B, T, 3C] tensor (the KDA layer's k part of its fused projection): read

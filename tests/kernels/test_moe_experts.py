@@ -81,8 +81,8 @@ def test_experts_very_uneven_loads():
 
 def test_experts_several_blocks_along_every_dimension():
     """ℓ = 80 and I = 136: the K loops take two and three 64-wide steps with a masked tail; the gate/up tiles
-    (64 gate and 64 up columns each) come in three with a tail, the 128-wide column blocks of ∂W1 in two and
-    three with a tail."""
+    (64 gate and 64 up columns each) come in three with a tail; the weight gradients' 128 x 128 tiles cover ∂W1
+    (272 x 80) in three x one and ∂W2 (80 x 136) in one x two, each with tails."""
     check(40, 80, 136, 3, 2, seed=11)
 
 
@@ -329,7 +329,7 @@ def test_relative_error_refuses_meaningless_comparisons():
 # ---------------------------------------------------------------------------------------------------
 def _grouped_case():
     """bf16 inputs on the GPU, 256 tokens top-4 over 8 experts (about 128 rows each, BM = 64), ℓ = 256, I = 192
-    (the 2·BN-wide gate/up tiles and the 256-wide weight-gradient tiles end in masked tails)."""
+    (gate/up halves of BN = 128 and the 256-row tiles of ∂W1 (384 x 256) end in masked tails)."""
     from kdamoe.kernels.moe.experts import _Plan
 
     (x, w, w1, w2), idx = make_case(256, 256, 192, 8, 4, seed=31)
