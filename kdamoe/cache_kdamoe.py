@@ -20,7 +20,7 @@ a replay.
 """
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, DynamicCache, LinearAttentionLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 # Latent rows are allocated in multiples of this (keeps the decode kernel's splits aligned and growth rare).
 _ALIGN = 256
@@ -202,6 +202,21 @@ class KDAMoELinearAttentionLayer(LinearAttentionLayer):
             states[i] = states[i][indices].contiguous()
 
 
+def attention_seq_length(cache: Cache) -> int:
+    """Tokens cached per row, as the first attention (MLA) layer of ``cache`` counts them.
+
+    transformers 5.24's ``Cache.get_seq_length()`` asked the first attention layer when layer 0 is a linear-attention
+    layer; 5.25 asks layer 0 itself, whose count there follows its conv-state updates (the conv window's width per
+    forward, not the tokens) and so is not the cache's length for a KDA layer. This reads the attention layer under
+    either version; a cache without one answers through its own ``get_seq_length()`` (a :class:`KDAMoECache` counts
+    the tokens its forwards reported; the model then refuses a cache built for another layer layout anyway).
+    """
+    for layer in cache.layers:
+        if not isinstance(layer, LinearAttentionCacheLayerMixin) or isinstance(layer, CacheLayerMixin):
+            return int(layer.get_seq_length())
+    return int(cache.get_seq_length())
+
+
 class KDAMoECache(DynamicCache):
     """The cache KDAMoE builds by default (``forward(use_cache=True)``, ``generate``): one
     :class:`KDAMoELinearAttentionLayer` per KDA layer and one :class:`KDAMoELatentCacheLayer` per MLA layer.
@@ -287,11 +302,22 @@ class KDAMoECache(DynamicCache):
         self.tokens_seen += num_tokens
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens cached per row. Also answers for a model without MLA layers (transformers' ``Cache`` raises
-        there), from the tokens the forwards reported — ``generate``'s chunked prefill asks."""
+        """Tokens cached per row: the MLA layer ``layer_idx``'s count, or for the default ``layer_idx = 0`` on a KDA
+        layer the first MLA layer's (:func:`attention_seq_length`, the same under transformers 5.24 and 5.25). Also
+        answers for a model without MLA layers (transformers' ``Cache`` cannot), from the tokens the forwards
+        reported — ``generate``'s chunked prefill asks.
+
+        Raises:
+            ValueError: ``layer_idx`` (not 0) names a KDA layer, which does not count tokens.
+        """
         if not self.latent_layers:
             return self.tokens_seen
-        return super().get_seq_length(layer_idx)
+        layer = self.layers[layer_idx]
+        if isinstance(layer, KDAMoELatentCacheLayer):
+            return int(layer.get_seq_length())
+        if layer_idx != 0:
+            raise ValueError(f"get_seq_length: layer {layer_idx} is a KDA layer, which does not count the cached tokens")
+        return attention_seq_length(self)
 
     @property
     def is_compileable(self) -> bool:

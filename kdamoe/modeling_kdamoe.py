@@ -38,7 +38,7 @@ from transformers.utils import can_return_tuple, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_kdamoe import KDAMoEConfig, check_prefill_chunk_size
-from .cache_kdamoe import KDAMoECache, KDAMoELatentCacheLayer
+from .cache_kdamoe import KDAMoECache, KDAMoELatentCacheLayer, attention_seq_length
 from .decode_graph import DecodeGraph
 from .kernel_dispatch import (
     add_rms_norm,
@@ -1210,7 +1210,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         # position, so only the mask-length check is relaxed).
         past = 0
         if cache is not None:
-            past = cache.get_seq_length() if has_full_attention else None
+            past = attention_seq_length(cache) if has_full_attention else None
         tokens = input_ids if input_ids is not None else inputs_embeds  # validated below: one of them is given
         facts = {}
         # a DecodeGraph / TrainStepGraph validates the real inputs before each replay (and the check's host read could
