@@ -312,6 +312,8 @@ class KDAMoECache(DynamicCache):
         """
         if not self.latent_layers:
             return self.tokens_seen
+        if layer_idx >= len(self.layers):  # transformers' Cache answers 0 past its last layer
+            return 0
         layer = self.layers[layer_idx]
         if isinstance(layer, KDAMoELatentCacheLayer):
             return int(layer.get_seq_length())

@@ -325,6 +325,25 @@ def test_hybrid_cache_refuses_what_it_cannot_do():
             KDAMoECache(model.config, max_cache_len=bad)
 
 
+def test_cache_length_is_the_mla_layers_count_under_every_transformers_version():
+    """The cached length comes from an MLA layer (transformers 5.25's ``Cache.get_seq_length()`` reads layer 0, a KDA
+    layer here, whose own count is not the tokens): the default, an MLA index and the model's own reading agree with
+    the tokens fed; a KDA index is refused by name; an index past the last layer answers 0, as transformers' does."""
+    from kdamoe.cache_kdamoe import attention_seq_length
+
+    kinds = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    model = _model(layer_types=kinds)
+    mla = kinds.index("full_attention")
+    with torch.no_grad():
+        cache = model(_ids(27, 2, 9), use_cache=True).cache
+        cache = model(_ids(28, 2, 3), cache=cache, use_cache=True).cache
+    assert cache.get_seq_length() == cache.get_seq_length(mla) == attention_seq_length(cache) == 12
+    later_kda = kinds.index("linear_attention", mla + 1)
+    with pytest.raises(ValueError, match=f"layer {later_kda} is a KDA layer"):
+        cache.get_seq_length(later_kda)
+    assert cache.get_seq_length(len(kinds)) == 0
+
+
 def test_decode_graph_validity_follows_moved_and_replaced_parameters_and_the_model():
     """A captured graph reads parameters by address: moving one (``.data =``), replacing one (a new ``Parameter`` in
     the slot) or calling another model must invalidate it; an unchanged model must not (no needless re-capture)."""
