@@ -45,10 +45,10 @@ Parts (``--only``, comma list; default all, in this order):
     profiled wall per step (a GPU busy share well under 1 means the host's launches set the pace), and the top 25
     host-side operators and CUDA runtime calls by self CPU time.
 ``host``
-    Where the host's time goes in a kdamoe step at ``--host-t`` (8K), where the host sets the pace: ``--host-steps``
-    (8) timed steps with Triton kernels launched through ``kdamoe.kernels.launch.FastLaunch`` (the default) and as
-    many through Triton's own launch path (``launch.set_enabled(False)``), alternating one untimed and two timed
-    steps of each; then ``cProfile`` over 2 steps: the 40 Python
+    Where the host's time goes in a kdamoe step at ``--host-t`` (8K), where the host sets the pace: two untimed
+    steps, then ``--host-steps`` (8) steps, each split into the host's time to queue the forward (loss included),
+    to queue the backward (``loss.backward()`` returns once the autograd engine has queued every kernel), and the
+    wait for the GPU after that; then ``cProfile`` over 2 steps: the 40 Python
     functions with the most own time, and the 30 with the most cumulative time, per step (cProfile's own cost
     inflates both; compare rows with each other).
 
@@ -173,15 +173,15 @@ def render_markdown(doc: dict) -> str:
                       "| operator or runtime call | calls/step | self µs/step |", "|---|---|---|"]
             lines += [f"| `{r['name']}` | {_fmt(r['calls'])} | {_fmt(r['self_us'])} |" for r in prof["host_table"]]
     for key, host in (raw.get("host") or {}).items():
-        if not isinstance(host, dict) or "by_own" not in host:
+        if not isinstance(host, dict) or "step_ms_median" not in host:
             continue
         lines += ["", f"## Host: where a kdamoe step at {label(host['T'])} spends the host's time", "",
-                  f"Step times, Triton kernels launched through kdamoe's short path (the default): "
-                  f"{', '.join(_fmt(x, 4) for x in host['fast_launch_ms'])} ms (median "
-                  f"{_fmt(host['fast_launch_median_ms'], 4)}); through Triton's own path: "
-                  f"{', '.join(_fmt(x, 4) for x in host['triton_launch_ms'])} ms (median "
-                  f"{_fmt(host['triton_launch_median_ms'], 4)}); the two alternate, {host['rounds']} rounds. Under "
-                  f"cProfile (short path): {_fmt(host['cprofile_wall_ms'], 4)} ms per step, own time of all functions "
+                  f"{host['steps']} steps, each timed between synchronisations; medians: the host queues the forward "
+                  f"(loss included) in {_fmt(host['forward_ms_median'], 4)} ms, the backward in "
+                  f"{_fmt(host['backward_ms_median'], 4)} ms, then waits {_fmt(host['gpu_tail_ms_median'], 4)} ms for "
+                  f"the GPU; the step takes {_fmt(host['step_ms_median'], 4)} ms (steps: "
+                  f"{', '.join(_fmt(x, 4) for x in host['step_ms_all'])}). A GPU wait near 0 means the host sets the "
+                  f"pace. Under cProfile: {_fmt(host['cprofile_wall_ms'], 4)} ms per step, own time of all functions "
                   f"{_fmt(host['own_total_ms'], 4)} ms."]
         for order, rows in (("own time", host["by_own"]), ("cumulative time", host["by_cumulative"])):
             lines += ["", f"| function (by {order}) | calls/step | own ms/step | cumulative ms/step |", "|---|---|---|---|"]
@@ -450,22 +450,27 @@ def run_host(bench: Bench) -> None:
 
     a, rec = bench.args, bench.rec
     T = a.host_t
-    if not rec.need("host", f"kdamoe_T{T}", bench.est(30) + step_estimate(bench, T, 3 + 2 * a.host_steps + 2)):
+    if not rec.need("host", f"kdamoe_T{T}", bench.est(30) + step_estimate(bench, T, 2 + a.host_steps + 2)):
         return
     model, _ = build(bench, "kdamoe")
     try:
-        from kdamoe.kernels import launch
-
-        times = {True: [], False: []}
-        rounds = max(1, a.host_steps // 2)
-        try:
-            for _ in range(rounds):  # alternating, so a drift of the machine touches both settings alike
-                for fast in (True, False):
-                    launch.set_enabled(fast)  # one untimed step each: time_steps empties the allocator's cache first
-                    times[fast] += time_steps(bench, model, T, warmup=1, steps=2)["steps_ms"]
-        finally:
-            launch.set_enabled(True)
         ids = token_ids(bench, T)
+        split = {"forward_ms": [], "backward_ms": [], "gpu_tail_ms": [], "step_ms": []}
+        for i in range(2 + a.host_steps):  # two untimed steps first (compilation, autotuning, the allocator)
+            model.zero_grad(set_to_none=True)
+            bench.sync()
+            t0 = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            t1 = time.perf_counter()  # the host has queued the forward; the GPU may still be running it
+            loss.backward()
+            t2 = time.perf_counter()
+            bench.sync()
+            t3 = time.perf_counter()
+            if i >= 2:
+                for key, (x, y) in {"forward_ms": (t0, t1), "backward_ms": (t1, t2), "gpu_tail_ms": (t2, t3),
+                                    "step_ms": (t0, t3)}.items():
+                    split[key].append((y - x) * 1e3)
+        model.zero_grad(set_to_none=True)
         prof = cProfile.Profile()
         bench.sync()
         t0 = time.perf_counter()
@@ -479,15 +484,15 @@ def run_host(bench: Bench) -> None:
         stats = pstats.Stats(prof).stats  # {func: (primitive calls, calls, own s, cumulative s, callers)}
         rows = [{"function": _func_name(f), "calls": v[1] / 2, "own_ms": v[2] / 2 * 1e3, "cum_ms": v[3] / 2 * 1e3}
                 for f, v in stats.items()]
+        medians = {key: statistics.median(v) for key, v in split.items()}
         rec.put("host", f"kdamoe_T{T}", {
-            "T": T, "rounds": rounds, "fast_launch_ms": times[True], "triton_launch_ms": times[False],
-            "fast_launch_median_ms": statistics.median(times[True]),
-            "triton_launch_median_ms": statistics.median(times[False]),
+            "T": T, "steps": a.host_steps, **{f"{key}_all": v for key, v in split.items()},
+            **{f"{key}_median": v for key, v in medians.items()},
             "cprofile_wall_ms": wall, "own_total_ms": sum(r["own_ms"] for r in rows),
             "by_own": sorted(rows, key=lambda r: -r["own_ms"])[:40],
             "by_cumulative": sorted(rows, key=lambda r: -r["cum_ms"])[:30]})
-        print("host", label(T), f"short launch path {statistics.median(times[True]):.1f} ms, Triton's path "
-              f"{statistics.median(times[False]):.1f} ms, cProfile wall {wall:.1f} ms", flush=True)
+        print("host", label(T), ", ".join(f"{key} {v:.1f}" for key, v in medians.items()),
+              f"cProfile wall {wall:.1f} ms", flush=True)
     except Exception:
         rec.error("host", f"kdamoe_T{T}")
     del model

@@ -14,6 +14,19 @@ that compiles and autotunes). Cases:
     ``torch.add`` of two ``[64, 1024]`` bf16 tensors, for scale (one ATen op, no Triton).
 
 The short path and Triton's (``launch.set_enabled(True / False)``) run in alternating rounds in one process.
+
+Then the dense projections' GEMMs, each under ``torch.backends.cuda.preferred_blas_library("cublas")`` and
+``("cublaslt")`` in alternating rounds (the model's ``F.linear`` calls take 100 µs of host each in a cProfile of the
+8K step, ``results/e2e_h200.md``'s host part):
+
+``linear_64``
+    ``F.linear`` of ``[64, 1024]`` by ``[1024, 1024]`` bf16 (host-bound: a few µs of GPU work).
+``linear_64_grad``
+    the same with a weight that requires grad (the autograd node recorded, as in training).
+``linear_8k``
+    ``F.linear`` of ``[1, 8192, 1024]`` by ``[3072, 1024]`` bf16 (the KDA layer's fused q|k|v|… shape at 8K: its
+    GPU time, tens of µs, may set the pace here).
+
 Writes ``launch_overhead.json`` into ``--out``.
 
     python3 benchmarks/launch_overhead.py --out "$OUT"     # on the H200
@@ -45,6 +58,18 @@ def cases(device):
         "conv_forward": lambda: causal_conv1d(xc, wc, output_final_state=False),
         "torch_add": lambda: torch.add(x, x),
     }
+
+
+def blas_cases(device):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(64, 1024, generator=gen).to(device, torch.bfloat16)
+    w = torch.randn(1024, 1024, generator=gen).to(device, torch.bfloat16)
+    wg = w.clone().requires_grad_(True)
+    xl = torch.randn(1, 8192, 1024, generator=gen).to(device, torch.bfloat16)
+    wl = torch.randn(3072, 1024, generator=gen).to(device, torch.bfloat16)
+    F = torch.nn.functional
+    return {"linear_64": lambda: F.linear(x, w), "linear_64_grad": lambda: F.linear(x, wg),
+            "linear_8k": lambda: F.linear(xl, wl)}
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -80,10 +105,27 @@ def main(argv=None) -> int:
                "fast_rounds_us": times[True][1:], "triton_rounds_us": times[False][1:]}
         rows.append(row)
         print(f"{name}: short path {row['fast_us']:.1f} µs/call, Triton's path {row['triton_us']:.1f} µs/call", flush=True)
+    default_blas = str(torch.backends.cuda.preferred_blas_library())
+    print(f"preferred BLAS library by default: {default_blas}", flush=True)
+    blas_rows = []
+    try:
+        for name, fn in blas_cases("cuda").items():
+            times = {"cublas": [], "cublaslt": []}
+            for _ in range(a.repeats + 1):
+                for lib in times:
+                    torch.backends.cuda.preferred_blas_library(lib)
+                    times[lib].append(per_call_us(fn, a.calls))
+            row = {"case": name, **{f"{lib}_us": statistics.median(v[1:]) for lib, v in times.items()},
+                   **{f"{lib}_rounds_us": v[1:] for lib, v in times.items()}}
+            blas_rows.append(row)
+            print(f"{name}: cublas {row['cublas_us']:.1f} µs/call, cublaslt {row['cublaslt_us']:.1f} µs/call", flush=True)
+    finally:
+        torch.backends.cuda.preferred_blas_library(default_blas.split(".")[-1].lower())
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "launch_overhead.json"), "w") as f:
         json.dump({"calls": a.calls, "repeats": a.repeats, "torch": torch.__version__,
-                   "triton": __import__("triton").__version__, "rows": rows}, f, indent=1)
+                   "triton": __import__("triton").__version__, "rows": rows,
+                   "default_blas": default_blas, "blas_rows": blas_rows}, f, indent=1)
     return 0
 
 
