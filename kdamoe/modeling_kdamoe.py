@@ -831,6 +831,23 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         config.validate_kdamoe()
         super().__init__(config, *inputs, **kwargs)
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' ``from_pretrained``, with Hub kernels left off unless the caller asks for them.
+
+        transformers 5.25 made ``use_kernels`` default to on: every load then runs ``kernels.kernelize`` with
+        transformers' own kernel mapping (the ``kernels`` package is one of its dependencies), which names a Hub
+        build of fla for ``chunk_kda`` and ``fused_recurrent_kda`` on CUDA. kdamoe's KDA layer exposes its ops
+        under those names (docs/architecture.md, "Hub kernels (opt-in)"), so a default GPU load would fetch that
+        code from the Hub and run it in place of kdamoe's kernels, and on every device it logs a warning for each of
+        kdamoe's conv names. Here ``use_kernels`` is ``False`` unless the call passes ``use_kernels`` or a
+        ``kernel_config`` (transformers 5.24's default); ``from_pretrained(..., use_kernels=True)`` and
+        ``model.set_use_kernels(True)`` still opt in. ``USE_HUB_KERNELS=NO`` keeps them off either way.
+        """
+        if "use_kernels" not in kwargs and kwargs.get("kernel_config") is None:
+            kwargs["use_kernels"] = False
+        return super().from_pretrained(*args, **kwargs)
+
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
         """transformers' choice of experts implementation, defaulting to ``"kdamoe"``; refuses (``ValueError``)
         the implementations that fuse an activation of their own when ``hidden_act="situ"``."""

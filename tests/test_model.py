@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, DynamicCache
+from transformers.utils import is_kernels_available
 
 from kdamoe import KDAMoEForCausalLM, KDAMoEForSequenceClassification
 from tests.helpers import tiny_config
@@ -173,6 +174,7 @@ REMOTE_SCRIPT = textwrap.dedent(
     backbone = AutoModel.from_pretrained({folder!r}, trust_remote_code=True)
     scorer = AutoModelForSequenceClassification.from_pretrained({folder!r}, trust_remote_code=True, num_labels=1)
     print(type(backbone).__name__, type(scorer).__name__)
+    print("use_kernels", model.use_kernels, backbone.use_kernels, scorer.use_kernels)
     """
 )
 
@@ -196,6 +198,9 @@ def test_remote_code_round_trip_in_a_fresh_process(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "transformers_modules" in result.stdout
     assert "KDAMoEModel KDAMoEForSequenceClassification" in result.stdout  # auto_map names every head
+    # No Hub kernels unless asked (transformers 5.25 turned them on by default: a kernelize on every load)
+    assert "use_kernels False False False" in result.stdout, result.stdout
+    assert "kernel mapping" not in result.stderr, result.stderr[-2000:]
     with torch.no_grad():
         expected = model(ids, use_cache=False).logits
     assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
@@ -204,6 +209,25 @@ def test_remote_code_round_trip_in_a_fresh_process(tmp_path):
     for a, b in zip(model._routers(), again._routers()):
         assert torch.equal(a.e_score_correction_bias, b.e_score_correction_bias)
     assert isinstance(AutoModelForSequenceClassification.from_config(model.config), KDAMoEForSequenceClassification)
+
+
+def test_hub_kernels_are_off_by_default_on_every_transformers_version(tmp_path):
+    # transformers 5.25's from_pretrained kernelizes every load unless told otherwise (use_kernels defaults to on);
+    # kdamoe keeps 5.24's opt-in (KDAMoEPreTrainedModel.from_pretrained), so its own kernels run after a plain load
+    _model().save_pretrained(tmp_path)
+    for cls in (AutoModelForCausalLM, KDAMoEForCausalLM, AutoModelForSequenceClassification):
+        assert cls.from_pretrained(tmp_path).use_kernels is False, cls
+
+
+@pytest.mark.skipif(not is_kernels_available(), reason="the `kernels` package (a dependency of transformers >= 5.25)")
+def test_hub_kernels_still_load_when_asked_for(tmp_path):
+    model = _model()
+    model.save_pretrained(tmp_path)
+    opted = AutoModelForCausalLM.from_pretrained(tmp_path, use_kernels=True).eval()
+    assert opted.use_kernels is True
+    ids = _ids(15, 1, 9)
+    with torch.no_grad():  # on the CPU the Hub mapping has nothing for these ops: kdamoe's own code still runs
+        assert torch.equal(opted(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
 
 
 def test_eager_and_sdpa_attention_agree():
