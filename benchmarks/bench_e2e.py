@@ -539,8 +539,8 @@ def parse_args(argv=None):
             setattr(a, name, value)
     a.only = [x.strip() for x in a.only.split(",") if x.strip()]
     bad = [x for x in a.only if x not in PARTS]
-    if bad:
-        p.error(f"--only: unknown part(s) {bad}; choose from {', '.join(PARTS)}")
+    if bad or not a.only:
+        p.error(f"--only: unknown part(s) {bad}; choose from {', '.join(PARTS)}" if bad else "--only names no part")
     for name in ("warmup", "steps", "profile_steps", "host_steps"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
@@ -549,6 +549,12 @@ def parse_args(argv=None):
         values = value if isinstance(value, list) else [value]
         if (not values and name != "profile_recipe_t") or any(v < 2 for v in values):
             p.error(f"--{name.replace('_', '-')} must be lengths >= 2 (got {value})")
+    try:
+        torch.device(a.device)
+    except RuntimeError as error:
+        p.error(f"--device {a.device!r}: {error}")
+    if not math.isfinite(a.budget_s) or a.budget_s <= 0:
+        p.error(f"--budget-s must be a positive number of seconds (got {a.budget_s})")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {a.device}: CUDA is not available here (use --device cpu with --tiny)")
     if not a.peak_tflops > 0:

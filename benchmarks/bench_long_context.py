@@ -356,7 +356,10 @@ def build_native(shape: Shape, device, dtype):
 def implementation_module(fn) -> str:
     """Where the kernel behind one of transformers' ``use_kernel_func_from_hub_with_fallback`` wrappers comes from:
     the module of the ``implementation`` it closes over (transformers 5.24), ``torch fallback`` when that is
-    transformers' own PyTorch function."""
+    transformers' own PyTorch function; for anything else (transformers 5.25 makes it a module that ``kernelize``
+    swaps, with ``use_kernels``) its type's name."""
+    if not hasattr(fn, "__code__"):
+        return f"unknown ({type(fn).__qualname__} object, not a 5.24-style wrapper)"
     cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
     if "implementation" not in cells:
         return "unknown (no implementation in the wrapper's closure)"
