@@ -840,11 +840,12 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         build of fla for ``chunk_kda`` and ``fused_recurrent_kda`` on CUDA. kdamoe's KDA layer exposes its ops
         under those names (docs/architecture.md, "Hub kernels (opt-in)"), so a default GPU load would fetch that
         code from the Hub and run it in place of kdamoe's kernels, and on every device it logs a warning for each of
-        kdamoe's conv names. Here ``use_kernels`` is ``False`` unless the call passes ``use_kernels`` or a
-        ``kernel_config`` (transformers 5.24's default); ``from_pretrained(..., use_kernels=True)`` and
-        ``model.set_use_kernels(True)`` still opt in. ``USE_HUB_KERNELS=NO`` keeps them off either way.
+        kdamoe's conv names. Here ``use_kernels`` is ``False`` unless the call passes ``use_kernels=True`` or a
+        ``kernel_config`` (transformers 5.24's default; ``use_kernels=None``, 5.25's "default", means off too);
+        ``from_pretrained(..., use_kernels=True)`` and ``model.set_use_kernels(True)`` still opt in.
+        ``USE_HUB_KERNELS=NO`` keeps them off either way.
         """
-        if "use_kernels" not in kwargs and kwargs.get("kernel_config") is None:
+        if kwargs.get("use_kernels") is None and kwargs.get("kernel_config") is None:
             kwargs["use_kernels"] = False
         return super().from_pretrained(*args, **kwargs)
 

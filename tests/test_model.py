@@ -217,6 +217,7 @@ def test_hub_kernels_are_off_by_default_on_every_transformers_version(tmp_path):
     _model().save_pretrained(tmp_path)
     for cls in (AutoModelForCausalLM, KDAMoEForCausalLM, AutoModelForSequenceClassification):
         assert cls.from_pretrained(tmp_path).use_kernels is False, cls
+    assert KDAMoEForCausalLM.from_pretrained(tmp_path, use_kernels=None).use_kernels is False  # 5.25's "default"
 
 
 @pytest.mark.skipif(not is_kernels_available(), reason="the `kernels` package (a dependency of transformers >= 5.25)")
