@@ -840,12 +840,13 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         build of fla for ``chunk_kda`` and ``fused_recurrent_kda`` on CUDA. kdamoe's KDA layer exposes its ops
         under those names (docs/architecture.md, "Hub kernels (opt-in)"), so a default GPU load would fetch that
         code from the Hub and run it in place of kdamoe's kernels, and on every device it logs a warning for each of
-        kdamoe's conv names. Here ``use_kernels`` is ``False`` unless the call passes ``use_kernels=True`` or a
-        ``kernel_config`` (transformers 5.24's default; ``use_kernels=None``, 5.25's "default", means off too);
-        ``from_pretrained(..., use_kernels=True)`` and ``model.set_use_kernels(True)`` still opt in.
+        kdamoe's conv names. Here ``use_kernels`` is ``False`` unless the call asks for kernels: ``use_kernels=True``,
+        a ``kernel_config``, a ``kernels_mode`` or ``allow_all_kernels=True`` (transformers 5.24's default; an explicit
+        ``use_kernels=None``, 5.25's "default", means off too). ``model.set_use_kernels(True)`` also opts in later;
         ``USE_HUB_KERNELS=NO`` keeps them off either way.
         """
-        if kwargs.get("use_kernels") is None and kwargs.get("kernel_config") is None:
+        asked = [kwargs.get(name) for name in ("use_kernels", "kernel_config", "kernels_mode", "allow_all_kernels")]
+        if kwargs.get("use_kernels") is None and all(value is None or value is False for value in asked):
             kwargs["use_kernels"] = False
         return super().from_pretrained(*args, **kwargs)
 
