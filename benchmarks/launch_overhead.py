@@ -105,7 +105,7 @@ def main(argv=None) -> int:
                "fast_rounds_us": times[True][1:], "triton_rounds_us": times[False][1:]}
         rows.append(row)
         print(f"{name}: short path {row['fast_us']:.1f} µs/call, Triton's path {row['triton_us']:.1f} µs/call", flush=True)
-    default_blas = str(torch.backends.cuda.preferred_blas_library())
+    default_blas = torch.backends.cuda.preferred_blas_library()
     print(f"preferred BLAS library by default: {default_blas}", flush=True)
     blas_rows = []
     try:
@@ -120,12 +120,12 @@ def main(argv=None) -> int:
             blas_rows.append(row)
             print(f"{name}: cublas {row['cublas_us']:.1f} µs/call, cublaslt {row['cublaslt_us']:.1f} µs/call", flush=True)
     finally:
-        torch.backends.cuda.preferred_blas_library(default_blas.split(".")[-1].lower())
+        torch.backends.cuda.preferred_blas_library(default_blas)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "launch_overhead.json"), "w") as f:
         json.dump({"calls": a.calls, "repeats": a.repeats, "torch": torch.__version__,
                    "triton": __import__("triton").__version__, "rows": rows,
-                   "default_blas": default_blas, "blas_rows": blas_rows}, f, indent=1)
+                   "default_blas": str(default_blas), "blas_rows": blas_rows}, f, indent=1)
     return 0
 
 

@@ -845,8 +845,8 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         ``use_kernels=None``, 5.25's "default", means off too). ``model.set_use_kernels(True)`` also opts in later;
         ``USE_HUB_KERNELS=NO`` keeps them off either way.
         """
-        asked = [kwargs.get(name) for name in ("use_kernels", "kernel_config", "kernels_mode", "allow_all_kernels")]
-        if kwargs.get("use_kernels") is None and all(value is None or value is False for value in asked):
+        if all(kwargs.get(name) in (None, False) for name in ("use_kernels", "kernel_config", "kernels_mode",
+                                                              "allow_all_kernels")):
             kwargs["use_kernels"] = False
         return super().from_pretrained(*args, **kwargs)
 
