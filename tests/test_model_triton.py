@@ -199,10 +199,12 @@ def test_kda_layer_training_step_copies_no_activation(monkeypatch):
     equal the torch backend's."""
     import triton.runtime.interpreter as interpreter
 
-    from kdamoe.modeling_kdamoe import KDAMoEDeltaAttention
+    from kdamoe.modeling_kdamoe import KDAMoEDeltaAttention, _dt_bias_init
 
     torch.manual_seed(0)
     layer = KDAMoEDeltaAttention(tiny_config(kda_head_dim=16, kernel_backend="triton"), 0)
+    with torch.no_grad():  # built alone, the layer skips the model's _init_weights: dt_bias would be torch.empty's bytes
+        layer.dt_bias.copy_(_dt_bias_init(layer.dt_bias, layer.config.kda_lower_bound))
     B, T = 2, 40
     x = torch.randn(B, T, layer.config.hidden_size, generator=torch.Generator().manual_seed(3), requires_grad=True)
     upstream = torch.randn(B, T, layer.config.hidden_size, generator=torch.Generator().manual_seed(4))
