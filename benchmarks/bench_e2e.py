@@ -37,6 +37,14 @@ Parts (``--only``, comma list; default all, in this order):
     timed calls, each timed between synchronisations like the eager step. Rows: plain graphed vs native + fla, recipe
     graphed vs plain graphed. Peak memory: from before the capturing call (its eager warm-up steps and the graph's
     memory pool) over the timed calls. CUDA only (elsewhere recorded as skipped).
+``native_graph``
+    The peer's step captured the same way, so that both sides of a graphed row skip the host's launches: native
+    KimiLinear (+ fla) at ``--graph-t``, its whole step (``zero_grad(set_to_none=True)``, forward, loss, backward)
+    captured with ``torch.cuda.graph`` after ``--warmup`` eager steps on a side stream (PyTorch's "whole-network
+    capture", CUDA semantics notes), then timed over ``--steps`` replays as above. A step that cannot be captured
+    (a host read of a device value inside it, an op that refuses capture) is recorded with the error's last line.
+    Row: kdamoe's graphed plain step vs this one. Run it after the other parts: a failed capture can leave the
+    CUDA context unusable for what follows. CUDA only.
 ``profile``
     One kdamoe step at each of ``--profile-t`` (32K, then 8K), then one recipe-shape step at each of
     ``--profile-recipe-t`` (none by default), under ``torch.profiler`` (CPU + CUDA activity),
@@ -78,7 +86,7 @@ from bench_long_context import (  # noqa: E402  (the benchmarks folder is not a 
     label, run_part, stack_versions,
 )
 
-PARTS = ("kdamoe", "native", "recipe", "graph", "profile", "host")
+PARTS = ("kdamoe", "native", "recipe", "graph", "native_graph", "profile", "host")
 RECIPE = {"moe_latent_size": 512, "attnres_num_blocks": 4}
 TINY_RECIPE = {"moe_latent_size": 32, "attnres_num_blocks": 2}
 PLAIN = "plain"
@@ -125,6 +133,12 @@ def make_rows(raw: dict) -> list[dict]:
         rows.append({**_row(f"recipe shape CUDA-graph train step {label(T)}", _num(o, "median_ms"), "plain graphed",
                             _num(p, "median_ms"), **_side("ours", o), **_side("peer", p)),
                      "ours": "kdamoe recipe, TrainStepGraph"})
+    native_g = raw.get("native_graph", {})
+    for T in lengths(native_g):
+        o, p = plain_g.get(f"train_T{T}"), native_g.get(f"train_T{T}")
+        rows.append({**_row(f"CUDA-graph train step {label(T)}, both sides graphed", _num(o, "median_ms"),
+                            "native+fla graphed", _num(p, "median_ms"), **_side("ours", o), **_side("peer", p)),
+                     "ours": "kdamoe, TrainStepGraph"})
     return rows
 
 
@@ -379,6 +393,75 @@ def run_graph(bench: Bench) -> None:
         bench.free()
 
 
+def capture_step(model, ids: torch.Tensor, warmup: int):
+    """Native's training step (``train_step``) on ``ids [1, T]`` captured as a CUDA graph: ``warmup`` eager steps on
+    a side stream, then the capture (PyTorch CUDA semantics notes, "whole-network capture"). The gradients are set
+    to None before the capture, so the backward allocates them from the graph's pool and each replay writes them,
+    as ``zero_grad(set_to_none=True)`` then ``backward()`` does. Returns ``(graph, loss)``: ``loss`` is the graph's
+    0-d output, rewritten by every replay. Raises whatever the capture raises (e.g. a host read inside the step)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            train_step(model, ids)
+    torch.cuda.current_stream().wait_stream(side)
+    model.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+    return graph, loss
+
+
+def run_native_graph(bench: Bench) -> None:
+    """The ``native_graph`` part (module docstring): native KimiLinear's step captured by ``capture_step``."""
+    a, rec = bench.args, bench.rec
+    if not bench.cuda:
+        rec.put("native_graph", "device", "skipped: CUDA graphs need CUDA; this run is not on CUDA")
+        return
+    if not rec.need("native_graph", "model", bench.est(30) + step_estimate(bench, min(a.graph_t), 4 + a.steps)):
+        return
+    model, info = build(bench, "native")
+    for T in a.graph_t:
+        key = f"train_T{T}"
+        if not rec.need("native_graph", key, step_estimate(bench, T, 6 + a.warmup + a.steps)):
+            continue
+        try:
+            ids = token_ids(bench, T)
+            eager = train_step(model, ids).item()
+            torch.cuda.reset_peak_memory_stats()
+            bench.sync()
+            t0 = time.perf_counter()
+            graph, loss = capture_step(model, ids, a.warmup)
+            bench.sync()
+            capture_ms = (time.perf_counter() - t0) * 1e3
+            times, losses = [], []
+            for _ in range(a.warmup + a.steps):
+                bench.sync()
+                t0 = time.perf_counter()
+                graph.replay()
+                bench.sync()
+                times.append((time.perf_counter() - t0) * 1e3)
+                losses.append(loss.item())
+            if not all(math.isfinite(x) for x in losses):
+                raise FloatingPointError(f"non-finite loss at T={T}: {losses}")
+            timed = times[a.warmup:]
+            median = statistics.median(timed)
+            rec.put("native_graph", key, {
+                "T": T, "median_ms": median, "steps_ms": timed, "capture_call_ms": capture_ms,
+                "warmup_ms": times[:a.warmup], "tok_s": T / median * 1e3,
+                "mfu": 6 * info["params_active"] * (T / median * 1e3) / (a.peak_tflops * 1e12),
+                "peak_gib": torch.cuda.max_memory_allocated() / GIB, "eager_loss": eager, "graph_losses": losses})
+            print("native graph", label(T), f"{median:.1f} ms, loss {losses[-1]:.6f} vs eager {eager:.6f}", flush=True)
+            del graph, loss
+        except Exception:
+            rec.error("native_graph", key)
+        model.zero_grad(set_to_none=True)
+        bench.free()
+    del model
+    bench.free()
+
+
 def run_profile(bench: Bench) -> None:
     """One kdamoe step at each ``--profile-t`` length, then one recipe-shape step at each ``--profile-recipe-t``
     length, under ``torch.profiler`` (module docstring, ``profile``)."""
@@ -520,7 +603,8 @@ def parse_args(argv=None):
                    help="deadline: measurements that do not fit in what is left are recorded as 'skipped: time'")
     p.add_argument("--train-t", type=_ints, default=None, help="kdamoe and native lengths (default 8K,32K)")
     p.add_argument("--recipe-t", type=_ints, default=None, help="recipe-shape lengths, in this order (default 32K,8K)")
-    p.add_argument("--graph-t", type=_ints, default=None, help="the graph part's lengths (default 8K,32K)")
+    p.add_argument("--graph-t", type=_ints, default=None,
+                   help="the graph and native_graph parts' lengths (default 8K,32K)")
     p.add_argument("--profile-t", type=_ints, default=None, help="the profiled steps' lengths, in order (default 32K,8K)")
     p.add_argument("--profile-recipe-t", type=_ints, default=[], help="recipe-shape profiled lengths (default none)")
     p.add_argument("--profile-steps", type=int, default=1, help="profiled steps")
@@ -587,7 +671,7 @@ def main(argv=None) -> int:
     print("stack:", rec.stack, flush=True)
     for part in a.only:  # in the order asked
         fn = {"profile": lambda: run_profile(bench), "host": lambda: run_host(bench),
-              "graph": lambda: run_graph(bench)}.get(part, lambda: run_train(bench, part))
+              "graph": lambda: run_graph(bench), "native_graph": lambda: run_native_graph(bench)}.get(part, lambda: run_train(bench, part))
         run_part(bench, part, fn)
     rec.save()
     with open(os.path.join(a.out, "e2e.md")) as f:

@@ -6,7 +6,7 @@
 #   usage: bash benchmarks/device_e2e.sh [bench_e2e.py args...]   (writes under $OUT)
 # Carry .whl/ (transformers 5.24.0 and fla_core 0.6.0 wheels; the device reaches no registry) and, when an earlier
 # call returned them, .tcache/ (its tcache.part.* files: compiled Triton kernels and autotune choices).
-# Environment: E2E_TOTAL_S (480: the whole call, s), E2E_ONLY (the bench parts, default kdamoe,native,recipe,graph,profile;
+# Environment: E2E_TOTAL_S (480: the whole call, s), E2E_ONLY (the bench parts, default kdamoe,native,recipe,graph,profile; native_graph on request;
 # none: no bench, only the optional steps),
 # E2E_PARITY (0; 1 runs benchmarks/model_parity.py first, limited to E2E_PARITY_S, default 150 s, taken from the
 # bench's time: with a cold Triton cache it takes minutes, so it is off by default), E2E_TUNE (0; 1 first times every

@@ -62,3 +62,20 @@ def test_bench_e2e_tiny_writes_finite_rows(tmp_path):
     assert "## Profile: one recipe-shape kdamoe training step at 64" in md
     for saved in (text, md):
         assert str(tmp_path) not in saved and ROOT not in saved
+
+
+def test_both_graphed_rows_divide_kdamoe_graph_by_native_graph():
+    bench = _load_bench()
+    raw = {"native": {"train_T8192": {"median_ms": 200.0, "tok_s": 40960.0}},
+           "graph": {"kdamoe_train_T8192": {"median_ms": 74.0, "tok_s": 110702.7},
+                     "kdamoe_train_T32768": {"median_ms": 300.0, "tok_s": 109226.7}},
+           "native_graph": {"train_T8192": {"median_ms": 148.0, "tok_s": 55351.4},
+                            "train_T32768": {"error": "RuntimeError: operation not permitted when stream is capturing"}}}
+    rows = {r["name"]: r for r in bench.make_rows(raw)}
+    both = rows["CUDA-graph train step 8K, both sides graphed"]
+    assert both["peer"] == "native+fla graphed" and both["ours_ms"] == 74.0 and both["peer_ms"] == 148.0
+    assert math.isclose(both["ratio"], 0.5, rel_tol=1e-12)
+    failed = rows["CUDA-graph train step 32K, both sides graphed"]
+    assert failed["ratio"] is None and "stream is capturing" in failed["peer_note"]
+    # the graphed step against native's eager step stays as before
+    assert math.isclose(rows["CUDA-graph train step 8K"]["ratio"], 74.0 / 200.0, rel_tol=1e-12)
