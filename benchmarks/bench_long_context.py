@@ -800,7 +800,7 @@ def run_greedy(bench: Bench) -> None:
                     rec.put("greedy", "model", f"skipped: no trained model folder ({a.model_dir!r})")
                     return
                 folder, prompt = a.model_dir, "the GPU preset's held-out plays"
-                ids = held_out_prompt(AutoTokenizer.from_pretrained(folder), a.greedy_prompt)
+                ids = held_out_prompt(AutoTokenizer.from_pretrained(folder, trust_remote_code=True), a.greedy_prompt)
         except Exception:
             rec.error("greedy", "model")
             return
