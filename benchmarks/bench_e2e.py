@@ -344,53 +344,42 @@ def run_train(bench: Bench, part: str) -> None:
     bench.free()
 
 
-def run_graph(bench: Bench) -> None:
-    """The ``graph`` part (module docstring): kdamoe's plain and recipe shapes through ``TrainStepGraph``."""
+def time_graphed_calls(bench: Bench, call, n: int, T: int) -> tuple[list[float], list[float]]:
+    """``n`` calls of ``call()`` (it returns the step's 0-d loss), each timed in ms between two synchronisations;
+    returns the times and the losses. Raises ``FloatingPointError`` when a loss is not finite."""
+    times, losses = [], []
+    for _ in range(n):
+        bench.sync()
+        t0 = time.perf_counter()
+        loss = call()
+        bench.sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+        losses.append(loss.item())
+    if not all(math.isfinite(x) for x in losses):
+        raise FloatingPointError(f"non-finite loss at T={T}: {losses}")
+    return times, losses
+
+
+def graphed_stats(bench: Bench, info: dict, T: int, times: list[float], losses: list[float], eager: float,
+                  **extra) -> dict:
+    """The record of a graphed part: ``times`` after the capture, of which the first ``--warmup`` are untimed."""
+    a = bench.args
+    timed = times[a.warmup:]
+    median = statistics.median(timed)
+    return {"T": T, "median_ms": median, "steps_ms": timed, "warmup_ms": times[:a.warmup], "tok_s": T / median * 1e3,
+            "mfu": 6 * info["params_active"] * (T / median * 1e3) / (a.peak_tflops * 1e12),
+            "peak_gib": torch.cuda.max_memory_allocated() / GIB, "eager_loss": eager, "graph_losses": losses, **extra}
+
+
+def graph_kdamoe(bench: Bench, model, info: dict, ids: torch.Tensor, eager: float) -> dict:
+    """kdamoe's step through ``TrainStepGraph``: the first call warms up and captures (timed apart), then
+    ``--warmup`` untimed and ``--steps`` timed calls."""
     from kdamoe.train_graph import TrainStepGraph
 
-    a, rec = bench.args, bench.rec
-    if not bench.cuda:
-        rec.put("graph", "device", "skipped: TrainStepGraph captures CUDA graphs; this run is not on CUDA")
-        return
-    for part in ("kdamoe", "recipe"):
-        if not rec.need("graph", f"{part}_model", bench.est(30) + step_estimate(bench, min(a.graph_t), 4 + a.steps)):
-            continue
-        model, info = build(bench, part)
-        for T in a.graph_t:
-            key = f"{part}_train_T{T}"
-            if not rec.need("graph", key, step_estimate(bench, T, 6 + a.warmup + a.steps)):
-                continue
-            try:
-                ids = token_ids(bench, T)
-                eager = train_step(model, ids).item()  # the same step eagerly, for the loss check
-                step = TrainStepGraph(model)
-                times, losses = [], []
-                torch.cuda.reset_peak_memory_stats()  # from before the capture, which allocates the graph's memory
-                for _ in range(1 + a.warmup + a.steps):  # the first call warms up and captures
-                    bench.sync()
-                    t0 = time.perf_counter()
-                    loss = step(ids)
-                    bench.sync()
-                    times.append((time.perf_counter() - t0) * 1e3)
-                    losses.append(loss.item())
-                timed = times[1 + a.warmup:]
-                median = statistics.median(timed)
-                stats = {"T": T, "median_ms": median, "steps_ms": timed, "capture_call_ms": times[0],
-                         "warmup_ms": times[1:1 + a.warmup], "tok_s": T / median * 1e3,
-                         "mfu": 6 * info["params_active"] * (T / median * 1e3) / (a.peak_tflops * 1e12),
-                         "peak_gib": torch.cuda.max_memory_allocated() / GIB, "eager_loss": eager,
-                         "graph_losses": losses, "captures": step.captures}
-                if not all(math.isfinite(x) for x in losses):
-                    raise FloatingPointError(f"non-finite loss at T={T}: {losses}")
-                rec.put("graph", key, stats)
-                print("graph", part, label(T), f"{median:.1f} ms, loss {losses[-1]:.6f} vs eager {eager:.6f}", flush=True)
-                del step
-            except Exception:
-                rec.error("graph", key)
-            model.zero_grad(set_to_none=True)
-            bench.free()
-        del model
-        bench.free()
+    a, T = bench.args, ids.shape[1]
+    step = TrainStepGraph(model)
+    times, losses = time_graphed_calls(bench, lambda: step(ids), 1 + a.warmup + a.steps, T)
+    return graphed_stats(bench, info, T, times[1:], losses, eager, capture_call_ms=times[0], captures=step.captures)
 
 
 def capture_step(model, ids: torch.Tensor, warmup: int):
@@ -413,53 +402,56 @@ def capture_step(model, ids: torch.Tensor, warmup: int):
     return graph, loss
 
 
-def run_native_graph(bench: Bench) -> None:
-    """The ``native_graph`` part (module docstring): native KimiLinear's step captured by ``capture_step``."""
+def graph_native(bench: Bench, model, info: dict, ids: torch.Tensor, eager: float) -> dict:
+    """Native's step captured by ``capture_step`` (timed apart), then ``--warmup`` untimed and ``--steps`` timed
+    replays."""
+    a, T = bench.args, ids.shape[1]
+    bench.sync()
+    t0 = time.perf_counter()
+    graph, loss = capture_step(model, ids, a.warmup)
+    bench.sync()
+    capture_ms = (time.perf_counter() - t0) * 1e3
+
+    def replay():
+        graph.replay()
+        return loss
+
+    times, losses = time_graphed_calls(bench, replay, a.warmup + a.steps, T)
+    return graphed_stats(bench, info, T, times, losses, eager, capture_call_ms=capture_ms)
+
+
+def run_graphed(bench: Bench, group: str) -> None:
+    """The ``graph`` part (kdamoe's plain and recipe shapes through ``TrainStepGraph``, keys ``{part}_train_T{T}``)
+    or the ``native_graph`` part (native's step through ``capture_step``, keys ``train_T{T}``); module docstring.
+    Each length first runs one eager step, whose loss is recorded next to the graphed steps'."""
     a, rec = bench.args, bench.rec
     if not bench.cuda:
-        rec.put("native_graph", "device", "skipped: CUDA graphs need CUDA; this run is not on CUDA")
+        rec.put(group, "device", "skipped: CUDA graphs need CUDA; this run is not on CUDA")
         return
-    if not rec.need("native_graph", "model", bench.est(30) + step_estimate(bench, min(a.graph_t), 4 + a.steps)):
-        return
-    model, info = build(bench, "native")
-    for T in a.graph_t:
-        key = f"train_T{T}"
-        if not rec.need("native_graph", key, step_estimate(bench, T, 6 + a.warmup + a.steps)):
+    parts, measure = (("kdamoe", "recipe"), graph_kdamoe) if group == "graph" else (("native",), graph_native)
+    for part in parts:
+        prefix = f"{part}_" if group == "graph" else ""
+        if not rec.need(group, f"{prefix}model", bench.est(30) + step_estimate(bench, min(a.graph_t), 4 + a.steps)):
             continue
-        try:
-            ids = token_ids(bench, T)
-            eager = train_step(model, ids).item()
-            torch.cuda.reset_peak_memory_stats()
-            bench.sync()
-            t0 = time.perf_counter()
-            graph, loss = capture_step(model, ids, a.warmup)
-            bench.sync()
-            capture_ms = (time.perf_counter() - t0) * 1e3
-            times, losses = [], []
-            for _ in range(a.warmup + a.steps):
-                bench.sync()
-                t0 = time.perf_counter()
-                graph.replay()
-                bench.sync()
-                times.append((time.perf_counter() - t0) * 1e3)
-                losses.append(loss.item())
-            if not all(math.isfinite(x) for x in losses):
-                raise FloatingPointError(f"non-finite loss at T={T}: {losses}")
-            timed = times[a.warmup:]
-            median = statistics.median(timed)
-            rec.put("native_graph", key, {
-                "T": T, "median_ms": median, "steps_ms": timed, "capture_call_ms": capture_ms,
-                "warmup_ms": times[:a.warmup], "tok_s": T / median * 1e3,
-                "mfu": 6 * info["params_active"] * (T / median * 1e3) / (a.peak_tflops * 1e12),
-                "peak_gib": torch.cuda.max_memory_allocated() / GIB, "eager_loss": eager, "graph_losses": losses})
-            print("native graph", label(T), f"{median:.1f} ms, loss {losses[-1]:.6f} vs eager {eager:.6f}", flush=True)
-            del graph, loss
-        except Exception:
-            rec.error("native_graph", key)
-        model.zero_grad(set_to_none=True)
+        model, info = build(bench, part)
+        for T in a.graph_t:
+            key = f"{prefix}train_T{T}"
+            if not rec.need(group, key, step_estimate(bench, T, 6 + a.warmup + a.steps)):
+                continue
+            try:
+                ids = token_ids(bench, T)
+                eager = train_step(model, ids).item()  # the same step eagerly, for the loss check
+                torch.cuda.reset_peak_memory_stats()  # from before the capture, which allocates the graph's memory
+                stats = measure(bench, model, info, ids, eager)
+                rec.put(group, key, stats)
+                print(group, part, label(T), f"{stats['median_ms']:.1f} ms, loss {stats['graph_losses'][-1]:.6f} vs "
+                      f"eager {eager:.6f}", flush=True)
+            except Exception:
+                rec.error(group, key)
+            model.zero_grad(set_to_none=True)
+            bench.free()
+        del model
         bench.free()
-    del model
-    bench.free()
 
 
 def run_profile(bench: Bench) -> None:
@@ -671,7 +663,7 @@ def main(argv=None) -> int:
     print("stack:", rec.stack, flush=True)
     for part in a.only:  # in the order asked
         fn = {"profile": lambda: run_profile(bench), "host": lambda: run_host(bench),
-              "graph": lambda: run_graph(bench), "native_graph": lambda: run_native_graph(bench)}.get(part, lambda: run_train(bench, part))
+              "graph": lambda: run_graphed(bench, "graph"), "native_graph": lambda: run_graphed(bench, "native_graph")}.get(part, lambda: run_train(bench, part))
         run_part(bench, part, fn)
     rec.save()
     with open(os.path.join(a.out, "e2e.md")) as f:

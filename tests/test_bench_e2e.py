@@ -79,3 +79,18 @@ def test_both_graphed_rows_divide_kdamoe_graph_by_native_graph():
     assert failed["ratio"] is None and "stream is capturing" in failed["peer_note"]
     # the graphed step against native's eager step stays as before
     assert math.isclose(rows["CUDA-graph train step 8K"]["ratio"], 74.0 / 200.0, rel_tol=1e-12)
+
+
+def test_time_graphed_calls_refuses_a_non_finite_loss():
+    import types
+
+    import pytest
+    import torch
+
+    bench = _load_bench()
+    fake = types.SimpleNamespace(sync=lambda: None)
+    losses = iter([torch.tensor(2.5), torch.tensor(float("nan"))])
+    with pytest.raises(FloatingPointError, match="T=64"):
+        bench.time_graphed_calls(fake, lambda: next(losses), 2, 64)
+    times, values = bench.time_graphed_calls(fake, lambda: torch.tensor(1.25), 3, 64)
+    assert values == [1.25, 1.25, 1.25] and len(times) == 3 and all(t >= 0 for t in times)
