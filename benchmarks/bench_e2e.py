@@ -36,12 +36,13 @@ Parts (``--only``, comma list; default all, in this order):
     graphed steps'), then a first call that warms up and captures (timed apart), ``--warmup`` untimed and ``--steps``
     timed calls, each timed between synchronisations like the eager step. Rows: plain graphed vs native + fla, recipe
     graphed vs plain graphed. Peak memory: from before the capturing call (its eager warm-up steps and the graph's
-    memory pool) over the timed calls. CUDA only (elsewhere recorded as skipped).
+    memory pool) through the last timed call. CUDA only (elsewhere recorded as skipped).
 ``native_graph``
     The peer's step captured the same way, so that both sides of a graphed row skip the host's launches: native
     KimiLinear (+ fla) at ``--graph-t``, its whole step (``zero_grad(set_to_none=True)``, forward, loss, backward)
     captured with ``torch.cuda.graph`` after ``--warmup`` eager steps on a side stream (PyTorch's "whole-network
-    capture", CUDA semantics notes), then timed over ``--steps`` replays as above. A step that cannot be captured
+    capture", CUDA semantics notes), then ``--warmup`` untimed and ``--steps`` timed
+    replays as above. A step that cannot be captured
     (a host read of a device value inside it, an op that refuses capture) is recorded with the error's last line.
     Row: kdamoe's graphed plain step vs this one. Run it after the other parts: a failed capture can leave the
     CUDA context unusable for what follows. CUDA only.
@@ -362,7 +363,8 @@ def time_graphed_calls(bench: Bench, call, n: int, T: int) -> tuple[list[float],
 
 def graphed_stats(bench: Bench, info: dict, T: int, times: list[float], losses: list[float], eager: float,
                   **extra) -> dict:
-    """The record of a graphed part: ``times`` after the capture, of which the first ``--warmup`` are untimed."""
+    """The record of a graphed part: ``times`` after the capture, of which the first ``--warmup`` are untimed;
+    ``losses`` are every call's (for ``TrainStepGraph`` the capturing call's too, so one more than ``times``)."""
     a = bench.args
     timed = times[a.warmup:]
     median = statistics.median(timed)
