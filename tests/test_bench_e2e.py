@@ -10,6 +10,10 @@ import importlib.util
 import json
 import math
 import os
+import types
+
+import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,11 +86,6 @@ def test_both_graphed_rows_divide_kdamoe_graph_by_native_graph():
 
 
 def test_time_graphed_calls_refuses_a_non_finite_loss():
-    import types
-
-    import pytest
-    import torch
-
     bench = _load_bench()
     fake = types.SimpleNamespace(sync=lambda: None)
     losses = iter([torch.tensor(2.5), torch.tensor(float("nan"))])
