@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup data train test posttrain ppo-env test-ppo
+.PHONY: setup data train test lint posttrain ppo-env test-ppo
 
 $(BIN)/kdamoe-train: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ data: setup
 
 train: data
 	$(BIN)/kdamoe-train $(ARGS)
+
+# Style (ruff.toml) and import layers (.importlinter); CI runs it before the tests.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 test: setup
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=20 tests $(ARGS)

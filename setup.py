@@ -14,7 +14,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["kdamoe", "kdamoe.*"]),
-    package_data={"kdamoe": ["configs/*.yaml", "configs/posttrain/*.yaml", "model_cards/*.md"]},
+    package_data={"kdamoe": ["configs/*.yaml", "configs/posttrain/*.yaml", "common/model_cards/*.md"]},
     install_requires=[
         # Exactly the CPU wheel on disk: a looser pin downloads a multi-GB CUDA build.
         "torch==2.13.0",
@@ -34,7 +34,10 @@ setup(
         "tqdm",
         "pyyaml",
     ],
-    extras_require={"test": ["pytest", "pytest-xdist"], "dev": ["pytest", "pytest-xdist"]},
+    extras_require={
+        "test": ["pytest", "pytest-xdist", "ruff", "import-linter"],
+        "dev": ["pytest", "pytest-xdist", "ruff", "import-linter"],
+    },
     entry_points={
         "console_scripts": [
             "kdamoe-train=kdamoe.cli:train_main",

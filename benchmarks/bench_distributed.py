@@ -84,7 +84,7 @@ def job_main(kind: str, dump: Path, argv: list[str]) -> int:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from kdamoe.modeling_kdamoe import KDAMoEPreTrainedModel, KDAMoETopkRouter
+    from kdamoe.model.modeling_kdamoe import KDAMoEPreTrainedModel, KDAMoETopkRouter
 
     record = {"names": [], "times": [], "biases": []}
     update = KDAMoEPreTrainedModel.update_router_biases

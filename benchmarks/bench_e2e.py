@@ -31,7 +31,7 @@ Parts (``--only``, comma list; default all, in this order):
     run in a 512-wide latent, Block Attention Residuals over 4 blocks), at ``--recipe-t`` (32K, then 8K);
     compared with kdamoe's plain shape at the same length.
 ``graph``
-    kdamoe's plain shape, then the recipe shape, through ``kdamoe.train_graph.TrainStepGraph`` (the step captured as
+    kdamoe's plain shape, then the recipe shape, through ``kdamoe.training.train_graph.TrainStepGraph`` (the step captured as
     a CUDA graph and replayed) at ``--graph-t`` (8K, 32K): one eager step first (its loss is recorded next to the
     graphed steps'), then a first call that warms up and captures (timed apart), ``--warmup`` untimed and ``--steps``
     timed calls, each timed between synchronisations like the eager step. Rows: plain graphed vs native + fla, recipe
@@ -376,7 +376,7 @@ def graphed_stats(bench: Bench, info: dict, T: int, times: list[float], losses: 
 def graph_kdamoe(bench: Bench, model, info: dict, ids: torch.Tensor, eager: float) -> dict:
     """kdamoe's step through ``TrainStepGraph``: the first call warms up and captures (timed apart), then
     ``--warmup`` untimed and ``--steps`` timed calls."""
-    from kdamoe.train_graph import TrainStepGraph
+    from kdamoe.training.train_graph import TrainStepGraph
 
     a, T = bench.args, ids.shape[1]
     step = TrainStepGraph(model)

@@ -46,13 +46,13 @@ if ARGS.smoke:
 import torch  # noqa: E402
 
 if "kdamoe" not in sys.modules:
-    # Import kdamoe.kernels and kdamoe.kda_torch (torch + triton only) without kdamoe/__init__, which imports
+    # Import kdamoe.kernels and kdamoe.model.kda_torch (torch + triton only) without kdamoe/__init__, which imports
     # transformers and the model (the GPU image's transformers may be older).
     package = types.ModuleType("kdamoe")
     package.__path__ = [os.path.join(REPO, "kdamoe")]
     sys.modules["kdamoe"] = package
 
-from kdamoe.kda_torch import causal_conv1d_torch, kda_gate  # noqa: E402
+from kdamoe.model.kda_torch import causal_conv1d_torch, kda_gate  # noqa: E402
 from kdamoe.kernels import causal_conv1d, causal_conv1d_parts, chunk_kda  # noqa: E402
 
 LB = -5.0

@@ -8,7 +8,7 @@ Writes ``moe_router.{json,md}`` and (unless ``--router-only``) ``moe_experts.{js
 (default ``./bench_out``) and prints the tables. Every file names the stack it measured: torch, triton, GPU,
 CUDA, the commit (``$KDAMOE_COMMIT``, else ``git rev-parse HEAD``) and a hash of the measured sources.
 
-router: what ``KDAMoETopkRouter.forward`` runs, both paths from ``kdamoe.kernel_dispatch.moe_route_op``:
+router: what ``KDAMoETopkRouter.forward`` runs, both paths from ``kdamoe.model.kernel_dispatch.moe_route_op``:
   the router linear in float32 on bf16 activations, then the route op (``moe_torch.moe_route_torch``:
   sigmoid + topk + gather + normalise + selection margins + histogram + bincount; or the kernel
   ``kernels.moe_route``: one pass), then the float64 accumulation. Modes: ``train_fwd`` (statistics on),
@@ -37,10 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from moe_peers import grouped_mm_moe  # noqa: E402
 
-from kdamoe.kernel_dispatch import moe_route_op  # noqa: E402
+from kdamoe.model.kernel_dispatch import moe_route_op  # noqa: E402
 from kdamoe.kernels import moe_experts, moe_route  # noqa: E402
 from kdamoe.kernels.utils import relative_error  # noqa: E402
-from kdamoe.moe_torch import GLUActivation, moe_experts_torch, moe_route_torch  # noqa: E402
+from kdamoe.model.moe_torch import GLUActivation, moe_experts_torch, moe_route_torch  # noqa: E402
 
 CEIL_TFLOPS = 757.0  # bf16 GEMM 8192³ measured on an H200 with this image (see notes_moe.md)
 QB_BINS = 1024

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 device call for benchmarks/bench_e2e.py (issue #14): the training step (forward + loss + backward)
 # of kdamoe against transformers' native KimiLinear (+ fla) at 8K and 32K, kdamoe's recipe shape, both shapes
-# through kdamoe.train_graph.TrainStepGraph (the step replayed from a CUDA graph), and profiles of one kdamoe step at
+# through kdamoe.training.train_graph.TrainStepGraph (the step replayed from a CUDA graph), and profiles of one kdamoe step at
 # 32K and 8K; optionally benchmarks/model_parity.py first.
 #   usage: bash benchmarks/device_e2e.sh [bench_e2e.py args...]   (writes under $OUT)
 # Carry .whl/ (transformers 5.24.0 and fla_core 0.6.0 wheels; the device reaches no registry) and, when an earlier

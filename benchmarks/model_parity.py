@@ -149,7 +149,7 @@ def _compare(record, tag, torch_run, kernel_run, args, kw):
 
 def _dual_kda(record):
     """Stands in for ``kernel_dispatch.chunk_kda`` (the model's KDA op, ``backend=`` keyword)."""
-    import kdamoe.kernel_dispatch as dispatch
+    import kdamoe.model.kernel_dispatch as dispatch
 
     def run(*args, backend="auto", **kw):
         torch_run = lambda *a, **k: dispatch.chunk_kda(*a, backend="torch", **k)
@@ -160,7 +160,7 @@ def _dual_kda(record):
 
 def _dual_experts(record):
     """Stands in for ``kernel_dispatch.moe_experts_op`` (a factory of the experts op)."""
-    import kdamoe.kernel_dispatch as dispatch
+    import kdamoe.model.kernel_dispatch as dispatch
 
     def factory(backend, device):
         torch_op, kernel_op = dispatch.moe_experts_op("torch", device), dispatch.moe_experts_op("triton", device)
@@ -170,7 +170,7 @@ def _dual_experts(record):
 
 def op_parity(model, ids, position_ids):
     """Per-call kernel errors on the model's own activations (see the module docstring)."""
-    import kdamoe.modeling_kdamoe as modeling
+    import kdamoe.model.modeling_kdamoe as modeling
 
     record = []
     saved = modeling.chunk_kda, modeling.moe_experts_op

@@ -1,15 +1,15 @@
 """The MoE benchmark's peer: routed experts through ``torch._grouped_mm`` (written for this project).
 
 Computes the same function as ``moe_route`` + ``moe_experts``: the model's PyTorch router op
-(``kdamoe.moe_torch.moe_route_torch``: sigmoid router with balancing bias, Top-k of s + b, gate weights
+(``kdamoe.model.moe_torch.moe_route_torch``: sigmoid router with balancing bias, Top-k of s + b, gate weights
 s/Σs), SiTU-GLU experts in transformers' layout ``gate_up_proj [E, 2I, ℓ]``, ``down_proj [E, ℓ, I]``,
 weighted combine; autograd gives the backward. The per-expert loop baseline is the model's own PyTorch
-path (``kdamoe.moe_torch.moe_experts_torch``).
+path (``kdamoe.model.moe_torch.moe_experts_torch``).
 """
 
 import torch
 
-from kdamoe.moe_torch import moe_route_torch, situ_glu
+from kdamoe.model.moe_torch import moe_route_torch, situ_glu
 
 
 def grouped_mm_experts(x, idx, w, gate_up_proj, down_proj):

@@ -23,9 +23,9 @@ try:
         AutoModelForSequenceClassification,
     )
 
-    from .cache_kdamoe import KDAMoECache
-    from .configuration_kdamoe import KDAMoEConfig
-    from .modeling_kdamoe import (
+    from .model import (
+        KDAMoECache,
+        KDAMoEConfig,
         KDAMoEForCausalLM,
         KDAMoEForSequenceClassification,
         KDAMoEModel,

@@ -191,6 +191,3 @@ def add_router_bias_callback(trainer, callback: RouterBiasUpdateCallback | None 
     callback.first_in_callbacks = True
     return callback
 
-
-# Backwards-friendly alias under the name of the method it drives.
-QuantileBalancingCallback = RouterBiasUpdateCallback

@@ -4,7 +4,7 @@ A **Hub folder** holds only what a user of the repository needs, and nothing tha
 
 * a full model: ``model.safetensors`` (or safetensors shards + index), ``config.json`` whose ``auto_map``
   names every head, the modeling files (remote code, docs/architecture.md §7), ``generation_config.json``,
-  the tokenizer with its chat template, and ``README.md`` (:mod:`kdamoe.model_card`);
+  the tokenizer with its chat template, and ``README.md`` (:mod:`kdamoe.common.cards`);
 * a PEFT adapter repository: ``adapter_config.json``, ``adapter_model.safetensors``, the tokenizer and a card
   naming ``base_model`` with ``base_model_relation: adapter``.
 
@@ -40,7 +40,10 @@ from pathlib import Path
 
 import torch
 
-from .model_card import count_parameters, render_model_card
+from .common.cards import count_parameters, pretraining_card_metadata, render_model_card
+from .common.checkpoint import PROGRESS, parse_checkpoint_name
+from .common.folders import load_pretraining_checkpoint, load_run_tokenizer, write_model_folder
+from .model import KDAMoEForCausalLM
 
 # Files that are (or may be) pickles: never in a Hub folder, never read from a source.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -69,8 +72,6 @@ def detect_source(src: str | Path) -> Source:
         ValueError: naming ``src`` when it is not a folder, or not one kdamoe writes (with a hint for a run
             folder, a trainer ``output_dir`` holding only ``checkpoint-*`` folders, or pickled weights).
     """
-    from .training.checkpoint import PROGRESS, parse_checkpoint_name
-
     path = Path(src).expanduser()
     if not path.is_dir():
         raise ValueError(f"SRC {src}: not a folder")
@@ -108,8 +109,6 @@ def _refuse_pickled_weights(folder: Path, safetensors_name: str) -> None:
 
 def _load_kdamoe_model(folder: str | Path):
     """A ``KDAMoEForCausalLM`` from a local ``save_pretrained`` folder, with kdamoe's own classes, in the stored dtype."""
-    from . import KDAMoEForCausalLM
-
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     if config.get("model_type") != "kda_moe":
@@ -125,42 +124,11 @@ def _load_kdamoe_model(folder: str | Path):
 
 
 def _load_tokenizer(*folders: str | Path):
-    from transformers import AutoTokenizer
-
+    """The tokenizer of the first of ``folders`` that holds one (:func:`~kdamoe.common.folders.load_run_tokenizer`)."""
     for folder in folders:
         if folder is not None and (Path(folder) / "tokenizer_config.json").is_file():
-            if not (Path(folder) / "tokenizer.json").is_file():
-                raise ValueError(f"{Path(folder) / 'tokenizer.json'}: missing (tokenizer_config.json is there)")
-            return AutoTokenizer.from_pretrained(str(folder))
+            return load_run_tokenizer(folder)
     raise ValueError(f"no tokenizer (tokenizer_config.json) in {', '.join(str(f) for f in folders if f)}")
-
-
-def _load_checkpoint_model(source: Source):
-    """Rebuild the model of a pretraining checkpoint from the run's ``config.yaml`` and ``tokenizer/``; read
-    only the checkpoint's ``model.safetensors`` (after checking the folder against its manifest)."""
-    from safetensors.torch import load_file
-
-    from .training.checkpoint import verify_checkpoint
-    from .training.config import load_config
-    from .training.trainer import build_model
-
-    reason = verify_checkpoint(source.path)
-    if reason is not None:
-        raise ValueError(f"checkpoint {source.path}: {reason}")
-    for needed in ("config.yaml", "tokenizer"):
-        if not (source.run_dir / needed).exists():
-            raise ValueError(f"{source.run_dir / needed}: missing (a checkpoint is rebuilt with its run's config and tokenizer)")
-    cfg = load_config(source.run_dir / "config.yaml")
-    tokenizer = _load_tokenizer(source.run_dir / "tokenizer")
-    model = build_model(cfg, tokenizer)
-    state = load_file(str(source.path / "model.safetensors"))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(model.all_tied_weights_keys)
-    if unexpected or set(missing) - tied:
-        raise ValueError(f"{source.path / 'model.safetensors'}: does not match the run's model "
-                         f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
-    model.tie_weights()
-    return model.eval(), tokenizer, cfg
 
 
 def _card_metadata(folder: Path) -> dict:
@@ -184,27 +152,6 @@ def _card_metadata(folder: Path) -> dict:
 
 def _is_local(path: str | None) -> bool:
     return path is not None and Path(path).expanduser().exists()
-
-
-def write_model_folder(model, tokenizer, out_dir: str | Path, card) -> Path:
-    """``save_pretrained`` the model (``kernel_backend="auto"``, safetensors, ``auto_map`` for every head, the
-    modeling files) and the tokenizer (``model_max_length`` = the model's ``max_position_embeddings``) into
-    ``out_dir``, and ``card.save(out_dir / "README.md")``. Returns ``out_dir``."""
-    out_dir = Path(out_dir)
-    # The run may have forced a backend (e.g. torch on a CPU); the shipped model picks its own.
-    trained_backend, model.config.kernel_backend = model.config.kernel_backend, "auto"
-    try:
-        model.save_pretrained(out_dir)
-    finally:
-        model.config.kernel_backend = trained_backend
-    # The tokenizer's context limit is the model's (a pretraining tokenizer is trained before the model exists).
-    saved_max, tokenizer.model_max_length = tokenizer.model_max_length, model.config.max_position_embeddings
-    try:
-        tokenizer.save_pretrained(out_dir)
-    finally:
-        tokenizer.model_max_length = saved_max
-    card.save(out_dir / "README.md")
-    return out_dir
 
 
 def _prepare_out_dir(out_dir: str | Path, overwrite: bool) -> Path:
@@ -250,7 +197,7 @@ def build_hub_folder(src: str | Path, out_dir: str | Path, *, repo_id: str | Non
             ``base_model_name_or_path`` when that is not a local path.
         base_model_path: local folder of an adapter's base (default: ``base_model_name_or_path``).
         datasets, training_description, stages, evaluation, tags: card values (see
-            :func:`kdamoe.model_card.render_model_card`); given values replace what the source provides.
+            :func:`kdamoe.common.cards.render_model_card`); given values replace what the source provides.
         validate: run :func:`validate_hub_folder` against the source model's logits.
     Returns:
         ``out_dir``.
@@ -294,7 +241,7 @@ def build_hub_folder(src: str | Path, out_dir: str | Path, *, repo_id: str | Non
             adapter_base = base_path
     else:
         if source.kind == "pretraining-checkpoint":
-            model, tokenizer, _ = _load_checkpoint_model(source)
+            model, tokenizer, _ = load_pretraining_checkpoint(source.path, source.run_dir)
         else:
             model = _load_kdamoe_model(source.path)
             tokenizer = _load_tokenizer(source.path, source.run_dir and source.run_dir / "tokenizer")
@@ -328,8 +275,6 @@ _CARD_KEYS = ("base_model", "base_model_relation", "datasets", "data_note", "tra
 def _source_metadata(source: Source) -> dict:
     """Card values the source itself records (a pretraining run's config / summary / progress; a trainer's card)."""
     import yaml
-
-    from .training.export import pretraining_card_metadata
 
     if source.kind in ("pretraining-final", "pretraining-checkpoint"):
         run_cfg = yaml.safe_load((source.run_dir / "config.yaml").read_text())

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kdamoe import KDAMoEForCausalLM
-from kdamoe.modeling_kdamoe import KDAMoEBlockAttnRes
+from kdamoe.model.modeling_kdamoe import KDAMoEBlockAttnRes
 from tests.helpers import tiny_config
 
 
@@ -133,7 +133,7 @@ def test_every_pseudo_query_receives_gradient():
 def _mix_on_the_kernel(monkeypatch, record):
     """Run every AttnRes mix of the model on the Triton kernel (CPU interpreter) while the rest of the model stays
     on its torch ops; ``record`` gets, per mix, the sources' data pointers (to check they are not copies)."""
-    import kdamoe.modeling_kdamoe as modeling
+    import kdamoe.model.modeling_kdamoe as modeling
 
     real = modeling.block_attnres
 

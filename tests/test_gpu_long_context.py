@@ -139,7 +139,7 @@ def test_latent_cache_agrees_with_the_per_head_cache_in_bfloat16():
 @pytest.mark.parametrize("T, S", [(300, 1000), (4096, 40000)])
 def test_chunk_attention_after_a_cache_equals_the_masked_reference(T, S):
     """The cuDNN prefix + causal merge against float32 attention with an explicit bottom-right causal mask."""
-    from kdamoe.modeling_kdamoe import _causal_sdpa
+    from kdamoe.model.modeling_kdamoe import _causal_sdpa
 
     g = torch.Generator(device="cuda").manual_seed(T)
     q, k, v = (torch.randn(1, 8, n, 128, device="cuda", generator=g, dtype=torch.bfloat16) for n in (T, S, S))

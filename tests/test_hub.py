@@ -88,7 +88,7 @@ def _build_sources(tmp):
     from peft import LoraConfig, get_peft_model
 
     from kdamoe import KDAMoEForCausalLM
-    from kdamoe.training.checkpoint import save_checkpoint_atomically
+    from kdamoe.common.checkpoint import save_checkpoint_atomically
 
     tmp.mkdir(exist_ok=True)
     rng = random.Random(0)
@@ -345,14 +345,14 @@ def test_push_calls_hf_api(built, sources, monkeypatch):
     ]
     assert set(uploaded["files"]) == MODEL_FILES
 
-    # model.push_to_hub on a kdamoe model: our card and the tokenizer, validated, as a pull request
+    # push_model_to_hub on an in-memory kdamoe model: our card and the tokenizer, validated, as a pull request
     calls.clear()
     from kdamoe import KDAMoEForCausalLM
 
     validated = []  # the kdamoe-free reload itself is exercised by every build above
     monkeypatch.setattr(hub, "validate_hub_folder", lambda folder, **kw: validated.append(hub.hub_files(folder)))
     model = KDAMoEForCausalLM.from_pretrained(sources["final"])
-    model.push_to_hub("me/kdamoe-tiny", create_pr=True, tags=["demo"])
+    hub.push_model_to_hub(model, "me/kdamoe-tiny", create_pr=True, tags=["demo"])
     assert validated == [uploaded["files"]]
     assert {"custom_code", "kda_moe", "demo"} <= set(uploaded["tags"])  # our card, plus the caller's tag
     assert [c[0] for c in calls] == ["create_repo", "upload_folder"]  # no branch for a pull request
@@ -370,9 +370,9 @@ def test_wheel_ships_the_card_template(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=300)
     wheel = next((tmp_path / "dist").glob("kdamoe-*.whl"))
-    assert "kdamoe/model_cards/model_card.md" in zipfile.ZipFile(wheel).namelist()
+    assert "kdamoe/common/model_cards/model_card.md" in zipfile.ZipFile(wheel).namelist()
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
-    script = ("import kdamoe.model_card as mc, kdamoe\n"
+    script = ("import kdamoe.common.cards as mc, kdamoe\n"
               "card = mc.render_model_card(kdamoe.KDAMoEConfig(), repo_id='me/x', total=10**6, active=5*10**5)\n"
               "print(mc.TEMPLATE, card.data.library_name, card.data.pipeline_tag, 'custom_code' in card.data.tags)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,

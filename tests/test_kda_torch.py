@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kdamoe.kda_torch import causal_conv1d_torch, chunk_kda_torch, kda_gate, l2norm, recurrent_kda_torch
+from kdamoe.model.kda_torch import causal_conv1d_torch, chunk_kda_torch, kda_gate, l2norm, recurrent_kda_torch
 from kdamoe.kernels.kda.naive import naive_kda_lowerbound_gate, naive_recurrent_kda
 
 

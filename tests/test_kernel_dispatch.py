@@ -11,9 +11,9 @@ import types
 import pytest
 import torch
 
-import kdamoe.kernel_dispatch as dispatch
-from kdamoe.kda_torch import causal_conv1d_torch
-from kdamoe.moe_torch import moe_experts_torch
+import kdamoe.model.kernel_dispatch as dispatch
+from kdamoe.model.kda_torch import causal_conv1d_torch
+from kdamoe.model.moe_torch import moe_experts_torch
 from tests.helpers import tiny_config
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")

@@ -20,7 +20,7 @@ from trl import GRPOConfig, GRPOTrainer
 import trl.kernels.chunked_logprob as trl_chunked_logprob
 import trl.trainer.utils as trl_utils
 from kdamoe import KDAMoEForCausalLM
-from kdamoe.modeling_kdamoe import KDAMoEModel
+from kdamoe.model.modeling_kdamoe import KDAMoEModel
 from kdamoe.posttraining.long_update import LongContextGRPOTrainer, real_token_span
 from kdamoe.posttraining.recipes import build_trainer
 from tests.helpers import tiny_config

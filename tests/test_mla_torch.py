@@ -8,8 +8,8 @@ Also the reference of the Triton kernel tests (tests/kernels/test_mla_decode.py 
 import pytest
 import torch
 
-from kdamoe.kernel_dispatch import latent_attention as dispatched_latent_attention
-from kdamoe.mla_torch import latent_attention_torch
+from kdamoe.model.kernel_dispatch import latent_attention as dispatched_latent_attention
+from kdamoe.model.mla_torch import latent_attention_torch
 
 
 def brute_force_attention(q, latent, seq_len: int, scale: float, key_mask=None) -> torch.Tensor:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kdamoe import KDAMoEConfig, KDAMoEForCausalLM, KDAMoEForSequenceClassification, KDAMoEModel
-from kdamoe.moe_torch import moe_experts_torch
+from kdamoe.model.moe_torch import moe_experts_torch
 from tests.helpers import tiny_config
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
 
-import kdamoe.modeling_kdamoe as modeling
+import kdamoe.model.modeling_kdamoe as modeling
 from kdamoe import KDAMoEForCausalLM
 from tests.helpers import tiny_config
 

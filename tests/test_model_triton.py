@@ -48,7 +48,7 @@ def test_training_step_matches_torch_backend_on_packed_batch(monkeypatch, attnre
     every RMSNorm onto the Triton norm kernels (one call per norm module), the KDA output norm onto the gated one and
     every Block AttnRes mix (with its key norm) onto the AttnRes kernel; in the plain residual stream each layer's
     post-attention norm runs fused with the residual add."""
-    from kdamoe.modeling_kdamoe import KDAMoEBlockAttnRes, KDAMoEGatedRMSNorm, KDAMoERMSNorm
+    from kdamoe.model.modeling_kdamoe import KDAMoEBlockAttnRes, KDAMoEGatedRMSNorm, KDAMoERMSNorm
 
     model = _model(attnres_num_blocks=attnres_num_blocks).train()
     mixes = sum(isinstance(m, KDAMoEBlockAttnRes) for m in model.modules())
@@ -199,7 +199,7 @@ def test_kda_layer_training_step_copies_no_activation(monkeypatch):
     equal the torch backend's."""
     import triton.runtime.interpreter as interpreter
 
-    from kdamoe.modeling_kdamoe import KDAMoEDeltaAttention, _dt_bias_init
+    from kdamoe.model.modeling_kdamoe import KDAMoEDeltaAttention, _dt_bias_init
 
     torch.manual_seed(0)
     layer = KDAMoEDeltaAttention(tiny_config(kda_head_dim=16, kernel_backend="triton"), 0)

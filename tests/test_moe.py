@@ -4,9 +4,9 @@ import pytest
 import torch
 from moe_reference import moe_experts_ref
 
-from kdamoe.modeling_kdamoe import KDAMoETopkRouter
-from kdamoe.moe_torch import GLUActivation, moe_experts_torch, situ_glu
-from kdamoe.quantile_balancing import histogram_range, qb_histogram, quantile_from_histogram
+from kdamoe.model.modeling_kdamoe import KDAMoETopkRouter
+from kdamoe.model.moe_torch import GLUActivation, moe_experts_torch, situ_glu
+from kdamoe.model.quantile_balancing import histogram_range, qb_histogram, quantile_from_histogram
 from tests.helpers import tiny_config
 
 

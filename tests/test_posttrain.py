@@ -327,7 +327,7 @@ def test_cli_runs_sft_then_resumes(base, tmp_path, capsys):
 
 
 def test_card_renders_the_reward_curve():
-    from kdamoe.model_card import render_model_card
+    from kdamoe.common.cards import render_model_card
 
     card = str(render_model_card(tiny_config(), repo_id="kdamoe/x", total=10, active=5, recipe="`grpo` (environment)",
                                  base_model_path="outputs/base", reward_curve=[(1, 0.25), (2, 0.5)],

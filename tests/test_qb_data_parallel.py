@@ -37,7 +37,7 @@ def _biases(model) -> torch.Tensor:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    import kdamoe.quantile_balancing as qb
+    import kdamoe.model.quantile_balancing as qb
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,

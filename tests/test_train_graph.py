@@ -1,4 +1,4 @@
-"""``kdamoe.train_graph.TrainStepGraph``: the captured training step gives the eager step's loss, gradients and router
+"""``kdamoe.training.train_graph.TrainStepGraph``: the captured training step gives the eager step's loss, gradients and router
 counts, replays new data, captures again for a new shape, and refuses what it cannot run.
 
 The argument checks run on the CPU; the graph itself needs CUDA (``KDAMOE_TEST_ON_GPU=1``), where it is compared with
@@ -12,8 +12,8 @@ import torch
 
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.kernels.utils import relative_error
-from kdamoe.modeling_kdamoe import KDAMoETopkRouter
-from kdamoe.train_graph import TrainStepGraph
+from kdamoe.model.modeling_kdamoe import KDAMoETopkRouter
+from kdamoe.training.train_graph import TrainStepGraph
 from tests.helpers import tiny_config
 
 ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()

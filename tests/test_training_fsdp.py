@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdamoe.training.checkpoint import verify_checkpoint
+from kdamoe.common.checkpoint import verify_checkpoint
 from tests.helpers import finish_processes, launch_processes, start_processes
 from tests.test_training_data_parallel import HOLD, _write_short_documents
 from tests.test_training_resume import _config
@@ -136,7 +136,7 @@ def test_fsdp2_resume_after_a_kill_reproduces_the_uninterrupted_run_bitwise(work
         try:
             _wait_for(dump / "hold.pid", proc, log)
             checkpoints = workdir / "killed" / "checkpoints"
-            # Final: renamed from .tmp-<name> into place after its manifest (kdamoe.training.checkpoint), and intact.
+            # Final: renamed from .tmp-<name> into place after its manifest (kdamoe.common.checkpoint), and intact.
             assert [p.name for p in checkpoints.iterdir()] == [f"stage0-step{STOP_AT:06d}"]
             assert verify_checkpoint(checkpoints / f"stage0-step{STOP_AT:06d}") is None
             os.kill(int((dump / "hold.pid").read_text()), signal.SIGKILL)

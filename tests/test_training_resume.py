@@ -193,7 +193,7 @@ def test_resume_skips_a_truncated_newest_checkpoint(uninterrupted, killed, capsy
 
 
 def test_resume_never_unpickles_a_planted_custom_checkpoint(uninterrupted, killed):
-    from kdamoe.training.checkpoint import verify_checkpoint, write_manifest
+    from kdamoe.common.checkpoint import verify_checkpoint, write_manifest
 
     tmp_path, full = uninterrupted
     newest = _copy_run(killed, tmp_path, "planted")
@@ -224,7 +224,7 @@ def test_resume_with_no_intact_checkpoint_refuses_instead_of_starting_over(kille
 
 
 def test_checkpoint_writes_are_atomic(killed):
-    from kdamoe.training.checkpoint import MANIFEST, verify_checkpoint
+    from kdamoe.common.checkpoint import MANIFEST, verify_checkpoint
 
     root = killed / "checkpoints"
     assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []  # no temporary folder left

@@ -1,6 +1,6 @@
 """Triton kernels for kdamoe (optional fast path).
 
-Imports only torch and triton (and ``kdamoe.mla_torch`` / ``kdamoe.norm_torch`` / ``kdamoe.attnres_torch``, torch
+Imports only torch and triton (and ``kdamoe.model.mla_torch`` / ``kdamoe.model.norm_torch`` / ``kdamoe.model.attnres_torch``, torch
 alone, for the shared argument checks), so the package works on an image with an older transformers. Each kernel
 family is a sub-package: ``kda`` (chunked / recurrent Kimi Delta Attention), ``conv`` (the KDA layer's causal depthwise
 conv + SiLU), ``mla`` (flash-decoding of MLA attention in the latent space), ``moe`` (Quantile-Balanced

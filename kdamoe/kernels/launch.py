@@ -171,3 +171,28 @@ def fast_launch(kernel):
             or is_interpreter()):
         return kernel
     return FastLaunch(kernel)
+
+
+def autotune(configs, key, **kwargs):
+    """``triton.autotune`` on a GPU, launched through ``launch.FastLaunch``; the first config, fixed, under the
+    interpreter.
+
+    The interpreter cannot time configs (each would run for real, at CPU speed), so the tests run
+    ``configs[0]``; order each list so that its first entry is a config the GPU may pick. Only
+    ``triton.Config.kwargs`` (block sizes) reach the interpreter: warps, stages and register caps do not
+    exist there.
+
+    Args:
+        configs: list of ``triton.Config``; the first one is the interpreter's choice.
+        key: argument names whose change triggers re-tuning (as in ``triton.autotune``).
+        **kwargs: passed to ``triton.autotune`` (ignored under the interpreter).
+    """
+    if is_interpreter():
+        first = configs[0]
+
+        def wrap(fn):
+            return triton.heuristics({name: (lambda _args, v=v: v) for name, v in first.kwargs.items()})(fn)
+
+        return wrap
+    tune = triton.autotune(configs=configs, key=key, **kwargs)
+    return lambda fn: fast_launch(tune(fn))

@@ -18,33 +18,6 @@ def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def autotune(configs, key, **kwargs):
-    """``triton.autotune`` on a GPU, launched through ``launch.FastLaunch``; the first config, fixed, under the
-    interpreter.
-
-    The interpreter cannot time configs (each would run for real, at CPU speed), so the tests run
-    ``configs[0]``; order each list so that its first entry is a config the GPU may pick. Only
-    ``triton.Config.kwargs`` (block sizes) reach the interpreter: warps, stages and register caps do not
-    exist there.
-
-    Args:
-        configs: list of ``triton.Config``; the first one is the interpreter's choice.
-        key: argument names whose change triggers re-tuning (as in ``triton.autotune``).
-        **kwargs: passed to ``triton.autotune`` (ignored under the interpreter).
-    """
-    if is_interpreter():
-        first = configs[0]
-
-        def wrap(fn):
-            return triton.heuristics({name: (lambda _args, v=v: v) for name, v in first.kwargs.items()})(fn)
-
-        return wrap
-    from .launch import fast_launch  # (launch imports this module)
-
-    tune = triton.autotune(configs=configs, key=key, **kwargs)
-    return lambda fn: fast_launch(tune(fn))
-
-
 _CONSTANTS: dict = {}
 _MAX_CONSTANTS = 1024  # past this many keys the cache drops the entries no captured graph reads
 _PINNED: set = set()  # keys a CUDA graph was captured with: their memory must outlive the graph, so they stay

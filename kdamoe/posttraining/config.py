@@ -32,10 +32,11 @@ from typing import Any
 
 import yaml
 
-from ..training.config import _apply_override, _build
+from ..common.config import apply_override, build_dataclass
+from .recipes import RECIPES, config_class
+from .recipes.common import lora_config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "posttrain"
-RECIPES = ("sft", "grpo", "dpo", "rloo", "ppo")
 GRPO_MODES = ("single_turn", "tools", "environment")
 GRPO_ROLLOUTS = ("trl", "cached")
 ROUTER_BIASES = ("update", "freeze")
@@ -237,8 +238,6 @@ class PostTrainConfig:
             check_distributed_config(section, SimpleNamespace(**json.loads(model_config.read_text())))
 
     def _check_trainer(self) -> None:
-        from .recipes import config_class
-
         cls = config_class(self.recipe)
         types = {f.name: f.type for f in dataclasses.fields(cls)}
         fields = list(types)
@@ -328,20 +327,6 @@ def check_distributed_config(section: dict[str, Any], model_config) -> None:
                          f"num_experts={experts} (each rank holds num_experts / ep_size whole experts)")
 
 
-def lora_config(section: dict[str, Any]):
-    """``peft.LoraConfig(**section)`` with ``task_type="CAUSAL_LM"`` by default.
-
-    Raises:
-        ValueError: naming the section when LoraConfig rejects a key or a value.
-    """
-    from peft import LoraConfig
-
-    try:
-        return LoraConfig(**{"task_type": "CAUSAL_LM", **section})
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"config field peft: {err}") from err
-
-
 def resolve_posttrain_config_path(path_or_name: str | Path) -> Path:
     """A YAML path as given, else ``kdamoe/configs/posttrain/<name>.yaml``.
 
@@ -370,8 +355,8 @@ def load_posttrain_config(path_or_name: str | Path, overrides: list[str] | None 
     if not isinstance(data, dict):
         raise ValueError(f"post-training config {path_or_name}: expected a mapping at the top, got {data!r}")
     for assignment in overrides or []:
-        _apply_override(data, assignment)
-    return _build(PostTrainConfig, data, "").validate()
+        apply_override(data, assignment)
+    return build_dataclass(PostTrainConfig, data, "").validate()
 
 
 def posttrain_config_to_dict(cfg: PostTrainConfig) -> dict:

@@ -60,7 +60,7 @@ def run_seed(base: str, output_dir: Path, seed: int, n_held_out: int, sft_overri
     import torch
     from transformers import AutoTokenizer
 
-    from kdamoe import KDAMoEForCausalLM
+    from ..model import KDAMoEForCausalLM
 
     from .run import run_recipe
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 OPERATIONS = ("add", "multiply")
 _PHRASES = {"add": "add {}", "multiply": "multiply by {}"}
@@ -292,8 +292,3 @@ def _maybe_int(value):
         except ValueError:
             return value
     return value
-
-
-def task_record(task: ArithmeticTask) -> dict:
-    """Plain-dict form of a task for JSON results: start, ops, n_ops, answer."""
-    return {**asdict(task), "n_ops": task.n_ops, "answer": task.answer}

@@ -7,7 +7,7 @@
   complete one (it has ``trainer_state.json``, written last); none under ``distributed_config`` (transformers'
   Trainer cannot checkpoint the optimizer of a model sharded while it loads);
 * ``final/`` — the trained model, reloadable with ``AutoModelForCausalLM.from_pretrained(final,
-  trust_remote_code=True)`` (:func:`kdamoe.hub.write_model_folder`), with a model card naming the recipe, the
+  trust_remote_code=True)`` (:func:`kdamoe.common.folders.write_model_folder`), with a model card naming the recipe, the
   base model, the data and, for RL recipes, the reward curve (a table and ``reward_curve.png``). Under PEFT
   it is the merged model, and ``adapter/`` holds the LoRA adapter for the base;
 * ``summary.json`` — the config, the paths, the log history and the reward curve.
@@ -101,7 +101,7 @@ def _is_local(path: str) -> bool:
 
 
 def _card(cfg, model, curve, image: str | None):
-    from ..model_card import count_parameters, render_model_card
+    from ..common.cards import count_parameters, render_model_card
 
     d = cfg.data
     mode = f" ({cfg.grpo.mode})" if cfg.recipe == "grpo" else ""
@@ -157,7 +157,7 @@ def trained_model(cfg, trainer):
 def _save(cfg, model, tokenizer, padding_side: str, curve) -> tuple[Path, Path | None, object]:
     """Write ``final/`` (and ``adapter/`` under PEFT) of the whole trained ``model``; return their paths and the
     saved model (merged under PEFT)."""
-    from ..hub import write_model_folder
+    from ..common.folders import write_model_folder
 
     out = Path(cfg.output_dir)
     tokenizer.padding_side = padding_side  # GRPO / RLOO pad on the left; the shipped tokenizer keeps its own
@@ -194,7 +194,7 @@ def load_base(cfg, sharded: bool = True):
     import torch
     from transformers import AutoTokenizer
 
-    from .. import KDAMoEConfig, KDAMoEForCausalLM
+    from ..model import KDAMoEConfig, KDAMoEForCausalLM
     from .config import check_distributed_config
 
     folder = Path(cfg.model).expanduser()

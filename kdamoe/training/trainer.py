@@ -2,7 +2,7 @@
 
 ``run(cfg)`` is the whole job; ``train_stage`` is the loop of one context-length stage. Each stage
 builds its own packed rows, data loader and warmup + cosine schedule; the model and the AdamW state
-carry over from the stage before. Checkpoints (:mod:`kdamoe.training.checkpoint`) are folders under
+carry over from the stage before. Checkpoints (:mod:`kdamoe.common.checkpoint`) are folders under
 ``<output_dir>/checkpoints/`` holding everything a resumed run needs: ``accelerator.save_state`` files
 (model with its router biases, optimizer, RNG, gradient-accumulation step) and our own
 :class:`TrainProgress` (stage, step, data position, the stage's LR scheduler state, losses) as JSON and
@@ -33,7 +33,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, set_seed
 from transformers import get_cosine_schedule_with_warmup
 
-from .checkpoint import (
+from ..common.checkpoint import (
     EP_MODEL,
     MONITOR,
     PROGRESS,
@@ -44,7 +44,8 @@ from .checkpoint import (
     save_checkpoint_atomically,
     save_expert_parallel_state,
 )
-from .checkpoint import find_checkpoint
+from ..common.checkpoint import find_checkpoint
+from ..common.folders import model_from_run_config
 from .config import RunConfig, StageConfig, check_expert_parallel, config_to_dict, with_defaults
 from .corpus import load_corpus
 from .data import IGNORE_INDEX, pack_documents, stage_loader, tokenize_documents
@@ -116,14 +117,9 @@ def prepare_data(cfg: RunConfig, out_dir: Path) -> PreparedData:
 
 
 def build_model(cfg: RunConfig, tokenizer):
-    """A freshly initialised ``KDAMoEForCausalLM`` from ``cfg.model`` plus the tokenizer's vocabulary and ids."""
-    from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
-
-    longest = max([s.seq_len for s in cfg.train.stages] + [cfg.eval.seq_len])
-    kwargs = {"max_position_embeddings": longest, **cfg.model}
-    kwargs.update(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return KDAMoEForCausalLM(KDAMoEConfig(**kwargs))
+    """A freshly initialised ``KDAMoEForCausalLM`` from ``cfg.model`` plus the tokenizer's vocabulary and ids
+    (:func:`kdamoe.common.folders.model_from_run_config`, which also rebuilds a checkpoint's model for publishing)."""
+    return model_from_run_config(config_to_dict(cfg), tokenizer)
 
 
 def make_optimizer(model, cfg: RunConfig) -> torch.optim.AdamW:
@@ -214,7 +210,7 @@ def expert_parallel_model(accelerator, model, out_dir: Path, checkpoint: Path | 
     everything else (``base_model_fsdp_plan``: one FSDP2 group per decoder layer); the routed tokens travel to their
     experts by all-to-all. A fresh run starts from ``model`` (built from the seed, the same on every process):
     the main process saves it to ``out_dir/initial`` and every process loads that folder. A resumed run loads the
-    checkpoint's ``model/`` shards instead (:func:`kdamoe.training.checkpoint.save_expert_parallel_state`).
+    checkpoint's ``model/`` shards instead (:func:`kdamoe.common.checkpoint.save_expert_parallel_state`).
 
     The result must not go through ``accelerator.prepare``: accelerate would wrap it in DDP (or shard it again);
     FSDP2 already reduces its gradients. Returns the sharded model (in training mode).
@@ -316,9 +312,9 @@ def check_same_processes(checkpoint: Path, num_processes: int) -> None:
 
 def save_checkpoint(accelerator, progress: TrainProgress, scheduler, monitor: TrainingMonitor, out_dir: Path,
                     cfg: RunConfig, model=None, optimizer=None) -> Path:
-    """Write ``checkpoints/stage<i>-step<n>`` atomically (:func:`kdamoe.training.checkpoint.save_checkpoint_atomically`):
+    """Write ``checkpoints/stage<i>-step<n>`` atomically (:func:`kdamoe.common.checkpoint.save_checkpoint_atomically`):
     accelerate's state, under ``fsdp2_ep`` the sharded ``model`` and ``optimizer``
-    (:func:`kdamoe.training.checkpoint.save_expert_parallel_state`), ``progress.json``, ``monitor.safetensors``, the
+    (:func:`kdamoe.common.checkpoint.save_expert_parallel_state`), ``progress.json``, ``monitor.safetensors``, the
     manifest. Then delete mid-stage checkpoints beyond the newest ``train.keep_checkpoints``; stage ends are kept."""
     from safetensors.torch import save_file
 
@@ -346,7 +342,7 @@ def save_checkpoint(accelerator, progress: TrainProgress, scheduler, monitor: Tr
 
 def load_checkpoint(folder: Path, monitor: TrainingMonitor) -> TrainProgress:
     """Our own state from a checkpoint folder: the :class:`TrainProgress` and the monitor's expert-load totals
-    (accelerate's part is loaded by :func:`kdamoe.training.checkpoint.load_state` in :func:`train_stage`)."""
+    (accelerate's part is loaded by :func:`kdamoe.common.checkpoint.load_state` in :func:`train_stage`)."""
     from safetensors.torch import load_file
 
     if (folder / MONITOR).exists():

@@ -1,5 +1,5 @@
 """block_attnres (Triton) against two references: the Block AttnRes formula (arXiv:2603.15031) written out in
-float64 and differentiated by torch.autograd (no rounding at all), and ``kdamoe.attnres_torch`` in the same dtype
+float64 and differentiated by torch.autograd (no rounding at all), and ``kdamoe.model.attnres_torch`` in the same dtype
 (the model's torch path; in float32 only for the gradients, as in half precision that op's roundings of the
 keys, softmax weights and products put it farther from float64 than the kernel). Output and the gradients of every source, the query and the key-norm weight; S = 1..9
 sources, odd widths and row counts, several row blocks per backward program, parameters in float32 on
@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from kdamoe import kernel_dispatch
-from kdamoe.attnres_torch import block_attnres_torch
+from kdamoe.model import kernel_dispatch
+from kdamoe.model.attnres_torch import block_attnres_torch
 from kdamoe.kernels import block_attnres
 
 ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from kdamoe.kda_torch import causal_conv1d_torch
+from kdamoe.model.kda_torch import causal_conv1d_torch
 from kdamoe.kernels import causal_conv1d, causal_conv1d_parts, causal_conv1d_update
 
 ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from kdamoe import kernel_dispatch
+from kdamoe.model import kernel_dispatch
 from kdamoe.kernels import causal_lm_loss
 from kdamoe.kernels.loss.kernels import MAX_BLOCK_V
 

@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 
-import kdamoe.kernel_dispatch as dispatch
+import kdamoe.model.kernel_dispatch as dispatch
 from kdamoe.kernels import glu
-from kdamoe.modeling_kdamoe import KDAMoEMLP
+from kdamoe.model.modeling_kdamoe import KDAMoEMLP
 from tests.helpers import tiny_config
 
 ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()

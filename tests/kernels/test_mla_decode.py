@@ -16,7 +16,7 @@ import torch
 
 from kdamoe.kernels import latent_attention
 from kdamoe.kernels.mla import decode
-from kdamoe.mla_torch import latent_attention_torch
+from kdamoe.model.mla_torch import latent_attention_torch
 from tests.test_mla_torch import brute_force_attention, left_padding, make_inputs
 
 ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()

@@ -299,7 +299,7 @@ def test_interpreter_runs_the_first_autotune_config():
     import triton
     import triton.language as tl
 
-    from kdamoe.kernels.utils import autotune
+    from kdamoe.kernels.launch import autotune
 
     @autotune(configs=[triton.Config({"BLOCK": 4}), triton.Config({"BLOCK": 8})], key=["n"])
     @triton.jit

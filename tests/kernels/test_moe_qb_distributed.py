@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from kdamoe.kernels import moe_route
 from moe_reference import margins_ref
-from kdamoe.quantile_balancing import (all_reduce_sum, histogram_range, quantile_balancing_update,
+from kdamoe.model.quantile_balancing import (all_reduce_sum, histogram_range, quantile_balancing_update,
                                        quantile_from_histogram)
 
 N, E, K, WORLD = 300, 12, 2, 2

@@ -11,9 +11,9 @@ from moe_reference import histogram_ref, margins_ref, moe_route_ref
 
 import kdamoe.kernels
 from kdamoe.kernels import moe_route
-from kdamoe.modeling_kdamoe import KDAMoETopkRouter
-from kdamoe.moe_torch import moe_route_torch
-from kdamoe.quantile_balancing import histogram_range, qb_histogram, quantile_from_histogram, selection_margins
+from kdamoe.model.modeling_kdamoe import KDAMoETopkRouter
+from kdamoe.model.moe_torch import moe_route_torch
+from kdamoe.model.quantile_balancing import histogram_range, qb_histogram, quantile_from_histogram, selection_margins
 from tests.helpers import tiny_config
 
 # These run the routing kernel on CPU tensors through the Triton interpreter; on a GPU machine (KDAMOE_TEST_ON_GPU=1) the same code

@@ -1,5 +1,5 @@
 """rms_norm / gated_rms_norm (Triton) against two references: the formula in float64 differentiated by
-torch.autograd (no rounding at all), and ``kdamoe.norm_torch`` in the same dtype (the same rounding points, so
+torch.autograd (no rounding at all), and ``kdamoe.model.norm_torch`` in the same dtype (the same rounding points, so
 outputs agree to one rounding). Outputs and the gradients of x, weight and gate; odd widths, leading dims, a
 zero row, weight dtypes other than x's (type promotion), strided inputs, argument errors, the dispatch.
 
@@ -12,10 +12,10 @@ import os
 import pytest
 import torch
 
-from kdamoe import kernel_dispatch
+from kdamoe.model import kernel_dispatch
 from kdamoe.kernels import add_rms_norm, gated_rms_norm, rms_norm
-from kdamoe.modeling_kdamoe import KDAMoERMSNorm
-from kdamoe.norm_torch import add_rms_norm_torch, gated_rms_norm_torch, rms_norm_torch
+from kdamoe.model.modeling_kdamoe import KDAMoERMSNorm
+from kdamoe.model.norm_torch import add_rms_norm_torch, gated_rms_norm_torch, rms_norm_torch
 
 ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"

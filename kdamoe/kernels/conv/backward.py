@@ -41,7 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import autotune, cdiv
+from ..launch import autotune
+from ..utils import cdiv
 from .forward import TILE_CONFIGS, MAX_PARTS, conv_rows, part_cols, part_ptr
 
 BT_DX = 64  # fixed: it sets the number of dweight partials (one per BT_DX rows of each batch row)

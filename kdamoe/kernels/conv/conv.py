@@ -2,7 +2,7 @@
 
 The short convolution of the KDA layer (Kimi Linear report §3: q, k, v each pass a depthwise causal conv of
 width 4 and SiLU; the op of Mamba, Gu & Dao 2023 §3.4). Semantics are those of
-``kdamoe.kda_torch.causal_conv1d_torch``, its reference: ``x [B, T, C]``, ``weight [C, W]`` (tap ``W − 1`` is
+``kdamoe.model.kda_torch.causal_conv1d_torch``, its reference: ``x [B, T, C]``, ``weight [C, W]`` (tap ``W − 1`` is
 the current token), an optional cached ``conv_state [B, C, W]`` holding the W inputs before x (oldest
 first), an optional ``seq_idx [B, T]`` that keeps packed sequences apart.
 

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import autotune, cdiv
+from ..launch import autotune
+from ..utils import cdiv
 
 TILE_CONFIGS = [triton.Config({"BT": 64, "BC": 64}, num_warps=4), triton.Config({"BT": 32, "BC": 128}, num_warps=4),
                 triton.Config({"BT": 128, "BC": 64}, num_warps=8), triton.Config({"BT": 64, "BC": 128}, num_warps=8),

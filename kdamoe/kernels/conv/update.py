@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import autotune, cdiv, next_power_of_2
+from ..launch import autotune
+from ..utils import cdiv, next_power_of_2
 
 _UPDATE_CONFIGS = [triton.Config({"BC": 128}, num_warps=4), triton.Config({"BC": 256}, num_warps=4),
                    triton.Config({"BC": 64}, num_warps=2), triton.Config({"BC": 512}, num_warps=8)]

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import autotune
+from ..launch import autotune
 from .prepare import BT, BS, chunk_bounds
 from .intra import _exp_where, _tile, _row, _store_tile
 

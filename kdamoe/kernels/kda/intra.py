@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import autotune
+from ..launch import autotune
 from .prepare import BT, BS, chunk_bounds, prepare_buffers, prepare_chunk
 
 # Registers / stack bytes per thread on sm_90 (triton 3.7.1, K = V = 128, ptxas resource usage):

@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import fast_launch
-from ..utils import autotune, cdiv
+from ..launch import autotune, fast_launch
+from ..utils import cdiv
 from .prepare import BT, chunk_bounds
 
 OUT_BV = 64

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import autotune, cached_constant, cdiv
+from ..launch import autotune
+from ..utils import cached_constant, cdiv
 
 BT = 64  # chunk length (tokens); 4 sub-chunks of 16
 BS = 16  # sub-chunk length

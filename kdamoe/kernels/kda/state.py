@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import autotune, cdiv
+from ..launch import autotune
+from ..utils import cdiv
 from .prepare import BT
 
 # Value-block width, warps and pipeline depth of the sequential passes (cdiv(V, BV) · N · H programs run at

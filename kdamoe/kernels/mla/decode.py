@@ -1,6 +1,6 @@
 """Flash-decoding of MLA attention in the latent space: keys = values = the cached latent, shared by all heads.
 
-Semantics are those of ``kdamoe.mla_torch.latent_attention_torch`` (its reference): ``q [B, T, H, R]`` absorbed
+Semantics are those of ``kdamoe.model.mla_torch.latent_attention_torch`` (its reference): ``q [B, T, H, R]`` absorbed
 queries, ``latent [B, S_cap, R]`` the cache buffer, ``seq_len`` a device tensor (valid rows, the T new tokens
 included), causal over ``p_t = seq_len − T + t``, an optional padding ``key_mask``.
 
@@ -43,11 +43,51 @@ import torch
 import triton
 import triton.language as tl
 
-from ...mla_torch import check_latent_attention_args
 from ..launch import fast_launch
 from ..utils import cdiv, is_interpreter, next_power_of_2, sm_count
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# The op's own argument checks (the same rules as the PyTorch reference in kdamoe/model/, which keeps its own
+# copy: the model folder loads without kdamoe.kernels, and the kernels import nothing but torch and triton).
+def check_latent_attention_args(q, latent, seq_len, key_mask, floats=_FLOATS) -> None:
+    """Shape / dtype / device checks shared by the latent-attention ops (never a value check: no host sync).
+
+    Raises:
+        ValueError: naming the bad argument (see :func:`latent_attention_torch`).
+    """
+    for name, t in (("q", q), ("latent", latent), ("seq_len", seq_len)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, R], got shape {tuple(q.shape)}")
+    B, T, H, R = q.shape
+    if T < 1 or H < 1 or R < 1:
+        raise ValueError(f"q must have T, H, R >= 1, got shape {tuple(q.shape)}")
+    if latent.dim() != 3 or latent.shape[0] != B or latent.shape[2] != R:
+        raise ValueError(f"latent must be [B, S_cap, R] = ({B}, S_cap, {R}) like q, got shape {tuple(latent.shape)}")
+    if q.dtype not in floats:
+        raise ValueError(f"q dtype must be one of {floats}, got {q.dtype}")
+    if latent.dtype != q.dtype:
+        raise ValueError(f"latent dtype {latent.dtype} differs from q dtype {q.dtype}")
+    if latent.stride(2) != 1:
+        raise ValueError(f"latent must have a contiguous last dim, got strides {latent.stride()}")
+    if seq_len.dtype not in (torch.int32, torch.int64) or seq_len.numel() != 1 or seq_len.dim() > 1:
+        raise ValueError(f"seq_len must be an int32/int64 tensor of shape [] or [1], got {seq_len.dtype} "
+                         f"of shape {tuple(seq_len.shape)}")
+    for name, t in (("latent", latent), ("seq_len", seq_len)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, expected {q.device} like q")
+    if key_mask is not None:
+        if not isinstance(key_mask, torch.Tensor) or key_mask.dim() != 2 or key_mask.shape[0] != B:
+            shape = tuple(key_mask.shape) if isinstance(key_mask, torch.Tensor) else type(key_mask).__name__
+            raise ValueError(f"key_mask must be [B, S_mask] with B = {B}, got {shape}")
+        if key_mask.dtype not in _MASK_DTYPES:
+            raise ValueError(f"key_mask dtype must be bool, int8, int32 or int64, got {key_mask.dtype}")
+        if key_mask.device != q.device:
+            raise ValueError(f"key_mask is on {key_mask.device}, expected {q.device} like q")
+
 COMBINE_BLOCK_R = 32  # R chunk of one combine program: 8 rows × (256 / 32) = 64 programs at B = 1, T = 1
 COMBINE_CHUNK_P = 64  # splits merged per combine step ([64, 32] fp32 tile)
 PROGRAMS_PER_SM = 2  # split programs per SM at B = 1: enough loads in flight to saturate HBM
@@ -199,7 +239,7 @@ def latent_attention(q, latent, seq_len, scale, key_mask=None):
     _validate(q, latent, seq_len, key_mask)
     if torch.is_grad_enabled() and (q.requires_grad or latent.requires_grad):
         raise ValueError("latent_attention has no backward: q or latent requires grad; run it under torch.no_grad() "
-                         "or use kdamoe.mla_torch.latent_attention_torch, which is differentiable")
+                         "or use kdamoe.model.mla_torch.latent_attention_torch, which is differentiable")
     B, T, H, R = q.shape
     M, S_cap = T * H, latent.shape[1]
     S_lim = S_cap if key_mask is None else min(S_cap, key_mask.shape[1])

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import autotune, cdiv
+from ..launch import autotune
+from ..utils import cdiv
 from .activation import glu_forward
 
 

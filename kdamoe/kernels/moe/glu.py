@@ -10,7 +10,7 @@ Formulas (``activation.py``, shared with the experts' GEMM epilogue; fp32 inside
 * SiTU-GLU [Kimi K3 report §2.3]: ``out = β1·tanh(a/β1)·σ(a) · β2·tanh(b/β2)`` (``β1 = 4``, ``β2 = 25`` by default);
 * SwiGLU [Shazeer 2020, arXiv:2002.05202]: ``out = a·σ(a) · b``.
 
-Reference semantics are ``kdamoe.moe_torch.GLUActivation``. For SiTU it also computes in float32 and rounds
+Reference semantics are ``kdamoe.model.moe_torch.GLUActivation``. For SiTU it also computes in float32 and rounds
 once to the input dtype, so the two agree to float32 rounding. For SwiGLU, PyTorch's ``F.silu(gate) * up``
 rounds ``silu(gate)`` to the input dtype before the product (and likewise in its backward); the kernel rounds
 only the final values, so in float16 / bfloat16 it is the more accurate of the two (tests compare both with a

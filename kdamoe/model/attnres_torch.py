@@ -10,7 +10,7 @@ first, then the current block's partial sum), a learned pseudo-query ``q [d]`` a
     h   = Σ_i softmax_i(l) v_i        (softmax over the S sources, in float32)
 
 This path keeps the model's original form: the sources are stacked (their dtypes promoted), the key norm is
-:func:`kdamoe.norm_torch.rms_norm_torch` (its rounding points), the float32 softmax weights are rounded to the
+:func:`kdamoe.model.norm_torch.rms_norm_torch` (its rounding points), the float32 softmax weights are rounded to the
 sources' dtype and the weighted sum is taken in that dtype.
 
 Remote-code rule (docs/architecture.md §7): this file is copied next to saved weights; it imports only torch and a

@@ -445,3 +445,24 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
                                                shift_labels)
     return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                            ignore_index=ignore_index, shift_labels=shift_labels)
+
+
+HUB_KERNEL_ARGUMENTS = ("use_kernels", "kernel_config", "kernels_mode", "allow_all_kernels")
+
+
+def hub_kernels_off_by_default(kwargs: dict) -> dict:
+    """``from_pretrained``'s keyword arguments with ``use_kernels=False`` added unless they ask for Hub kernels.
+
+    transformers 5.25 made ``use_kernels`` default to on: every load then runs ``kernels.kernelize`` with
+    transformers' own kernel mapping (the ``kernels`` package is one of its dependencies), which names a Hub build of
+    fla for ``chunk_kda`` and ``fused_recurrent_kda`` on CUDA. kdamoe's KDA layer exposes its ops under those names
+    (docs/architecture.md, "Hub kernels (opt-in)"), so a default GPU load would fetch that code from the Hub and run it
+    in place of kdamoe's kernels, and on every device it logs a warning for each of kdamoe's conv names. The call asks
+    for kernels with ``use_kernels=True``, a ``kernel_config``, a ``kernels_mode`` or ``allow_all_kernels=True``
+    (transformers 5.24's default; an explicit ``use_kernels=None``, 5.25's "default", means off too);
+    ``model.set_use_kernels(True)`` also opts in later and ``USE_HUB_KERNELS=NO`` keeps them off either way.
+    """
+    if all(kwargs.get(name) in (None, False) for name in HUB_KERNEL_ARGUMENTS):
+        return {**kwargs, "use_kernels": False}
+    return kwargs
+

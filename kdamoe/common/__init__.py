@@ -1,0 +1,6 @@
+"""What several jobs use: YAML configs with ``--set`` overrides (:mod:`.config`), the run checkpoint format
+(:mod:`.checkpoint`), model cards (:mod:`.cards`) and model folders (:mod:`.folders`).
+
+This layer sits between the jobs (``kdamoe.training``, ``kdamoe.posttraining``, ``kdamoe.hub``) and the model
+(``kdamoe.model``): it imports the model, never a job (the import-linter contracts in ``.importlinter``).
+"""
