@@ -157,7 +157,7 @@ def built(sources, tmp_path_factory):
 MODEL_FILES = {"README.md", "config.json", "generation_config.json", "model.safetensors", "configuration_kdamoe.py",
                "modeling_kdamoe.py", "kernel_dispatch.py", "kda_torch.py", "moe_torch.py", "quantile_balancing.py",
                "cache_kdamoe.py", "decode_graph.py", "mla_torch.py", "norm_torch.py", "attnres_torch.py",
-               "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
+               "validation.py", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
 
 
 def test_detect_source_kinds(sources):
@@ -379,5 +379,5 @@ def test_wheel_ships_the_card_template(tmp_path):
                             cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-2000:]
     template, *metadata = result.stdout.split()
-    assert Path(template) == tmp_path / "site" / "kdamoe" / "model_cards" / "model_card.md"  # the wheel's copy
+    assert Path(template) == tmp_path / "site" / "kdamoe" / "common" / "model_cards" / "model_card.md"  # the wheel's copy
     assert metadata == ["transformers", "text-generation", "True"]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 from transformers import initialization as init
-from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import Cache
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation, use_kernelized_func

@@ -47,6 +47,7 @@ from ..launch import fast_launch
 from ..utils import cdiv, is_interpreter, next_power_of_2, sm_count
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_MASK_DTYPES = (torch.bool, torch.int8, torch.int32, torch.int64)
 
 
 # The op's own argument checks (the same rules as the PyTorch reference in kdamoe/model/, which keeps its own
@@ -87,6 +88,7 @@ def check_latent_attention_args(q, latent, seq_len, key_mask, floats=_FLOATS) ->
             raise ValueError(f"key_mask dtype must be bool, int8, int32 or int64, got {key_mask.dtype}")
         if key_mask.device != q.device:
             raise ValueError(f"key_mask is on {key_mask.device}, expected {q.device} like q")
+
 
 COMBINE_BLOCK_R = 32  # R chunk of one combine program: 8 rows × (256 / 32) = 64 programs at B = 1, T = 1
 COMBINE_CHUNK_P = 64  # splits merged per combine step ([64, 32] fp32 tile)
