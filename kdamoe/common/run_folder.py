@@ -1,0 +1,220 @@
+"""A run owns its output folder: one writer at a time, nothing of anyone else's removed or overwritten.
+
+Every job that writes an output folder (``kdamoe-train``, ``kdamoe-posttrain``) goes through :func:`claim_run_folder`
+before it writes anything:
+
+* **A lock** (:class:`RunFolderLock`, file :data:`LOCK_NAME`) admits one writer. It records the writer's host and pid;
+  a lock left by a process that no longer runs on this host (a crash, ``kill -9``) is stale and taken over with a
+  message, while a lock held by a live process, or by another host (whose pids cannot be checked from here), makes
+  the second run stop with a :class:`RunFolderError` naming the holder. The lock is released on exit, also on an
+  exception.
+* **A marker** (:data:`RUN_MARKER`, ``{"job": ..., "created": ...}``) says which job's run the folder holds. A folder
+  marked for another job — for post-training, in particular the pretraining run whose ``final/`` is its base — is
+  refused. Folders written before markers existed are recognised by the files each job writes
+  (:func:`detect_job`).
+* **A fresh start** (nothing to resume) refuses a folder that holds anything but the marker and lock, naming what it
+  found. ``overwrite=True`` (``--overwrite``) removes only what the job writes (its :data:`JOB_OUTPUTS` names) and
+  leaves every other file where it is.
+
+Errors are :class:`RunFolderError`, a ``ValueError``: the command-line tools print its one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+RUN_MARKER = "kdamoe_run.json"
+LOCK_NAME = ".kdamoe.lock"
+JOBS = ("pretraining", "posttraining")
+# The top-level names each job writes into its output folder (glob patterns); `--overwrite` removes only these.
+JOB_OUTPUTS = {
+    "pretraining": ("config.yaml", "tokenizer", "checkpoints", "final", "initial", "summary.json", "baselines.json",
+                    "tensorboard", "expert_load.png", ".tmp-*"),
+    "posttraining": ("checkpoint-*", "final", "adapter", "summary.json", "runs", "reward_curve.png", "tensorboard",
+                     ".tmp-*", "*.tmp", "results.json", "heldout_curve.png"),
+}
+
+
+class RunFolderError(ValueError):
+    """A run cannot use its output folder (another writer, another job's run, files it did not write)."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a live process of another user
+        return True
+    return True
+
+
+class RunFolderLock:
+    """An exclusive, crash-safe lock on ``folder`` (module docstring). Use as a context manager.
+
+    Args:
+        folder: the output folder (created if missing).
+        say: prints a line (e.g. about a stale lock taken over); default ``print``.
+
+    Raises:
+        RunFolderError: on entering, when a live process (or a process on another host) holds the lock.
+    """
+
+    def __init__(self, folder: str | Path, say: Callable[[str], None] = print):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_NAME
+        self.say = say
+        self.held = False
+
+    def _holder(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+            return None
+
+    def acquire(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None:  # being written this instant, or truncated by a crash mid-write
+                    time.sleep(0.2)
+                    if self._holder() is None and self.path.exists():
+                        self.say(f"{self.path}: unreadable lock (a crash while it was written); taking it over")
+                        self.path.unlink(missing_ok=True)
+                    continue
+                if holder.get("host") == me["host"] and not _pid_alive(int(holder.get("pid", -1))):
+                    self.say(f"{self.path}: stale lock of pid {holder.get('pid')} (no longer running); taking it over")
+                    self.path.unlink(missing_ok=True)
+                    continue
+                where = "this host" if holder.get("host") == me["host"] else f"host {holder.get('host')}"
+                raise RunFolderError(
+                    f"{self.folder}: another run is writing here (pid {holder.get('pid')} on {where}, since "
+                    f"{holder.get('since')}); wait for it or use another output folder (delete {self.path} only if "
+                    "you are sure that run is gone)")
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return
+        raise RunFolderError(f"{self.path}: could not take the lock (another run keeps taking it)")
+
+    def release(self) -> None:
+        if self.held:
+            holder = self._holder()
+            if holder is not None and holder.get("pid") == os.getpid():
+                self.path.unlink(missing_ok=True)
+            self.held = False
+
+    def __enter__(self) -> RunFolderLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def read_marker(folder: str | Path) -> dict | None:
+    """The folder's :data:`RUN_MARKER` as a dict, or None when it has none.
+
+    Raises:
+        RunFolderError: the marker exists but is not a JSON object naming a job.
+    """
+    path = Path(folder) / RUN_MARKER
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RunFolderError(f"{path}: not valid JSON ({err}); it marks a kdamoe run folder") from err
+    if not isinstance(data, dict) or data.get("job") not in JOBS:
+        raise RunFolderError(f"{path}: expected {{\"job\": one of {JOBS}}}, got {data!r}")
+    return data
+
+
+def detect_job(folder: str | Path) -> str | None:
+    """Which job's run ``folder`` holds: its marker's job, else (folders written before markers) ``"pretraining"`` for
+    a ``config.yaml`` beside ``checkpoints/`` or ``tokenizer/``, ``"posttraining"`` for a trainer ``checkpoint-N/`` or a
+    ``summary.json`` recording a ``recipe``; None otherwise."""
+    folder = Path(folder)
+    marker = read_marker(folder)
+    if marker is not None:
+        return marker["job"]
+    if (folder / "config.yaml").is_file() and ((folder / "checkpoints").is_dir() or (folder / "tokenizer").is_dir()):
+        return "pretraining"
+    if any(p.is_dir() and (p / "trainer_state.json").is_file() for p in folder.glob("checkpoint-*")):
+        return "posttraining"
+    summary = folder / "summary.json"
+    if summary.is_file():
+        try:
+            data = json.loads(summary.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        if isinstance(data, dict) and ("recipe" in data or "recipe" in (data.get("config") or {})):
+            return "posttraining"
+    return None
+
+
+def _owned(name: str, job: str) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for pattern in JOB_OUTPUTS[job])
+
+
+def claim_run_folder(folder: str | Path, job: str, *, resuming: bool, overwrite: bool = False,
+                     say: Callable[[str], None] = print) -> None:
+    """Check that ``job`` may write into ``folder`` and mark it as that job's run (module docstring). Call it while
+    holding :class:`RunFolderLock`.
+
+    Args:
+        folder: the run's output folder (created if missing).
+        job: one of :data:`JOBS`.
+        resuming: the run continues a checkpoint found in ``folder`` (its earlier outputs are its own).
+        overwrite: on a fresh start, remove what ``job`` writes (:data:`JOB_OUTPUTS`) instead of refusing.
+        say: prints a line per removed entry.
+
+    Raises:
+        ValueError: ``job`` is not one of :data:`JOBS`.
+        RunFolderError: ``folder`` is a file, holds another job's run, or (fresh start without ``overwrite``) holds
+            anything; with ``overwrite``, the entries it keeps are named in a line, not refused.
+    """
+    if job not in JOBS:
+        raise ValueError(f"job {job!r} is not one of {JOBS}")
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise RunFolderError(f"output folder {folder}: exists and is not a folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    found = detect_job(folder)
+    if found is not None and found != job:
+        raise RunFolderError(f"output folder {folder}: holds a {found} run ({RUN_MARKER if read_marker(folder) else 'its files'}); "
+                             f"a {job} run must not write into it (its final/ may be your base model): use another "
+                             "output folder")
+    entries = sorted(p.name for p in folder.iterdir() if p.name not in (RUN_MARKER, LOCK_NAME))
+    if not resuming and entries:
+        owned = [name for name in entries if _owned(name, job)]
+        foreign = [name for name in entries if name not in owned]
+        if not overwrite:
+            shown = ", ".join(entries[:6]) + (f" and {len(entries) - 6} more" if len(entries) > 6 else "")
+            raise RunFolderError(
+                f"output folder {folder}: not empty and nothing to resume from (it holds {shown}); use a new folder, "
+                f"or pass --overwrite to remove what a {job} run writes"
+                + (f" ({', '.join(owned[:6])}); {', '.join(foreign[:6])} would stay" if foreign else ""))
+        for name in owned:
+            path = folder / name
+            say(f"--overwrite: removing {path}")
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        if foreign:
+            say(f"--overwrite: keeping {', '.join(foreign)} in {folder} (not written by a {job} run)")
+    marker = folder / RUN_MARKER
+    if not marker.is_file():
+        marker.write_text(json.dumps({"job": job, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
