@@ -101,7 +101,7 @@ class RunFolderLock:
                 raise RunFolderError(
                     f"{self.folder}: another run is writing here (pid {holder.get('pid')} on {where}, since "
                     f"{holder.get('since')}); wait for it or use another output folder (delete {self.path} only if "
-                    "you are sure that run is gone)")
+                    "you are sure that run is gone)") from None
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
             self.held = True
@@ -193,7 +193,8 @@ def claim_run_folder(folder: str | Path, job: str, *, resuming: bool, overwrite:
     folder.mkdir(parents=True, exist_ok=True)
     found = detect_job(folder)
     if found is not None and found != job:
-        raise RunFolderError(f"output folder {folder}: holds a {found} run ({RUN_MARKER if read_marker(folder) else 'its files'}); "
+        how = RUN_MARKER if read_marker(folder) else "its files"
+        raise RunFolderError(f"output folder {folder}: holds a {found} run ({how}); "
                              f"a {job} run must not write into it (its final/ may be your base model): use another "
                              "output folder")
     entries = sorted(p.name for p in folder.iterdir() if p.name not in (RUN_MARKER, LOCK_NAME))
