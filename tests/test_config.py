@@ -43,3 +43,21 @@ def test_bad_field_raises_naming_it(fields, name):
 def test_lower_bound_edges_are_accepted():
     assert KDAMoEConfig(kda_lower_bound=-5.0).kda_lower_bound == -5.0
     assert KDAMoEConfig(kda_lower_bound=-0.5).kda_lower_bound == -0.5
+
+
+def test_a_misspelt_config_json_key_warns_with_the_close_match(tmp_path, caplog):
+    """transformers keeps unknown config.json keys as attributes no layer reads; a near-miss of a field must warn."""
+    import json
+    import logging
+
+    KDAMoEConfig(num_hidden_layers=2).save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["kda_lower_bund"] = -3.0  # typo of kda_lower_bound
+    data["my_dataset_note"] = "kept silently: no field is close"
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING):
+        config = KDAMoEConfig.from_pretrained(tmp_path)
+    warned = [r.getMessage() for r in caplog.records if "is not a KDAMoEConfig field" in r.getMessage()]
+    assert warned == ["config field 'kda_lower_bund' is not a KDAMoEConfig field (did you mean 'kda_lower_bound'?); "
+                      "it is kept as an attribute that the model ignores"]
+    assert config.kda_lower_bound == KDAMoEConfig().kda_lower_bound  # the typo did not reach the field

@@ -1,8 +1,13 @@
 """Configuration of the KDA + MLA + Stable LatentMoE hybrid (model_type ``"kda_moe"``)."""
 
+import difflib
+import inspect
 import math
 
 from transformers.configuration_utils import PreTrainedConfig
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 ROUTER_BIAS_UPDATES = ("quantile", "sign", "none")
@@ -202,6 +207,7 @@ class KDAMoEConfig(PreTrainedConfig):
         self.tie_word_embeddings = tie_word_embeddings
         # Our checks first: they name the field and say why (transformers' own come after).
         self.validate_kdamoe()
+        _warn_misspelt_fields(kwargs)
         super().__init__(**kwargs)
 
     @property
@@ -301,3 +307,19 @@ def _divide(total: int, parts: int, parts_name: str) -> int:
 
 
 __all__ = ["KDAMoEConfig"]
+
+
+def _warn_misspelt_fields(kwargs: dict) -> None:
+    """Warn once per key for a keyword (a ``config.json`` key) that is not a field but is close to one of
+    ``KDAMoEConfig``'s own: transformers keeps unknown keys as plain attributes that no layer reads, so a misspelt
+    ``kda_lower_bund`` would otherwise be silently ignored. Keys with no close match (a user's own metadata, keys of
+    newer transformers versions) pass unremarked."""
+    own = [name for name in inspect.signature(KDAMoEConfig.__init__).parameters if name not in ("self", "kwargs")]
+    for key in kwargs:
+        if key.startswith("_") or key in own or key in ("head_dim", "num_key_value_heads"):  # set by __init__ itself
+            continue
+        match = difflib.get_close_matches(key, own, n=1, cutoff=0.8)
+        if match:
+            logger.warning(f"config field {key!r} is not a KDAMoEConfig field (did you mean {match[0]!r}?); it is kept "
+                           "as an attribute that the model ignores")
+
