@@ -212,11 +212,13 @@ def push_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    from kdamoe.hub import detect_source, push_to_hub
+    from kdamoe.common.cards import check_repo_id
 
-    parts = args.repo_id.split("/")
-    if len(parts) != 2 or not all(parts):
-        parser.error(f"REPO_ID {args.repo_id!r}: expected namespace/name")
+    try:
+        check_repo_id(args.repo_id, "REPO_ID")
+    except ValueError as err:
+        parser.error(str(err))
+    from kdamoe.hub import detect_source, push_to_hub
     try:
         source = detect_source(args.src)
     except ValueError as err:

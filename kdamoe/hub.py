@@ -40,10 +40,15 @@ from pathlib import Path
 
 import torch
 
-from .common.cards import count_parameters, pretraining_card_metadata, render_model_card
+from .common.cards import check_repo_id, count_parameters, pretraining_card_metadata, render_model_card
 from .common.checkpoint import PROGRESS, parse_checkpoint_name
-from .common.folders import load_pretraining_checkpoint, load_run_tokenizer, write_model_folder
-from .model import KDAMoEForCausalLM
+from .common.folders import (
+    check_stored_weights,
+    load_model_strictly,
+    load_pretraining_checkpoint,
+    load_run_tokenizer,
+    write_model_folder,
+)
 
 # Files that are (or may be) pickles: never in a Hub folder, never read from a source.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -118,7 +123,9 @@ def _load_kdamoe_model(folder: str | Path):
         raise ValueError(f"{folder / 'config.json'}: architectures {arch!r}; only causal LMs are published")
     _refuse_pickled_weights(folder, "model.safetensors")
     try:
-        return KDAMoEForCausalLM.from_pretrained(str(folder), dtype="auto").eval()
+        return load_model_strictly(folder, dtype="auto").eval()
+    except ValueError:
+        raise
     except Exception as err:  # a truncated or foreign weights file: name it instead of a loader traceback
         raise ValueError(f"{folder / 'model.safetensors'}: the model does not load ({type(err).__name__}: {err})") from err
 
@@ -204,6 +211,10 @@ def build_hub_folder(src: str | Path, out_dir: str | Path, *, repo_id: str | Non
     Raises:
         ValueError: naming the file or value: an unusable source, a missing base / tokenizer, a failed validation.
     """
+    if repo_id is not None:
+        check_repo_id(repo_id)
+    if base_model is not None:
+        check_repo_id(base_model, "base_model")
     source = detect_source(src)
     meta = _source_metadata(source)
     given = dict(base_model=base_model, datasets=datasets, training_description=training_description, stages=stages,
@@ -215,7 +226,7 @@ def build_hub_folder(src: str | Path, out_dir: str | Path, *, repo_id: str | Non
 
     adapter_base = None
     if source.kind == "peft-adapter":
-        from peft import PeftModel
+        from peft import PeftModel, get_peft_model_state_dict
 
         base_path = str(base_model_path or source.base_path)
         if not _is_local(base_path):
@@ -227,6 +238,8 @@ def build_hub_folder(src: str | Path, out_dir: str | Path, *, repo_id: str | Non
         tokenizer = _load_tokenizer(source.path, base_path)
         _refuse_pickled_weights(source.path, "adapter_model.safetensors")
         model = PeftModel.from_pretrained(base, str(source.path)).eval()
+        check_stored_weights(get_peft_model_state_dict(model), source.path, "adapter_model.safetensors",
+                             what="the adapter its adapter_config.json describes")
         peft_config = model.peft_config["default"]
         meta.setdefault("training_description", _adapter_description(peft_config, model))
         ids = _validation_ids(base.config.vocab_size)
@@ -483,11 +496,10 @@ def push_to_hub(src: str | Path, repo_id: str, *, private: bool | None = None, r
     Returns:
         The ``CommitInfo`` of the upload, or the dry-run report (str).
     Raises:
-        ValueError: ``repo_id`` not of the form ``namespace/name``; anything :func:`build_hub_folder` refuses.
+        ValueError: ``repo_id`` that the Hub refuses (:func:`kdamoe.common.cards.check_repo_id`); anything
+            :func:`build_hub_folder` refuses.
     """
-    parts = repo_id.split("/")
-    if len(parts) != 2 or not all(parts):
-        raise ValueError(f"repo_id {repo_id!r}: expected namespace/name")
+    check_repo_id(repo_id)
     with tempfile.TemporaryDirectory(prefix="kdamoe-hub-") as tmp:
         folder = build_hub_folder(src, out_dir or Path(tmp) / "hub", repo_id=repo_id, **build_kwargs)
         if dry_run:

@@ -8,6 +8,7 @@ Validation compares the reloaded folder's logits with the source model's in this
 
 import json
 import random
+import re
 import subprocess
 import sys
 import zipfile
@@ -304,6 +305,8 @@ def test_dry_run_cli_prints_files_and_metadata(sources, capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["{missing}", "me/x"], "not a folder"),
     (["{final}", "no-namespace"], "expected namespace/name"),
+    (["{final}", "me/kdamoe shakespeare"], "REPO_ID 'me/kdamoe shakespeare': the Hub refuses it"),
+    (["{final}", "me/kdamoe.git"], "the Hub refuses it"),
     (["{final}", "me/x", "--adapter"], "--adapter: SRC"),
 ])
 def test_cli_usage_errors(sources, capsys, argv, message):
@@ -381,3 +384,42 @@ def test_wheel_ships_the_card_template(tmp_path):
     template, *metadata = result.stdout.split()
     assert Path(template) == tmp_path / "site" / "kdamoe" / "common" / "model_cards" / "model_card.md"  # the wheel's copy
     assert metadata == ["transformers", "text-generation", "True"]
+
+
+def _rewrite(folder, name, edit):
+    """Load ``folder/name`` (safetensors), apply ``edit`` to the dict, save it back."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / name))
+    edit(tensors)
+    save_file(tensors, str(folder / name), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda t: t.pop("model.layers.1.mlp.experts.gate_up_proj"),
+     r"missing model\.layers\.1\.mlp\.experts\.gate_up_proj \["),
+    (lambda t: t.pop("model.layers.1.mlp.gate.e_score_correction_bias"),
+     r"missing model\.layers\.1\.mlp\.gate\.e_score_correction_bias"),
+    (lambda t: t.update({"model.layers.1.mlp.experts.down_proj": t["model.layers.1.mlp.experts.down_proj"][:-1]}),
+     r"model\.layers\.1\.mlp\.experts\.down_proj stored as \[\d+, \d+, \d+\], expected"),
+    (lambda t: t["model.norm.weight"].__setitem__(0, float("nan")), r"model\.norm\.weight holds NaN or inf"),
+    (lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(torch.int32)}),
+     r"model\.norm\.weight stored as torch\.int32, expected a float tensor"),
+    (lambda t: t.update({"model.extra.weight": torch.zeros(2)}), r"unexpected model\.extra\.weight"),
+])
+def test_publishing_refuses_damaged_weights(sources, tmp_path, damage, message):
+    """transformers would initialise a missing expert weight or router bias freshly (and the built folder would then
+    match that re-initialised source); the source's own tensors are checked first."""
+    folder = _copy(sources["trainer"], tmp_path / "damaged")
+    _rewrite(folder, "model.safetensors", damage)
+    with pytest.raises(ValueError, match=message):
+        hub.build_hub_folder(folder, tmp_path / "out", validate=False)
+
+
+def test_publishing_refuses_an_adapter_missing_a_lora_tensor(sources, tmp_path):
+    folder = _copy(sources["adapter"], tmp_path / "adapter")
+    dropped = []
+    _rewrite(folder, "adapter_model.safetensors",
+             lambda t: dropped.append(next(k for k in sorted(t) if "lora_B" in k)) or t.pop(dropped[0]))
+    with pytest.raises(ValueError, match=f"does not match the adapter .*missing {re.escape(dropped[0])}"):
+        hub.build_hub_folder(folder, tmp_path / "out", validate=False, base_model_path=sources["final"])

@@ -12,12 +12,30 @@ import math
 from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 TEMPLATE = Path(__file__).resolve().parent / "model_cards" / "model_card.md"
 # The architecture's names as Hub tags; "custom_code" marks a repository whose code runs with trust_remote_code.
 ARCHITECTURE_TAGS = ["custom_code", "kda_moe", "kimi-delta-attention", "linear-attention", "mla", "moe",
                      "latent-moe", "quantile-balancing", "block-attention-residuals"]
 BASE_MODEL_RELATIONS = ("adapter", "finetune", "merge", "quantized")
+
+
+def check_repo_id(repo_id: str, name: str = "repo_id") -> str:
+    """``repo_id`` if the Hub accepts it as a model repository id ``namespace/name``, checked by huggingface_hub's
+    own ``validate_repo_id`` (characters, length, ``--`` / ``..``, a ``.git`` ending) before anything is built.
+
+    Raises:
+        ValueError: naming ``name`` and the id, with the Hub's rule it breaks.
+    """
+    parts = repo_id.split("/") if isinstance(repo_id, str) else []
+    if len(parts) != 2 or not all(parts):
+        raise ValueError(f"{name} {repo_id!r}: expected namespace/name")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise ValueError(f"{name} {repo_id!r}: the Hub refuses it ({err})") from None
+    return repo_id
 
 
 def count_parameters(model) -> tuple[int, int]:

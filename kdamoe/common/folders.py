@@ -8,9 +8,12 @@ files as plain data, so the publishing job needs no pretraining code.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import torch
 import yaml
+from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
@@ -98,3 +101,93 @@ def load_pretraining_checkpoint(checkpoint: str | Path, run_dir: str | Path):
                          f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
     model.tie_weights()
     return model.eval(), tokenizer, run_cfg
+
+
+def _stored_tensors(folder: Path, name: str) -> dict[str, tuple[Path, str]]:
+    """``{tensor name: (file, name)}`` of the safetensors weights ``name`` (single file or sharded with an index)."""
+    index = folder / f"{name}.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        return {key: (folder / file, key) for key, file in weight_map.items()}
+    path = folder / name
+    if not path.is_file():
+        raise ValueError(f"{path}: missing (no {name} or {name}.index.json in {folder})")
+    with safe_open(str(path), framework="pt") as f:
+        return {key: (path, key) for key in f.keys()}
+
+
+def check_stored_weights(expected: dict[str, torch.Tensor], folder: str | Path, name: str = "model.safetensors",
+                         optional: set[str] = frozenset(), what: str = "the model") -> None:
+    """Compare the tensors stored in ``folder/name`` with the ones ``expected`` (a state dict) before they are
+    trusted: transformers and PEFT would initialise a missing tensor freshly (and only log it), cast an integer
+    tensor into a float parameter, and load NaN / inf as they are.
+
+    Args:
+        expected: ``{name: tensor}`` the loaded module needs (its ``state_dict()``; values give shapes and dtypes).
+        folder, name: where the safetensors file (or its ``.index.json``) lies.
+        optional: names that may be absent (tied weights, stored once).
+        what: names the module in the errors.
+
+    Raises:
+        ValueError: naming the first few offending tensors with their shapes / dtypes: a tensor ``expected`` holds
+            that is not stored, a stored tensor ``expected`` lacks, a shape that differs, an integer or bool tensor
+            stored where a float one is expected, a tensor holding NaN or inf; or a missing / unreadable file.
+    """
+    folder = Path(folder)
+    stored = _stored_tensors(folder, name)
+    missing = sorted(set(expected) - set(stored) - set(optional))
+    unexpected = sorted(set(stored) - set(expected))
+    problems = []
+    if missing:
+        problems.append(f"missing {', '.join(f'{k} {list(expected[k].shape)}' for k in missing[:4])}"
+                        + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))
+    if unexpected:
+        problems.append(f"unexpected {', '.join(unexpected[:4])}" + (f" and {len(unexpected) - 4} more"
+                                                                     if len(unexpected) > 4 else ""))
+    by_file: dict[Path, list[str]] = {}
+    for key in sorted(set(stored) & set(expected)):
+        by_file.setdefault(stored[key][0], []).append(key)
+    for path, keys in by_file.items():
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except Exception as err:  # a truncated or foreign file: name it instead of a loader traceback
+            raise ValueError(f"{path}: not a readable safetensors file ({type(err).__name__}: {err})") from err
+        with handle as f:
+            for key in keys:
+                tensor, want = f.get_tensor(key), expected[key]
+                if tuple(tensor.shape) != tuple(want.shape):
+                    problems.append(f"{key} stored as {list(tensor.shape)}, expected {list(want.shape)}")
+                elif want.is_floating_point() and not tensor.is_floating_point():
+                    problems.append(f"{key} stored as {tensor.dtype}, expected a float tensor ({want.dtype})")
+                elif tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    problems.append(f"{key} holds NaN or inf")
+    if problems:
+        raise ValueError(f"{folder / name}: does not match {what}: " + "; ".join(problems[:6]))
+
+
+def check_model_folder(folder: str | Path, cls=KDAMoEForCausalLM) -> None:
+    """:func:`check_stored_weights` of a ``save_pretrained`` folder against the model its ``config.json`` describes
+    (built on the ``meta`` device: nothing is allocated).
+
+    Raises:
+        ValueError: naming the file and tensor (see :func:`check_stored_weights`), or a missing ``config.json``.
+    """
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder / 'config.json'}: missing")
+    config = KDAMoEConfig.from_pretrained(str(folder))
+    with torch.device("meta"):
+        skeleton = cls(config)
+    optional = set(getattr(skeleton, "all_tied_weights_keys", None) or ())
+    check_stored_weights(skeleton.state_dict(), folder, optional=optional,
+                         what=f"the {cls.__name__} of its config.json")
+
+
+def load_model_strictly(folder: str | Path, cls=KDAMoEForCausalLM, **kwargs):
+    """``cls.from_pretrained(folder, **kwargs)`` after :func:`check_model_folder`.
+
+    Raises:
+        ValueError: see :func:`check_model_folder`.
+    """
+    check_model_folder(folder, cls)
+    return cls.from_pretrained(str(folder), **kwargs)

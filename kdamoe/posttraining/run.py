@@ -194,6 +194,7 @@ def load_base(cfg, sharded: bool = True):
     import torch
     from transformers import AutoTokenizer
 
+    from ..common.folders import check_model_folder
     from ..model import KDAMoEConfig, KDAMoEForCausalLM
     from .config import check_distributed_config
 
@@ -203,6 +204,8 @@ def load_base(cfg, sharded: bool = True):
         raise ValueError(f"model={cfg.model}: no model folder there (no config.json). The shipped grpo / dpo / rloo "
                          "configs start from outputs/posttrain/sft/final: run `kdamoe-posttrain --config sft` first, "
                          "or pass --set model=FOLDER")
+    if folder.is_dir():  # a missing, foreign, misshapen or non-finite tensor would otherwise load silently
+        check_model_folder(folder)
     kwargs = {}
     if sharded and cfg.distributed_config is not None:
         from transformers.distributed import DistributedConfig

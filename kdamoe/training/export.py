@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, TextStreamer
 
 from ..common.cards import count_parameters, pretraining_card_metadata, render_model_card
-from ..common.folders import write_model_folder
+from ..common.folders import check_model_folder, write_model_folder
 from .config import config_to_dict
 
 
@@ -40,7 +40,11 @@ def export_model(model, tokenizer, cfg, summary: dict, folder: str | Path, repo_
 
 
 def reload_model(folder: str | Path, device: torch.device | str = "cpu"):
-    """Load an exported folder through the Auto classes with its own copied code (``trust_remote_code``)."""
+    """Load an exported folder through the Auto classes with its own copied code (``trust_remote_code``); a local
+    folder's weights are checked first (:func:`kdamoe.common.folders.check_model_folder`: no missing, foreign, misshapen
+    or non-finite tensor is loaded silently)."""
+    if Path(folder).is_dir():
+        check_model_folder(folder)
     model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True)
     return model.to(device).eval()
 
