@@ -51,15 +51,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_long_context import (GIB, TINY, Bench, Recorder, Shape, build_kdamoe, label, run_part,  # noqa: E402
-                                stack_versions)
+from harness import (  # noqa: E402  (the benchmarks folder is not a package)
+    GIB, TINY, Bench, K, M, Recorder, Shape, add_run_args, build_kdamoe, check_at_least, finish_run_args, ints, label,
+    run_part, stack_versions,
+)
 
-K, M = 1024, 1 << 20
 PARTS = ("turns", "trajectory", "update")
 
 
 class RLRecorder(Recorder):
-    """``bench_long_context.Recorder`` writing ``long_rl.{json,md}`` with this benchmark's tables."""
+    """``harness.Recorder`` writing ``long_rl.{json,md}`` with this benchmark's tables."""
 
     stem = "long_rl"
 
@@ -399,16 +400,10 @@ def run_update(bench: Bench) -> None:
 
 # ------------------------------------------------------------------------------------------------ main
 def parse_args(argv=None):
-    def lengths(text):
-        return [int(x) for x in text.split(",") if x.strip()]
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="results folder ($OUT; default bench_out)")
-    p.add_argument("--only", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes and lengths (CPU smoke test)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--budget-s", type=float, default=480.0)
-    p.add_argument("--contexts", type=lengths, default=None, help="turn contexts (default 4K,16K,64K,256K,1M)")
+    add_run_args(p, PARTS, out_default="bench_out", out_help="results folder ($OUT; default bench_out)",
+                 budget_default=480.0)
+    p.add_argument("--contexts", type=ints, default=None, help="turn contexts (default 4K,16K,64K,256K,1M)")
     p.add_argument("--result-tokens", type=int, default=None, help="tool-result tokens per turn (default 48)")
     p.add_argument("--gen-tokens", type=int, default=None, help="generated tokens per turn (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="cached turns per context")
@@ -419,27 +414,17 @@ def parse_args(argv=None):
     p.add_argument("--update-t", type=int, default=None, help="tokens per trajectory, ours (default 290K: a ragged group of 4 "
                    "then holds >= 1M tokens)")
     p.add_argument("--update-prompt", type=int, default=None, help="prompt tokens per trajectory (default 4K)")
-    p.add_argument("--trl-t", type=lengths, default=None, help="TRL defaults' lengths per row (default 64K,...,1M)")
+    p.add_argument("--trl-t", type=ints, default=None, help="TRL defaults' lengths per row (default 64K,...,1M)")
     a = p.parse_args(argv)
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {a.device}: this torch has no CUDA device (use --device cpu, e.g. with --tiny)")
     t = a.tiny
     defaults = dict(contexts=[64, 256, 1024] if t else [4 * K, 16 * K, 64 * K, 256 * K, M],
                     result_tokens=5 if t else 48, gen_tokens=4 if t else 64, traj_prompt=32 if t else 4 * K,
                     traj_turns=3 if t else 8, traj_result=40 if t else 32 * K, update_rows=2 if t else 4,
                     update_t=96 if t else 290 * K, update_prompt=16 if t else 4 * K,
                     trl_t=[64, 128] if t else [64 * K, 128 * K, 256 * K, 512 * K, M])
-    for name, value in defaults.items():
-        if getattr(a, name) is None:
-            setattr(a, name, value)
-    a.only = [x.strip() for x in a.only.split(",") if x.strip()]
-    bad = [x for x in a.only if x not in PARTS]
-    if bad:
-        p.error(f"--only: unknown part(s) {bad}; choose from {', '.join(PARTS)}")
-    for name in ("result_tokens", "gen_tokens", "repeats", "traj_turns", "traj_result", "traj_prompt", "update_rows",
-                 "update_prompt"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
+    finish_run_args(p, a, PARTS, defaults)
+    check_at_least(p, a, ("result_tokens", "gen_tokens", "repeats", "traj_turns", "traj_result", "traj_prompt",
+                          "update_rows", "update_prompt"))
     # each context extends the one before, which has grown by the turns played there
     played = a.repeats * (a.result_tokens + a.gen_tokens)
     if min(a.contexts) < 2 or any(b < c + played for c, b in zip(a.contexts, a.contexts[1:])):
@@ -460,7 +445,7 @@ def main(argv=None) -> int:
                 "result_tokens": a.result_tokens, "gen_tokens": a.gen_tokens, "repeats": a.repeats}
     rec = RLRecorder(a.out, a.budget_s, settings)
     bench = Bench(a, rec)
-    rec.stack = stack_versions(bench)
+    rec.stack = stack_versions(bench.cuda)
     rec.save()
     rollout_parts = {"turns": run_turns, "trajectory": run_trajectory}
     shared = {}  # the rollout parts share one eval-mode model; the update builds its own per case
