@@ -291,8 +291,8 @@ def stage_times(T, H, D, dev):
 
 
 def intra_phase_times(T, H, D, dev):
-    """Time each phase of our intra kernel alone (benchmarks/kda_intra_phases.py), 4 and 8 warps."""
-    from kda_intra_phases import phase_times
+    """Time each phase of our intra kernel alone (benchmarks/tuning/kda_intra_phases.py), 4 and 8 warps."""
+    from tuning.kda_intra_phases import phase_times
     return phase_times(T, H, D, dev, bench, LB)
 
 

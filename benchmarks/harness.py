@@ -11,6 +11,8 @@ between them:
   deadline), :func:`run_part`, :class:`Bench` (device, dtype, model shape, random ids);
 * files: :func:`write_json` / :func:`write_text` (written whole, then renamed: a kill mid-write leaves the previous
   file) and :func:`write_results` (``<stem>.json`` + ``<stem>.md``);
+* jobs: :func:`stream_job` (a launch with a watchdog, its output timestamped) and :func:`scalars` (what
+  a job logged to TensorBoard);
 * timing: :func:`time_ms` (``triton.testing.do_bench`` on CUDA, a wall-clock median on the CPU);
 * the stack: :func:`stack_versions`, :func:`device_name`, :func:`commit`, :func:`sources_digest`;
 * the model both long-context, end-to-end and RL benchmarks build: :class:`Shape`, ``TINY``, :func:`build_kdamoe`,
@@ -26,10 +28,12 @@ import json
 import math
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import types
@@ -124,6 +128,16 @@ def check_at_least(p: argparse.ArgumentParser, a: argparse.Namespace, names: tup
             p.error(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(a, name)})")
 
 
+def add_moe_shape_args(p: argparse.ArgumentParser) -> None:
+    """The routed experts' shape of the tuners (``--tokens``, ``--experts``, ``--latent``, ``--inter``, ``--top-k``;
+    defaults: the end-to-end benchmark's shape at 32K tokens)."""
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--latent", type=int, default=1024, help="ℓ: the experts' input/output width")
+    p.add_argument("--inter", type=int, default=512, help="I: the experts' intermediate width")
+    p.add_argument("--top-k", type=int, default=8)
+
+
 # ------------------------------------------------------------------------------------------------ files
 
 
@@ -170,6 +184,53 @@ def time_ms(fn, cuda: bool, *, warmup: int = 25, rep: int = 100, grads=None, mod
         fn()
         times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------------------ jobs
+
+
+def scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
+    """``(step, value)`` of one TensorBoard scalar written by the job under ``run_dir/tensorboard``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not os.path.isdir(os.path.join(run_dir, "tensorboard")):  # a job that died before its first log
+        return []
+    acc = EventAccumulator(os.path.join(run_dir, "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
+
+
+def stream_job(cmd: list[str], log, limit_s: float, env: dict | None = None, on_line=None) -> dict:
+    """Run ``cmd`` (from the repo root) with its output streamed into the open file ``log``, each line prefixed by
+    the seconds since the start, so a run cut short still shows where its time went. A watchdog kills the whole
+    process group after ``limit_s`` seconds (torchrun and every rank it started; also when the job prints nothing).
+    ``on_line(line)``, if given, sees every line as it comes.
+
+    Returns ``{"exit": int, "wall_s": float, "killed": bool, "tail": the last 40 lines}``."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    killed = threading.Event()
+
+    def kill():
+        killed.set()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    watchdog = threading.Timer(limit_s, kill)
+    watchdog.start()
+    tail = []
+    for line in proc.stdout:
+        log.write(f"{time.perf_counter() - t0:7.1f} {line}")
+        log.flush()
+        tail = (tail + [line])[-40:]
+        if on_line is not None:
+            on_line(line)
+    code = proc.wait()
+    watchdog.cancel()
+    return {"exit": code, "wall_s": round(time.perf_counter() - t0, 1), "killed": killed.is_set(), "tail": tail}
 
 
 # ------------------------------------------------------------------------------------------------ the stack
