@@ -10,8 +10,8 @@
     then ``chunk_kda`` on the precomputed g, vs ``chunk_kda(use_gate_in_kernel=True)`` on the raw f;
     forward, and forward+backward (gradients of q, k, v, f, beta, dt_bias).
 
-T ∈ {8K, 32K} (``--quick``: 8K only). Times are ``triton.testing.do_bench`` medians. A time guard skips what
-would run past ``--budget-s`` (compiles included) and says so. Each section also reports the relative L2
+T ∈ {8K, 32K} (``--quick``: 8K only; ``--lengths`` picks others). Times are ``triton.testing.do_bench`` medians.
+A time guard skips what would run past ``--budget-s`` (compiles included) and says so. Each section also reports the relative L2
 difference between the variants (bf16 against the float32 PyTorch result), so a fast wrong kernel shows.
 
 Writes ``layer_ops.json`` and ``layer_ops.md`` into ``--out`` (default ``$OUT``, else ``./bench_out``) and
@@ -30,7 +30,7 @@ if "--smoke" in sys.argv[1:]:
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import device_name, kernels_only, time_ms, write_json, write_text  # noqa: E402
+from harness import device_name, ints, kernels_only, time_ms, write_json, write_text  # noqa: E402
 
 kernels_only()  # kdamoe.kernels and kdamoe.kda_torch need torch and triton only, not kdamoe/__init__'s transformers
 
@@ -44,7 +44,12 @@ def parse_args(argv=None):
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU interpreter (checks the script)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     parser.add_argument("--budget-s", type=float, default=220.0, help="skip what starts after this many seconds")
-    return parser.parse_args(argv)
+    parser.add_argument("--lengths", type=ints, default=None,
+                        help="comma list of T (default 8192,32768; --quick: 8192; --smoke: 64,80)")
+    args = parser.parse_args(argv)
+    if args.lengths is not None and (not args.lengths or min(args.lengths) < 2):
+        parser.error(f"--lengths must be lengths >= 2 (got {args.lengths})")
+    return args
 
 
 LB = -5.0
@@ -163,7 +168,7 @@ def main(argv=None):
         sys.exit("no CUDA device: run with --smoke to check the script on the CPU interpreter")
     dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter mishandles bfloat16
     H, K, W = (8, 128, 4) if not ARGS.smoke else (2, 16, 4)
-    lengths = [64, 80] if ARGS.smoke else [8192] if ARGS.quick else [8192, 32768]
+    lengths = ARGS.lengths or ([64, 80] if ARGS.smoke else [8192] if ARGS.quick else [8192, 32768])
     C = 3 * H * K
     measure = timer(device, ARGS.quick)
     rows, notes = [], set()
