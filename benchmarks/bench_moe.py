@@ -38,7 +38,7 @@ from kdamoe.kernels import moe_experts, moe_route  # noqa: E402
 from kdamoe.kernels.utils import relative_error  # noqa: E402
 from kdamoe.moe_torch import GLUActivation, moe_experts_torch, moe_route_torch  # noqa: E402
 
-CEIL_TFLOPS = 757.0  # bf16 GEMM 8192³ measured on an H200 with this image (see notes_moe.md)
+CEIL_TFLOPS = 757.0  # bf16 GEMM 8192³ measured on an H200 with this image (docs/kernels.md)
 QB_BINS = 1024
 
 

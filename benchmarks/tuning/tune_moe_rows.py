@@ -9,7 +9,7 @@ backward ∂g' = ∂out[tok] @ W2 stored at the sorted row (``dg``), the element
 (``glu_rows_bwd``), backward ∂x, the two weight gradients) it times every candidate block configuration on the same
 inputs (``triton.testing.do_bench``, median) and reports ms, TFLOP/s (GEMMs) or GB/s (``glu_rows_bwd``), registers
 and spills per thread, and whether the PTX holds ``wgmma`` (Hopper's warpgroup MMA; without it the GEMM is on a
-slower path). The kernels' autotune lists are chosen from it (benchmarks/notes_moe.md).
+slower path). The kernels' autotune lists are chosen from it (docs/kernels.md).
 
 Order: every config with BM = 128 first (the weight gradients: BP <= 128), kernel by kernel — dg, dx, dw1, dw2,
 glu_rows_bwd, down, gate_up — then the BM = 256 (BP = 256) ones: on the last H200 run the 150 s limit of
