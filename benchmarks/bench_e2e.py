@@ -5,8 +5,8 @@ error's last line is recorded and the run goes on) and ``e2e.json`` / ``e2e.md``
 so a crash or the deadline (``--budget-s``) loses nothing measured before it; what would not fit in the time
 left is recorded as ``skipped: time``.
 
-The shape is ``bench_long_context.Shape`` (1.68B total / 0.36B active parameters; the models are built by that
-script's ``build_kdamoe`` / ``build_native``): bf16 weights (the model cast with ``.to(torch.bfloat16)``, no
+The shape is ``harness.Shape``, the long-context benchmark's (1.68B total / 0.36B active parameters; the models are
+built by ``harness.build_kdamoe`` / ``build_native``): bf16 weights (the model cast with ``.to(torch.bfloat16)``, no
 autocast), random weights from a fixed seed, ``model.train()``. Native KimiLinear runs transformers' defaults
 (5.24: ``sdpa`` attention, ``grouped_mm`` experts) with fla's kernels where fla is installed (the stack line
 says which KDA and conv implementation it found).
@@ -75,14 +75,13 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402  (the benchmarks folder is not a package)
-    GIB, NATIVE, TINY, Bench, K, Recorder, Shape, add_run_args, build_kdamoe, build_native, check_at_least,
-    compare_row, finish_run_args, fmt, ints, kernel_summary, label, run_part, stack_versions, value_of,
+    GIB, NATIVE, Bench, K, Recorder, add_run_args, build_kdamoe, build_native, check_at_least,
+    compare_row, finish_run_args, fmt, ints, kernel_summary, label, run_parts, start_run, value_of,
 )
 
 PARTS = ("kdamoe", "native", "recipe", "graph", "native_graph", "profile", "host")
@@ -118,19 +117,21 @@ def make_rows(raw: dict) -> list[dict]:
                          **_side("ours", o), **_side("peer", p)))
     for T in lengths(recipe):
         o, p = recipe.get(f"train_T{T}"), ours.get(f"train_T{T}")
-        rows.append({**compare_row(f"recipe shape train step {label(T)}", value_of(o, "median_ms"), PLAIN, value_of(p, "median_ms"),
-                            **_side("ours", o), **_side("peer", p)), "ours": "kdamoe recipe"})
+        rows.append({**compare_row(f"recipe shape train step {label(T)}", value_of(o, "median_ms"), PLAIN,
+                                   value_of(p, "median_ms"), **_side("ours", o), **_side("peer", p)),
+                     "ours": "kdamoe recipe"})
     graph = raw.get("graph", {})
     plain_g = {k[len("kdamoe_"):]: v for k, v in graph.items() if k.startswith("kdamoe_")}
     recipe_g = {k[len("recipe_"):]: v for k, v in graph.items() if k.startswith("recipe_")}
     for T in lengths(plain_g):
         o, p = plain_g.get(f"train_T{T}"), native.get(f"train_T{T}")
-        rows.append({**compare_row(f"CUDA-graph train step {label(T)}", value_of(o, "median_ms"), NATIVE, value_of(p, "median_ms"),
-                            **_side("ours", o), **_side("peer", p)), "ours": "kdamoe, TrainStepGraph"})
+        rows.append({**compare_row(f"CUDA-graph train step {label(T)}", value_of(o, "median_ms"), NATIVE,
+                                   value_of(p, "median_ms"), **_side("ours", o), **_side("peer", p)),
+                     "ours": "kdamoe, TrainStepGraph"})
     for T in lengths(recipe_g):
         o, p = recipe_g.get(f"train_T{T}"), plain_g.get(f"train_T{T}")
-        rows.append({**compare_row(f"recipe shape CUDA-graph train step {label(T)}", value_of(o, "median_ms"), "plain graphed",
-                            value_of(p, "median_ms"), **_side("ours", o), **_side("peer", p)),
+        rows.append({**compare_row(f"recipe shape CUDA-graph train step {label(T)}", value_of(o, "median_ms"),
+                                   "plain graphed", value_of(p, "median_ms"), **_side("ours", o), **_side("peer", p)),
                      "ours": "kdamoe recipe, TrainStepGraph"})
     native_g = raw.get("native_graph", {})
     for T in lengths(native_g):
@@ -577,7 +578,8 @@ def parse_args(argv=None):
     p.add_argument("--recipe-t", type=ints, default=None, help="recipe-shape lengths, in this order (default 32K,8K)")
     p.add_argument("--graph-t", type=ints, default=None,
                    help="the graph and native_graph parts' lengths (default 8K,32K)")
-    p.add_argument("--profile-t", type=ints, default=None, help="the profiled steps' lengths, in order (default 32K,8K)")
+    p.add_argument("--profile-t", type=ints, default=None,
+                   help="the profiled steps' lengths, in order (default 32K,8K)")
     p.add_argument("--profile-recipe-t", type=ints, default=[], help="recipe-shape profiled lengths (default none)")
     p.add_argument("--profile-steps", type=int, default=1, help="profiled steps")
     p.add_argument("--host-t", type=int, default=None, help="the host part's length (default 8K)")
@@ -604,19 +606,14 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    os.makedirs(a.out, exist_ok=True)
-    if a.tiny and a.device == "cpu":
-        torch.set_num_threads(1)  # tiny ops: a second thread only adds contention on a shared machine
-    settings = {"tiny": a.tiny, "shape": asdict(TINY if a.tiny else Shape()),
-                "recipe": TINY_RECIPE if a.tiny else RECIPE,
+    settings = {"recipe": TINY_RECIPE if a.tiny else RECIPE,
                 "warmup": a.warmup, "steps": a.steps, "peak_tflops": a.peak_tflops,
                 "step": "zero_grad(set_to_none=True), forward with labels=input_ids, loss.backward(); no optimizer step",
                 "active_params": "all parameters, embeddings and lm_head included, routed experts at top_k/num_experts",
                 "tcache_restored": os.environ.get("E2E_TCACHE_RESTORED") == "1"}
-    rec = E2ERecorder(a.out, a.budget_s, settings)
-    bench = Bench(a, rec)
+    bench = start_run(a, E2ERecorder, settings)
+    rec = bench.rec
     rec.settings["dtype"] = str(bench.dtype).replace("torch.", "")  # bf16 on CUDA, float32 on the CPU
-    rec.stack = stack_versions(bench.cuda)
     rec.notes.update(
         earlier_method="the earlier measurement of issue #14 accumulated gradients across its steps (no zero_grad) "
                        "and timed with triton.testing.do_bench; here each step sets them to None first, as a "
@@ -625,15 +622,10 @@ def main(argv=None) -> int:
             "(T² per layer) is not in it, so MFU understates the work at 32K")
     rec.save()
     print("stack:", rec.stack, flush=True)
-    for part in a.only:  # in the order asked
-        fn = {"profile": lambda: run_profile(bench), "host": lambda: run_host(bench),
-              "graph": lambda: run_graphed(bench, "graph"),
-              "native_graph": lambda: run_graphed(bench, "native_graph")}.get(part, lambda: run_train(bench, part))
-        run_part(bench, part, fn)
-    rec.save()
-    with open(os.path.join(a.out, "e2e.md")) as f:
-        print(f.read())
-    return 0
+    runners = {part: (lambda part=part: run_train(bench, part)) for part in ("kdamoe", "native", "recipe")}
+    runners.update(profile=lambda: run_profile(bench), host=lambda: run_host(bench),
+                   graph=lambda: run_graphed(bench, "graph"), native_graph=lambda: run_graphed(bench, "native_graph"))
+    return run_parts(bench, runners)
 
 
 if __name__ == "__main__":

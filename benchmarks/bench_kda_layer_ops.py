@@ -11,8 +11,9 @@
     forward, and forward+backward (gradients of q, k, v, f, beta, dt_bias).
 
 T ∈ {8K, 32K} (``--quick``: 8K only; ``--lengths`` picks others). Times are ``triton.testing.do_bench`` medians.
-A time guard skips what would run past ``--budget-s`` (compiles included) and says so. Each section also reports the relative L2
-difference between the variants (bf16 against the float32 PyTorch result), so a fast wrong kernel shows.
+A time guard skips what would run past ``--budget-s`` (compiles included) and says so. Each section also reports
+the relative L2 difference between the variants (bf16 against the float32 PyTorch result), so a fast wrong kernel
+shows.
 
 Writes ``layer_ops.json`` and ``layer_ops.md`` into ``--out`` (default ``$OUT``, else ``./bench_out``) and
 prints the table. ``--smoke`` runs tiny sizes in float32 on the CPU under ``TRITON_INTERPRET=1`` (no GPU

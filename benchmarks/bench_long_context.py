@@ -58,15 +58,14 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402  (the benchmarks folder is not a package)
-    GIB, NATIVE, TINY, Bench, K, M, Recorder, Shape, add_run_args, build_kdamoe, build_native, check_at_least,
-    compare_row, finish_run_args, fmt, ints, kernel_summary, label, run_part, stack_versions, value_of,
+    GIB, NATIVE, Bench, K, M, Recorder, Shape, add_run_args, build_kdamoe, build_native, check_at_least,
+    compare_row, finish_run_args, fmt, ints, kernel_summary, label, run_parts, start_run, value_of,
 )
 
 PARTS = ("kdamoe", "native", "floor", "profile", "greedy")
@@ -648,14 +647,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    os.makedirs(a.out, exist_ok=True)
-    if a.tiny and a.device == "cpu":
-        torch.set_num_threads(1)  # tiny ops: a second thread only adds contention on a shared machine
-    settings = {"tiny": a.tiny, "shape": asdict(TINY if a.tiny else Shape()), "warmup": a.warmup, "steps": a.steps,
-                "tcache_restored": os.environ.get("LC_TCACHE_RESTORED") == "1"}
-    rec = LongContextRecorder(a.out, a.budget_s, settings)
-    bench = Bench(a, rec)
-    rec.stack = stack_versions(bench.cuda)
+    bench = start_run(a, LongContextRecorder, {"warmup": a.warmup, "steps": a.steps,
+                                               "tcache_restored": os.environ.get("LC_TCACHE_RESTORED") == "1"})
+    rec = bench.rec
     n_layers = bench.shape.num_hidden_layers
     rec.notes.update(
         native_layer_types=f"native gets kdamoe's layer_types (full attention at 0-based layers "
@@ -669,13 +663,7 @@ def main(argv=None) -> int:
     print("stack:", rec.stack, flush=True)
     runners = {"kdamoe": lambda: run_model(bench, "kdamoe"), "native": lambda: run_model(bench, "native"),
                "floor": lambda: run_floor(bench), "profile": lambda: run_profile(bench), "greedy": lambda: run_greedy(bench)}
-    for part in a.only:  # in the order asked
-        if part in PARTS:
-            run_part(bench, part, runners[part])
-    rec.save()
-    with open(os.path.join(a.out, "long_context.md")) as f:
-        print(f.read())
-    return 0
+    return run_parts(bench, runners)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Million-token agentic RL on one GPU: rollout turns on a kept cache against TRL's re-prefilling loop, and one
 memory-bounded GRPO optimizer step over >= 1M tokens of trajectories (issue #16).
 
-The model is the long-context benchmark's shape (``bench_long_context.Shape``: 1.68B total / 0.36B active
+The model is the long-context benchmark's shape (``harness.Shape``: 1.68B total / 0.36B active
 parameters, vocab 32000, 16 layers with MLA every 4th, ``max_position_embeddings`` 1M), bf16, random weights from a
 fixed seed, random token ids. One device call (``benchmarks/device_long_rl.sh``) runs the parts below; each is
-caught on its own and ``long_rl.json`` is rewritten after every measurement (``bench_long_context.Recorder``), so
+caught on its own and ``long_rl.json`` is rewritten after every measurement (``harness.Recorder``), so
 the deadline or a crash loses nothing measured before it.
 
 Parts (``--only``, comma list; default all):
@@ -45,15 +45,14 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import (  # noqa: E402  (the benchmarks folder is not a package)
-    GIB, TINY, Bench, K, M, Recorder, Shape, add_run_args, build_kdamoe, check_at_least, finish_run_args, ints, label,
-    run_part, stack_versions,
+    GIB, Bench, K, M, Recorder, add_run_args, build_kdamoe, check_at_least, finish_run_args, ints, label, run_parts,
+    start_run,
 )
 
 PARTS = ("turns", "trajectory", "update")
@@ -438,15 +437,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    os.makedirs(a.out, exist_ok=True)
-    if a.tiny and a.device == "cpu":
-        torch.set_num_threads(1)
-    settings = {"tiny": a.tiny, "shape": asdict(TINY if a.tiny else Shape()), "contexts": a.contexts,
-                "result_tokens": a.result_tokens, "gen_tokens": a.gen_tokens, "repeats": a.repeats}
-    rec = RLRecorder(a.out, a.budget_s, settings)
-    bench = Bench(a, rec)
-    rec.stack = stack_versions(bench.cuda)
-    rec.save()
+    bench = start_run(a, RLRecorder, {"contexts": a.contexts, "result_tokens": a.result_tokens,
+                                      "gen_tokens": a.gen_tokens, "repeats": a.repeats})
+    bench.rec.save()
     rollout_parts = {"turns": run_turns, "trajectory": run_trajectory}
     shared = {}  # the rollout parts share one eval-mode model; the update builds its own per case
 
@@ -455,17 +448,13 @@ def main(argv=None) -> int:
             shared["model"] = build_kdamoe(bench.shape, bench.device, bench.dtype)
         rollout_parts[part](bench, shared["model"])
 
-    for part in a.only:
-        if part == "update":
-            shared.clear()
-            bench.free()
-            run_part(bench, part, lambda: run_update(bench))
-        else:
-            run_part(bench, part, lambda: rollout_part(part))
-    rec.save()
-    with open(os.path.join(a.out, "long_rl.md")) as f:
-        print(f.read())
-    return 0
+    def update_part():
+        shared.clear()  # the update builds its own model per case: the rollout parts' model goes first
+        bench.free()
+        run_update(bench)
+
+    return run_parts(bench, {"turns": lambda: rollout_part("turns"), "trajectory": lambda: rollout_part("trajectory"),
+                             "update": update_part})
 
 
 if __name__ == "__main__":

@@ -3,12 +3,14 @@
 Every script in ``benchmarks/`` (and ``benchmarks/tuning/``) imports this module; it holds what they used to copy
 between them:
 
-* paths: ``REPO`` (the repository root, put on ``sys.path`` so ``import kdamoe`` finds this checkout) and
-  :func:`kernels_only` (``import kdamoe.kernels`` without ``kdamoe/__init__``);
+* paths: ``REPO`` (the repository root, put on ``sys.path`` so ``import kdamoe`` finds this checkout),
+  :func:`kernels_only` (``import kdamoe.kernels`` without ``kdamoe/__init__``) and :func:`load_script` (a script as a
+  module, for the tests);
 * arguments: :func:`add_run_args` / :func:`finish_run_args` (``--out``, ``--only``, ``--tiny``, ``--device``,
   ``--budget-s``, each checked at parse time), :func:`ints` (comma lists of lengths), :func:`check_at_least`;
 * recording: :class:`Recorder` (raw numbers, skips and errors of one run, rewritten after every measurement, with a
-  deadline), :func:`run_part`, :class:`Bench` (device, dtype, model shape, random ids);
+  deadline), :class:`Bench` (device, dtype, model shape, random ids), :func:`start_run`, :func:`run_part` and
+  :func:`run_parts`;
 * files: :func:`write_json` / :func:`write_text` (written whole, then renamed: a kill mid-write leaves the previous
   file) and :func:`write_results` (``<stem>.json`` + ``<stem>.md``);
 * jobs: :func:`stream_job` (a launch with a watchdog, its output timestamped) and :func:`scalars` (what
@@ -24,6 +26,8 @@ The benchmarks folder is not a package: a script puts its own folder on ``sys.pa
 import argparse
 import gc
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -37,7 +41,7 @@ import threading
 import time
 import traceback
 import types
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -68,6 +72,19 @@ def kernels_only() -> None:
         package = types.ModuleType("kdamoe")
         package.__path__ = [os.path.join(REPO, "kdamoe")]
         sys.modules["kdamoe"] = package
+
+
+def load_script(name: str) -> types.ModuleType:
+    """Import ``benchmarks/<name>.py`` (``name`` may hold a sub-folder, e.g. ``"tuning/tune_norm"``) as a fresh module
+    object, its code run anew (the folder is not a package); the tests call a script's ``main`` this way, in their
+    own process. Raises ``FileNotFoundError`` naming the path when there is no such script."""
+    path = os.path.join(BENCH_DIR, f"{name}.py")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no benchmark script {path}")
+    spec = importlib.util.spec_from_file_location(os.path.basename(name), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -173,7 +190,7 @@ def time_ms(fn, cuda: bool, *, warmup: int = 25, rep: int = 100, grads=None, mod
     in ms of GPU time). CPU (smoke runs only, the number means little): the median of 3 wall-clock calls, the
     ``grads`` tensors' ``.grad`` set to None before each, as ``do_bench`` does."""
     if cuda:
-        from triton.testing import do_bench
+        from triton.testing import do_bench  # noqa: PLC0415  (triton only where it times: the CPU path needs none)
 
         return do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grads, return_mode=mode)
     times = []
@@ -191,7 +208,9 @@ def time_ms(fn, cuda: bool, *, warmup: int = 25, rep: int = 100, grads=None, mod
 
 def scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
     """``(step, value)`` of one TensorBoard scalar written by the job under ``run_dir/tensorboard``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_accumulator import (  # noqa: PLC0415  (only the jobs' readers need it)
+        EventAccumulator,
+    )
 
     if not os.path.isdir(os.path.join(run_dir, "tensorboard")):  # a job that died before its first log
         return []
@@ -270,20 +289,18 @@ def sources_digest(folders: tuple[str, ...]) -> str:
 def stack_versions(cuda: bool) -> dict:
     """The GPU (``"cpu"`` without CUDA), torch, triton, transformers, fla (``None`` when absent) and CUDA versions,
     and where native KimiLinear's KDA and conv kernels come from (:func:`implementation_module`)."""
-    import importlib.metadata as md
-
-    import transformers
-    import triton
+    import transformers  # noqa: PLC0415  (a kernels-only benchmark runs where transformers may be too old to import)
+    import triton  # noqa: PLC0415  (the same: loaded only when the stack is described)
 
     try:
-        fla = md.version("fla-core")
-    except md.PackageNotFoundError:
+        fla = importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
         fla = None
     out = {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
            "triton": triton.__version__, "transformers": transformers.__version__, "fla": fla,
            "cuda": torch.version.cuda}
     try:
-        from transformers.models.kimi_linear import modeling_kimi_linear as kl
+        from transformers.models.kimi_linear import modeling_kimi_linear as kl  # noqa: PLC0415  (may be absent)
 
         out["native_kda_from"] = implementation_module(kl.chunk_kimi_delta_attention)
         out["native_conv_from"] = implementation_module(kl.causal_conv1d_fn)
@@ -394,6 +411,32 @@ def run_part(bench: "Bench", part: str, fn) -> None:
     print(f"part {part}: {time.time() - t0:.0f} s; {bench.rec.left():.0f} s left", flush=True)
 
 
+def start_run(a: argparse.Namespace, recorder_cls: type, settings: dict) -> "Bench":
+    """The start every part-wise benchmark shares, from arguments :func:`finish_run_args` checked: ``a.out`` made,
+    one intra-op thread for a tiny CPU run (a second only adds contention on a shared machine), the recorder
+    (``recorder_cls``, extending an existing file; its settings ``tiny`` and the model ``shape``, then ``settings``),
+    the :class:`Bench` and the stack (:func:`stack_versions`). Returns the Bench (its ``rec`` is the recorder)."""
+    os.makedirs(a.out, exist_ok=True)
+    if a.tiny and a.device == "cpu":
+        torch.set_num_threads(1)
+    rec = recorder_cls(a.out, a.budget_s, {"tiny": a.tiny, "shape": asdict(TINY if a.tiny else Shape()), **settings})
+    bench = Bench(a, rec)
+    rec.stack = stack_versions(bench.cuda)
+    return bench
+
+
+def run_parts(bench: "Bench", runners: dict) -> int:
+    """Run ``bench.args.only`` in the order asked, each through :func:`run_part` with ``runners[part]`` (a function
+    of no arguments), then save and print the markdown. Returns 0 (a part's error is in the results, not the exit
+    status)."""
+    for part in bench.args.only:
+        run_part(bench, part, runners[part])
+    bench.rec.save()
+    with open(os.path.join(bench.rec.out_dir, f"{bench.rec.stem}.md")) as f:
+        print(f.read())
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------ table cells
 
 
@@ -454,7 +497,7 @@ TINY = Shape(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_
 def build_kdamoe(shape: Shape, device, dtype, moe_latent_size: int | None = None, attnres_num_blocks: int = 0):
     """``KDAMoEForCausalLM`` of ``shape``; by default no latent experts and no AttnRes (the native model has
     neither); ``moe_latent_size`` / ``attnres_num_blocks`` turn them on (the training recipe's shape)."""
-    from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
+    from kdamoe import KDAMoEConfig, KDAMoEForCausalLM  # noqa: PLC0415  (kernels-only benchmarks never build it)
 
     cfg = KDAMoEConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
                        num_hidden_layers=shape.num_hidden_layers, layer_types=shape.layer_types,
@@ -474,8 +517,9 @@ def build_kdamoe(shape: Shape, device, dtype, moe_latent_size: int | None = None
 
 
 def build_native(shape: Shape, device, dtype):
-    """transformers' ``KimiLinearForCausalLM`` of ``shape`` (transformers defaults otherwise; fla kernels when installed)."""
-    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    """transformers' ``KimiLinearForCausalLM`` of ``shape`` (transformers defaults otherwise; fla kernels when
+    installed)."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: PLC0415  (only the native side needs it)
 
     cfg = KimiLinearConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
                            intermediate_size=shape.intermediate_size, moe_intermediate_size=shape.moe_intermediate_size,

@@ -2,7 +2,6 @@
 error lines, and the CPU timing path. Each check is against a value written out here, not one the harness made."""
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -11,18 +10,12 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _harness():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("harness", os.path.join(ROOT, "benchmarks", "harness.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import harness  # noqa: E402  (the benchmarks folder is not a package)
 
 
 def test_label_and_ints():
-    h = _harness()
+    h = harness
     assert [h.label(t) for t in (64, 1024, 131072, 1 << 20, 3 << 20, 1500)] == ["64", "1K", "128K", "1M", "3M", "1500"]
     assert h.ints("8192, 32768,") == [8192, 32768] and h.ints("") == []
     with pytest.raises(argparse.ArgumentTypeError, match="'8K'"):
@@ -38,7 +31,7 @@ def test_label_and_ints():
     (["--steps", "0"], "--steps must be >= 1 (got 0)"),
 ])
 def test_run_args_refuse_bad_values(argv, message, capsys):
-    h = _harness()
+    h = harness
     p = argparse.ArgumentParser()
     h.add_run_args(p, ("a", "b"), out_default=".", out_help="", budget_default=10.0)
     p.add_argument("--steps", type=int, default=None)
@@ -49,7 +42,7 @@ def test_run_args_refuse_bad_values(argv, message, capsys):
 
 
 def test_run_args_fill_defaults_and_keep_the_order_asked():
-    h = _harness()
+    h = harness
     p = argparse.ArgumentParser()
     h.add_run_args(p, ("a", "b"), out_default="somewhere", out_help="", budget_default=10.0)
     p.add_argument("--steps", type=int, default=None)
@@ -58,7 +51,7 @@ def test_run_args_fill_defaults_and_keep_the_order_asked():
 
 
 def test_recorder_extends_its_file_and_records_skips_and_errors(tmp_path):
-    h = _harness()
+    h = harness
 
     class Rec(h.Recorder):
         stem = "probe"
@@ -86,7 +79,7 @@ def test_recorder_extends_its_file_and_records_skips_and_errors(tmp_path):
 
 
 def test_time_ms_on_the_cpu_clears_grads_before_each_call():
-    h = _harness()
+    h = harness
     w = torch.ones(3, requires_grad=True)
     seen = []
 
@@ -96,3 +89,8 @@ def test_time_ms_on_the_cpu_clears_grads_before_each_call():
 
     assert h.time_ms(step, False, grads=[w]) >= 0
     assert seen == [True, True, True]
+
+
+def test_load_script_names_a_missing_script():
+    with pytest.raises(FileNotFoundError, match="no_such_bench.py"):
+        harness.load_script("no_such_bench")

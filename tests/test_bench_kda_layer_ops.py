@@ -6,7 +6,6 @@ the Triton conv, whole and as the layer calls it, matches the PyTorch tap loop (
 float32; the two gate variants agree. Not how fast anything is.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -15,19 +14,12 @@ import sys
 import kdamoe  # noqa: F401  (imported first: the script then uses the real package, not its kernels-only stand-in)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load_bench():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_kda_layer_ops",
-                                                  os.path.join(ROOT, "benchmarks", "bench_kda_layer_ops.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from harness import load_script  # noqa: E402  (the benchmarks folder is not a package)
 
 
 def test_bench_kda_layer_ops_smoke_rows_agree(tmp_path):
-    _load_bench().main(["--smoke", "--lengths", "64", "--out", str(tmp_path)])
+    load_script("bench_kda_layer_ops").main(["--smoke", "--lengths", "64", "--out", str(tmp_path)])
     doc = json.loads((tmp_path / "layer_ops.json").read_text())
     assert doc["meta"]["device"] == "cpu (interpreter smoke)" and doc["meta"]["dtype"] == "torch.float32"
     rows = {(r["op"], r["variant"]): r for r in doc["rows"]}

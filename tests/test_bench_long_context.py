@@ -1,4 +1,4 @@
-"""Smoke test of ``benchmarks/bench_long_context.py --tiny`` on the CPU (issue #8's long-context benchmark).
+"""Smoke test of ``benchmarks/bench_long_context.py --tiny`` on the CPU (the long-context benchmark).
 
 The script's ``main`` runs in the test's process. Checked: every part recorded its numbers and no error; the rows
 are the expected comparisons with finite times and ``ratio`` = ours / peer; both models' batched decode kept its
@@ -7,7 +7,6 @@ expansion); the greedy check's two kdamoe paths (single pass + eager decode agai
 chose the same float32 tokens; no machine path is written. Not how fast anything is.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -16,19 +15,12 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load_bench():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_long_context",
-                                                  os.path.join(ROOT, "benchmarks", "bench_long_context.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from harness import load_script  # noqa: E402  (the benchmarks folder is not a package)
 
 
 def test_bench_long_context_tiny_records_every_part(tmp_path):
-    assert _load_bench().main(["--tiny", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert load_script("bench_long_context").main(["--tiny", "--device", "cpu", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "long_context.json").read_text()
     doc = json.loads(text)
     raw = doc["raw"]
@@ -62,6 +54,6 @@ def test_bench_long_context_tiny_records_every_part(tmp_path):
 
 def test_bench_long_context_refuses_an_unknown_part(capsys):
     with pytest.raises(SystemExit) as exit_:
-        _load_bench().parse_args(["--tiny", "--device", "cpu", "--only", "kdamoe,decode"])
+        load_script("bench_long_context").parse_args(["--tiny", "--device", "cpu", "--only", "kdamoe,decode"])
     assert exit_.value.code == 2
     assert "unknown part(s) ['decode']" in capsys.readouterr().err

@@ -7,25 +7,18 @@ histograms on the same input (the PyTorch op is the reference: it shares no code
 kernels' output and gradients match the PyTorch loop in float32; the stack names the commit. Not how fast anything is.
 """
 
-import importlib.util
 import json
 import math
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load_bench():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_moe", os.path.join(ROOT, "benchmarks", "bench_moe.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from harness import load_script  # noqa: E402  (the benchmarks folder is not a package)
 
 
 def test_bench_moe_smoke_writes_router_and_experts(tmp_path):
-    _load_bench().main(["--smoke", "--out", str(tmp_path)])
+    load_script("bench_moe").main(["--smoke", "--out", str(tmp_path)])
     router = json.loads((tmp_path / "moe_router.json").read_text())
     assert router["stack"]["device"] == "cpu (TRITON_INTERPRET=1)" and len(router["stack"]["sources_sha256"]) == 16
     cases = {r["case"] for r in router["rows"]}

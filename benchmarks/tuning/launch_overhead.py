@@ -17,7 +17,8 @@ The short path and Triton's (``launch.set_enabled(True / False)``) run in altern
 
 Then the dense projections' GEMMs, each under ``torch.backends.cuda.preferred_blas_library("cublas")`` and
 ``("cublaslt")`` in alternating rounds (a cProfile of the 8K step at ed9608d, the host part of
-``e2e_h200_host_ed9608d.md``, in git history: see ``benchmarks/results/README.md``, gives the model's ``F.linear`` calls ~100 µs of own time each, cProfile's cost included):
+``e2e_h200_host_ed9608d.md``, in git history: see ``benchmarks/results/README.md``, gives the model's ``F.linear``
+calls ~100 µs of own time each, cProfile's cost included):
 
 ``linear_64``
     ``F.linear`` of ``[64, 1024]`` by ``[1024, 1024]`` bf16 (host-bound: a few µs of GPU work).
