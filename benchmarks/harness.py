@@ -208,9 +208,8 @@ def time_ms(fn, cuda: bool, *, warmup: int = 25, rep: int = 100, grads=None, mod
 
 def scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
     """``(step, value)`` of one TensorBoard scalar written by the job under ``run_dir/tensorboard``."""
-    from tensorboard.backend.event_processing.event_accumulator import (  # noqa: PLC0415  (only the jobs' readers need it)
-        EventAccumulator,
-    )
+    # only the jobs' readers need TensorBoard
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: PLC0415
 
     if not os.path.isdir(os.path.join(run_dir, "tensorboard")):  # a job that died before its first log
         return []
