@@ -32,9 +32,9 @@ def test_memory_per_rank_table_follows_from_the_parameter_counts():
         cells = [c.strip() for c in row.split("|")[1:-1]]
         total_b = float(re.match(r"([\d.e+-]+) B", cells[1]).group(1))
         ddp, fsdp8, fsdp64 = (float(c.split()[0]) for c in cells[2:5])
-        # three significant digits in the table: compare within its rounding
-        assert math.isclose(ddp, 16 * total_b * 1e9 / 2**30, rel_tol=6e-3), row
-        assert math.isclose(fsdp8, ddp / 8, rel_tol=6e-3) and math.isclose(fsdp64, ddp / 64, rel_tol=6e-3), row
+        # three significant digits per cell (each within 0.5 % of its value): two cells agree within 1 %
+        assert math.isclose(ddp, 16 * total_b * 1e9 / 2**30, rel_tol=1.1e-2), row
+        assert math.isclose(fsdp8, ddp / 8, rel_tol=1.1e-2) and math.isclose(fsdp64, ddp / 64, rel_tol=1.1e-2), row
 
     from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
 
