@@ -63,7 +63,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_fsdp_overhead import scalars, stream_job  # noqa: E402  (TensorBoard scalars; a watched launch)
+from harness import scalars, stream_job, write_json, write_text  # noqa: E402  (the benchmarks folder is not a package)
 
 JOBS_LOG = "distributed_jobs.log"
 EXIT_AT = "KDAMOE_BENCH_EXIT_AT"
@@ -93,9 +93,7 @@ def job_main(kind: str, dump: Path, argv: list[str]) -> int:
 
     def save() -> None:
         record["biases"] = [[b.tolist() for b in step] for step in record["biases"]]
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
+        write_json(str(path), record, indent=None)
 
     def recording_update(self):
         update(self)
@@ -409,11 +407,8 @@ def run_name(job: str, mode: str | None) -> str:
 def write_results(out: Path, result: dict) -> None:
     """``distributed.json`` (without the raw bias lists) and ``distributed.md``, each written whole then renamed."""
     public = {**result, "runs": [{k: v for k, v in r.items() if not k.startswith("_")} for r in result["runs"]]}
-    for name, text in (("distributed.json", json.dumps(public, indent=1, default=str)),
-                       ("distributed.md", markdown(result))):
-        tmp = out / f"{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+    write_json(str(out / "distributed.json"), public, default=str)
+    write_text(str(out / "distributed.md"), markdown(result))
 
 
 def _fmt(v, spec: str = "") -> str:

@@ -5,8 +5,8 @@ error's last line is recorded and the run goes on) and ``e2e.json`` / ``e2e.md``
 so a crash or the deadline (``--budget-s``) loses nothing measured before it; what would not fit in the time
 left is recorded as ``skipped: time``.
 
-The shape is ``bench_long_context.Shape`` (1.68B total / 0.36B active parameters; the models are built by that
-script's ``build_kdamoe`` / ``build_native``): bf16 weights (the model cast with ``.to(torch.bfloat16)``, no
+The shape is ``harness.Shape``, the long-context benchmark's (1.68B total / 0.36B active parameters; the models are
+built by ``harness.build_kdamoe`` / ``build_native``): bf16 weights (the model cast with ``.to(torch.bfloat16)``, no
 autocast), random weights from a fixed seed, ``model.train()``. Native KimiLinear runs transformers' defaults
 (5.24: ``sdpa`` attention, ``grouped_mm`` experts) with fla's kernels where fla is installed (the stack line
 says which KDA and conv implementation it found).
@@ -72,19 +72,16 @@ Writes ``e2e.json`` (``rows``: ``{name, ours_ms, peer, peer_ms, ratio}`` with ra
 import argparse
 import math
 import os
-import re
 import statistics
 import sys
 import time
-import traceback
-from dataclasses import asdict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_long_context import (  # noqa: E402  (the benchmarks folder is not a package)
-    GIB, K, NATIVE, TINY, Bench, Recorder, Shape, _fmt, _num, _row, build_kdamoe, build_native, kernel_summary,
-    label, run_part, stack_versions,
+from harness import (  # noqa: E402  (the benchmarks folder is not a package)
+    GIB, NATIVE, Bench, K, Recorder, add_run_args, build_kdamoe, build_native, check_at_least,
+    compare_row, finish_run_args, fmt, ints, kernel_summary, label, run_parts, start_run, value_of,
 )
 
 PARTS = ("kdamoe", "native", "recipe", "graph", "native_graph", "profile", "host")
@@ -104,9 +101,9 @@ def _why(entry):
 
 
 def _side(prefix: str, entry) -> dict:
-    return {f"{prefix}_tok_s": _num(entry, "tok_s"), f"{prefix}_mfu": _num(entry, "mfu"),
-            f"{prefix}_peak_gib": _num(entry, "peak_gib"),
-            **({f"{prefix}_note": _why(entry)} if _num(entry, "median_ms") is None and entry is not None else {})}
+    return {f"{prefix}_tok_s": value_of(entry, "tok_s"), f"{prefix}_mfu": value_of(entry, "mfu"),
+            f"{prefix}_peak_gib": value_of(entry, "peak_gib"),
+            **({f"{prefix}_note": _why(entry)} if value_of(entry, "median_ms") is None and entry is not None else {})}
 
 
 def make_rows(raw: dict) -> list[dict]:
@@ -116,29 +113,31 @@ def make_rows(raw: dict) -> list[dict]:
     rows = []
     for T in lengths(ours, native):
         o, p = ours.get(f"train_T{T}"), native.get(f"train_T{T}")
-        rows.append(_row(f"train step {label(T)}", _num(o, "median_ms"), NATIVE, _num(p, "median_ms"),
+        rows.append(compare_row(f"train step {label(T)}", value_of(o, "median_ms"), NATIVE, value_of(p, "median_ms"),
                          **_side("ours", o), **_side("peer", p)))
     for T in lengths(recipe):
         o, p = recipe.get(f"train_T{T}"), ours.get(f"train_T{T}")
-        rows.append({**_row(f"recipe shape train step {label(T)}", _num(o, "median_ms"), PLAIN, _num(p, "median_ms"),
-                            **_side("ours", o), **_side("peer", p)), "ours": "kdamoe recipe"})
+        rows.append({**compare_row(f"recipe shape train step {label(T)}", value_of(o, "median_ms"), PLAIN,
+                                   value_of(p, "median_ms"), **_side("ours", o), **_side("peer", p)),
+                     "ours": "kdamoe recipe"})
     graph = raw.get("graph", {})
     plain_g = {k[len("kdamoe_"):]: v for k, v in graph.items() if k.startswith("kdamoe_")}
     recipe_g = {k[len("recipe_"):]: v for k, v in graph.items() if k.startswith("recipe_")}
     for T in lengths(plain_g):
         o, p = plain_g.get(f"train_T{T}"), native.get(f"train_T{T}")
-        rows.append({**_row(f"CUDA-graph train step {label(T)}", _num(o, "median_ms"), NATIVE, _num(p, "median_ms"),
-                            **_side("ours", o), **_side("peer", p)), "ours": "kdamoe, TrainStepGraph"})
+        rows.append({**compare_row(f"CUDA-graph train step {label(T)}", value_of(o, "median_ms"), NATIVE,
+                                   value_of(p, "median_ms"), **_side("ours", o), **_side("peer", p)),
+                     "ours": "kdamoe, TrainStepGraph"})
     for T in lengths(recipe_g):
         o, p = recipe_g.get(f"train_T{T}"), plain_g.get(f"train_T{T}")
-        rows.append({**_row(f"recipe shape CUDA-graph train step {label(T)}", _num(o, "median_ms"), "plain graphed",
-                            _num(p, "median_ms"), **_side("ours", o), **_side("peer", p)),
+        rows.append({**compare_row(f"recipe shape CUDA-graph train step {label(T)}", value_of(o, "median_ms"),
+                                   "plain graphed", value_of(p, "median_ms"), **_side("ours", o), **_side("peer", p)),
                      "ours": "kdamoe recipe, TrainStepGraph"})
     native_g = raw.get("native_graph", {})
     for T in lengths(native_g):
         o, p = plain_g.get(f"train_T{T}"), native_g.get(f"train_T{T}")
-        rows.append({**_row(f"CUDA-graph train step {label(T)}, both sides graphed", _num(o, "median_ms"),
-                            "native+fla graphed", _num(p, "median_ms"), **_side("ours", o), **_side("peer", p)),
+        rows.append({**compare_row(f"CUDA-graph train step {label(T)}, both sides graphed", value_of(o, "median_ms"),
+                            "native+fla graphed", value_of(p, "median_ms"), **_side("ours", o), **_side("peer", p)),
                      "ours": "kdamoe, TrainStepGraph"})
     return rows
 
@@ -159,10 +158,10 @@ def render_markdown(doc: dict) -> str:
               "ours peak GiB | peer peak GiB | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         note = "; ".join(str(r[k]) for k in ("ours_note", "peer_note") if r.get(k))
-        lines.append(f"| {r['name']} ({r.get('ours', 'kdamoe')}) | {_fmt(r['ours_ms'], 4)} | {r['peer']} | "
-                     f"{_fmt(r['peer_ms'], 4)} | {_fmt(r['ratio'])} | {_fmt(r['ours_tok_s'])} | "
-                     f"{_fmt(r['peer_tok_s'])} | {_fmt(r['ours_mfu'])} | {_fmt(r['peer_mfu'])} | "
-                     f"{_fmt(r['ours_peak_gib'])} | {_fmt(r['peer_peak_gib'])} | {note[:160]} |")
+        lines.append(f"| {r['name']} ({r.get('ours', 'kdamoe')}) | {fmt(r['ours_ms'], 4)} | {r['peer']} | "
+                     f"{fmt(r['peer_ms'], 4)} | {fmt(r['ratio'])} | {fmt(r['ours_tok_s'])} | "
+                     f"{fmt(r['peer_tok_s'])} | {fmt(r['ours_mfu'])} | {fmt(r['peer_mfu'])} | "
+                     f"{fmt(r['ours_peak_gib'])} | {fmt(r['peer_peak_gib'])} | {note[:160]} |")
     models = [(name, raw[name]["model"]) for name in ("kdamoe", "native", "recipe")
               if isinstance(raw.get(name, {}).get("model"), dict)]
     if models:
@@ -175,32 +174,32 @@ def render_markdown(doc: dict) -> str:
             continue
         shape = "recipe-shape " if key.startswith("recipe") else ""
         lines += ["", f"## Profile: one {shape}kdamoe training step at {label(prof['T'])}", "",
-                  f"Wall per step: {_fmt(prof['wall_ms'], 4)} ms unprofiled (median of {prof['timed_steps']}), "
-                  f"{_fmt(prof['profiled_wall_ms'], 4)} ms under the profiler ({prof['profiled_steps']} step(s)). "
-                  f"GPU time per step (kernels, memcpy, memset summed): {_fmt(prof['kernel_ms'], 4)} ms, "
-                  f"{_fmt(prof['busy_share'])} of the unprofiled wall. Kernels per step: "
-                  f"{_fmt(prof['kernels_per_step'])}.", "",
+                  f"Wall per step: {fmt(prof['wall_ms'], 4)} ms unprofiled (median of {prof['timed_steps']}), "
+                  f"{fmt(prof['profiled_wall_ms'], 4)} ms under the profiler ({prof['profiled_steps']} step(s)). "
+                  f"GPU time per step (kernels, memcpy, memset summed): {fmt(prof['kernel_ms'], 4)} ms, "
+                  f"{fmt(prof['busy_share'])} of the unprofiled wall. Kernels per step: "
+                  f"{fmt(prof['kernels_per_step'])}.", "",
                   "| kernel | calls/step | µs/step | share |", "|---|---|---|---|"]
-        lines += [f"| `{r['name']}` | {_fmt(r['calls'])} | {_fmt(r['us'])} | {_fmt(r['share'])} |"
+        lines += [f"| `{r['name']}` | {fmt(r['calls'])} | {fmt(r['us'])} | {fmt(r['share'])} |"
                   for r in prof["table"][:25]]
         if prof.get("host_table"):
             lines += ["", f"Host side at {label(prof['T'])} (self CPU time per step under the profiler):", "",
                       "| operator or runtime call | calls/step | self µs/step |", "|---|---|---|"]
-            lines += [f"| `{r['name']}` | {_fmt(r['calls'])} | {_fmt(r['self_us'])} |" for r in prof["host_table"]]
+            lines += [f"| `{r['name']}` | {fmt(r['calls'])} | {fmt(r['self_us'])} |" for r in prof["host_table"]]
     for key, host in (raw.get("host") or {}).items():
         if not isinstance(host, dict) or "step_ms_median" not in host:
             continue
         lines += ["", f"## Host: where a kdamoe step at {label(host['T'])} spends the host's time", "",
                   f"{host['steps']} steps, each timed between synchronisations; medians: the host queues the forward "
-                  f"(loss included) in {_fmt(host['forward_ms_median'], 4)} ms, the backward in "
-                  f"{_fmt(host['backward_ms_median'], 4)} ms, then waits {_fmt(host['gpu_tail_ms_median'], 4)} ms for "
-                  f"the GPU; the step takes {_fmt(host['step_ms_median'], 4)} ms (steps: "
-                  f"{', '.join(_fmt(x, 4) for x in host['step_ms_all'])}). A GPU wait near 0 means the host sets the "
-                  f"pace. Under cProfile: {_fmt(host['cprofile_wall_ms'], 4)} ms per step, own time of all functions "
-                  f"{_fmt(host['own_total_ms'], 4)} ms."]
+                  f"(loss included) in {fmt(host['forward_ms_median'], 4)} ms, the backward in "
+                  f"{fmt(host['backward_ms_median'], 4)} ms, then waits {fmt(host['gpu_tail_ms_median'], 4)} ms for "
+                  f"the GPU; the step takes {fmt(host['step_ms_median'], 4)} ms (steps: "
+                  f"{', '.join(fmt(x, 4) for x in host['step_ms_all'])}). A GPU wait near 0 means the host sets the "
+                  f"pace. Under cProfile: {fmt(host['cprofile_wall_ms'], 4)} ms per step, own time of all functions "
+                  f"{fmt(host['own_total_ms'], 4)} ms."]
         for order, rows in (("own time", host["by_own"]), ("cumulative time", host["by_cumulative"])):
             lines += ["", f"| function (by {order}) | calls/step | own ms/step | cumulative ms/step |", "|---|---|---|---|"]
-            lines += [f"| `{r['function']}` | {_fmt(r['calls'])} | {_fmt(r['own_ms'])} | {_fmt(r['cum_ms'])} |"
+            lines += [f"| `{r['function']}` | {fmt(r['calls'])} | {fmt(r['own_ms'])} | {fmt(r['cum_ms'])} |"
                       for r in rows[:30]]
     problems = [(f"{group}/{key}", _why(v)) for group, entries in raw.items() if isinstance(entries, dict)
                 for key, v in entries.items() if _why(v) is not None]
@@ -212,17 +211,11 @@ def render_markdown(doc: dict) -> str:
 
 
 class E2ERecorder(Recorder):
-    """``bench_long_context.Recorder`` writing ``e2e.json`` / ``e2e.md`` with this benchmark's rows."""
+    """``harness.Recorder`` writing ``e2e.json`` / ``e2e.md`` with this benchmark's rows; a recorded error line has
+    the folders cut from its paths (the file name stays): the saved files name no machine's paths."""
 
     stem = "e2e"
-
-    def error(self, group: str, key: str) -> None:
-        """As ``Recorder.error`` (the traceback to the log, its last line to the results), with the folders cut
-        from any path in that line (the file name stays): the saved files name no machine's paths."""
-        text = traceback.format_exc()
-        print(text, flush=True)
-        line = re.sub(r"(?<![\w.])/(?:[^\s/'\"]+/)+", "", text.strip().splitlines()[-1])
-        self.put(group, key, {"error": line[:500]})
+    strip_paths = True
 
     def rows(self) -> list[dict]:
         return make_rows(self.raw)
@@ -577,28 +570,17 @@ def run_host(bench: Bench) -> None:
 # ------------------------------------------------------------------------------------------------ main
 
 
-def _ints(text: str) -> list[int]:
-    """``--*-t`` values: a comma list of integers."""
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of integers, e.g. 8192,32768; got {text!r}") from None
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for e2e.{json,md}")
-    p.add_argument("--only", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes and lengths (CPU smoke test)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--budget-s", type=float, default=float(os.environ.get("E2E_BUDGET_S", "420")),
-                   help="deadline: measurements that do not fit in what is left are recorded as 'skipped: time'")
-    p.add_argument("--train-t", type=_ints, default=None, help="kdamoe and native lengths (default 8K,32K)")
-    p.add_argument("--recipe-t", type=_ints, default=None, help="recipe-shape lengths, in this order (default 32K,8K)")
-    p.add_argument("--graph-t", type=_ints, default=None,
+    add_run_args(p, PARTS, out_default=".", out_help="folder for e2e.{json,md}",
+                 budget_default=float(os.environ.get("E2E_BUDGET_S", "420")))
+    p.add_argument("--train-t", type=ints, default=None, help="kdamoe and native lengths (default 8K,32K)")
+    p.add_argument("--recipe-t", type=ints, default=None, help="recipe-shape lengths, in this order (default 32K,8K)")
+    p.add_argument("--graph-t", type=ints, default=None,
                    help="the graph and native_graph parts' lengths (default 8K,32K)")
-    p.add_argument("--profile-t", type=_ints, default=None, help="the profiled steps' lengths, in order (default 32K,8K)")
-    p.add_argument("--profile-recipe-t", type=_ints, default=[], help="recipe-shape profiled lengths (default none)")
+    p.add_argument("--profile-t", type=ints, default=None,
+                   help="the profiled steps' lengths, in order (default 32K,8K)")
+    p.add_argument("--profile-recipe-t", type=ints, default=[], help="recipe-shape profiled lengths (default none)")
     p.add_argument("--profile-steps", type=int, default=1, help="profiled steps")
     p.add_argument("--host-t", type=int, default=None, help="the host part's length (default 8K)")
     p.add_argument("--host-steps", type=int, default=8, help="the host part's timed steps per launch setting")
@@ -610,29 +592,13 @@ def parse_args(argv=None):
                     profile_t=[64] if a.tiny else [32 * K, 8 * K], warmup=1 if a.tiny else 2, steps=2 if a.tiny else 5,
                     graph_t=[64] if a.tiny else [8 * K, 32 * K],
                     host_t=64 if a.tiny else 8 * K)
-    for name, value in defaults.items():
-        if getattr(a, name) is None:
-            setattr(a, name, value)
-    a.only = [x.strip() for x in a.only.split(",") if x.strip()]
-    bad = [x for x in a.only if x not in PARTS]
-    if bad or not a.only:
-        p.error(f"--only: unknown part(s) {bad}; choose from {', '.join(PARTS)}" if bad else "--only names no part")
-    for name in ("warmup", "steps", "profile_steps", "host_steps"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
+    finish_run_args(p, a, PARTS, defaults)
+    check_at_least(p, a, ("warmup", "steps", "profile_steps", "host_steps"))
     for name in ("train_t", "recipe_t", "graph_t", "profile_t", "profile_recipe_t", "host_t"):
         value = getattr(a, name)
         values = value if isinstance(value, list) else [value]
         if (not values and name != "profile_recipe_t") or any(v < 2 for v in values):
             p.error(f"--{name.replace('_', '-')} must be lengths >= 2 (got {value})")
-    try:
-        torch.device(a.device)
-    except RuntimeError as error:
-        p.error(f"--device {a.device!r}: {error}")
-    if not math.isfinite(a.budget_s) or a.budget_s <= 0:
-        p.error(f"--budget-s must be a positive number of seconds (got {a.budget_s})")
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {a.device}: CUDA is not available here (use --device cpu with --tiny)")
     if not a.peak_tflops > 0:
         p.error(f"--peak-tflops must be > 0 (got {a.peak_tflops})")
     return a
@@ -640,19 +606,14 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    os.makedirs(a.out, exist_ok=True)
-    if a.tiny and a.device == "cpu":
-        torch.set_num_threads(1)  # tiny ops: a second thread only adds contention on a shared machine
-    settings = {"tiny": a.tiny, "shape": asdict(TINY if a.tiny else Shape()),
-                "recipe": TINY_RECIPE if a.tiny else RECIPE,
+    settings = {"recipe": TINY_RECIPE if a.tiny else RECIPE,
                 "warmup": a.warmup, "steps": a.steps, "peak_tflops": a.peak_tflops,
                 "step": "zero_grad(set_to_none=True), forward with labels=input_ids, loss.backward(); no optimizer step",
                 "active_params": "all parameters, embeddings and lm_head included, routed experts at top_k/num_experts",
                 "tcache_restored": os.environ.get("E2E_TCACHE_RESTORED") == "1"}
-    rec = E2ERecorder(a.out, a.budget_s, settings)
-    bench = Bench(a, rec)
+    bench = start_run(a, E2ERecorder, settings)
+    rec = bench.rec
     rec.settings["dtype"] = str(bench.dtype).replace("torch.", "")  # bf16 on CUDA, float32 on the CPU
-    rec.stack = stack_versions(bench)
     rec.notes.update(
         earlier_method="the earlier measurement of issue #14 accumulated gradients across its steps (no zero_grad) "
                        "and timed with triton.testing.do_bench; here each step sets them to None first, as a "
@@ -661,15 +622,10 @@ def main(argv=None) -> int:
             "(T² per layer) is not in it, so MFU understates the work at 32K")
     rec.save()
     print("stack:", rec.stack, flush=True)
-    for part in a.only:  # in the order asked
-        fn = {"profile": lambda: run_profile(bench), "host": lambda: run_host(bench),
-              "graph": lambda: run_graphed(bench, "graph"),
-              "native_graph": lambda: run_graphed(bench, "native_graph")}.get(part, lambda: run_train(bench, part))
-        run_part(bench, part, fn)
-    rec.save()
-    with open(os.path.join(a.out, "e2e.md")) as f:
-        print(f.read())
-    return 0
+    runners = {part: (lambda part=part: run_train(bench, part)) for part in ("kdamoe", "native", "recipe")}
+    runners.update(profile=lambda: run_profile(bench), host=lambda: run_host(bench),
+                   graph=lambda: run_graphed(bench, "graph"), native_graph=lambda: run_graphed(bench, "native_graph"))
+    return run_parts(bench, runners)
 
 
 if __name__ == "__main__":

@@ -20,59 +20,12 @@ reported too: on one rank FSDP2 computes the same step, so they should agree to 
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
-    """``(step, value)`` of one TensorBoard scalar written by the job under ``run_dir/tensorboard``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    if not os.path.isdir(os.path.join(run_dir, "tensorboard")):  # a job that died before its first log
-        return []
-    acc = EventAccumulator(os.path.join(run_dir, "tensorboard"), size_guidance={"scalars": 0})
-    acc.Reload()
-    return [(e.step, e.value) for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
-
-
-def stream_job(cmd: list[str], log, limit_s: float, env: dict | None = None, on_line=None) -> dict:
-    """Run ``cmd`` (from the repo root) with its output streamed into the open file ``log``, each line prefixed by
-    the seconds since the start, so a run cut short still shows where its time went. A watchdog kills the whole
-    process group after ``limit_s`` seconds (torchrun and every rank it started; also when the job prints nothing).
-    ``on_line(line)``, if given, sees every line as it comes.
-
-    Returns ``{"exit": int, "wall_s": float, "killed": bool, "tail": the last 40 lines}``."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    killed = threading.Event()
-
-    def kill():
-        killed.set()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    watchdog = threading.Timer(limit_s, kill)
-    watchdog.start()
-    tail = []
-    for line in proc.stdout:
-        log.write(f"{time.perf_counter() - t0:7.1f} {line}")
-        log.flush()
-        tail = (tail + [line])[-40:]
-        if on_line is not None:
-            on_line(line)
-    code = proc.wait()
-    watchdog.cancel()
-    return {"exit": code, "wall_s": round(time.perf_counter() - t0, 1), "killed": killed.is_set(), "tail": tail}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import scalars, stream_job, write_json, write_text  # noqa: E402  (the benchmarks folder is not a package)
 
 
 def run_job(mode: str, out_dir: str, a) -> dict:
@@ -122,8 +75,7 @@ def main():
     plain, fsdp = (r.get("tokens_per_s_median") for r in rows)
     result = {"settings": vars(a), "rows": rows,
               "fsdp2_over_plain_step_time": (plain / fsdp) if plain and fsdp else None}
-    with open(os.path.join(a.out, "fsdp_overhead.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(os.path.join(a.out, "fsdp_overhead.json"), result)
     lines = ["# FSDP2 wrapper on one GPU against the plain path (pretraining job, GPU preset)", "",
              f"Stage: seq_len {a.seq_len}, batch {a.batch_size}, {a.steps} steps; median tokens/s over steps "
              f"> {a.skip}.", "", "| mode | exit | tokens/s | job wall s | last loss |", "|---|---|---|---|---|"]
@@ -133,8 +85,7 @@ def main():
         lines.append(f"| {r['mode']} | {r['exit']} | {'' if tps is None else f'{tps:.0f}'} | {r['wall_s']} | {last} |")
     ratio = result["fsdp2_over_plain_step_time"]
     lines += ["", f"FSDP2 step time / plain step time: {'' if ratio is None else f'{ratio:.3f}'}"]
-    with open(os.path.join(a.out, "fsdp_overhead.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_text(os.path.join(a.out, "fsdp_overhead.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -24,27 +24,15 @@ Ceilings (measured on the H200, docs/architecture.md §9): 757 TFLOP/s bf16 GEMM
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 import traceback
 
 import torch
-import torch.nn.functional as F
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-
-def kernels_without_model_registry():
-    """Make ``import kdamoe.kernels`` work without running ``kdamoe/__init__`` (which imports transformers and
-    the model code; the GPU image's transformers is older). The kernels need only torch and triton."""
-    import types
-    if "kdamoe" not in sys.modules:
-        pkg = types.ModuleType("kdamoe")
-        pkg.__path__ = [os.path.join(REPO, "kdamoe")]
-        sys.modules["kdamoe"] = pkg
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import device_name, kernels_only, time_ms, write_json, write_text  # noqa: E402
 
 PEAK_TFLOPS = 757.0
 PEAK_TBPS = 4.27
@@ -52,8 +40,7 @@ LB = -5.0
 
 
 def bench(fn, rep=200):
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=50, rep=rep, return_mode="median")
+    return time_ms(fn, True, warmup=50, rep=rep)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -157,10 +144,10 @@ def main():
     ap.add_argument("--stage-budget-s", type=float, default=420.0, help="skip --stages if more time has passed")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    kernels_without_model_registry()
+    kernels_only()
     import triton
     dev = "cuda"
-    print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
+    print("torch", torch.__version__, "triton", triton.__version__, device_name(True), flush=True)
     from kdamoe.kernels import chunk_kda, fused_recurrent_kda
     fla_chunk = fla_rec = None
     fla_ver = "fla"
@@ -304,16 +291,15 @@ def stage_times(T, H, D, dev):
 
 
 def intra_phase_times(T, H, D, dev):
-    """Time each phase of our intra kernel alone (benchmarks/kda_intra_phases.py), 4 and 8 warps."""
-    from kda_intra_phases import phase_times
+    """Time each phase of our intra kernel alone (benchmarks/tuning/kda_intra_phases.py), 4 and 8 warps."""
+    from tuning.kda_intra_phases import phase_times
     return phase_times(T, H, D, dev, bench, LB)
 
 
 def write(out_dir, rows, errors, stages, fla_ver):
-    with open(os.path.join(out_dir, "kda_h200.json"), "w") as fh:
-        json.dump([{k: r[k] for k in ("name", "ours_ms", "peer", "peer_ms", "ratio")} for r in rows], fh, indent=1)
-    with open(os.path.join(out_dir, "kda_h200_errors.json"), "w") as fh:
-        json.dump({"errors": errors, "stages_ms_T32K": stages}, fh, indent=1)
+    write_json(os.path.join(out_dir, "kda_h200.json"),
+               [{k: r[k] for k in ("name", "ours_ms", "peer", "peer_ms", "ratio")} for r in rows])
+    write_json(os.path.join(out_dir, "kda_h200_errors.json"), {"errors": errors, "stages_ms_T32K": stages})
     lines = ["# KDA kernels on one H200 (bf16, B=1, H=16, K=V=128; gate and L2 norm in kernel)", "",
              f"Peer: {fla_ver}, called with the arguments above, in the same process.",
              "Times: triton.testing.do_bench medians (ms). TFLOP/s and GB/s from the nominal counts in",
@@ -353,8 +339,7 @@ def write(out_dir, rows, errors, stages, fla_ver):
             lines += ["", f"## {name} (ms, each phase timed alone)", "",
                       "| " + " | ".join(sub) + " |", "|" + "---|" * len(sub),
                       "| " + " | ".join(f"{v:.3f}" for v in sub.values()) + " |"]
-    with open(os.path.join(out_dir, "kda_h200.md"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
+    write_text(os.path.join(out_dir, "kda_h200.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -10,9 +10,10 @@
     then ``chunk_kda`` on the precomputed g, vs ``chunk_kda(use_gate_in_kernel=True)`` on the raw f;
     forward, and forward+backward (gradients of q, k, v, f, beta, dt_bias).
 
-T ∈ {8K, 32K} (``--quick``: 8K only). Times are ``triton.testing.do_bench`` medians. A time guard skips what
-would run past ``--budget-s`` (compiles included) and says so. Each section also reports the relative L2
-difference between the variants (bf16 against the float32 PyTorch result), so a fast wrong kernel shows.
+T ∈ {8K, 32K} (``--quick``: 8K only; ``--lengths`` picks others). Times are ``triton.testing.do_bench`` medians.
+A time guard skips what would run past ``--budget-s`` (compiles included) and says so. Each section also reports
+the relative L2 difference between the variants (bf16 against the float32 PyTorch result), so a fast wrong kernel
+shows.
 
 Writes ``layer_ops.json`` and ``layer_ops.md`` into ``--out`` (default ``$OUT``, else ``./bench_out``) and
 prints the table. ``--smoke`` runs tiny sizes in float32 on the CPU under ``TRITON_INTERPRET=1`` (no GPU
@@ -20,43 +21,41 @@ needed; timings there mean nothing) to check the script itself.
 """
 
 import argparse
-import json
 import os
 import sys
 import time
-import types
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+if "--smoke" in sys.argv[1:]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit definition
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import device_name, ints, kernels_only, time_ms, write_json, write_text  # noqa: E402
+
+kernels_only()  # kdamoe.kernels and kdamoe.model.kda_torch need torch and triton only, not kdamoe/__init__'s transformers
+
+from kdamoe.model.kda_torch import causal_conv1d_torch, kda_gate  # noqa: E402
+from kdamoe.kernels import causal_conv1d, causal_conv1d_parts, chunk_kda  # noqa: E402
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T = 8K only, fewer repetitions")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU interpreter (checks the script)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     parser.add_argument("--budget-s", type=float, default=220.0, help="skip what starts after this many seconds")
-    return parser.parse_args()
+    parser.add_argument("--lengths", type=ints, default=None,
+                        help="comma list of T (default 8192,32768; --quick: 8192; --smoke: 64,80)")
+    args = parser.parse_args(argv)
+    if args.lengths is not None and (not args.lengths or min(args.lengths) < 2):
+        parser.error(f"--lengths must be lengths >= 2 (got {args.lengths})")
+    return args
 
-
-ARGS = parse_args()
-if ARGS.smoke:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit definition
-
-import torch  # noqa: E402
-
-if "kdamoe" not in sys.modules:
-    # Import kdamoe.kernels and kdamoe.model.kda_torch (torch + triton only) without kdamoe/__init__, which imports
-    # transformers and the model (the GPU image's transformers may be older).
-    package = types.ModuleType("kdamoe")
-    package.__path__ = [os.path.join(REPO, "kdamoe")]
-    sys.modules["kdamoe"] = package
-
-from kdamoe.model.kda_torch import causal_conv1d_torch, kda_gate  # noqa: E402
-from kdamoe.kernels import causal_conv1d, causal_conv1d_parts, chunk_kda  # noqa: E402
 
 LB = -5.0
-START = time.perf_counter()
+ARGS = None  # the parsed arguments, set by main
+START = time.perf_counter()  # the budget's start (main resets it)
 
 
 def elapsed():
@@ -65,21 +64,8 @@ def elapsed():
 
 def timer(device, quick):
     """``fn -> median ms``: do_bench on CUDA, a wall-clock median on the CPU (smoke only)."""
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return lambda fn, grads=None: do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100,
-                                              grad_to_none=grads, return_mode="median")
-
-    def cpu(fn, grads=None):
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return sorted(times)[1]
-
-    return cpu
+    return lambda fn, grads=None: time_ms(fn, device == "cuda", warmup=10 if quick else 25, rep=40 if quick else 100,
+                                          grads=grads)
 
 
 def rel(a, b):
@@ -173,14 +159,17 @@ def fmt(value):
     return "—" if value is None else f"{value:.3f}"
 
 
-def main():
+def main(argv=None):
+    global ARGS, START
+    ARGS = parse_args(argv)
+    START = time.perf_counter()
     cuda = torch.cuda.is_available() and not ARGS.smoke
     device = "cuda" if cuda else "cpu"
     if not cuda and not ARGS.smoke:
         sys.exit("no CUDA device: run with --smoke to check the script on the CPU interpreter")
     dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter mishandles bfloat16
     H, K, W = (8, 128, 4) if not ARGS.smoke else (2, 16, 4)
-    lengths = [64, 80] if ARGS.smoke else [8192] if ARGS.quick else [8192, 32768]
+    lengths = ARGS.lengths or ([64, 80] if ARGS.smoke else [8192] if ARGS.quick else [8192, 32768])
     C = 3 * H * K
     measure = timer(device, ARGS.quick)
     rows, notes = [], set()
@@ -188,7 +177,7 @@ def main():
         bench_conv(T, C, W, dtype, device, measure, rows, notes)
         bench_gate(T, H, K, dtype, device, measure, rows)
 
-    meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu (interpreter smoke)", dtype=str(dtype),
+    meta = dict(device=device_name(cuda, cpu="cpu (interpreter smoke)"), dtype=str(dtype),
                 H=H, K=K, V=K, C=C, W=W, torch=torch.__version__, seconds=round(elapsed(), 1), notes=sorted(notes))
     try:
         import triton
@@ -197,8 +186,7 @@ def main():
     except ImportError:
         pass
     os.makedirs(ARGS.out, exist_ok=True)
-    with open(os.path.join(ARGS.out, "layer_ops.json"), "w") as fh:
-        json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+    write_json(os.path.join(ARGS.out, "layer_ops.json"), dict(meta=meta, rows=rows))
     header = "| op | variant | T | fwd ms | fwd+bwd ms | rel. L2 diff | note |\n|---|---|---|---|---|---|---|\n"
     body = "".join(f"| {r['op']} | {r['variant']} | {r['T']} | {fmt(r['fwd_ms'])} | {fmt(r['fwd_bwd_ms'])} | "
                    f"{'—' if r['err'] is None else format(r['err'], '.2e')} | {r['note']} |\n"
@@ -207,8 +195,7 @@ def main():
             f"B=1, H={H}, K=V={K}; conv C={C}, W={W}. Medians of triton.testing.do_bench. rel. L2 diff: against the "
             f"float32 PyTorch conv (conv rows) or between the two gate variants (gate rows).\n\n" + header + body
             + "".join(f"\n- {n}" for n in meta["notes"]) + f"\n\nTotal run time {meta['seconds']} s.\n")
-    with open(os.path.join(ARGS.out, "layer_ops.md"), "w") as fh:
-        fh.write(text)
+    write_text(os.path.join(ARGS.out, "layer_ops.md"), text)
     print(text)
 
 

@@ -53,103 +53,31 @@ invocations (the device script's bench, then ``--only greedy`` after training) e
 
 import argparse
 import contextlib
-import gc
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-import traceback
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import (  # noqa: E402  (the benchmarks folder is not a package)
+    GIB, NATIVE, Bench, K, M, Recorder, Shape, add_run_args, build_kdamoe, build_native, check_at_least,
+    compare_row, finish_run_args, fmt, ints, kernel_summary, label, run_parts, start_run, value_of,
+)
 
-K, M = 1 << 10, 1 << 20
-GIB = float(1 << 30)
 PARTS = ("kdamoe", "native", "floor", "profile", "greedy")
-NATIVE = "native+fla"
-
-
-@dataclass
-class Shape:
-    """The model shape both implementations are built with (see the module docstring)."""
-
-    vocab_size: int = 32000
-    hidden_size: int = 1024
-    num_hidden_layers: int = 16
-    num_attention_heads: int = 8
-    kv_lora_rank: int = 256
-    head_dim: int = 128  # MLA value (and our query/key) head dim; native's nope part of the key
-    native_rope_dim: int = 64  # native's shared key part (transformers default)
-    kda_num_heads: int = 8
-    kda_head_dim: int = 128
-    num_experts: int = 64
-    num_experts_per_tok: int = 8
-    moe_intermediate_size: int = 512
-    intermediate_size: int = 2816
-
-    @property
-    def layer_types(self) -> list[str]:
-        return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(self.num_hidden_layers)]
-
-
-TINY = Shape(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, kv_lora_rank=32,
-             head_dim=16, native_rope_dim=8, kda_num_heads=2, kda_head_dim=16, num_experts=4, num_experts_per_tok=2,
-             moe_intermediate_size=32, intermediate_size=128)
-
-
-def label(T: int) -> str:
-    """``131072`` -> ``128K``, ``1048576`` -> ``1M``, others as they are."""
-    if T >= M and T % M == 0:
-        return f"{T // M}M"
-    if T >= K and T % K == 0:
-        return f"{T // K}K"
-    return str(T)
 
 
 # ------------------------------------------------------------------------------------------------ recording
 
 
-class Recorder:
-    """Raw numbers, skips and errors of one run; ``save()`` rewrites the JSON and the markdown (after every
-    measurement). ``need(key, seconds)`` is False, and records ``skipped: time``, when the deadline is nearer.
-    Another benchmark reuses it by overriding ``stem`` (the file names), ``rows`` and ``markdown``."""
+class LongContextRecorder(Recorder):
+    """``harness.Recorder`` writing ``long_context.{json,md}`` with this benchmark's rows and tables."""
 
     stem = "long_context"
-
-    def __init__(self, out_dir: str, budget_s: float, settings: dict):
-        self.out_dir = out_dir
-        self.deadline = time.time() + budget_s
-        self.path = os.path.join(out_dir, f"{self.stem}.json")
-        old = json.load(open(self.path)) if os.path.exists(self.path) else {}
-        self.raw: dict = old.get("raw", {})
-        self.notes: dict = old.get("notes", {})
-        self.stack: dict = old.get("stack", {})
-        self.settings = {**old.get("settings", {}), **settings}
-
-    def left(self) -> float:
-        return self.deadline - time.time()
-
-    def put(self, group: str, key: str, value) -> None:
-        self.raw.setdefault(group, {})[key] = value
-        self.save()
-
-    def need(self, group: str, key: str, seconds: float) -> bool:
-        if self.left() >= seconds:
-            return True
-        self.put(group, key, f"skipped: time ({self.left():.0f} s left, needs ~{seconds:.0f} s)")
-        print(f"{group}/{key}: skipped: time", flush=True)
-        return False
-
-    def error(self, group: str, key: str) -> None:
-        text = traceback.format_exc()
-        print(text, flush=True)  # the whole traceback goes to the log; the results keep the exception line only
-        self.put(group, key, {"error": text.strip().splitlines()[-1][:500]})
 
     def rows(self) -> list[dict]:
         return make_rows(self.raw)
@@ -157,32 +85,13 @@ class Recorder:
     def markdown(self, doc: dict) -> str:
         return render_markdown(doc)
 
-    def save(self) -> None:
-        doc = {"stack": self.stack, "settings": self.settings, "rows": self.rows(), "raw": self.raw,
-               "notes": self.notes}
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=1)
-        os.replace(tmp, self.path)  # a kill mid-write leaves the previous file whole
-        with open(os.path.join(self.out_dir, f"{self.stem}.md"), "w") as f:
-            f.write(self.markdown(doc))
-
-
-def _num(entry, field):
-    return entry.get(field) if isinstance(entry, dict) else None
-
-
-def _row(name, ours, peer, peer_ms, **extra):
-    ratio = ours / peer_ms if ours is not None and peer_ms else None
-    return {"name": name, "ours_ms": ours, "peer": peer, "peer_ms": peer_ms, "ratio": ratio, **extra}
-
 
 def make_rows(raw: dict) -> list[dict]:
     """The comparison rows, derived from ``raw`` (kdamoe is "ours"; a missing side is ``None``, with the reason)."""
     ours, native, rows = raw.get("kdamoe", {}), raw.get("native", {}), []
 
     def ms(entry, field="s"):
-        value = _num(entry, field)
+        value = value_of(entry, field)
         return None if value is None else (value * 1e3 if field == "s" else value)
 
     def why(entry):  # a skip's reason, or the last line of an error
@@ -196,50 +105,42 @@ def make_rows(raw: dict) -> list[dict]:
         o, p = ours.get(f"prefill_T{T}"), native.get(f"prefill_T{T}")
         if o is None and p is None:
             continue
-        rows.append(_row(f"prefill {label(T)}", ms(o), NATIVE, ms(p), ours_peak_gib=_num(o, "peak_gib"),
-                         peer_peak_gib=_num(p, "peak_gib"), ours_chunk=_num(o, "chunk"),
+        rows.append(compare_row(f"prefill {label(T)}", ms(o), NATIVE, ms(p), ours_peak_gib=value_of(o, "peak_gib"),
+                         peer_peak_gib=value_of(p, "peak_gib"), ours_chunk=value_of(o, "chunk"),
                          **({"peer_note": why(p)} if ms(p) is None else {}),
                          **({"ours_note": why(o)} if ms(o) is None else {})))
     for key in sorted(k for k in ours if k.startswith("prefill_T") and "_chunk" in k):
         T, chunk = (int(x) for x in key[len("prefill_T"):].split("_chunk"))
         p = native.get(f"prefill_T{T}")
-        rows.append(_row(f"prefill {label(T)} (kdamoe chunk {chunk})", ms(ours[key]), NATIVE, ms(p),
-                         ours_peak_gib=_num(ours[key], "peak_gib"), peer_peak_gib=_num(p, "peak_gib"),
+        rows.append(compare_row(f"prefill {label(T)} (kdamoe chunk {chunk})", ms(ours[key]), NATIVE, ms(p),
+                         ours_peak_gib=value_of(ours[key], "peak_gib"), peer_peak_gib=value_of(p, "peak_gib"),
                          **({"ours_note": why(ours[key])} if ms(ours[key]) is None else {})))
     decodes = sorted({(int(k.split("_")[1][1:]), int(k.split("_T")[1].split("_")[0]))
                       for k in ours.keys() | native.keys() if k.startswith("decode_b") and not k.endswith("_eager")},
                      key=lambda bt: (bt[0], bt[1]))
     for B, T in decodes:
         o, p = ours.get(f"decode_b{B}_T{T}"), native.get(f"decode_b{B}_T{T}")
-        rows.append(_row(f"decode B={B} after {label(T)}", ms(o, "median_ms"), NATIVE, ms(p, "median_ms"),
+        rows.append(compare_row(f"decode B={B} after {label(T)}", ms(o, "median_ms"), NATIVE, ms(p, "median_ms"),
                          **({"peer_note": why(p)} if ms(p, "median_ms") is None else {}),
                          **({"ours_note": why(o)} if ms(o, "median_ms") is None else {})))
     for key in sorted((k for k in ours if k.endswith("_eager")), key=lambda k: int(k.split("_T")[1].split("_")[0])):
         graph = ours.get(key[: -len("_eager")])
         T = int(key.split("_T")[1].split("_")[0])
-        rows.append(_row(f"decode B=1 after {label(T)}: CUDA graph vs eager", ms(graph, "median_ms"), "eager",
+        rows.append(compare_row(f"decode B=1 after {label(T)}: CUDA graph vs eager", ms(graph, "median_ms"), "eager",
                          ms(ours[key], "median_ms")))
     floor = raw.get("floor", {}).get("sdpa")
     if isinstance(floor, dict):
         T = floor["T"]
-        rows.append(_row(f"prefill {label(T)} vs its {floor['layers']} MLA layers' causal attention alone",
+        rows.append(compare_row(f"prefill {label(T)} vs its {floor['layers']} MLA layers' causal attention alone",
                          ms(ours.get(f"prefill_T{T}")), "floor", floor["floor_ms"]))
         p = ms(native.get(f"prefill_T{T}"))
         if p is not None:
-            rows.append({**_row(f"native prefill {label(T)} vs the same floor", p, "floor", floor["floor_ms"]),
+            rows.append({**compare_row(f"native prefill {label(T)} vs the same floor", p, "floor", floor["floor_ms"]),
                          "ours": NATIVE})
     return rows
 
 
 # ------------------------------------------------------------------------------------------------ markdown
-
-
-def _fmt(x, digits=3):
-    if x is None:
-        return "—"
-    if isinstance(x, float):
-        return f"{x:.{digits}g}" if abs(x) < 1000 else f"{x:.0f}"
-    return str(x)
 
 
 def render_markdown(doc: dict) -> str:
@@ -259,8 +160,8 @@ def render_markdown(doc: dict) -> str:
     for r in doc["rows"]:
         note = "; ".join(str(r[k]) for k in ("ours_note", "peer_note") if r.get(k))
         name = r["name"] if r.get("ours") is None else f"{r['name']} (ours = {r['ours']})"
-        lines.append(f"| {name} | {_fmt(r['ours_ms'], 4)} | {r['peer']} | {_fmt(r['peer_ms'], 4)} | "
-                     f"{_fmt(r['ratio'])} | {_fmt(r.get('ours_peak_gib'))} | {_fmt(r.get('peer_peak_gib'))} | "
+        lines.append(f"| {name} | {fmt(r['ours_ms'], 4)} | {r['peer']} | {fmt(r['peer_ms'], 4)} | "
+                     f"{fmt(r['ratio'])} | {fmt(r.get('ours_peak_gib'))} | {fmt(r.get('peer_peak_gib'))} | "
                      f"{note[:160]} |")
     lines += ["", "## Decode details", "",
               "| model | case | median ms | min ms | max ms | rows agree | graphs captured | cache expanded by |",
@@ -268,28 +169,28 @@ def render_markdown(doc: dict) -> str:
     for model in ("kdamoe", "native"):
         for key, e in raw.get(model, {}).items():
             if key.startswith("decode_b") and isinstance(e, dict) and "median_ms" in e:
-                lines.append(f"| {model} | {key} | {_fmt(e['median_ms'], 4)} | {_fmt(min(e['steps_ms']), 4)} | "
-                             f"{_fmt(max(e['steps_ms']), 4)} | {e.get('rows_agree', '—')} | "
-                             f"{_fmt(e.get('graphs_captured'))} | {e.get('cache_expand', '—')} |")
+                lines.append(f"| {model} | {key} | {fmt(e['median_ms'], 4)} | {fmt(min(e['steps_ms']), 4)} | "
+                             f"{fmt(max(e['steps_ms']), 4)} | {e.get('rows_agree', '—')} | "
+                             f"{fmt(e.get('graphs_captured'))} | {e.get('cache_expand', '—')} |")
     floor = raw.get("floor", {}).get("sdpa")
     if isinstance(floor, dict):
         lines += ["", "## Floor: the MLA layers' causal attention alone", "",
                   f"`scaled_dot_product_attention(q, k, v, is_causal=True)`, {floor['dtype']} [1, {floor['H']}, {floor['T']}, "
                   f"{floor['d']}], {floor['layers']} layers; {floor['flops']:.3g} FLOP in all. Per backend, one call "
-                  "(ms): " + ", ".join(f"{b} {_fmt(t, 4)}" for b, t in floor["one_call_ms"].items()) +
-                  f". Floor: {floor['best_backend']}, {_fmt(floor['floor_ms'], 4)} ms for {floor['layers']} layers, "
-                  f"{_fmt(floor['tflops'])} TFLOP/s."]
+                  "(ms): " + ", ".join(f"{b} {fmt(t, 4)}" for b, t in floor["one_call_ms"].items()) +
+                  f". Floor: {floor['best_backend']}, {fmt(floor['floor_ms'], 4)} ms for {floor['layers']} layers, "
+                  f"{fmt(floor['tflops'])} TFLOP/s."]
     for kind, prof in (raw.get("profile") or {}).items():
         if not isinstance(prof, dict) or "table" not in prof:
             continue
         lines += ["", f"## Profile: one kdamoe decode step after {label(prof['T'])}, {kind}", "",
-                  f"Wall per step (unprofiled median of {prof['timed_steps']}): {_fmt(prof['wall_ms'], 4)} ms; under the "
-                  f"profiler {_fmt(prof['profiled_wall_ms'], 4)} ms. GPU kernel time per step (sum): "
-                  f"{_fmt(prof['kernel_ms'], 4)} ms ({_fmt(prof['busy_share'])} of the unprofiled wall). Kernels run "
-                  f"per step: {_fmt(prof['kernels_per_step'])}; host launch calls per step: "
-                  + ", ".join(f"{n} {_fmt(c)}" for n, c in prof["launch_calls_per_step"].items()) + ".", "",
+                  f"Wall per step (unprofiled median of {prof['timed_steps']}): {fmt(prof['wall_ms'], 4)} ms; under the "
+                  f"profiler {fmt(prof['profiled_wall_ms'], 4)} ms. GPU kernel time per step (sum): "
+                  f"{fmt(prof['kernel_ms'], 4)} ms ({fmt(prof['busy_share'])} of the unprofiled wall). Kernels run "
+                  f"per step: {fmt(prof['kernels_per_step'])}; host launch calls per step: "
+                  + ", ".join(f"{n} {fmt(c)}" for n, c in prof["launch_calls_per_step"].items()) + ".", "",
                   "| kernel | calls/step | µs/step | share |", "|---|---|---|---|"]
-        lines += [f"| `{r['name']}` | {_fmt(r['calls'])} | {_fmt(r['us'])} | {_fmt(r['share'])} |" for r in prof["table"]]
+        lines += [f"| `{r['name']}` | {fmt(r['calls'])} | {fmt(r['us'])} | {fmt(r['share'])} |" for r in prof["table"]]
     for dtype, g in (raw.get("greedy") or {}).items():
         if isinstance(g, dict) and "equal" in g:
             lines += ["", f"## Greedy check ({dtype})", "",
@@ -297,8 +198,8 @@ def render_markdown(doc: dict) -> str:
                       f"model {g['model_dir']}: "
                       f"(a) {g['a']} vs (b) {g['b']}: equal = {g['equal']}"
                       + ("" if g["equal"] else f", first difference at new token {g['first_diff']} (run (a)'s top-1 "
-                         f"margin there: {_fmt(g['margin_a'])})")
-                      + f"; relative L2 difference of the first step's logits: {_fmt(g['step0_logits_rel_diff'])}."]
+                         f"margin there: {fmt(g['margin_a'])})")
+                      + f"; relative L2 difference of the first step's logits: {fmt(g['step0_logits_rel_diff'])}."]
     problems = [(f"{group}/{key}", v if isinstance(v, str) else v["error"].strip().splitlines()[-1])
                 for group, entries in raw.items() if isinstance(entries, dict) for key, v in entries.items()
                 if isinstance(v, str) or (isinstance(v, dict) and "error" in v)]
@@ -309,96 +210,7 @@ def render_markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ------------------------------------------------------------------------------------------------ models
-
-
-def build_kdamoe(shape: Shape, device, dtype, moe_latent_size: int | None = None, attnres_num_blocks: int = 0):
-    """``KDAMoEForCausalLM`` of ``shape``; by default no latent experts and no AttnRes (the native model has
-    neither); ``moe_latent_size`` / ``attnres_num_blocks`` turn them on (the training recipe's shape)."""
-    from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
-
-    cfg = KDAMoEConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
-                       num_hidden_layers=shape.num_hidden_layers, layer_types=shape.layer_types,
-                       num_attention_heads=shape.num_attention_heads, kv_lora_rank=shape.kv_lora_rank,
-                       qk_head_dim=shape.head_dim, v_head_dim=shape.head_dim, kda_num_heads=shape.kda_num_heads,
-                       kda_head_dim=shape.kda_head_dim, num_experts=shape.num_experts,
-                       num_experts_per_tok=shape.num_experts_per_tok, num_shared_experts=1,
-                       moe_intermediate_size=shape.moe_intermediate_size, moe_latent_size=moe_latent_size,
-                       first_k_dense_replace=1, intermediate_size=shape.intermediate_size,
-                       attnres_num_blocks=attnres_num_blocks,
-                       max_position_embeddings=1 << 20, kernel_backend="auto", pad_token_id=0, bos_token_id=1,
-                       eos_token_id=2)
-    torch.manual_seed(0)
-    with torch.device(device):  # initialise on the GPU: the CPU takes tens of seconds for 1.7B parameters
-        model = KDAMoEForCausalLM(cfg)
-    return model.to(dtype).eval()
-
-
-def build_native(shape: Shape, device, dtype):
-    """transformers' ``KimiLinearForCausalLM`` of ``shape`` (transformers defaults otherwise; fla kernels when installed)."""
-    from transformers import KimiLinearConfig, KimiLinearForCausalLM
-
-    cfg = KimiLinearConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
-                           intermediate_size=shape.intermediate_size, moe_intermediate_size=shape.moe_intermediate_size,
-                           num_hidden_layers=shape.num_hidden_layers, layer_types=shape.layer_types,
-                           num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_attention_heads,
-                           kv_lora_rank=shape.kv_lora_rank, qk_nope_head_dim=shape.head_dim,
-                           qk_rope_head_dim=shape.native_rope_dim, v_head_dim=shape.head_dim,
-                           num_local_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
-                           n_shared_experts=1, linear_num_heads=shape.kda_num_heads, linear_head_dim=shape.kda_head_dim,
-                           pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = KimiLinearForCausalLM(cfg)
-    return model.to(dtype).eval()
-
-
-def implementation_module(fn) -> str:
-    """Where the kernel behind one of transformers' ``use_kernel_func_from_hub_with_fallback`` wrappers comes from:
-    the module of the ``implementation`` it closes over (transformers 5.24), ``torch fallback`` when that is
-    transformers' own PyTorch function; for anything else (transformers 5.25 makes it a module that ``kernelize``
-    swaps, with ``use_kernels``) its type's name."""
-    if not hasattr(fn, "__code__"):
-        return f"unknown ({type(fn).__qualname__} object, not a 5.24-style wrapper)"
-    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
-    if "implementation" not in cells:
-        return "unknown (no implementation in the wrapper's closure)"
-    target = cells["implementation"].cell_contents
-    if "torch_function" in cells and target is cells["torch_function"].cell_contents:
-        return "torch fallback (transformers)"
-    return f"{target.__module__}.{target.__name__}"
-
-
 # ------------------------------------------------------------------------------------------------ measurements
-
-
-class Bench:
-    """What every measurement needs: device, dtype, shape, step counts and the recorder."""
-
-    def __init__(self, args, rec: Recorder):
-        self.args, self.rec = args, rec
-        self.device = torch.device(args.device)
-        self.cuda = self.device.type == "cuda"
-        self.dtype = torch.bfloat16 if self.cuda else torch.float32
-        self.shape = TINY if args.tiny else Shape()
-        self.gen = torch.Generator(device="cpu").manual_seed(0)
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def free(self):
-        gc.collect()
-        if self.cuda:
-            torch.cuda.empty_cache()
-
-    def ids(self, batch: int, T: int) -> torch.Tensor:
-        """Random token ids ``[batch, T]`` away from the special ids 0-2."""
-        return torch.randint(3, self.shape.vocab_size, (batch, T), generator=self.gen).to(self.device)
-
-    def est(self, seconds_full: float) -> float:
-        """Seconds a step needs in full mode (the deadline's yardstick); the tiny mode always fits."""
-        return 0.0 if self.args.tiny else seconds_full
 
 
 @torch.no_grad()
@@ -657,10 +469,6 @@ def run_floor(bench: Bench) -> None:
                                   "tflops": flops / (times[best] * layers / 1e3) / 1e12})
 
 
-LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
-                "cudaMemcpyAsync", "cudaMemsetAsync")
-
-
 @torch.no_grad()
 def profile_steps(bench: Bench, model, cache, tok, steps: int):
     """``steps`` decode steps under ``torch.profiler`` (CPU + CUDA activity); parsed from the exported trace.
@@ -680,31 +488,6 @@ def profile_steps(bench: Bench, model, cache, tok, steps: int):
         bench.sync()
         wall = time.perf_counter() - t0
     return {"profiled_wall_ms": wall / steps * 1e3, **kernel_summary(prof, steps)}, cache, tok
-
-
-def kernel_summary(prof, steps: int, top: int = 15) -> dict:
-    """GPU work of a finished ``torch.profiler.profile`` over ``steps`` steps, parsed from its exported trace:
-    summed kernel (and memcpy/memset) time per step (``kernel_ms``), kernels run per step, host launch calls
-    per step by API name, and the ``top`` kernel names by time (``calls`` and ``us`` per step, ``share``)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f).get("traceEvents", [])
-    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e.get("name", "?"), []).append(float(e.get("dur", 0.0)))
-    total_us = sum(sum(v) for v in by_name.values())
-    table = sorted(({"name": n if len(n) <= 90 else n[:87] + "...", "calls": len(v) / steps, "us": sum(v) / steps,
-                     "share": sum(v) / total_us if total_us else None} for n, v in by_name.items()),
-                   key=lambda r: -r["us"])[:top]
-    launches = {}
-    for e in events:
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("name") in LAUNCH_CALLS:
-            launches[e["name"]] = launches.get(e["name"], 0) + 1 / steps
-    return {"kernel_ms": total_us / steps / 1e3, "kernels_per_step": len(kernels) / steps,
-            "launch_calls_per_step": launches, "table": table}
 
 
 def run_profile(bench: Bench) -> None:
@@ -824,50 +607,10 @@ def run_greedy(bench: Bench) -> None:
 # ------------------------------------------------------------------------------------------------ main
 
 
-def run_part(bench: Bench, part: str, fn) -> None:
-    """Run one part of a benchmark: an exception is recorded under ``part`` (the run goes on with the next part),
-    memory is freed after it, and the time it took is printed. Shared by the device benchmarks."""
-    t0 = time.time()
-    try:
-        fn()
-    except Exception:
-        bench.rec.error(part, "part")
-    bench.free()
-    print(f"part {part}: {time.time() - t0:.0f} s; {bench.rec.left():.0f} s left", flush=True)
-
-
-def stack_versions(bench: Bench) -> dict:
-    import importlib.metadata as md
-
-    import transformers
-    import triton
-
-    try:
-        fla = md.version("fla-core")
-    except md.PackageNotFoundError:
-        fla = None
-    out = {"gpu": torch.cuda.get_device_name() if bench.cuda else "cpu", "torch": torch.__version__,
-           "triton": triton.__version__, "transformers": transformers.__version__, "fla": fla,
-           "cuda": torch.version.cuda}
-    try:
-        from transformers.models.kimi_linear import modeling_kimi_linear as kl
-
-        out["native_kda_from"] = implementation_module(kl.chunk_kimi_delta_attention)
-        out["native_conv_from"] = implementation_module(kl.causal_conv1d_fn)
-    except Exception as err:  # an older transformers without kimi_linear: the native part will say why
-        out["native_kda_from"] = repr(err)
-    return out
-
-
 def parse_args(argv=None):
-    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for long_context.{json,md}")
-    p.add_argument("--only", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes and lengths (CPU smoke test)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--budget-s", type=float, default=float(os.environ.get("LC_BUDGET_S", "480")),
-                   help="deadline: measurements that do not fit in what is left are recorded as 'skipped: time'")
+    add_run_args(p, PARTS, out_default=".", out_help="folder for long_context.{json,md}",
+                 budget_default=float(os.environ.get("LC_BUDGET_S", "480")))
     p.add_argument("--prefill-t", type=ints, default=None, help="prefill lengths (default 128K,512K,1M)")
     p.add_argument("--decode-t", type=ints, default=None, help="decode after these lengths (default 4K,128K,1M)")
     p.add_argument("--eager-t", type=ints, default=None, help="kdamoe eager decode after these (default 4K,1M)")
@@ -891,20 +634,12 @@ def parse_args(argv=None):
                     eager_t=[64, 256] if small else [4 * K, M], warmup=1 if small else 3, steps=3 if small else 16,
                     warm_t=32 if small else 8 * K, profile_t=64 if small else 32 * K,
                     greedy_prompt=96 if small else 4 * K, greedy_new=6 if small else 64, greedy_chunk=37 if small else 1000)
-    for name, value in defaults.items():
-        if getattr(a, name) is None:
-            setattr(a, name, value)
+    finish_run_args(p, a, PARTS, defaults)
     if small and not a.chunk2:
         a.chunk2 = [48]
     if small and a.chunk is None:
         a.chunk = 100
-    a.only = [x.strip() for x in a.only.split(",") if x.strip()]
-    bad = [x for x in a.only if x not in PARTS]
-    if bad:
-        p.error(f"--only: unknown part(s) {bad}; choose from {', '.join(PARTS)}")
-    for name in ("warmup", "steps", "batch", "profile_steps", "greedy_new"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
+    check_at_least(p, a, ("warmup", "steps", "batch", "profile_steps", "greedy_new"))
     if a.profile_steps < 1 or min(a.prefill_t + a.decode_t) < 2:
         p.error("lengths must be >= 2")
     return a
@@ -912,14 +647,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    os.makedirs(a.out, exist_ok=True)
-    if a.tiny and a.device == "cpu":
-        torch.set_num_threads(1)  # tiny ops: a second thread only adds contention on a shared machine
-    settings = {"tiny": a.tiny, "shape": asdict(TINY if a.tiny else Shape()), "warmup": a.warmup, "steps": a.steps,
-                "tcache_restored": os.environ.get("LC_TCACHE_RESTORED") == "1"}
-    rec = Recorder(a.out, a.budget_s, settings)
-    bench = Bench(a, rec)
-    rec.stack = stack_versions(bench)
+    bench = start_run(a, LongContextRecorder, {"warmup": a.warmup, "steps": a.steps,
+                                               "tcache_restored": os.environ.get("LC_TCACHE_RESTORED") == "1"})
+    rec = bench.rec
     n_layers = bench.shape.num_hidden_layers
     rec.notes.update(
         native_layer_types=f"native gets kdamoe's layer_types (full attention at 0-based layers "
@@ -933,13 +663,7 @@ def main(argv=None) -> int:
     print("stack:", rec.stack, flush=True)
     runners = {"kdamoe": lambda: run_model(bench, "kdamoe"), "native": lambda: run_model(bench, "native"),
                "floor": lambda: run_floor(bench), "profile": lambda: run_profile(bench), "greedy": lambda: run_greedy(bench)}
-    for part in a.only:  # in the order asked
-        if part in PARTS:
-            run_part(bench, part, runners[part])
-    rec.save()
-    with open(os.path.join(a.out, "long_context.md")) as f:
-        print(f.read())
-    return 0
+    return run_parts(bench, runners)
 
 
 if __name__ == "__main__":

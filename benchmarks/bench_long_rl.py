@@ -1,10 +1,10 @@
 """Million-token agentic RL on one GPU: rollout turns on a kept cache against TRL's re-prefilling loop, and one
 memory-bounded GRPO optimizer step over >= 1M tokens of trajectories (issue #16).
 
-The model is the long-context benchmark's shape (``bench_long_context.Shape``: 1.68B total / 0.36B active
+The model is the long-context benchmark's shape (``harness.Shape``: 1.68B total / 0.36B active
 parameters, vocab 32000, 16 layers with MLA every 4th, ``max_position_embeddings`` 1M), bf16, random weights from a
 fixed seed, random token ids. One device call (``benchmarks/device_long_rl.sh``) runs the parts below; each is
-caught on its own and ``long_rl.json`` is rewritten after every measurement (``bench_long_context.Recorder``), so
+caught on its own and ``long_rl.json`` is rewritten after every measurement (``harness.Recorder``), so
 the deadline or a crash loses nothing measured before it.
 
 Parts (``--only``, comma list; default all):
@@ -45,21 +45,21 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_long_context import (GIB, TINY, Bench, Recorder, Shape, build_kdamoe, label, run_part,  # noqa: E402
-                                stack_versions)
+from harness import (  # noqa: E402  (the benchmarks folder is not a package)
+    GIB, Bench, K, M, Recorder, add_run_args, build_kdamoe, check_at_least, finish_run_args, ints, label, run_parts,
+    start_run,
+)
 
-K, M = 1024, 1 << 20
 PARTS = ("turns", "trajectory", "update")
 
 
 class RLRecorder(Recorder):
-    """``bench_long_context.Recorder`` writing ``long_rl.{json,md}`` with this benchmark's tables."""
+    """``harness.Recorder`` writing ``long_rl.{json,md}`` with this benchmark's tables."""
 
     stem = "long_rl"
 
@@ -399,16 +399,10 @@ def run_update(bench: Bench) -> None:
 
 # ------------------------------------------------------------------------------------------------ main
 def parse_args(argv=None):
-    def lengths(text):
-        return [int(x) for x in text.split(",") if x.strip()]
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="results folder ($OUT; default bench_out)")
-    p.add_argument("--only", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes and lengths (CPU smoke test)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--budget-s", type=float, default=480.0)
-    p.add_argument("--contexts", type=lengths, default=None, help="turn contexts (default 4K,16K,64K,256K,1M)")
+    add_run_args(p, PARTS, out_default="bench_out", out_help="results folder ($OUT; default bench_out)",
+                 budget_default=480.0)
+    p.add_argument("--contexts", type=ints, default=None, help="turn contexts (default 4K,16K,64K,256K,1M)")
     p.add_argument("--result-tokens", type=int, default=None, help="tool-result tokens per turn (default 48)")
     p.add_argument("--gen-tokens", type=int, default=None, help="generated tokens per turn (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="cached turns per context")
@@ -419,27 +413,17 @@ def parse_args(argv=None):
     p.add_argument("--update-t", type=int, default=None, help="tokens per trajectory, ours (default 290K: a ragged group of 4 "
                    "then holds >= 1M tokens)")
     p.add_argument("--update-prompt", type=int, default=None, help="prompt tokens per trajectory (default 4K)")
-    p.add_argument("--trl-t", type=lengths, default=None, help="TRL defaults' lengths per row (default 64K,...,1M)")
+    p.add_argument("--trl-t", type=ints, default=None, help="TRL defaults' lengths per row (default 64K,...,1M)")
     a = p.parse_args(argv)
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {a.device}: this torch has no CUDA device (use --device cpu, e.g. with --tiny)")
     t = a.tiny
     defaults = dict(contexts=[64, 256, 1024] if t else [4 * K, 16 * K, 64 * K, 256 * K, M],
                     result_tokens=5 if t else 48, gen_tokens=4 if t else 64, traj_prompt=32 if t else 4 * K,
                     traj_turns=3 if t else 8, traj_result=40 if t else 32 * K, update_rows=2 if t else 4,
                     update_t=96 if t else 290 * K, update_prompt=16 if t else 4 * K,
                     trl_t=[64, 128] if t else [64 * K, 128 * K, 256 * K, 512 * K, M])
-    for name, value in defaults.items():
-        if getattr(a, name) is None:
-            setattr(a, name, value)
-    a.only = [x.strip() for x in a.only.split(",") if x.strip()]
-    bad = [x for x in a.only if x not in PARTS]
-    if bad:
-        p.error(f"--only: unknown part(s) {bad}; choose from {', '.join(PARTS)}")
-    for name in ("result_tokens", "gen_tokens", "repeats", "traj_turns", "traj_result", "traj_prompt", "update_rows",
-                 "update_prompt"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
+    finish_run_args(p, a, PARTS, defaults)
+    check_at_least(p, a, ("result_tokens", "gen_tokens", "repeats", "traj_turns", "traj_result", "traj_prompt",
+                          "update_rows", "update_prompt"))
     # each context extends the one before, which has grown by the turns played there
     played = a.repeats * (a.result_tokens + a.gen_tokens)
     if min(a.contexts) < 2 or any(b < c + played for c, b in zip(a.contexts, a.contexts[1:])):
@@ -453,15 +437,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    os.makedirs(a.out, exist_ok=True)
-    if a.tiny and a.device == "cpu":
-        torch.set_num_threads(1)
-    settings = {"tiny": a.tiny, "shape": asdict(TINY if a.tiny else Shape()), "contexts": a.contexts,
-                "result_tokens": a.result_tokens, "gen_tokens": a.gen_tokens, "repeats": a.repeats}
-    rec = RLRecorder(a.out, a.budget_s, settings)
-    bench = Bench(a, rec)
-    rec.stack = stack_versions(bench)
-    rec.save()
+    bench = start_run(a, RLRecorder, {"contexts": a.contexts, "result_tokens": a.result_tokens,
+                                      "gen_tokens": a.gen_tokens, "repeats": a.repeats})
+    bench.rec.save()
     rollout_parts = {"turns": run_turns, "trajectory": run_trajectory}
     shared = {}  # the rollout parts share one eval-mode model; the update builds its own per case
 
@@ -470,17 +448,13 @@ def main(argv=None) -> int:
             shared["model"] = build_kdamoe(bench.shape, bench.device, bench.dtype)
         rollout_parts[part](bench, shared["model"])
 
-    for part in a.only:
-        if part == "update":
-            shared.clear()
-            bench.free()
-            run_part(bench, part, lambda: run_update(bench))
-        else:
-            run_part(bench, part, lambda: rollout_part(part))
-    rec.save()
-    with open(os.path.join(a.out, "long_rl.md")) as f:
-        print(f.read())
-    return 0
+    def update_part():
+        shared.clear()  # the update builds its own model per case: the rollout parts' model goes first
+        bench.free()
+        run_update(bench)
+
+    return run_parts(bench, {"turns": lambda: rollout_part("turns"), "trajectory": lambda: rollout_part("trajectory"),
+                             "update": update_part})
 
 
 if __name__ == "__main__":

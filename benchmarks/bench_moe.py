@@ -20,21 +20,17 @@ experts: ours = ``moe_route`` + ``moe_experts``; peer = ``moe_peers.grouped_mm_m
 """
 
 import argparse
-import hashlib
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from harness import commit, device_name, sources_digest, time_ms, write_results  # noqa: E402
 from moe_peers import grouped_mm_moe  # noqa: E402
 
 from kdamoe.model.kernel_dispatch import moe_route_op  # noqa: E402
@@ -42,7 +38,7 @@ from kdamoe.kernels import moe_experts, moe_route  # noqa: E402
 from kdamoe.kernels.utils import relative_error  # noqa: E402
 from kdamoe.model.moe_torch import GLUActivation, moe_experts_torch, moe_route_torch  # noqa: E402
 
-CEIL_TFLOPS = 757.0  # bf16 GEMM 8192³ measured on an H200 with this image (see notes_moe.md)
+CEIL_TFLOPS = 757.0  # bf16 GEMM 8192³ measured on an H200 with this image (docs/kernels.md)
 QB_BINS = 1024
 
 
@@ -51,42 +47,17 @@ QB_BINS = 1024
 # ----------------------------------------------------------------------------------------------------------
 def bench(fn, dev, grads=None, rep=100):
     """Median ms: ``triton.testing.do_bench`` on CUDA; a few wall-clock runs on the CPU (smoke only)."""
-    if dev.type == "cuda":
-        from triton.testing import do_bench
-        return do_bench(fn, warmup=max(25, rep // 4), rep=rep, grad_to_none=grads, return_mode="median")
-    times = []
-    for _ in range(3):
-        for g in grads or ():
-            g.grad = None
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    return time_ms(fn, dev.type == "cuda", warmup=max(25, rep // 4), rep=rep, grads=grads)
 
 
 def stack(dev):
     """torch / triton / device / commit of this run, for the results files."""
     import triton
-    # $KDAMOE_COMMIT first: a device copy of the working tree can carry an older .git than the files measured.
-    commit = os.environ.get("KDAMOE_COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                    timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            commit = ""
-    digest = hashlib.sha256()
-    for sub in ("kdamoe/kernels/moe", "kdamoe"):
-        folder = os.path.join(REPO, sub)
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".py"):
-                with open(os.path.join(folder, name), "rb") as fh:
-                    digest.update(fh.read())
     return {
         "torch": torch.__version__, "triton": triton.__version__,
-        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (TRITON_INTERPRET=1)",
-        "cuda": torch.version.cuda, "commit": commit or "unknown",
-        "sources_sha256": digest.hexdigest()[:16],
+        "device": device_name(dev.type == "cuda", cpu="cpu (TRITON_INTERPRET=1)"),
+        "cuda": torch.version.cuda, "commit": commit() or "unknown",
+        "sources_sha256": sources_digest(("kdamoe/kernels/moe", "kdamoe")),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
 
@@ -97,11 +68,7 @@ def stack_lines(info):
 
 
 def write(out, name, payload, lines):
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"{name}.json"), "w") as fh:
-        json.dump(payload, fh, indent=1)
-    with open(os.path.join(out, f"{name}.md"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
+    write_results(out, name, payload, "\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
 
@@ -324,14 +291,14 @@ def experts_bench(args, dev, info):
     write(args.out, "moe_experts", {"stack": info, "rows": rows, "errors": errs}, lines)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--router-only", action="store_true", help="only the router case")
     parser.add_argument("--quick", action="store_true", help="three experts cases, no loop peer")
     parser.add_argument("--profile", action="store_true", help="per-kernel profile of the experts (CUDA)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; runs on the CPU under TRITON_INTERPRET=1")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="results folder ($OUT)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cpu" and (not args.smoke or os.environ.get("TRITON_INTERPRET") != "1"):
         parser.error("no CUDA device: only --smoke with TRITON_INTERPRET=1 runs on the CPU")

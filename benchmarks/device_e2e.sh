@@ -10,12 +10,12 @@
 # none: no bench, only the optional steps),
 # E2E_PARITY (0; 1 runs benchmarks/model_parity.py first, limited to E2E_PARITY_S, default 150 s, taken from the
 # bench's time: with a cold Triton cache it takes minutes, so it is off by default), E2E_TUNE (0; 1 first times every
-# block config of the experts GEMMs, benchmarks/tune_moe_rows.py, limit E2E_TUNE_S = 150 s, with E2E_TUNE_ARGS, e.g.
-# "--gemms gate_up,dw1,dw2"), E2E_NORM (0; 1 first runs benchmarks/tune_norm.py, limit E2E_NORM_S = 120 s),
+# block config of the experts GEMMs, benchmarks/tuning/tune_moe_rows.py, limit E2E_TUNE_S = 150 s, with E2E_TUNE_ARGS, e.g.
+# "--gemms gate_up,dw1,dw2"), E2E_NORM (0; 1 first runs benchmarks/tuning/tune_norm.py, limit E2E_NORM_S = 120 s),
 # E2E_PYTEST (test files run after the bench with KDAMOE_TEST_ON_GPU=1, limit E2E_PYTEST_S = 200 s, taken from the
 # bench's time; default none), E2E_FSDP (0; 1 runs
 # benchmarks/bench_fsdp_overhead.py after the bench, limit E2E_FSDP_S = 240 s; carry data/shakespeare for it), E2E_LAUNCH
-# (0; 1 first runs benchmarks/launch_overhead.py, limit 120 s: host µs per kernel launch, short path vs Triton's),
+# (0; 1 first runs benchmarks/tuning/launch_overhead.py, limit 120 s: host µs per kernel launch, short path vs Triton's),
 # E2E_PACK (1; 0 returns no Triton cache, e.g. on the last call of a session, and gives its 45 s to the bench).
 # Files back: e2e.json, e2e.md, e2e.log (the output of every step), model_parity.json (E2E_PARITY=1),
 # moe_rows_tune.json (E2E_TUNE=1), norm_tune.json (E2E_NORM=1), fsdp_overhead.json (E2E_FSDP=1), launch_overhead.json (E2E_LAUNCH=1) and at most four 15 MB parts of the Triton cache (more would pass the 8 files a call returns; then none are kept).
@@ -49,20 +49,20 @@ fi
 
 if [ "${E2E_LAUNCH:-0}" = 1 ]; then
     echo "== launch overhead, limit 120 s" >> "$LOG"
-    timeout 120 python3 benchmarks/launch_overhead.py --out "$OUT" >> "$LOG" 2>&1
+    timeout 120 python3 benchmarks/tuning/launch_overhead.py --out "$OUT" >> "$LOG" 2>&1
     echo "launch overhead exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
 fi
 
 if [ "${E2E_TUNE:-0}" = 1 ]; then
     echo "== experts GEMM sweep, limit ${E2E_TUNE_S:-150} s" >> "$LOG"
-    timeout "${E2E_TUNE_S:-150}" python3 benchmarks/tune_moe_rows.py --out "$OUT" --budget-s $(( ${E2E_TUNE_S:-150} - 10 )) \
+    timeout "${E2E_TUNE_S:-150}" python3 benchmarks/tuning/tune_moe_rows.py --out "$OUT" --budget-s $(( ${E2E_TUNE_S:-150} - 10 )) \
         ${E2E_TUNE_ARGS:-} >> "$LOG" 2>&1
     echo "sweep exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
 fi
 
 if [ "${E2E_NORM:-0}" = 1 ]; then
     echo "== norm sweep, limit ${E2E_NORM_S:-120} s" >> "$LOG"
-    timeout "${E2E_NORM_S:-120}" python3 benchmarks/tune_norm.py --out "$OUT" >> "$LOG" 2>&1
+    timeout "${E2E_NORM_S:-120}" python3 benchmarks/tuning/tune_norm.py --out "$OUT" >> "$LOG" 2>&1
     echo "norm sweep exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
 fi
 

@@ -24,13 +24,12 @@ import sys
 import torch
 import yaml
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import GIB, REPO  # noqa: E402  (the benchmarks folder is not a package)
 
 from kdamoe import KDAMoEConfig, KDAMoEForCausalLM  # noqa: E402
 
 BYTES_PER_PARAM = 16  # fp32 master + fp32 grad + AdamW m and v
-GIB = float(1 << 30)
 
 # An assumed K3-scale shape: 896 routed experts, top-16 (the scale the issue names); the other dimensions are
 # assumptions taken from the published Kimi K2 shape (hidden 7168, 61 layers with the first dense, MLA with 64 heads

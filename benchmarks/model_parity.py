@@ -22,13 +22,17 @@ and the bf16 torch op's relative L2 error against that float32 result, call by c
 """
 
 import argparse
-import json
+import os
+import sys
 import time
 
 import torch
 
-from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
-from kdamoe.kernels.utils import relative_error as relative_l2
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import write_json  # noqa: E402  (the benchmarks folder is not a package; it puts the repo on the path)
+
+from kdamoe import KDAMoEConfig, KDAMoEForCausalLM  # noqa: E402
+from kdamoe.kernels.utils import relative_error as relative_l2  # noqa: E402
 
 
 def _route_hook(record=None, replay=None):
@@ -210,8 +214,7 @@ def main():
     position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).cuda()
 
     def save():  # after every stage: a run cut short by a deadline keeps what it measured
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.out, result, indent=2)
 
     result = {"seq_len": args.seq_len, "doc_lengths": lengths, "total_params": sum(p.numel() for p in model.parameters())}
     result["bf16"] = compare(model, ids, position_ids)
@@ -226,8 +229,7 @@ def main():
     save()
     result["fp32"] = compare(model.float(), ids, position_ids)
     result["pass"] = result["bf16_vs_fp32"]["pass"] and result["fp32"]["pass"]
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    save()
     for key, value in result.items():
         print(f"{key:>28}: {value}")
 

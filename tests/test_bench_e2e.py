@@ -6,29 +6,24 @@ doubles the test's time); the test checks the saved results' form
 how fast anything is.
 """
 
-import importlib.util
 import json
 import math
 import os
+import sys
 import types
 
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_e2e", os.path.join(ROOT, "benchmarks", "bench_e2e.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from harness import load_script  # noqa: E402  (the benchmarks folder is not a package)
 
 
 def test_bench_e2e_tiny_writes_finite_rows(tmp_path):
     # every part but "graph" (TrainStepGraph needs CUDA; tests/test_train_graph.py covers it on a GPU)
     parts = "kdamoe,native,recipe,profile,host"
-    assert _load_bench().main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--profile-recipe-t", "64",
+    assert load_script("bench_e2e").main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--profile-recipe-t", "64",
                                "--only", parts]) == 0
     text = (tmp_path / "e2e.json").read_text()
     doc = json.loads(text)
@@ -69,7 +64,7 @@ def test_bench_e2e_tiny_writes_finite_rows(tmp_path):
 
 
 def test_both_graphed_rows_divide_kdamoe_graph_by_native_graph():
-    bench = _load_bench()
+    bench = load_script("bench_e2e")
     raw = {"native": {"train_T8192": {"median_ms": 200.0, "tok_s": 40960.0}},
            "graph": {"kdamoe_train_T8192": {"median_ms": 74.0, "tok_s": 110702.7},
                      "kdamoe_train_T32768": {"median_ms": 300.0, "tok_s": 109226.7}},
@@ -86,7 +81,7 @@ def test_both_graphed_rows_divide_kdamoe_graph_by_native_graph():
 
 
 def test_time_graphed_calls_refuses_a_non_finite_loss():
-    bench = _load_bench()
+    bench = load_script("bench_e2e")
     fake = types.SimpleNamespace(sync=lambda: None)
     losses = iter([torch.tensor(2.5), torch.tensor(float("nan"))])
     with pytest.raises(FloatingPointError, match="T=64"):

@@ -6,25 +6,18 @@ reference: it shares no cache with the cached path); the GRPO steps ran with fin
 ratios are the recorded seconds' quotients. Not how fast anything is.
 """
 
-import importlib.util
 import json
 import math
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load_bench():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_long_rl", os.path.join(ROOT, "benchmarks", "bench_long_rl.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from harness import load_script  # noqa: E402  (the benchmarks folder is not a package)
 
 
 def test_bench_long_rl_tiny_records_every_part(tmp_path):
-    assert _load_bench().main(["--tiny", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert load_script("bench_long_rl").main(["--tiny", "--device", "cpu", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "long_rl.json").read_text()
     doc = json.loads(text)
     raw = doc["raw"]
@@ -60,7 +53,7 @@ def test_bench_long_rl_refuses_contexts_the_played_turns_overrun():
     dimension on the device when a context repeated)."""
     import pytest
 
-    bench = _load_bench()
+    bench = load_script("bench_long_rl")
     for contexts in ("64,64,1024", "64,80", "256,64"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--tiny", "--device", "cpu", "--contexts", contexts])

@@ -5,7 +5,7 @@ the autotuner's ``run`` (a dict of every argument, the tuning key with one ``str
 lookup, a merged keyword dict), then ``JITFunction.run`` (knob reads, pre-run hooks, the argument binder that computes
 the specialisation, the compiled-kernel lookup, the check of every global the kernel reads, the grid, the launch
 metadata) and only then the C launcher. A training step of the e2e shape launches ~470 Triton kernels, 270 of them
-autotuned, and at 8K tokens the host, not the GPU, sets the step time (``benchmarks/results/e2e_h200_*.md``: 72 ms of
+autotuned, and at 8K tokens the host, not the GPU, sets the step time (``benchmarks/results/e2e_h200.md``: 72 ms of
 GPU work in a 100-140 ms step).
 
 :class:`FastLaunch` keeps the parts of that path that decide *which* compiled kernel runs and drops the rest:
@@ -23,7 +23,7 @@ launch hooks (Triton's profiler), a pipeline inspection hook, a binary that fail
 check that globals a kernel reads did not change after compilation (ours read none) and Python-side bookkeeping
 (``Autotuner.nargs``). Under the CPU interpreter (``TRITON_INTERPRET=1``) kernels
 are not wrapped at all. ``KDAMOE_FAST_LAUNCH=0`` (read at import) sends every launch through Triton's path, for a
-comparison (``benchmarks/launch_overhead.py``); so does :func:`set_enabled`.
+comparison (``benchmarks/tuning/launch_overhead.py``); so does :func:`set_enabled`.
 
 Written against Triton 3.6, the GPU machine's (``triton/runtime/jit.py``, ``JITFunction.run``;
 ``triton/runtime/autotuner.py``, ``Autotuner.run``), and read against 3.7, the CPU machine's (same path, plus a

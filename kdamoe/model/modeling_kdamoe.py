@@ -448,7 +448,8 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: flo
     causal part over its own keys, merged by log-sum-exp (:func:`_prefix_then_causal`). Measured on an H200 (bf16,
     8 heads of 128, 512K tokens in 32K chunks, the whole prefill): 6.8 s with cuDNN's kernels merged this way, 8.6 s
     with FlashAttention-2's merged, 8.9 s as one call with a bottom-right causal mask (``causal_lower_right``, which
-    torch runs on the memory-efficient kernel) — benchmarks/results/long_context_h200.md. cuDNN and the CPU's flash
+    torch runs on the memory-efficient kernel) — an earlier run of benchmarks/bench_long_context.py (git history of
+    benchmarks/results/long_context_h200.md). cuDNN and the CPU's flash
     kernel return the log-sum-exp; float32 on CUDA (cuDNN takes half precision only) uses the masked single call.
     """
     T, S = q.shape[-2], k.shape[-2]

@@ -49,7 +49,7 @@ BT_DX = 64  # fixed: it sets the number of dweight partials (one per BT_DX rows 
 
 # The dpre kernel holds the forward's tiles plus dy's, so it takes the forward's configs. The dx kernel holds three
 # [BT_DX, BC] float32 tiles (dx's accumulator, x, one shifted dpre); all spill-free for sm_90a at C = 3072, W = 4,
-# bf16, triton 3.7 (``benchmarks/kernel_resources.py --family conv``), where BC = 128 on 4 warps spills. The compiler
+# bf16, triton 3.7 (``benchmarks/tuning/kernel_resources.py --family conv``), where BC = 128 on 4 warps spills. The compiler
 # keeps the W shifted tiles live (193 registers at BC = 64 on 4 warps), yet 32-row tiles, spill-free at 64 to 200
 # registers, were slower on the H200: 0.71 against 0.60 ms a call at the KDA layer's C = 3072, T = 32K.
 _DX_CONFIGS = [triton.Config({"BC": 64}, num_warps=4), triton.Config({"BC": 32}, num_warps=4),

@@ -18,7 +18,7 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 # them once per 64-row tile but pays ~20 launches of planning and ceil(M/64) + E tiles. At one decode step
 # (N ≤ 8 tokens, k = 8) rows rarely share an expert and the launches dominate; far above, the grouped path's
 # weight reuse wins. 64 = the largest decode batch of 8 tokens at top-8; the crossover is to be measured on the
-# GPU (see benchmarks/notes_moe.md). Tests set it to 0 to force the grouped path.
+# GPU (see docs/kernels.md). Tests set it to 0 to force the grouped path.
 GEMV_MAX_ROWS = 64
 
 
@@ -141,7 +141,7 @@ def _rows_gemm(plan, a, b, out, n_out, k_dim, stride_am, stride_be, stride_bk, s
 
 
 # rows x columns per program of the element-wise GLU backward, 4 warps: 16 float32 values per thread and tile (16 x 128
-# spilled 4 bytes compiled for sm_90a, 32 x 64 none: benchmarks/kernel_resources.py)
+# spilled 4 bytes compiled for sm_90a, 32 x 64 none: benchmarks/tuning/kernel_resources.py)
 GLU_ROWS, GLU_COLS = 32, 64
 
 

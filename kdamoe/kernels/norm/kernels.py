@@ -39,9 +39,9 @@ MAX_D = 8192  # the whole last dim sits in one block
 BLOCK_ELEMS = 4096  # rows × columns of one forward / backward tile (fp32 registers per program)
 # Programs per SM of the backward: the dw partial buffer grows with it; 8 against 4 took a [32768, 2048] bf16
 # backward from 0.185 to 0.149 ms and the gated [262144, 128] from 0.176 to 0.170 ms on the H200
-# (benchmarks/tune_norm.py, results in benchmarks/results/norm_tune_h200.json; 16 gave no more). Swept at hidden
+# (benchmarks/tuning/tune_norm.py, results in benchmarks/results/norm_tune_h200.json; 16 gave no more). Swept at hidden
 # 2048, not the e2e shape's 1024; there the step's norm backward went from 9.2 to 8.0 ms at 32K with this and the
-# fused residual add together (benchmarks/results/e2e_h200_f5f2d34.md, e2e_h200_99300f8.md).
+# fused residual add together (e2e results measured at f5f2d34 and 99300f8; git history of benchmarks/results/).
 BACKWARD_PROGRAMS_PER_SM = 8
 # The backward's loop over its row blocks is software-pipelined ``STAGES`` deep (``tl.range(num_stages=...)``): with
 # 2 the next block's loads are issued as asynchronous copies into shared memory before the current block is
@@ -49,7 +49,7 @@ BACKWARD_PROGRAMS_PER_SM = 8
 # (each program waits for its loads, computes, stores, then loads again). Autotuned together with the warps (the
 # outputs are written, never accumulated, so a tuning run leaves nothing behind); the interpreter runs the first.
 # In the e2e step at 32K on the H200 the 50 norm backwards took 4.6 ms against 8.1 ms with the plain loop
-# (profiles of benchmarks/results/e2e_h200_80d5d19.md and e2e_h200_ee44576.md).
+# (profiles measured at 80d5d19 and ee44576; git history of benchmarks/results/).
 _BACKWARD_CONFIGS = [triton.Config({"STAGES": 2}, num_warps=8), triton.Config({"STAGES": 1}, num_warps=8),
                      triton.Config({"STAGES": 3}, num_warps=8), triton.Config({"STAGES": 2}, num_warps=4)]
 _CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # dtype of n, passed as a constexpr

@@ -16,8 +16,9 @@ that compiles and autotunes). Cases:
 The short path and Triton's (``launch.set_enabled(True / False)``) run in alternating rounds in one process.
 
 Then the dense projections' GEMMs, each under ``torch.backends.cuda.preferred_blas_library("cublas")`` and
-``("cublaslt")`` in alternating rounds (a cProfile of the 8K step, ``results/e2e_h200_host_ed9608d.md``'s host part,
-gives the model's ``F.linear`` calls ~100 µs of own time each, cProfile's cost included):
+``("cublaslt")`` in alternating rounds (a cProfile of the 8K step at ed9608d, the host part of
+``e2e_h200_host_ed9608d.md``, in git history: see ``benchmarks/results/README.md``, gives the model's ``F.linear``
+calls ~100 µs of own time each, cProfile's cost included):
 
 ``linear_64``
     ``F.linear`` of ``[64, 1024]`` by ``[1024, 1024]`` bf16 (host-bound: a few µs of GPU work).
@@ -29,11 +30,10 @@ gives the model's ``F.linear`` calls ~100 µs of own time each, cProfile's cost 
 
 Writes ``launch_overhead.json`` into ``--out``.
 
-    python3 benchmarks/launch_overhead.py --out "$OUT"     # on the H200
+    python3 benchmarks/tuning/launch_overhead.py --out "$OUT"     # on the H200
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -41,7 +41,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness import write_json  # noqa: E402  (it puts the repo on the path)
+
 from kdamoe.kernels import launch  # noqa: E402
 from kdamoe.kernels.conv.conv import causal_conv1d  # noqa: E402
 from kdamoe.kernels.norm.kernels import norm_forward  # noqa: E402
@@ -122,10 +124,10 @@ def main(argv=None) -> int:
     finally:
         torch.backends.cuda.preferred_blas_library(default_blas)
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "launch_overhead.json"), "w") as f:
-        json.dump({"calls": a.calls, "repeats": a.repeats, "torch": torch.__version__,
-                   "triton": __import__("triton").__version__, "rows": rows,
-                   "default_blas": str(default_blas), "blas_rows": blas_rows}, f, indent=1)
+    write_json(os.path.join(a.out, "launch_overhead.json"),
+               {"calls": a.calls, "repeats": a.repeats, "torch": torch.__version__,
+                "triton": __import__("triton").__version__, "rows": rows,
+                "default_blas": str(default_blas), "blas_rows": blas_rows})
     return 0
 
 

@@ -38,8 +38,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime import JITFunction  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness import add_moe_shape_args, write_json, write_text  # noqa: E402  (it puts the repo on the path)
 
 from kdamoe.kernels.launch import FastLaunch  # noqa: E402
 from kdamoe.kernels.conv import backward as conv_backward  # noqa: E402
@@ -152,11 +152,7 @@ def conv_calls(n: int, cp: int, sx: int, W: int) -> list[tuple]:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=32768)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--latent", type=int, default=1024, help="ℓ: the experts' input/output width")
-    p.add_argument("--inter", type=int, default=512, help="I: the experts' intermediate width")
-    p.add_argument("--top-k", type=int, default=8)
+    add_moe_shape_args(p)
     p.add_argument("--only", default=None, help="comma-separated call names (gate_up,down,dg,glu_rows_bwd,dx,dw1,dw2)")
     p.add_argument("--family", choices=("moe", "conv"), default="moe", help="the experts' GEMMs or the short conv")
     p.add_argument("--channels", type=int, default=1024, help="conv: channels C of one q / k / v part")
@@ -183,16 +179,14 @@ def main():
             print(json.dumps(row), flush=True)
     shape = {**shape, "triton": triton.__version__, "target": "sm_90a"}
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "kernel_resources.json"), "w") as f:
-        json.dump({"shape": shape, "rows": rows}, f, indent=1)
+    write_json(os.path.join(a.out, "kernel_resources.json"), {"shape": shape, "rows": rows})
     lines = [f"# {title} compiled for sm_90a: {shape}", "",
              "| call | config | regs | spill bytes | smem KB | cp.async | wgmma |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         cfg = " ".join(f"{k}={v}" for k, v in r["config"].items())
         lines.append(f"| {r['call']} | {cfg} | {r['regs']} | {r['spill_bytes']} | {r['smem'] / 1024:.0f} | "
                      f"{r['cp_async']} | {r['wgmma']} |")
-    with open(os.path.join(a.out, "kernel_resources.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_text(os.path.join(a.out, "kernel_resources.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -1,6 +1,6 @@
 """The three phases of our KDA intra kernel as separate kernels, to time each alone (bench_kda.py --intra-phases).
 
-Import after ``bench_kda.kernels_without_model_registry()``. The kernels call the very jit functions the
+Import after ``harness.kernels_only()`` (``bench_kda.py`` calls it first). The kernels call the very jit functions the
 production kernel calls (``kdamoe.kernels.kda.intra``), so the sum of the parts is comparable to the whole,
 minus the overlap between phases that one kernel gets.
 """

@@ -1,6 +1,6 @@
 """Tile and program-count sweep of the RMSNorm kernels (``kdamoe.kernels.norm``) at the model's two norm shapes.
 
-    python benchmarks/tune_norm.py [--tokens 32768] [--hidden 1024] [--heads 8 --head-dim 128] [--out DIR]
+    python benchmarks/tuning/tune_norm.py [--tokens 32768] [--hidden 1024] [--heads 8 --head-dim 128] [--out DIR]
 
 The backward is a persistent kernel: ``BACKWARD_PROGRAMS_PER_SM`` programs per SM loop over row blocks of
 ``BLOCK_ELEMS`` elements and each writes one float32 ``dw`` partial row; its pipelining depth and warps are
@@ -15,11 +15,14 @@ import argparse
 import itertools
 import json
 import os
+import sys
 
 import torch
-import triton
 
-from kdamoe.kernels.norm import kernels as nk
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness import device_name, time_ms, write_json  # noqa: E402  (it puts the repo on the path)
+
+from kdamoe.kernels.norm import kernels as nk  # noqa: E402
 
 
 def main():
@@ -44,8 +47,9 @@ def main():
             nk.BACKWARD_PROGRAMS_PER_SM, nk.BLOCK_ELEMS = per_sm, elems
             nk._backward_kernel.autotuner.cache.clear()  # its key has no program count: tune again for this one
             try:
-                bwd = triton.testing.do_bench(lambda: nk.norm_backward(x, g, w, dout, 1e-6, torch.bfloat16))
-                fwd = triton.testing.do_bench(lambda: nk.norm_forward(x, g, w, 1e-6, torch.bfloat16, torch.bfloat16))
+                # do_bench's defaults (25 ms warm-up, 100 ms of repetitions, the mean), as this sweep always used
+                bwd = time_ms(lambda: nk.norm_backward(x, g, w, dout, 1e-6, torch.bfloat16), True, mode="mean")
+                fwd = time_ms(lambda: nk.norm_forward(x, g, w, 1e-6, torch.bfloat16, torch.bfloat16), True, mode="mean")
             except Exception as e:  # e.g. out of resources at a large tile
                 rows.append({"shape": name, "per_sm": per_sm, "block_elems": elems, "error": repr(e)[:200]})
                 continue
@@ -61,10 +65,7 @@ def main():
 
 def _write(out: str, rows: list) -> None:
     """``norm_tune.json`` after every row, through a ``.tmp`` and a rename: a killed sweep keeps what it measured."""
-    path = os.path.join(out, "norm_tune.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_json(os.path.join(out, "norm_tune.json"), {"device": device_name(True), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ backward ∂g' = ∂out[tok] @ W2 stored at the sorted row (``dg``), the element
 (``glu_rows_bwd``), backward ∂x, the two weight gradients) it times every candidate block configuration on the same
 inputs (``triton.testing.do_bench``, median) and reports ms, TFLOP/s (GEMMs) or GB/s (``glu_rows_bwd``), registers
 and spills per thread, and whether the PTX holds ``wgmma`` (Hopper's warpgroup MMA; without it the GEMM is on a
-slower path). The kernels' autotune lists are chosen from it (benchmarks/notes_moe.md).
+slower path). The kernels' autotune lists are chosen from it (docs/kernels.md).
 
 Order: every config with BM = 128 first (the weight gradients: BP <= 128), kernel by kernel — dg, dx, dw1, dw2,
 glu_rows_bwd, down, gate_up — then the BM = 256 (BP = 256) ones: on the last H200 run the 150 s limit of
@@ -38,8 +38,8 @@ import sys  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
+from harness import add_moe_shape_args, device_name, time_ms, write_json  # noqa: E402  (it puts the repo on the path)
 
 from kdamoe.kernels.moe import grouped_gemm as gg  # noqa: E402
 from kdamoe.kernels.moe.activation import ACTIVATIONS  # noqa: E402
@@ -90,8 +90,7 @@ def _time(fn, smoke):
     if smoke:
         fn()
         return None  # not timed (strict JSON has no NaN)
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=10, rep=40, return_mode="median")
+    return time_ms(fn, True, warmup=10, rep=40)
 
 
 def _measure(row: dict, launch, flops: int | None, nbytes: int | None, smoke: bool) -> dict:
@@ -112,10 +111,7 @@ def _measure(row: dict, launch, flops: int | None, nbytes: int | None, smoke: bo
 def _write_json(out_dir: str, shape: dict, rows: list) -> None:
     """``moe_rows_tune.json`` through a ``.tmp`` file and a rename, so a kill mid-write leaves the previous one
     (``device_e2e.sh`` removes the ``.tmp``)."""
-    path = os.path.join(out_dir, "moe_rows_tune.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump({"shape": shape, "rows": rows}, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_json(os.path.join(out_dir, "moe_rows_tune.json"), {"shape": shape, "rows": rows})
 
 
 def _markdown(shape: dict, rows: list) -> str:
@@ -141,11 +137,7 @@ def _markdown(shape: dict, rows: list) -> str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=32768)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--latent", type=int, default=1024, help="ℓ: the experts' input/output width")
-    p.add_argument("--inter", type=int, default=512, help="I: the experts' intermediate width")
-    p.add_argument("--top-k", type=int, default=8)
+    add_moe_shape_args(p)
     p.add_argument("--budget-s", type=float, default=140.0,
                    help="no measurement starts later than this many seconds after the start (device_e2e.sh kills "
                         "the sweep at 150 s)")
@@ -269,7 +261,7 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     shape = {"tokens": n, "experts": e, "latent": L, "inter": inter, "top_k": k, "dtype": str(dt),
              "torch": torch.__version__, "triton": triton.__version__, "budget_s": a.budget_s,
-             "smem_limit": SMEM_LIMIT, "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
+             "smem_limit": SMEM_LIMIT, "gpu": device_name(dev.type == "cuda")}
     rows = []
     for row, launch, fl, nbytes, smem in jobs:
         if time.monotonic() >= deadline:
