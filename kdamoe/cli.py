@@ -19,9 +19,14 @@ def train_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field, e.g. --set train.stages.0.steps=10 (repeatable)")
     parser.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in the output folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="on a fresh start, remove what an earlier pretraining run wrote into the output folder "
+                             "(only that; without it a non-empty folder is refused)")
     parser.add_argument("--stop-after", type=int, default=None, metavar="STEPS",
                         help="stop after this many optimizer steps in total, as if killed (resume later)")
     args = parser.parse_args(argv)
+    if args.stop_after is not None and args.stop_after < 1:
+        parser.error(f"--stop-after must be >= 1 optimizer step (got {args.stop_after})")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     from kdamoe.training import load_config, run
@@ -31,8 +36,21 @@ def train_main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
     except ValueError as err:
         parser.error(str(err))
-    summary = run(cfg, resume=not args.no_resume, stop_after_steps=args.stop_after)
+    summary = _user_errors_exit_2(parser, run, cfg, resume=not args.no_resume, stop_after_steps=args.stop_after,
+                                  overwrite=args.overwrite)
     return 0 if summary["finished"] or args.stop_after is not None else 1
+
+
+def _user_errors_exit_2(parser: argparse.ArgumentParser, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``; a ``ValueError`` raised by kdamoe's own checks (a value, path or folder the user gave:
+    its message names it and the fix) becomes ``parser.error`` (one line, exit 2). A ``ValueError`` from inside a
+    library, and every other exception, keeps its traceback."""
+    try:
+        return fn(*args, **kwargs)
+    except ValueError as err:
+        if not _raised_by_kdamoe(err):
+            raise
+        parser.error(str(err))
 
 
 _THREADS_HELP = ("torch intra-op threads on the CPU (default 1: the small models gain ~20%% from a second thread "
@@ -62,6 +80,9 @@ def posttrain_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field, e.g. --set trainer.max_steps=2 (repeatable)")
     parser.add_argument("--no-resume", action="store_true", help="ignore checkpoint-N folders already in output_dir")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="on a fresh start, remove what an earlier post-training run wrote into output_dir (only "
+                             "that; without it a non-empty folder is refused)")
     parser.add_argument("--num-threads", type=int, default=1, help=_THREADS_HELP)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -74,13 +95,7 @@ def posttrain_main(argv: list[str] | None = None) -> int:
         cfg = load_posttrain_config(args.config, overrides)
     except (ValueError, ImportError) as err:  # ImportError: the ppo recipe outside its venv (make ppo-env)
         parser.error(str(err))
-    try:
-        summary = run_recipe(cfg, resume=not args.no_resume)
-    except ValueError as err:  # a value that does not fit the model (aux loss, completion budget)
-        if not _raised_by_kdamoe(err):  # a library's error deep in the run: its traceback says where
-            traceback.print_exception(err)
-        print(f"kdamoe-posttrain: error: {err}", file=sys.stderr)
-        return 1
+    summary = _user_errors_exit_2(parser, run_recipe, cfg, resume=not args.no_resume, overwrite=args.overwrite)
     print(summary["final"])
     return 0
 
@@ -119,11 +134,9 @@ def posttrain_demo_main(argv: list[str] | None = None) -> int:
 
     from kdamoe.posttraining.demo import run_demo
 
-    try:
-        summary = run_demo(args.base, args.output_dir, seeds=tuple(range(args.seeds)), n_held_out=args.held_out,
-                           sft_overrides=args.sft_overrides, grpo_overrides=args.grpo_overrides)
-    except ValueError as err:
-        parser.error(str(err))
+    summary = _user_errors_exit_2(parser, run_demo, args.base, args.output_dir, seeds=tuple(range(args.seeds)),
+                                  n_held_out=args.held_out, sft_overrides=args.sft_overrides,
+                                  grpo_overrides=args.grpo_overrides)
     return 0 if summary["grpo_beats_sft_every_seed"] else 1
 
 
@@ -144,7 +157,7 @@ def generate_main(argv: list[str] | None = None) -> int:
 
     from kdamoe.training.export import generate_text, load_for_generation
 
-    model, tokenizer = load_for_generation(args.model, args.device)
+    model, tokenizer = _user_errors_exit_2(parser, load_for_generation, args.model, args.device)
     kwargs = {"max_new_tokens": args.max_new_tokens}
     if args.greedy:
         kwargs.update(do_sample=False, temperature=None, top_k=None)
@@ -227,15 +240,11 @@ def push_main(argv: list[str] | None = None) -> int:
         parser.error(f"--adapter: SRC {args.src} is not a PEFT adapter folder (no adapter_config.json)")
     if args.base_model_path and source.kind != "peft-adapter":
         parser.error(f"--base-model-path: SRC {args.src} is not a PEFT adapter folder")
-    try:
-        push_to_hub(args.src, args.repo_id, private=args.private or None, revision=args.revision,
-                    create_pr=args.create_pr, commit_message=args.commit_message, dry_run=args.dry_run,
-                    out_dir=args.out_dir, merge_adapter=not args.adapter, base_model=args.base_model,
-                    base_model_path=args.base_model_path, datasets=args.datasets,
-                    training_description=args.training_description, license=args.license)
-    except ValueError as err:
-        print(f"kdamoe-push: error: {err}", file=sys.stderr)
-        return 1
+    _user_errors_exit_2(parser, push_to_hub, args.src, args.repo_id, private=args.private or None,
+                        revision=args.revision, create_pr=args.create_pr, commit_message=args.commit_message,
+                        dry_run=args.dry_run, out_dir=args.out_dir, merge_adapter=not args.adapter,
+                        base_model=args.base_model, base_model_path=args.base_model_path, datasets=args.datasets,
+                        training_description=args.training_description, license=args.license)
     if not args.dry_run:
         print(f"pushed to https://huggingface.co/{args.repo_id}" + (f" ({args.revision})" if args.revision else ""))
     return 0

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, DynamicCache
 from transformers.utils import is_kernels_available
 
-from kdamoe import KDAMoEForCausalLM, KDAMoEForSequenceClassification
+from kdamoe import KDAMoECache, KDAMoEForCausalLM, KDAMoEForSequenceClassification
 from tests.helpers import tiny_config
 
 
@@ -367,3 +367,41 @@ def test_an_attention_mask_with_values_other_than_0_and_1_is_refused(value):
     with pytest.raises(ValueError, match="attention_mask"):
         model(ids, attention_mask=mask)
     model(ids, attention_mask=torch.ones(2, 6, dtype=torch.bool))  # bool and 0/1 masks stay fine
+
+
+def test_packed_position_ids_with_a_padding_mask():
+    """Before: restarting position_ids next to an attention_mask silently turned document separation off. With a mask
+    of ones the documents stay separated (equal to the mask-free packed forward); with padding it is a ValueError;
+    left padding's own position_ids (a 0 at the first real token) are not a restart."""
+    torch.manual_seed(3)
+    model = KDAMoEForCausalLM(tiny_config()).eval()
+    ids = torch.randint(3, 97, (1, 12))
+    restart = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        packed = model(ids, position_ids=restart).logits
+        with_ones = model(ids, position_ids=restart, attention_mask=torch.ones(1, 12, dtype=torch.long)).logits
+        second_alone = model(ids[:, 5:]).logits
+    torch.testing.assert_close(with_ones, packed)
+    torch.testing.assert_close(packed[:, 5:], second_alone, rtol=1e-4, atol=1e-4)  # nothing crossed the boundary
+    padded = torch.ones(2, 12, dtype=torch.long)
+    padded[1, :3] = 0
+    with pytest.raises(ValueError, match="restart at 0 between real tokens"):
+        model(ids.expand(2, 12), position_ids=restart.expand(2, 12), attention_mask=padded)
+    left = torch.tensor([[0, 0, 0] + [1] * 9])  # left padding; positions as generate builds them
+    positions = (left.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        model(ids, position_ids=positions, attention_mask=left)  # accepted
+
+
+@pytest.mark.parametrize("kwargs", [{"assistant_model": "self"}, {"prompt_lookup_num_tokens": 3},
+                                    {"assistant_early_exit": 2}])
+def test_assisted_generation_and_prompt_lookup_are_refused_with_our_message(kwargs):
+    """Before: transformers 5.25 failed with a TypeError inside its past recording, 5.24 with its own message."""
+    model = KDAMoEForCausalLM(tiny_config()).eval()
+    kwargs = {k: (model if v == "self" else v) for k, v in kwargs.items()}
+    with pytest.raises(ValueError, match=f"{next(iter(kwargs))}: assisted generation and prompt lookup are not "
+                                         "supported by KDAMoE models"):
+        model.generate(torch.randint(3, 97, (1, 6)), max_new_tokens=3, do_sample=False, **kwargs)
+    # as another model's assistant, transformers 5.25 asks our cache to record its past (a TypeError before)
+    with pytest.raises(ValueError, match="recurrent state cannot be rewound"):
+        KDAMoECache(model.config).activate_past_recording(recurrent_states_to_keep=3)

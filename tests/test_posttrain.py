@@ -7,6 +7,7 @@ the policy takes each operand from the last tool result, so a right answer needs
 """
 
 import json
+import logging
 import re
 
 import pytest
@@ -326,6 +327,51 @@ def test_cli_runs_sft_then_resumes(base, tmp_path, capsys):
     assert not list(out.glob(".final*"))  # no temporary folder left behind
 
 
+def test_resume_takes_the_newest_intact_checkpoint_and_refuses_another_run(base, tmp_path, capsys, caplog):
+    """Before: a checkpoint without optimizer.pt / scheduler.pt resumed with a fresh optimizer and schedule, a damaged
+    newest checkpoint stopped the run with a traceback, no intact one silently started over, and another model=
+    continued the old run under the new base's name."""
+    import shutil
+
+    from kdamoe.cli import posttrain_main
+    from kdamoe.common.run_folder import RunFolderError
+
+    out = tmp_path / "run"
+    args = ["--config", "sft", "--output-dir", str(out), "--set", f"model={base}", "--set", "data.num_tasks=4",
+            "--set", "data.max_calls=1", "--set", "data.environment=arithmetic",
+            "--set", "trainer.per_device_train_batch_size=2", "--set", "trainer.save_steps=1"]
+    assert posttrain_main([*args, "--set", "trainer.max_steps=2"]) == 0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert all((p / "manifest.json").is_file() for p in out.glob("checkpoint-*"))
+
+    (out / "checkpoint-2" / "optimizer.pt").unlink()
+    with caplog.at_level(logging.WARNING, logger="kdamoe.posttraining.run"):
+        assert posttrain_main([*args, "--set", "trainer.max_steps=3"]) == 0
+    assert any(f"skipping {out / 'checkpoint-2'}: optimizer.pt is missing" in r.getMessage() for r in caplog.records)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from"].endswith("checkpoint-1") and summary["global_step"] == 3
+
+    for checkpoint in out.glob("checkpoint-*"):  # none intact now: the newest lost its scheduler, the others' manifest
+        target = checkpoint / ("scheduler.pt" if checkpoint.name == "checkpoint-3" else "manifest.json")
+        target.unlink()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        posttrain_main([*args, "--set", "trainer.max_steps=4"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "no intact checkpoint" in err and "Traceback" not in err
+
+    other_base = tmp_path / "other_base"
+    shutil.copytree(base, other_base)
+    fresh = tmp_path / "run2"
+    assert posttrain_main([*args[:3], str(fresh), *args[4:], "--set", "trainer.max_steps=1"]) == 0
+    cfg = load_posttrain_config("sft", [f"model={other_base}", f"output_dir={fresh}", "data.num_tasks=4",
+                                        "data.max_calls=1", "data.environment=arithmetic",
+                                        "trainer.per_device_train_batch_size=2", "trainer.save_steps=1",
+                                        "trainer.max_steps=2"])
+    with pytest.raises(RunFolderError, match=f"its run used model='{base}', this one has model='{other_base}'"):
+        run_recipe(cfg)
+
+
 def test_card_renders_the_reward_curve():
     from kdamoe.common.cards import render_model_card
 
@@ -347,21 +393,23 @@ def test_a_missing_base_folder_is_named(tmp_path):
         run_recipe(cfg)
 
 
-def test_cli_prints_a_library_errors_traceback_but_not_ours(monkeypatch, capsys):
-    """``kdamoe-posttrain`` turns a ValueError of the run into exit 1 with its message; one raised inside a library
-    (here json's) also gets its traceback, which once was hidden and made a deep crash look like a config error."""
+def test_cli_keeps_a_library_errors_traceback_and_turns_ours_into_a_usage_error(monkeypatch, capsys):
+    """``kdamoe-posttrain``: a ValueError raised by kdamoe's own checks is a usage error (one line, exit 2); one raised
+    inside a library (here json's) propagates with its traceback, which once was hidden and made a deep crash look
+    like a config error."""
     import json as json_module
 
     import kdamoe.posttraining
     from kdamoe.cli import posttrain_main
     from kdamoe.posttraining.long_update import real_token_span
 
-    monkeypatch.setattr(kdamoe.posttraining, "run_recipe", lambda cfg, resume: json_module.loads("not json"))
-    assert posttrain_main(["--config", "sft"]) == 1
-    err = capsys.readouterr().err
-    assert "Traceback" in err and "json" in err and "kdamoe-posttrain: error: Expecting value" in err
-    monkeypatch.setattr(kdamoe.posttraining, "run_recipe", lambda cfg, resume: real_token_span(torch.zeros(3)))
-    assert posttrain_main(["--config", "sft"]) == 1
+    monkeypatch.setattr(kdamoe.posttraining, "run_recipe", lambda cfg, **kw: json_module.loads("not json"))
+    with pytest.raises(json_module.JSONDecodeError):
+        posttrain_main(["--config", "sft"])
+    monkeypatch.setattr(kdamoe.posttraining, "run_recipe", lambda cfg, **kw: real_token_span(torch.zeros(3)))
+    with pytest.raises(SystemExit) as exit_info:
+        posttrain_main(["--config", "sft"])
+    assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "kdamoe-posttrain: error: attention_mask: a row without any real token" in err
 

@@ -109,8 +109,9 @@ def test_outputs_of_a_finished_run(uninterrupted):
     assert [lr[4], lr[5]] == pytest.approx([0.0, 2e-3])
 
 
-def test_resume_refuses_a_changed_config_and_fresh_start_clears(uninterrupted, tmp_path):
-    from kdamoe.training.trainer import check_same_run, clear_run
+def test_resume_refuses_a_changed_config_and_a_fresh_start_refuses_a_used_folder(uninterrupted, tmp_path, capsys):
+    from kdamoe.cli import train_main
+    from kdamoe.training.trainer import check_same_run
 
     tmp, _ = uninterrupted
     changed = _config(tmp, "full")
@@ -119,12 +120,30 @@ def test_resume_refuses_a_changed_config_and_fresh_start_clears(uninterrupted, t
         check_same_run(tmp / "full", changed)
     check_same_run(tmp / "full", _config(tmp, "full"))  # same config: fine
 
-    (tmp_path / "checkpoints" / "stage0-step000001").mkdir(parents=True)
-    (tmp_path / "tokenizer").mkdir()
-    (tmp_path / "summary.json").write_text("{}")
-    (tmp_path / "mine.txt").write_text("kept")
-    clear_run(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
+    # Before: a fresh start deleted final/, summary.json and tokenizer/ (a user's file inside included) unasked.
+    used = tmp_path / "used"
+    (used / "tokenizer").mkdir(parents=True)
+    (used / "tokenizer" / "my_vocab_notes.txt").write_text("kept")
+    (used / "final").mkdir()
+    (used / "summary.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        train_main(["--config", str(tmp / "full.yaml"), "--output-dir", str(used), "--no-resume"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "not empty and nothing to resume from" in err and "--overwrite" in err and "Traceback" not in err
+    assert (used / "tokenizer" / "my_vocab_notes.txt").read_text() == "kept" and (used / "final").is_dir()
+    # the pretraining run's own folder is no place for a post-training run (its final/ is the base)
+    from kdamoe.posttraining import load_posttrain_config, run_recipe
+
+    cfg = load_posttrain_config("sft", [f"model={tmp / 'full' / 'final'}", f"output_dir={tmp / 'full'}"])
+    with pytest.raises(ValueError, match="lies inside output_dir"):
+        run_recipe(cfg)
+    other = tmp_path / "other_pretraining_run"
+    other.mkdir()
+    (other / "kdamoe_run.json").write_text('{"job": "pretraining"}')
+    cfg = load_posttrain_config("sft", [f"model={tmp / 'full' / 'final'}", f"output_dir={other}"])
+    with pytest.raises(ValueError, match="holds a pretraining run"):
+        run_recipe(cfg)
 
 
 def test_cli_entry_points(uninterrupted, capsys):

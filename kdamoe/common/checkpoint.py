@@ -28,6 +28,7 @@ What is still unpickled on resume: accelerate loads ``optimizer.bin`` and ``rand
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -94,12 +95,13 @@ def write_manifest(folder: Path) -> None:
         _fsync(d)
 
 
-def verify_checkpoint(folder: Path) -> str | None:
+def verify_checkpoint(folder: Path, required: tuple[str, ...] = (PROGRESS,)) -> str | None:
     """Why ``folder`` is not an intact checkpoint (a short reason naming the file), or None if it is.
 
     Intact: no ``custom_checkpoint_*.pkl`` file (kdamoe never writes one, and accelerate's ``load_state``
-    would unpickle it with ``weights_only=False``), ``manifest.json`` parses and lists ``progress.json``, and
-    every listed file exists with the listed size and SHA-256. Other unlisted files are never loaded.
+    would unpickle it with ``weights_only=False``), ``manifest.json`` parses and lists every name of ``required``
+    (pretraining: ``progress.json``; a glob pattern such as ``rng_state*.pth`` needs one match), and every listed
+    file exists with the listed size and SHA-256. Other unlisted files are never loaded.
     """
     planted = sorted(p.name for p in folder.glob("custom_checkpoint_*.pkl"))
     if planted:
@@ -111,8 +113,11 @@ def verify_checkpoint(folder: Path) -> str | None:
         return f"no {MANIFEST} (its write did not finish)"
     except (OSError, ValueError) as err:
         return f"{MANIFEST} unreadable ({err})"
-    if not isinstance(manifest, dict) or PROGRESS not in manifest:
-        return f"{MANIFEST} does not list {PROGRESS}"
+    if not isinstance(manifest, dict):
+        return f"{MANIFEST} is not a mapping of files"
+    for name in required:
+        if not any(fnmatch.fnmatch(listed, name) for listed in manifest):
+            return f"{MANIFEST} does not list {name} (the checkpoint was saved without it)"
     for name, entry in manifest.items():
         path = folder / name
         if not path.is_file():

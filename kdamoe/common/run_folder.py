@@ -27,7 +27,8 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 RUN_MARKER = "kdamoe_run.json"
@@ -38,6 +39,7 @@ JOB_OUTPUTS = {
     "pretraining": ("config.yaml", "tokenizer", "checkpoints", "final", "initial", "summary.json", "baselines.json",
                     "tensorboard", "expert_load.png", ".tmp-*"),
     "posttraining": ("checkpoint-*", "final", "adapter", "summary.json", "runs", "reward_curve.png", "tensorboard",
+                     "reward_model",
                      ".tmp-*", "*.tmp", "results.json", "heldout_curve.png"),
 }
 
@@ -169,7 +171,7 @@ def _owned(name: str, job: str) -> bool:
 
 
 def claim_run_folder(folder: str | Path, job: str, *, resuming: bool, overwrite: bool = False,
-                     say: Callable[[str], None] = print) -> None:
+                     identity: dict | None = None, say: Callable[[str], None] = print) -> None:
     """Check that ``job`` may write into ``folder`` and mark it as that job's run (module docstring). Call it while
     holding :class:`RunFolderLock`.
 
@@ -178,12 +180,15 @@ def claim_run_folder(folder: str | Path, job: str, *, resuming: bool, overwrite:
         job: one of :data:`JOBS`.
         resuming: the run continues a checkpoint found in ``folder`` (its earlier outputs are its own).
         overwrite: on a fresh start, remove what ``job`` writes (:data:`JOB_OUTPUTS`) instead of refusing.
+        identity: what a resumed run must share with the run that wrote ``folder`` (e.g. the base model, the recipe,
+            the data), recorded in the marker by a fresh start and compared on a resume.
         say: prints a line per removed entry.
 
     Raises:
         ValueError: ``job`` is not one of :data:`JOBS`.
         RunFolderError: ``folder`` is a file, holds another job's run, or (fresh start without ``overwrite``) holds
-            anything; with ``overwrite``, the entries it keeps are named in a line, not refused.
+            anything; with ``overwrite``, the entries it keeps are named in a line, not refused. On a resume, a field
+            of ``identity`` that differs from the one the marker recorded (named with both values).
     """
     if job not in JOBS:
         raise ValueError(f"job {job!r} is not one of {JOBS}")
@@ -197,6 +202,15 @@ def claim_run_folder(folder: str | Path, job: str, *, resuming: bool, overwrite:
         raise RunFolderError(f"output folder {folder}: holds a {found} run ({how}); "
                              f"a {job} run must not write into it (its final/ may be your base model): use another "
                              "output folder")
+    marker = read_marker(folder)
+    if resuming and marker is not None and identity:
+        recorded = marker.get("identity") or {}
+        for key, value in identity.items():
+            if key in recorded and recorded[key] != value:
+                raise RunFolderError(
+                    f"output folder {folder}: its run used {key}={recorded[key]!r}, this one has {key}={value!r}; a "
+                    "resumed run must continue the same run: use another output folder, or pass --overwrite (with "
+                    "--no-resume) to start over there")
     entries = sorted(p.name for p in folder.iterdir() if p.name not in (RUN_MARKER, LOCK_NAME))
     if not resuming and entries:
         owned = [name for name in entries if _owned(name, job)]
@@ -216,6 +230,61 @@ def claim_run_folder(folder: str | Path, job: str, *, resuming: bool, overwrite:
                 path.unlink()
         if foreign:
             say(f"--overwrite: keeping {', '.join(foreign)} in {folder} (not written by a {job} run)")
-    marker = folder / RUN_MARKER
-    if not marker.is_file():
-        marker.write_text(json.dumps({"job": job, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+    if not resuming or marker is None:
+        record = {"job": job, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if identity:
+            record["identity"] = identity
+        (folder / RUN_MARKER).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _on_main_process(state, action: Callable[[], None] | None) -> None:
+    """Run ``action`` on the main process only; a :class:`RunFolderError` it raises is raised on every process
+    (broadcast), so no process is left waiting at a barrier the main process never reaches."""
+    error = None
+    if action is not None:
+        try:
+            action()
+        except RunFolderError as err:
+            error = str(err)
+    if state.num_processes > 1:
+        from accelerate.utils import broadcast_object_list  # noqa: PLC0415 (only multi-process runs need it)
+
+        error = broadcast_object_list([error])[0]
+    if error is not None:
+        raise RunFolderError(error)
+
+
+@contextmanager
+def owned_run_folder(folder: str | Path, job: str, find_resume: Callable[[], object | None], *,
+                     overwrite: bool = False, identity: dict | None = None,
+                     say: Callable[[str], None] = print) -> Iterator[object | None]:
+    """The whole life of a run in ``folder``: lock it (the main process), find what to resume, claim the folder
+    (:func:`claim_run_folder`), yield the resume point, release the lock on exit (also on an exception). Works in
+    every process of a launch (accelerate's ``PartialState``); only the main process touches the folder.
+
+    Args:
+        find_resume: returns the checkpoint to resume from, or None for a fresh start; runs on every process with
+            the lock held.
+        overwrite, identity, say: as :func:`claim_run_folder`.
+
+    Raises:
+        RunFolderError: on every process (see :class:`RunFolderLock`, :func:`claim_run_folder`).
+    """
+    from accelerate import PartialState  # noqa: PLC0415 (accelerate initialises torch.distributed: deferred)
+
+    state = PartialState()
+    lock = RunFolderLock(folder, say) if state.is_main_process else None
+    _on_main_process(state, lock.acquire if lock is not None else None)
+    try:
+        resume_from = find_resume()
+        def claim() -> None:
+            claim_run_folder(folder, job, resuming=resume_from is not None, overwrite=overwrite, identity=identity,
+                             say=say)
+
+        _on_main_process(state, claim if state.is_main_process else None)
+        if state.num_processes > 1:
+            state.wait_for_everyone()
+        yield resume_from
+    finally:
+        if lock is not None:
+            lock.release()

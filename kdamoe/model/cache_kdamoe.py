@@ -355,7 +355,9 @@ class KDAMoECache(DynamicCache):
         for layer in self.layers:
             layer.crop(tokens_to_remove)
 
-    def activate_past_recording(self):
+    def activate_past_recording(self, *args, **kwargs):
+        """Refused (``ValueError``): called by transformers' assisted generation (5.25 passes
+        ``recurrent_states_to_keep``), whose rollback the KDA layers' recurrent state cannot follow."""
         raise ValueError("KDAMoECache does not record past states: the KDA layers' recurrent state cannot be rewound")
 
     def batch_repeat_interleave(self, repeats: int):

@@ -1087,10 +1087,18 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
             position_ids = torch.arange(past, past + T, device=tokens.device).unsqueeze(0)
             facts["position_restarts"] = False
         position_ids = position_ids.expand(B, T)
+        mask_4d = attention_mask is not None and attention_mask.dim() == 4  # a custom mask, passed through as is
+        if attention_mask is not None and not mask_4d and not managed and T > 1 and facts.get("mask_all_ones", False):
+            attention_mask = None  # no padding: the plain causal kernels apply (and restarts mark packed documents)
+        if attention_mask is not None and not mask_4d and facts.get("restarts_between_tokens"):
+            raise ValueError(
+                "position_ids restart at 0 between real tokens (packed documents) while attention_mask pads the batch: "
+                "packed documents are separated only without padding; pass padding-free packed rows without an "
+                "attention_mask (TRL's padding_free), or consecutive position_ids with the padding mask"
+            )
         restarts = facts.get("position_restarts")
         packed = attention_mask is None and T > 1 and (
             restarts if restarts is not None else bool((position_ids[:, 1:] == 0).any()))
-        mask_4d = attention_mask is not None and attention_mask.dim() == 4  # a custom mask, passed through as is
         chunked = bool(chunk) and T > chunk and not packed and not mask_4d and not torch.is_grad_enabled()
         if chunked and (want_router or want_attentions):
             raise ValueError(
@@ -1099,8 +1107,6 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
             )
         if use_cache and cache is None:
             cache = KDAMoECache(self.config)
-        if attention_mask is not None and not mask_4d and not managed and T > 1 and facts.get("mask_all_ones", False):
-            attention_mask = None  # no padding: the plain causal kernels apply
         run_cache = cache if cache is not None or not chunked else KDAMoECache(self.config)  # carries the chunks
 
         if not chunked:
@@ -1328,6 +1334,23 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
     # ------------------------------------------------------------------------------------------------
     # Decoding: the latent cache for generate(), and one-token steps replayed from a CUDA graph
     # ------------------------------------------------------------------------------------------------
+    def generate(self, *args, **kwargs):
+        """``GenerationMixin.generate``, refusing speculative decoding first (``ValueError``): assisted generation
+        (``assistant_model``, ``assistant_early_exit``) and prompt lookup (``prompt_lookup_num_tokens``) roll the cache
+        back to the last accepted draft token, and the KDA layers' recurrent state cannot be rewound. transformers
+        5.24 refuses stateful models with its own message and 5.25 fails inside its past-recording call; this gives
+        one message on every version."""
+        config = kwargs.get("generation_config") or self.generation_config
+        asked = [name for name in ("assistant_model", "assistant_early_exit", "prompt_lookup_num_tokens")
+                 if kwargs.get(name) is not None or getattr(config, name, None) is not None]
+        if asked:
+            raise ValueError(
+                f"{asked[0]}: assisted generation and prompt lookup are not supported by KDAMoE models: they rewind "
+                "the cache to the last accepted draft token, and the KDA layers' recurrent state cannot be rewound; "
+                "generate without them"
+            )
+        return super().generate(*args, **kwargs)
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
         """``generate()`` builds a :class:`KDAMoECache` preallocated to its ``max_length`` unless the user passed a

@@ -26,9 +26,10 @@ def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, posi
     the host catches up).
 
     Returns:
-        ``{"mask_all_ones": bool}`` for a 2-D ``attention_mask`` (no padding: the plain causal kernels apply) and
+        ``{"mask_all_ones": bool}`` for a 2-D ``attention_mask`` (no padding: the plain causal kernels apply),
         ``{"position_restarts": bool}`` for ``position_ids`` with ``T > 1`` (a restart at 0 marks packed
-        documents); a key is absent when its input is.
+        documents) and, with both, ``{"restarts_between_tokens": bool}`` (a restart between two real tokens, which
+        the forward refuses next to padding); a key is absent when its input is.
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Specify exactly one of `input_ids` or `inputs_embeds`")
@@ -58,6 +59,11 @@ def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, posi
     position_ok = position_ids is not None and position_ids.dim() == 2 and position_ids.shape[-1] == T
     if position_ok and T > 1:
         checks["position_restarts"] = (position_ids[:, 1:] == 0).any()
+        if (attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[0] == B
+                and attention_mask.shape[-1] >= T and position_ids.shape[0] in (1, B)):
+            # A restart between two real tokens (not the first real token after left padding) marks packed documents.
+            real = attention_mask[:, -T:] != 0
+            checks["restarts_between_tokens"] = ((position_ids[:, 1:] == 0) & real[:, 1:] & real[:, :-1]).any()
     if targets is not None:
         if not isinstance(targets, torch.Tensor):
             raise ValueError(f"`labels` / `shift_labels` must be a tensor of class ids, got {type(targets).__name__}")
@@ -93,7 +99,8 @@ def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, posi
     if position_ids is not None and (position_ids.dtype.is_floating_point or position_ids.dtype.is_complex
                                      or position_ids.dtype == torch.bool):
         raise ValueError(f"`position_ids` must be an integer tensor, got dtype {position_ids.dtype}")
-    return {key: bool(checks[key]) for key in ("mask_all_ones", "position_restarts") if key in checks}
+    return {key: bool(checks[key]) for key in ("mask_all_ones", "position_restarts", "restarts_between_tokens")
+            if key in checks}
 
 
 def check_cache_matches(config, cache: Cache, rows: int) -> None:

@@ -26,6 +26,13 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from accelerate import PartialState
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..common.checkpoint import verify_checkpoint, write_manifest
+from ..common.run_folder import owned_run_folder
+
 logger = logging.getLogger(__name__)
 
 RL_RECIPES = ("grpo", "rloo", "ppo")
@@ -34,14 +41,58 @@ TRL_TRAINERS = {"sft": "SFTTrainer", "grpo": "GRPOTrainer", "dpo": "DPOTrainer",
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
-def newest_checkpoint(output_dir: str | Path) -> str | None:
-    """The newest complete Trainer checkpoint (``checkpoint-N`` holding ``trainer_state.json``) or ``None``."""
+# What a Trainer checkpoint must hold to resume the same run (transformers' Trainer._save_checkpoint writes them):
+# weights (full or adapter), optimizer, scheduler, RNG state(s) and the trainer state. Listed by the manifest that
+# CheckpointManifestCallback writes after the Trainer finished the folder.
+TRAINER_CHECKPOINT_FILES = ("trainer_state.json", "optimizer.pt", "scheduler.pt", "rng_state*.pth")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
+
+
+def verify_trainer_checkpoint(folder: Path) -> str | None:
+    """Why the Trainer checkpoint ``folder`` cannot be resumed (a reason naming the file), or None when it can: its
+    manifest (written last) checks out (:func:`kdamoe.common.checkpoint.verify_checkpoint`) and lists
+    :data:`TRAINER_CHECKPOINT_FILES` and the weights."""
+    reason = verify_checkpoint(folder, required=TRAINER_CHECKPOINT_FILES)
+    if reason is None and not any((folder / name).is_file() for name in WEIGHT_FILES):
+        reason = f"no weights ({' / '.join(WEIGHT_FILES)})"
+    return reason
+
+
+def newest_checkpoint(output_dir: str | Path, say=logger.warning) -> str | None:
+    """The newest intact Trainer checkpoint ``checkpoint-N`` in ``output_dir`` (:func:`verify_trainer_checkpoint`), or
+    None when there is none at all; ``say`` gets one line per newer checkpoint skipped, naming the file and why.
+
+    Raises:
+        ValueError: there are checkpoints but none is intact (a silent fresh start would lose the run).
+    """
     folder = Path(output_dir)
     if not folder.is_dir():
         return None
-    found = [(int(m.group(1)), p) for p in folder.iterdir()
-             if (m := _CHECKPOINT.match(p.name)) and (p / "trainer_state.json").is_file()]
-    return str(max(found)[1]) if found else None
+    found = sorted(((int(m.group(1)), p) for p in folder.iterdir() if (m := _CHECKPOINT.match(p.name)) and p.is_dir()),
+                   reverse=True)
+    for _, path in found:
+        reason = verify_trainer_checkpoint(path)
+        if reason is None:
+            return str(path)
+        say(f"skipping {path}: {reason}")
+    if found:
+        raise ValueError(f"no intact checkpoint in {folder} (reasons above); pass --no-resume --overwrite to start "
+                         "over (which deletes them) or another --output-dir")
+    return None
+
+
+class CheckpointManifestCallback(TrainerCallback):
+    """Writes ``manifest.json`` into each ``checkpoint-N`` once the Trainer has saved everything in it (``on_save``
+    runs after ``Trainer._save_checkpoint``): the manifest is the last file, so a checkpoint cut short by a crash has
+    none and is skipped on resume (:func:`newest_checkpoint`)."""
+
+    def on_save(self, args, state, control, **kwargs):
+        PartialState().wait_for_everyone()  # every rank's shards are on disk
+        if state.is_world_process_zero:
+            folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+            if folder.is_dir():
+                write_manifest(folder)
+        return control
 
 
 # The mean reward per step as each TRL trainer logs it: GRPO / RLOO `reward`, PPO (TRL 1.12) `objective/scores`.
@@ -270,12 +321,27 @@ def enable_fsdp2_on_cpu(trainer) -> None:
         raise RuntimeError(f"trainer.fsdp is set but accelerate set up {accelerator.distributed_type}")
 
 
-def run_recipe(cfg, resume: bool = True) -> dict:
+def run_identity(cfg) -> dict:
+    """What a resumed run must share with the run that wrote its output folder: the base model (a local folder as
+    its absolute path), the recipe and the data section."""
+    from .config import posttrain_config_to_dict
+
+    model = str(Path(cfg.model).expanduser().resolve()) if _is_local(cfg.model) else cfg.model
+    return {"model": model, "recipe": cfg.recipe, "data": posttrain_config_to_dict(cfg)["data"]}
+
+
+def run_recipe(cfg, resume: bool = True, overwrite: bool = False) -> dict:
     """Train ``cfg.recipe`` from ``cfg.model`` and save it (module docstring).
+
+    The run owns ``cfg.output_dir`` while it runs (:func:`kdamoe.common.run_folder.owned_run_folder`): a second run
+    into it stops; a folder holding a pretraining run (such as the base's own run) or the base model itself is
+    refused; a fresh start refuses a non-empty folder unless ``overwrite``; a resume needs the same base, recipe and
+    data as the run recorded, and the newest intact checkpoint (:func:`newest_checkpoint`).
 
     Args:
         cfg: a validated :class:`~kdamoe.posttraining.config.PostTrainConfig`.
-        resume: continue from the newest complete ``checkpoint-N`` in ``cfg.output_dir`` when there is one.
+        resume: continue from the newest intact ``checkpoint-N`` in ``cfg.output_dir`` when there is one.
+        overwrite: on a fresh start, remove what an earlier post-training run wrote there (only that).
     Returns:
         ``{"final": str, "adapter": str | None, "summary": str, "log_history": list[dict], "train_runtime":
         float (seconds), "global_step": int, "reward_curve": [(step, mean reward)], "resumed_from": str | None,
@@ -284,8 +350,30 @@ def run_recipe(cfg, resume: bool = True) -> dict:
     Raises:
         ValueError: a config value that does not fit the model (aux loss next to Quantile Balancing, a completion
             budget past the context, ``distributed_config``'s ``ep_size`` against ``num_experts``), naming it; or a
-            checkpoint to resume under ``distributed_config``.
+            checkpoint to resume under ``distributed_config``; checkpoints of which none is intact.
+        kdamoe.common.run_folder.RunFolderError: the folder is busy, holds a pretraining run, is
+            not empty on a fresh start, or was written by a run with another base / recipe / data (named).
     """
+    out = Path(cfg.output_dir).expanduser().resolve()
+    if _is_local(cfg.model) and Path(cfg.model).expanduser().resolve().is_relative_to(out):
+        raise ValueError(f"model={cfg.model} lies inside output_dir={cfg.output_dir}: the run would overwrite its own "
+                         "base; pick another output_dir")
+
+    def find_resume() -> str | None:
+        checkpoint = newest_checkpoint(cfg.output_dir) if resume else None
+        if checkpoint and cfg.distributed_config is not None:
+            raise ValueError(f"distributed_config: output_dir holds {checkpoint}, and transformers' Trainer cannot "
+                             "resume a model sharded while it loads; pass --no-resume --overwrite or another "
+                             "output_dir")
+        return checkpoint
+
+    with owned_run_folder(cfg.output_dir, "posttraining", find_resume, overwrite=overwrite,
+                          identity=run_identity(cfg), say=logger.warning) as checkpoint:
+        return _train_and_save(cfg, checkpoint)
+
+
+def _train_and_save(cfg, checkpoint: str | None) -> dict:
+    """:func:`run_recipe`'s body, with the output folder owned and the checkpoint to resume (or None) decided."""
     from transformers import set_seed
 
     from ..callbacks import RouterBiasUpdateCallback, add_router_bias_callback
@@ -293,10 +381,6 @@ def run_recipe(cfg, resume: bool = True) -> dict:
     from .recipes import build_trainer
     from .recipes.common import check_aux_loss
 
-    checkpoint = newest_checkpoint(cfg.output_dir) if resume else None
-    if checkpoint and cfg.distributed_config is not None:
-        raise ValueError(f"distributed_config: output_dir holds {checkpoint}, and transformers' Trainer cannot resume "
-                         "a model sharded while it loads; pass --no-resume (resume=False) or another output_dir")
     set_seed(cfg.seed)
     model, tokenizer = load_base(cfg)
     check_aux_loss(cfg, model.config)
@@ -305,6 +389,7 @@ def run_recipe(cfg, resume: bool = True) -> dict:
     check_world_size(trainer)
     enable_fsdp2_on_cpu(trainer)
     add_router_bias_callback(trainer, RouterBiasUpdateCallback(freeze_biases=cfg.router_biases == "freeze"))
+    trainer.add_callback(CheckpointManifestCallback())
     if checkpoint:
         logger.warning(f"resuming from {checkpoint}")
     result = trainer.train(resume_from_checkpoint=checkpoint)

@@ -46,6 +46,7 @@ from ..common.checkpoint import (
 )
 from ..common.checkpoint import find_checkpoint
 from ..common.folders import model_from_run_config
+from ..common.run_folder import owned_run_folder
 from .config import RunConfig, StageConfig, check_expert_parallel, config_to_dict, with_defaults
 from .corpus import load_corpus
 from .data import IGNORE_INDEX, pack_documents, stage_loader, tokenize_documents
@@ -264,21 +265,10 @@ def consolidated_model(accelerator, model, cfg: RunConfig, tokenizer):
     return plain.to(accelerator.device)
 
 
-RUN_ARTIFACTS = ["checkpoints", "initial", "tokenizer", "tensorboard", "final", "baselines.json", "summary.json", "expert_load.png"]
 # Fields that decide what a resumed run computes; the rest (logging, output) may change between runs.
 RESUME_KEYS = ["seed", "model", "data", "tokenizer", "train.stages", "train.grad_accum_steps", "train.weight_decay",
                "train.adam_betas", "train.adam_eps", "train.max_grad_norm", "train.mixed_precision",
                "train.parallelism"]  # a DDP checkpoint holds model.safetensors, the FSDP2 ones sharded folders
-
-
-def clear_run(out_dir: Path) -> None:
-    """Remove what an earlier run left in ``out_dir`` (a fresh start must not reuse its tokenizer or checkpoints)."""
-    for name in RUN_ARTIFACTS:
-        path = out_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
 
 
 def check_same_run(out_dir: Path, cfg: RunConfig) -> None:
@@ -453,17 +443,25 @@ def _metrics_line(name: str, m: dict) -> str:
     return f"  {name:<28} loss {m['loss']:.4f}  ppl {m['ppl']:10.2f}  bpb {m['bpb']:.4f}  ({m['tokens']} tokens)"
 
 
-def run(cfg: RunConfig, resume: bool = True, stop_after_steps: int | None = None) -> dict:
+def run(cfg: RunConfig, resume: bool = True, stop_after_steps: int | None = None, overwrite: bool = False) -> dict:
     """Run the whole job (see module docstring) and return a summary dict.
+
+    The run owns ``cfg.output_dir`` while it runs (:func:`kdamoe.common.run_folder.owned_run_folder`): a second run
+    into it stops, and a fresh start refuses a folder that holds anything unless ``overwrite``.
 
     Args:
         cfg: validated run configuration.
         resume: continue from the newest checkpoint in ``cfg.output_dir`` if there is one.
         stop_after_steps: stop once this many optimizer steps (over all stages) are done, as if the
             run were killed there (no export); a later call with ``resume=True`` continues.
+        overwrite: on a fresh start, remove what an earlier pretraining run wrote there (only that).
     Returns:
         ``{"losses": [[global_step, loss], ...] of all steps so far, "finished": bool, "before"/"after"/
         "reloaded"/"bigram": metric dicts (when finished), "final_dir", "seconds"}``.
+    Raises:
+        kdamoe.common.run_folder.RunFolderError: the folder is busy, holds another job's run, or (fresh start) is not
+            empty.
+        ValueError: no intact checkpoint among the folder's checkpoints, or a resumed run with another config.
     """
     start = time.perf_counter()
     out_dir = Path(cfg.output_dir)
@@ -477,17 +475,28 @@ def run(cfg: RunConfig, resume: bool = True, stop_after_steps: int | None = None
         raise ValueError(f"WORLD_SIZE={launched} processes were launched but accelerate set up "
                          f"{accelerator.num_processes} ({accelerator.distributed_type}); see docs/pretraining.md")
     set_seed(cfg.seed)
-    checkpoint = find_checkpoint(out_dir / "checkpoints", say=lambda line: _say(accelerator, line)) if resume else None
-    if resume and checkpoint is None and list_checkpoints(out_dir / "checkpoints"):
-        raise ValueError(f"no intact checkpoint in {out_dir / 'checkpoints'} (reasons above); pass --no-resume "
-                         "to start over (which deletes them) or another --output-dir")
-    if checkpoint is not None:
-        check_same_run(out_dir, cfg)
-        check_same_processes(checkpoint, accelerator.num_processes)
+
+    def say(line: str) -> None:
+        _say(accelerator, line)
+
+    def find_resume() -> Path | None:
+        checkpoint = find_checkpoint(out_dir / "checkpoints", say=say) if resume else None
+        if resume and checkpoint is None and list_checkpoints(out_dir / "checkpoints"):
+            raise ValueError(f"no intact checkpoint in {out_dir / 'checkpoints'} (reasons above); pass --no-resume "
+                             "--overwrite to start over (which deletes them) or another --output-dir")
+        if checkpoint is not None:
+            check_same_run(out_dir, cfg)
+            check_same_processes(checkpoint, accelerator.num_processes)
+        return checkpoint
+
+    with owned_run_folder(out_dir, "pretraining", find_resume, overwrite=overwrite, say=say) as checkpoint:
+        return _train_in_folder(cfg, accelerator, out_dir, checkpoint, use_bf16, stop_after_steps, start)
+
+
+def _train_in_folder(cfg: RunConfig, accelerator, out_dir: Path, checkpoint: Path | None, use_bf16: bool,
+                     stop_after_steps: int | None, start: float) -> dict:
+    """:func:`run`'s body, with ``out_dir`` owned and the checkpoint to resume from (or None) decided."""
     if accelerator.is_main_process:
-        if checkpoint is None:
-            clear_run(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     accelerator.wait_for_everyone()
 
