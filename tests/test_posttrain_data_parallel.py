@@ -202,14 +202,14 @@ def test_a_launch_the_trainer_did_not_set_up_is_refused(monkeypatch):
     # What the Trainer builds with use_cpu=false under a 2-process torchrun on a CPU: one lone process each.
     from types import SimpleNamespace
 
-    from kdamoe.posttraining.run import check_world_size
+    from kdamoe.common.parallel import check_world_size
 
-    lone = SimpleNamespace(accelerator=SimpleNamespace(num_processes=1, distributed_type="NO"))
+    lone = SimpleNamespace(num_processes=1, distributed_type="NO")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="WORLD_SIZE=2 .* set up 1"):
-        check_world_size(lone)
+        check_world_size(lone, "the Trainer", "use_cpu=True")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    check_world_size(lone)
+    check_world_size(lone, "the Trainer", "use_cpu=True")
 
 
 def _text_length_reward(completions, **kwargs) -> list[float]:

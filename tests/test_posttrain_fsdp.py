@@ -4,7 +4,7 @@ trainer.fsdp=true`` (transformers' ``TrainingArguments.fsdp``, FSDP2 by default 
 run with the same global batch, and its ``final/`` holds the whole model.
 
 On CPU accelerate 1.15 drops the Trainer's FSDP plugin and would wrap the model in DDP;
-:func:`kdamoe.posttraining.run.enable_fsdp2_on_cpu` makes the switch accelerate makes on GPUs. The runs are the
+:func:`kdamoe.common.parallel.enable_fsdp2_on_cpu` makes the switch accelerate makes on GPUs. The runs are the
 recorder of ``tests/test_posttrain_data_parallel.py`` (the documented command with this recorder standing in for
 ``scripts/posttrain.py``), each with a deadline, in the ``distributed`` xdist group.
 
@@ -81,7 +81,7 @@ def test_enable_fsdp2_is_a_no_op_without_fsdp():
     version 1 and under PEFT happen when the config loads: tests/test_posttrain.py)."""
     from types import SimpleNamespace
 
-    from kdamoe.posttraining.run import enable_fsdp2_on_cpu
+    from kdamoe.common.parallel import enable_fsdp2_on_cpu
 
     accelerator = SimpleNamespace(distributed_type="untouched")
     trainer = SimpleNamespace(args=SimpleNamespace(fsdp_plugin_args=None), accelerator=accelerator)

@@ -201,12 +201,20 @@ def test_parallelism_is_checked_when_the_config_loads(tmp_path):
         _config(tmp_path, "bad", parallelism="fsdp")
 
 
+def test_an_unknown_parallelism_is_refused_before_any_set_up():
+    from kdamoe.common.parallel import make_accelerator
+
+    with pytest.raises(ValueError, match="train.parallelism: must be one of ddp, fsdp2, fsdp2_ep, got 'fsdp'"):
+        make_accelerator("fsdp", use_bf16=False)
+
+
 def test_fsdp2_with_one_process_is_a_config_error(tmp_path, monkeypatch):
-    from kdamoe.training.trainer import make_accelerator
+    from kdamoe.common.parallel import make_accelerator
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = _config(tmp_path, "one", parallelism="fsdp2")
     with pytest.raises(ValueError, match="train.parallelism: fsdp2 needs at least 2 processes"):
-        make_accelerator(_config(tmp_path, "one", parallelism="fsdp2"), use_bf16=False)
+        make_accelerator(cfg.train.parallelism, use_bf16=False, model=cfg.model)
 
 
 @pytest.fixture(scope="module")
@@ -274,12 +282,12 @@ def test_fsdp2_ep_export_is_one_consolidated_hub_folder(ep, tmp_path):
 
 
 def test_fsdp2_ep_with_one_process_is_a_config_error(tmp_path, monkeypatch):
-    from kdamoe.training.trainer import make_accelerator
+    from kdamoe.common.parallel import make_accelerator
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = _config(tmp_path, "one", parallelism="fsdp2_ep")  # outside torchrun the config loads; the run refuses
     with pytest.raises(ValueError, match="train.parallelism: fsdp2_ep needs at least 2 processes"):
-        make_accelerator(cfg, use_bf16=False)
+        make_accelerator(cfg.train.parallelism, use_bf16=False, model=cfg.model)
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ValueError, match="train.parallelism: fsdp2_ep needs at least 2 processes"):
         _config(tmp_path, "one", parallelism="fsdp2_ep")

@@ -213,7 +213,7 @@ def load_expert_parallel_optimizer(model, optimizer, folder: Path) -> None:
     """Load ``folder/optimizer`` (:func:`save_expert_parallel_state`) into ``optimizer`` of the sharded ``model``.
 
     Call on every process. The model's own shards are loaded when it is built (``from_pretrained(folder/model,
-    distributed_config=...)``, :func:`kdamoe.training.trainer.expert_parallel_model`). As for ``fsdp2``
+    distributed_config=...)``, :func:`kdamoe.common.parallel.expert_parallel_model`). As for ``fsdp2``
     checkpoints, torch.distributed.checkpoint unpickles the folder's ``.metadata``: trusted folders only.
     """
     from transformers.distributed.checkpoint import load_optimizer_distributed

@@ -10,8 +10,9 @@ the bad value, before a model is loaded:
 * ``trainer`` keys are fields of the recipe's TRL config class (``SFTConfig``, ``GRPOConfig``, ...), with a
   "did you mean" hint (the values are checked by that class when the recipe builds it);
 * ``peft`` builds a ``peft.LoraConfig``;
+* ``trainer.fsdp`` fits the launch (:func:`kdamoe.common.parallel.check_trainer_fsdp`);
 * ``distributed_config`` builds a ``transformers.distributed.DistributedConfig`` and fits the launch, the model and
-  the recipe (:func:`check_distributed_config`, :meth:`PostTrainConfig._check_distributed`);
+  the recipe (:mod:`kdamoe.common.parallel`'s checks, :meth:`PostTrainConfig._check_distributed`);
 * ``data`` names a task family and ranges its generator accepts.
 
 Checks that need the model (the aux-loss coefficient against Quantile Balancing, the GRPO completion budget
@@ -23,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 from ..common.config import apply_override, build_dataclass
+from ..common.parallel import check_distributed_config, check_distributed_launch, check_trainer_fsdp, launched_processes
 from .recipes import RECIPES, config_class
 from .recipes.common import lora_config
 
@@ -162,16 +163,7 @@ class PostTrainConfig:
                 need(not t.get(key), f"trainer.{key}",
                      "grpo.rollout: cached generates with the policy itself, one cache per rollout; it does not run "
                      f"with {key}=true (use grpo.rollout: trl)")
-        if t.get("fsdp"):
-            world = int(os.environ.get("WORLD_SIZE", "1"))
-            need(world >= 2, "trainer.fsdp", f"needs at least 2 processes (torchrun --nproc_per_node N, N >= 2); "
-                 f"WORLD_SIZE is {world}, and one process trains unsharded")
-            fsdp_config = t.get("fsdp_config")  # a dict here; a JSON file's path is transformers' to read
-            version = fsdp_config.get("version", 2) if isinstance(fsdp_config, dict) else 2
-            need(version == 2, "trainer.fsdp_config", f"version {version!r}: the recipes support FSDP2 only (version 2, "
-                 "transformers' default)")
-            need(self.peft is None, "trainer.fsdp", "with a peft adapter: not supported by the recipes (train the "
-                 "full model, peft: null)")
+        check_trainer_fsdp(t, self.peft, launched_processes())
         sharded_by = "trainer.fsdp" if t.get("fsdp") else "distributed_config" if self.distributed_config else None
         if sharded_by and self.recipe == "grpo":
             # Every forward of a sharded model is a collective (FSDP2 all-gathers, EP all-to-alls). One `generate`
@@ -197,26 +189,16 @@ class PostTrainConfig:
 
     def _check_distributed(self) -> None:
         """The ``distributed_config`` refusals (each a ``ValueError`` naming the field): a bad ``DistributedConfig``,
-        one process, sizes that are not the launch, ``trainer.fsdp`` next to it, a PEFT adapter, Trainer
-        checkpoints, a recipe or GRPO mode whose collectives could not line up over the ranks, and (for a local
-        model folder) ``num_experts`` not divisible by ``ep_size``."""
+        one process, sizes that are not the launch (:func:`kdamoe.common.parallel.check_distributed_launch`),
+        ``trainer.fsdp`` next to it, a PEFT adapter, Trainer checkpoints, a recipe or GRPO mode whose collectives
+        could not line up over the ranks, and (for a local model folder) ``num_experts`` not divisible by
+        ``ep_size`` (:func:`kdamoe.common.parallel.check_distributed_config`)."""
         def need(ok: bool, name: str, why: str):
             if not ok:
                 raise ValueError(f"config field {name}: {why}")
 
         section, t = self.distributed_config, self.trainer
-        config = distributed_config_from_dict(section)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        need(world >= 2, "distributed_config", f"needs at least 2 processes (torchrun --nproc_per_node N, N >= 2); "
-             f"WORLD_SIZE is {world}")
-        need(config.tp_size == 1 and config.pp_size == 1, "distributed_config",
-             f"tp_size={config.tp_size}, pp_size={config.pp_size}: kdamoe has no tensor- or pipeline-parallel plan "
-             "(fsdp_size and ep_size shard it)")
-        need(config.dp_replicate_size == 1, "distributed_config.dp_replicate_size",
-             f"{config.dp_replicate_size}: HSDP is not tested with the recipes (shard over all processes with fsdp_size)")
-        need(config.fsdp_size == world, "distributed_config.fsdp_size",
-             f"{config.fsdp_size} must be the number of processes, WORLD_SIZE={world}: the Trainer gives every "
-             "process its own rows, and the model's data-parallel size is fsdp_size")
+        check_distributed_launch(section, launched_processes())
         need(not t.get("fsdp"), "trainer.fsdp", "set together with distributed_config: the model is sharded once, "
              "either by transformers' engine while it loads (distributed_config) or by accelerate (trainer.fsdp)")
         need(self.peft is None, "peft", "with distributed_config: not supported by the recipes (under ep_size a "
@@ -270,61 +252,6 @@ def _takes_float(tp) -> bool:
     if isinstance(tp, str):
         return "float" in tp.replace(" ", "").split("|")
     return tp is float or float in typing.get_args(tp)
-
-
-def distributed_config_from_dict(section: dict[str, Any]):
-    """``transformers.distributed.DistributedConfig(**section)``.
-
-    Raises:
-        ValueError: ``section`` is not a mapping, names a key that is not a field of ``DistributedConfig`` (with a
-            "did you mean"), gives a size that is not a positive integer or a flag that is not a bool, or
-            ``DistributedConfig`` rejects a value (e.g. ``ep_size`` not dividing ``fsdp_size``).
-    """
-    from transformers.distributed import DistributedConfig
-
-    if not isinstance(section, dict):
-        raise ValueError(f"config field distributed_config: expected a mapping of DistributedConfig fields, got "
-                         f"{section!r}")
-    fields = [f.name for f in dataclasses.fields(DistributedConfig)]
-    for key in section:
-        if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            raise ValueError(f"config field distributed_config.{key}: not a field of DistributedConfig{hint}")
-    # DistributedConfig does not check its value types: a float or bool size reaches torch's device mesh
-    for f in dataclasses.fields(DistributedConfig):
-        value, kind = section.get(f.name), str(f.type)
-        if value is None:
-            continue
-        if kind.startswith("int") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"config field distributed_config.{f.name}: expected a positive integer, got {value!r}")
-        if f.type is bool and not isinstance(value, bool):
-            raise ValueError(f"config field distributed_config.{f.name}: expected true or false, got {value!r}")
-    ep, fsdp, tp = section.get("ep_size"), section.get("fsdp_size"), section.get("tp_size") or 1
-    if ep and fsdp and (fsdp * tp) % ep:  # DistributedConfig's own rule, said with the field's name
-        raise ValueError(f"config field distributed_config.ep_size: {ep} must divide fsdp_size * tp_size = {fsdp * tp} "
-                         "(the expert-parallel groups are cut out of the FSDP ranks)")
-    try:
-        return DistributedConfig(**section)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"config field distributed_config: {err}") from err
-
-
-def check_distributed_config(section: dict[str, Any], model_config) -> None:
-    """Refuse a ``distributed_config`` whose ``ep_size`` does not split the model's experts evenly.
-
-    Args:
-        section: ``DistributedConfig`` keyword arguments.
-        model_config: the base's config (a ``KDAMoEConfig``, or anything with ``num_experts``).
-    Raises:
-        ValueError: ``model_config.num_experts`` is not divisible by ``ep_size`` (every rank of an expert-parallel
-            group holds ``num_experts / ep_size`` whole experts).
-    """
-    ep_size = distributed_config_from_dict(section).ep_size
-    experts = getattr(model_config, "num_experts", None)
-    if ep_size > 1 and (not experts or experts % ep_size):
-        raise ValueError(f"config field distributed_config.ep_size: {ep_size} does not divide the model's "
-                         f"num_experts={experts} (each rank holds num_experts / ep_size whole experts)")
 
 
 def resolve_posttrain_config_path(path_or_name: str | Path) -> Path:

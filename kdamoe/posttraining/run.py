@@ -31,6 +31,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..common.checkpoint import verify_checkpoint, write_manifest
+from ..common.parallel import check_world_size, consolidated_model, enable_fsdp2_on_cpu, load_sharded
 from ..common.run_folder import owned_run_folder
 
 logger = logging.getLogger(__name__)
@@ -183,26 +184,12 @@ def trained_model(cfg, trainer):
 
     Call on every process. Under DDP every process holds the whole model: its unwrapped module is returned as it
     is. Under FSDP2 (``trainer.fsdp``) and under transformers' engine (``distributed_config``: FSDP2, with expert
-    parallelism) every process holds a shard: the full state dict is all-gathered (persistent buffers included, so
-    the router biases travel with the weights; accelerate's ``get_state_dict`` for the first, transformers'
-    ``gather_full_state_dict`` for the second, which the Trainer never wrapped) and the main process loads it into
-    a fresh, unsharded copy of the base (:func:`load_base`), as the pretraining job does.
+    parallelism) every process holds a shard: :func:`kdamoe.common.parallel.consolidated_model` gathers the full
+    state dict and the main process loads it into a fresh, unsharded copy of the base (:func:`load_base`), as the
+    pretraining job does.
     """
-    accelerator = trainer.accelerator
-    model = accelerator.unwrap_model(trainer.model)
-    if getattr(model, "is_distributed_loading_by_transformers", False):
-        from transformers.distributed.utils import gather_full_state_dict
-
-        state = gather_full_state_dict(model)  # collective: every rank takes part, rank 0 gets the tensors
-    elif accelerator.is_fsdp2:
-        state = accelerator.get_state_dict(trainer.model)
-    else:
-        return getattr(model, "policy", model)  # TRL's PPO trains a wrapper of policy and value model
-    if not accelerator.is_main_process:
-        return None
-    model, _ = load_base(cfg, sharded=False)
-    model.load_state_dict(state, strict=True)
-    return model
+    model = consolidated_model(trainer.accelerator, trainer.model, lambda: load_base(cfg, sharded=False)[0])
+    return getattr(model, "policy", model)  # TRL's PPO trains a wrapper of policy and value model
 
 
 def _save(cfg, model, tokenizer, padding_side: str, curve) -> tuple[Path, Path | None, object]:
@@ -233,21 +220,19 @@ def load_base(cfg, sharded: bool = True):
     """``(model, tokenizer)`` of ``cfg.model``: ``KDAMoEForCausalLM.from_pretrained`` (float32) and ``AutoTokenizer``.
 
     With ``cfg.distributed_config`` (and ``sharded``) the model is sharded while it loads, by transformers'
-    engine: ``from_pretrained(..., distributed_config=DistributedConfig(**cfg.distributed_config))`` applies the
-    model's ``base_model_fsdp_plan`` / ``_fsdp_plan`` (FSDP2) and, with ``ep_size``, its ``base_model_ep_plan``
-    (docs/distributed.md, "transformers DistributedConfig"); every process must call it. ``sharded=False`` loads
-    the whole model (the copy :func:`trained_model` fills with the gathered weights).
+    engine (:func:`kdamoe.common.parallel.load_sharded`: the model's FSDP2 plan and, with ``ep_size``, its
+    expert-parallel plan); every process must call it. ``sharded=False`` loads the whole model (the copy
+    :func:`trained_model` fills with the gathered weights).
 
     Raises:
         ValueError: ``cfg.model`` looks like a local folder without ``config.json``, or ``distributed_config``
-            does not fit the model (:func:`kdamoe.posttraining.config.check_distributed_config`).
+            does not fit the model (:func:`kdamoe.common.parallel.check_distributed_config`).
     """
     import torch
     from transformers import AutoTokenizer
 
     from ..common.folders import check_model_folder
-    from ..model import KDAMoEConfig, KDAMoEForCausalLM
-    from .config import check_distributed_config
+    from ..model import KDAMoEForCausalLM
 
     folder = Path(cfg.model).expanduser()
     looks_local = folder.exists() or cfg.model.startswith(("/", ".", "~", "outputs")) or cfg.model.count("/") > 1
@@ -257,68 +242,12 @@ def load_base(cfg, sharded: bool = True):
                          "or pass --set model=FOLDER")
     if folder.is_dir():  # a missing, foreign, misshapen or non-finite tensor would otherwise load silently
         check_model_folder(folder)
-    kwargs = {}
     if sharded and cfg.distributed_config is not None:
-        from transformers.distributed import DistributedConfig
-
-        check_distributed_config(cfg.distributed_config, KDAMoEConfig.from_pretrained(cfg.model))
-        kwargs["distributed_config"] = DistributedConfig(**cfg.distributed_config)
-    model = KDAMoEForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, **kwargs)
+        model = load_sharded(KDAMoEForCausalLM, cfg.model, cfg.distributed_config, dtype=torch.float32)
+    else:
+        model = KDAMoEForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     return model, tokenizer
-
-
-def check_world_size(trainer) -> None:
-    """Refuse a launch whose ``WORLD_SIZE`` (set by ``torchrun``) differs from the processes the Trainer set up.
-
-    Without this, N processes that each built a one-process Trainer would train N unrelated copies and race on
-    ``output_dir`` (docs/post-training.md, "Several processes").
-
-    Raises:
-        ValueError: ``WORLD_SIZE`` != ``trainer.accelerator.num_processes``, naming both.
-    """
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched != trainer.accelerator.num_processes:
-        raise ValueError(f"WORLD_SIZE={launched} processes were launched but the Trainer set up "
-                         f"{trainer.accelerator.num_processes} ({trainer.accelerator.distributed_type}); on CPUs "
-                         "the recipes need use_cpu=True (their default without CUDA) for a gloo DDP run")
-
-
-def enable_fsdp2_on_cpu(trainer) -> None:
-    """Make a Trainer configured for FSDP (``trainer.fsdp=full_shard``; transformers 5.24 defaults to FSDP2) shard
-    on CPU processes too; a no-op without ``fsdp`` and on accelerator devices.
-
-    On CPU, accelerate 1.15 drops the FSDP plugin the Trainer passes: ``AcceleratorState`` switches to
-    ``DistributedType.FSDP`` only on accelerator devices (MULTI_GPU, ...), not MULTI_CPU, so the model would be
-    wrapped in DDP. gloo supports what FSDP2 needs, so before anything is prepared this makes the switch accelerate
-    makes on GPUs (distributed type, the plugin, its mixed-precision policy) and sets the Trainer's
-    ``is_fsdp_enabled`` flag as ``create_accelerator_and_postprocess`` would have; from then on it is
-    accelerate's own FSDP2 path, the one CUDA runs (the same switch as ``kdamoe.training.trainer.make_accelerator``).
-
-    FSDP on one process, FSDP version 1 and FSDP with a PEFT adapter (``final/`` merges the adapter on the main
-    process, which needs the whole model there) never get here: the config refuses them when it loads
-    (:meth:`kdamoe.posttraining.config.PostTrainConfig.validate`), before transformers would fail on them itself.
-
-    Raises:
-        RuntimeError: the accelerator did not end up in FSDP2 mode (an accelerate version whose gating differs).
-    """
-    from accelerate import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    plugin_args = trainer.args.fsdp_plugin_args
-    if plugin_args is None:
-        return
-    accelerator = trainer.accelerator
-    if accelerator.distributed_type == DistributedType.MULTI_CPU:
-        plugin = FullyShardedDataParallelPlugin(**plugin_args)
-        if accelerator.mixed_precision != "no":
-            plugin.set_mixed_precision(accelerator.mixed_precision)
-        state = accelerator.state
-        state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-        state.fsdp_plugin = plugin
-        trainer.is_fsdp_enabled = True
-    if not accelerator.is_fsdp2:
-        raise RuntimeError(f"trainer.fsdp is set but accelerate set up {accelerator.distributed_type}")
 
 
 def run_identity(cfg) -> dict:
@@ -386,7 +315,8 @@ def _train_and_save(cfg, checkpoint: str | None) -> dict:
     check_aux_loss(cfg, model.config)
     padding_side = tokenizer.padding_side
     trainer = build_trainer(cfg, model, tokenizer)
-    check_world_size(trainer)
+    check_world_size(trainer.accelerator, "the Trainer", "on CPUs the recipes need use_cpu=True (their default "
+                     "without CUDA) for a gloo DDP run")  # else N lone processes would race on output_dir
     enable_fsdp2_on_cpu(trainer)
     add_router_bias_callback(trainer, RouterBiasUpdateCallback(freeze_biases=cfg.router_biases == "freeze"))
     trainer.add_callback(CheckpointManifestCallback())

@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 
 from ..common.config import apply_override, build_dataclass
+from ..common.parallel import PARALLELISMS, check_expert_parallel, launched_processes
 
-PARALLELISMS = ("ddp", "fsdp2", "fsdp2_ep")  # train.parallelism values
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "cpu_default.yaml"
 
@@ -87,6 +87,7 @@ class TrainConfig:
     # group per KDAMoEDecoderLayer; docs/pretraining.md, "Data-parallel runs"). fsdp2_ep: FSDP2 plus expert
     # parallelism by transformers' own engine (DistributedConfig(fsdp_size=N, ep_size=N)): every process holds
     # num_experts / N whole experts and the routed tokens travel to them. fsdp2 and fsdp2_ep need >= 2 processes.
+    # All three are set up by kdamoe.common.parallel.
     parallelism: str = "ddp"
 
 
@@ -174,7 +175,7 @@ class RunConfig:
         # The model section is KDAMoEConfig's own: check it now, not after the corpus and tokenizer work.
         check_model_section(self.model, self.tokenizer.vocab_size)
         if t.parallelism == "fsdp2_ep" and "WORLD_SIZE" in os.environ:  # under torchrun; else make_accelerator checks
-            check_expert_parallel(self.model, int(os.environ["WORLD_SIZE"]))
+            check_expert_parallel(self.model, launched_processes())
         return self
 
 
@@ -222,30 +223,6 @@ def check_model_section(model: dict[str, Any], vocab_size: int) -> None:
         KDAMoEConfig(**{**model, "vocab_size": vocab_size})
     except (TypeError, ValueError) as err:
         raise ValueError(f"config field model: {err}") from err
-
-
-def check_expert_parallel(model: dict[str, Any], world_size: int) -> None:
-    """Check that ``train.parallelism: fsdp2_ep`` can run on ``world_size`` processes: transformers'
-    ``DistributedConfig(fsdp_size=N, ep_size=N)`` puts ``num_experts / N`` whole experts on every process.
-
-    Called when the config loads under torchrun (its ``WORLD_SIZE``; a config loaded elsewhere, e.g. by a test or a
-    tool, may be meant for another launch) and again by ``trainer.make_accelerator`` before anything runs.
-
-    Raises:
-        ValueError: fewer than 2 processes (expert parallelism over one process is no parallelism; use ``ddp``),
-            or ``num_experts`` (of the ``model:`` section, else ``KDAMoEConfig``'s default) not divisible by N.
-    """
-    from ..model import KDAMoEConfig
-
-    if world_size < 2:
-        raise ValueError(f"config field train.parallelism: fsdp2_ep needs at least 2 processes (torchrun "
-                         f"--nproc_per_node N, N >= 2), got WORLD_SIZE={world_size}; one process trains unsharded, "
-                         "use ddp")
-    experts = model.get("num_experts", KDAMoEConfig().num_experts)
-    if experts % world_size:
-        raise ValueError(f"config field model.num_experts: {experts} experts cannot be split evenly over "
-                         f"{world_size} processes (train.parallelism: fsdp2_ep puts num_experts / N whole experts "
-                         "on each of the N processes)")
 
 
 def resolve_config_path(path: str | Path | None) -> Path:

@@ -8,11 +8,12 @@ carry over from the stage before. Checkpoints (:mod:`kdamoe.common.checkpoint`) 
 :class:`TrainProgress` (stage, step, data position, the stage's LR scheduler state, losses) as JSON and
 the expert-load totals as safetensors. They are written atomically and resumed from the newest intact one.
 
-``train.parallelism`` picks the data-parallel engine (:func:`make_accelerator`): ``ddp`` (a whole model per
-process), ``fsdp2`` (accelerate's FSDP2 plugin; sharded checkpoints, and :func:`consolidated_model` gathers the
-full weights for the export) or ``fsdp2_ep`` (FSDP2 plus expert parallelism by transformers' own engine,
-:func:`expert_parallel_model`; accelerate then keeps the data loader sharding, gradient accumulation, mixed
-precision, RNG states and collectives, but never wraps the model).
+``train.parallelism`` picks the data-parallel engine, set up by :mod:`kdamoe.common.parallel`
+(:func:`~kdamoe.common.parallel.make_accelerator`): ``ddp`` (a whole model per process), ``fsdp2`` (accelerate's
+FSDP2 plugin; sharded checkpoints, and :func:`~kdamoe.common.parallel.consolidated_model` gathers the full weights
+for the export) or ``fsdp2_ep`` (FSDP2 plus expert parallelism by transformers' own engine,
+:func:`~kdamoe.common.parallel.expert_parallel_model`; accelerate then keeps the data loader sharding, gradient
+accumulation, mixed precision, RNG states and collectives, but never wraps the model).
 """
 
 from __future__ import annotations
@@ -20,17 +21,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shutil
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import yaml
-from accelerate import Accelerator, PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, set_seed
+from accelerate.utils import set_seed
 from transformers import get_cosine_schedule_with_warmup
 
 from ..common.checkpoint import (
@@ -47,7 +46,14 @@ from ..common.checkpoint import (
 from ..common.checkpoint import find_checkpoint
 from ..common.folders import model_from_run_config
 from ..common.run_folder import owned_run_folder
-from .config import RunConfig, StageConfig, check_expert_parallel, config_to_dict, with_defaults
+from ..common.parallel import (
+    check_world_size,
+    consolidated_model,
+    deferred_reduction,
+    expert_parallel_model,
+    make_accelerator,
+)
+from .config import RunConfig, StageConfig, config_to_dict, with_defaults
 from .corpus import load_corpus
 from .data import IGNORE_INDEX, pack_documents, stage_loader, tokenize_documents
 from .evaluate import BigramBaseline, evaluate_lm
@@ -141,128 +147,6 @@ def make_scheduler(optimizer, stage: StageConfig):
 
 def checkpoint_dir(out_dir: Path, progress: TrainProgress) -> Path:
     return out_dir / "checkpoints" / checkpoint_name(progress.stage, progress.step)
-
-
-def make_accelerator(cfg: RunConfig, use_bf16: bool) -> Accelerator:
-    """The run's ``Accelerator``: DDP, FSDP2 when ``cfg.train.parallelism == "fsdp2"``, and for ``fsdp2_ep`` a plain
-    multi-process one that is never given the model (:func:`expert_parallel_model`).
-
-    ``cpu=True`` without CUDA: accelerate 1.15 then reads torchrun's LOCAL_RANK / WORLD_SIZE as a multi-CPU (gloo)
-    run; with ``cpu=False`` it would treat every CPU process as a lone run training on its own.
-
-    FSDP2 is accelerate's ``FullyShardedDataParallelPlugin(fsdp_version=2)``: every ``KDAMoEDecoderLayer`` is its
-    own ``fully_shard`` unit (the model's ``_no_split_modules``) and the root takes the rest (embeddings, final
-    norm, head); parameters are resharded after each forward; checkpoints are ``SHARDED_STATE_DICT`` (each process
-    writes its shards through torch.distributed.checkpoint); ``cpu_ram_efficient_loading`` is off (every process
-    builds the model from the same seed, so nothing needs broadcasting from rank 0). Gradients are averaged over
-    the processes as under DDP, so the loss normalisation of :func:`micro_batch_loss` holds unchanged. With bf16
-    the plugin gets an explicit ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`` and no
-    ``output_dtype``: accelerate's own default (up to 1.15 at least) also sets ``output_dtype=bf16``, which casts
-    the root's outputs, the loss included, to bf16 (bf16 losses were logged on the GPU machine); 1.16's default
-    leaves it out, so the policy is the same on both.
-
-    On CPU, accelerate 1.15 silently ignores an explicit ``fsdp_plugin``: ``AcceleratorState`` switches to
-    ``DistributedType.FSDP`` only for accelerator devices (MULTI_GPU, MULTI_XPU, ...), not for MULTI_CPU, so the
-    model would be wrapped in DDP. The gloo process group supports what FSDP2 needs, so for MULTI_CPU we make the
-    switch that branch makes (distributed type, plugin; the plugin already holds its mixed-precision policy) before
-    anything is prepared; from then on it is accelerate's own FSDP2 path, the one CUDA runs.
-
-    Raises:
-        ValueError: ``fsdp2_ep`` with one process or with ``num_experts`` not divisible by the process count
-            (:func:`kdamoe.training.config.check_expert_parallel`); ``fsdp2`` with one CPU process, or one process
-            not started by ``torchrun``: accelerate then sets up no process group, which ``fully_shard`` needs. One
-            CUDA process under ``torchrun --nproc_per_node 1`` is allowed for ``fsdp2``: it shards nothing, but runs
-            the FSDP2 code path, which is how its overhead is measured (``benchmarks/bench_fsdp_overhead.py``).
-        RuntimeError: the accelerator did not end up in FSDP2 mode (an accelerate version whose gating differs).
-    """
-    mixed = "bf16" if use_bf16 else "no"
-    plugin = None
-    if cfg.train.parallelism == "fsdp2_ep":  # the config check, again: WORLD_SIZE may have changed since it loaded
-        check_expert_parallel(cfg.model, int(os.environ.get("WORLD_SIZE", "1")))
-    if cfg.train.parallelism == "fsdp2":
-        one_cuda_rank = torch.cuda.is_available() and "LOCAL_RANK" in os.environ
-        if int(os.environ.get("WORLD_SIZE", "1")) < 2 and not one_cuda_rank:
-            raise ValueError("config field train.parallelism: fsdp2 needs at least 2 processes "
-                             "(torchrun --nproc_per_node N, N >= 2; on CUDA, N = 1 under torchrun runs the FSDP2 "
-                             "path unsharded); one process trains unsharded, use ddp")
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if use_bf16 else None
-        plugin = FullyShardedDataParallelPlugin(
-            fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-            transformer_cls_names_to_wrap=["KDAMoEDecoderLayer"], reshard_after_forward=True,
-            state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False, mixed_precision_policy=policy)
-    accelerator = Accelerator(mixed_precision=mixed, cpu=not torch.cuda.is_available(), fsdp_plugin=plugin,
-                              gradient_accumulation_steps=cfg.train.grad_accum_steps)
-    if plugin is not None and accelerator.distributed_type == DistributedType.MULTI_CPU:
-        state = accelerator.state
-        state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-        state.fsdp_plugin = plugin  # its mixed-precision policy is set above, not by accelerate's default
-    if plugin is not None and not accelerator.is_fsdp2:
-        raise RuntimeError(f"train.parallelism=fsdp2 but accelerate set up {accelerator.distributed_type}")
-    return accelerator
-
-
-def expert_parallel_model(accelerator, model, out_dir: Path, checkpoint: Path | None):
-    """``train.parallelism: fsdp2_ep``: ``model`` sharded by transformers' engine, ``from_pretrained(folder,
-    distributed_config=DistributedConfig(fsdp_size=N, ep_size=N))`` on all N processes (docs/distributed.md).
-
-    Every process holds ``num_experts / N`` whole experts of each MoE layer (``base_model_ep_plan``) and 1/N of
-    everything else (``base_model_fsdp_plan``: one FSDP2 group per decoder layer); the routed tokens travel to their
-    experts by all-to-all. A fresh run starts from ``model`` (built from the seed, the same on every process):
-    the main process saves it to ``out_dir/initial`` and every process loads that folder. A resumed run loads the
-    checkpoint's ``model/`` shards instead (:func:`kdamoe.common.checkpoint.save_expert_parallel_state`).
-
-    The result must not go through ``accelerator.prepare``: accelerate would wrap it in DDP (or shard it again);
-    FSDP2 already reduces its gradients. Returns the sharded model (in training mode).
-    """
-    from transformers.distributed import DistributedConfig
-
-    source = out_dir / "initial" if checkpoint is None else checkpoint / EP_MODEL
-    if checkpoint is None:
-        if accelerator.is_main_process:
-            model.save_pretrained(source)
-        accelerator.wait_for_everyone()
-    n = accelerator.num_processes
-    sharded = type(model).from_pretrained(source, distributed_config=DistributedConfig(fsdp_size=n, ep_size=n))
-    return sharded.train()
-
-
-@contextmanager
-def deferred_reduction(model, defer: bool):
-    """Under ``fsdp2_ep`` with ``defer``: no gradient reduce-scatter in this micro-batch's backward (FSDP2's
-    ``set_requires_gradient_sync(False)``), the gradients accumulate unreduced until the optimizer step's
-    micro-batch, as accelerate's ``no_sync`` does for its own FSDP2 models."""
-    model.set_requires_gradient_sync(not defer)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
-def consolidated_model(accelerator, model, cfg: RunConfig, tokenizer):
-    """The trained model as a plain ``KDAMoEForCausalLM`` on the main process (None on the others).
-
-    Call on every process: under FSDP2 ``accelerator.get_state_dict`` all-gathers the shards (and a forward of the
-    sharded model on the main process alone would wait forever for the others). The state dict holds the
-    persistent buffers too, so the router biases travel with the weights. Under DDP every process already holds
-    the whole model: the main process's unwrapped model is returned as it is (no second copy). Under ``fsdp2_ep``
-    transformers' ``gather_full_state_dict`` gathers the FSDP2 shards and the experts from every process onto the
-    main process (as the post-training recipes do for ``distributed_config``).
-    """
-    if cfg.train.parallelism == "fsdp2_ep":
-        from transformers.distributed.utils import gather_full_state_dict
-
-        state = gather_full_state_dict(model)  # collective; the main process gets the tensors
-    elif not accelerator.is_fsdp2:
-        return accelerator.unwrap_model(model) if accelerator.is_main_process else None
-    else:
-        state = accelerator.get_state_dict(model)
-    if not accelerator.is_main_process:
-        return None
-    plain = build_model(cfg, tokenizer)
-    plain.load_state_dict(state, strict=True)
-    return plain.to(accelerator.device)
 
 
 # Fields that decide what a resumed run computes; the rest (logging, output) may change between runs.
@@ -469,11 +353,8 @@ def run(cfg: RunConfig, resume: bool = True, stop_after_steps: int | None = None
         torch.set_num_threads(cfg.train.num_threads)
     use_bf16 = cfg.train.mixed_precision == "bf16" or (
         cfg.train.mixed_precision == "auto" and torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    accelerator = make_accelerator(cfg, use_bf16)
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched != accelerator.num_processes:
-        raise ValueError(f"WORLD_SIZE={launched} processes were launched but accelerate set up "
-                         f"{accelerator.num_processes} ({accelerator.distributed_type}); see docs/pretraining.md")
+    accelerator = make_accelerator(cfg.train.parallelism, use_bf16, cfg.train.grad_accum_steps, cfg.model)
+    check_world_size(accelerator, "accelerate", "see docs/pretraining.md")
     set_seed(cfg.seed)
 
     def say(line: str) -> None:
@@ -517,7 +398,8 @@ def _train_in_folder(cfg: RunConfig, accelerator, out_dir: Path, checkpoint: Pat
         summary["before"] = evaluate(model.to(accelerator.device))
         (out_dir / "baselines.json").write_text(json.dumps({k: summary[k] for k in ("bigram", "before")}))
     if cfg.train.parallelism == "fsdp2_ep":
-        model = expert_parallel_model(accelerator, model, out_dir, checkpoint)
+        source = out_dir / "initial" if checkpoint is None else checkpoint / EP_MODEL  # a fresh run saves it first
+        model = expert_parallel_model(accelerator, model, source, save_first=checkpoint is None)
         optimizer = make_optimizer(model, cfg)
     else:
         optimizer = make_optimizer(model, cfg)
@@ -542,8 +424,10 @@ def _train_in_folder(cfg: RunConfig, accelerator, out_dir: Path, checkpoint: Pat
 
     summary.update(losses=progress.losses, finished=True, tokens=progress.tokens)
     monitor.close(out_dir / "expert_load.png")
-    trained = consolidated_model(accelerator, model, cfg, data.tokenizer)
+    # on every process (a sharded model is gathered); the main process gets the whole model
+    trained = consolidated_model(accelerator, model, lambda: build_model(cfg, data.tokenizer))
     if accelerator.is_main_process:
+        trained = trained.to(accelerator.device)
         summary.update(json.loads((out_dir / "baselines.json").read_text()))
         summary["after"] = evaluate(trained)
         final_dir = export_model(trained, data.tokenizer, cfg, summary, out_dir / "final")
