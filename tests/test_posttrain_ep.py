@@ -199,7 +199,7 @@ def test_a_checkpoint_to_resume_is_refused_before_the_base_loads(base, monkeypat
     (tmp_path / "checkpoint-3").mkdir()
     (tmp_path / "checkpoint-3" / "trainer_state.json").write_text("{}")
     cfg = load_posttrain_config("sft", [f"model={base}", f"output_dir={tmp_path}", EP])
-    with pytest.raises(ValueError, match="output_dir holds .*checkpoint-3.*cannot resume"):
+    with pytest.raises(ValueError, match=r"holds checkpoint-\* folders.*cannot resume"):
         run_recipe(cfg)  # a sharded load would wait for a second process: this must fail before it
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -83,8 +84,32 @@ def apply_override(data: dict, assignment: str) -> None:
         elif not isinstance(node, dict):
             raise ValueError(f"override {key}: {'.'.join(parts[:i])} is not a mapping")
         if last:
-            node[part] = yaml.safe_load(raw)
+            node[part] = _parse(raw, f"override {assignment!r}: its value")
         else:
             if isinstance(node, dict) and part not in node:
                 node[part] = {}
             node = node[part]
+
+
+def _parse(text: str, what: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"{what} is not valid YAML{at}: {problem} "
+                         "(quote a string that holds : [ ] { } or #)") from None
+
+
+def read_yaml(path: str | Path) -> dict:
+    """The mapping a YAML config file holds (``{}`` for an empty file).
+
+    Raises:
+        ValueError: naming the file: not valid YAML (with the line and column), or not a mapping at the top.
+    """
+    data = _parse(Path(path).read_text(), f"config {path}") or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config {path}: expected a mapping of fields at the top, got a {type(data).__name__}")
+    return data
+

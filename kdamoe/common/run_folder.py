@@ -166,6 +166,22 @@ def detect_job(folder: str | Path) -> str | None:
     return None
 
 
+def check_no_other_job(folder: str | Path, job: str) -> None:
+    """Refuse ``folder`` when it holds another job's run (:func:`detect_job`); read-only, so every process of a launch
+    can run it before anything is loaded.
+
+    Raises:
+        RunFolderError: naming the folder and the job whose run it holds.
+    """
+    folder = Path(folder)
+    found = detect_job(folder) if folder.is_dir() else None
+    if found is not None and found != job:
+        how = RUN_MARKER if read_marker(folder) else "its files"
+        raise RunFolderError(f"output folder {folder}: holds a {found} run ({how}); "
+                             f"a {job} run must not write into it (its final/ may be your base model): use another "
+                             "output folder")
+
+
 def _owned(name: str, job: str) -> bool:
     return any(fnmatch.fnmatch(name, pattern) for pattern in JOB_OUTPUTS[job])
 
@@ -196,12 +212,7 @@ def claim_run_folder(folder: str | Path, job: str, *, resuming: bool, overwrite:
     if folder.exists() and not folder.is_dir():
         raise RunFolderError(f"output folder {folder}: exists and is not a folder")
     folder.mkdir(parents=True, exist_ok=True)
-    found = detect_job(folder)
-    if found is not None and found != job:
-        how = RUN_MARKER if read_marker(folder) else "its files"
-        raise RunFolderError(f"output folder {folder}: holds a {found} run ({how}); "
-                             f"a {job} run must not write into it (its final/ may be your base model): use another "
-                             "output folder")
+    check_no_other_job(folder, job)
     marker = read_marker(folder)
     if resuming and marker is not None and identity:
         recorded = marker.get("identity") or {}

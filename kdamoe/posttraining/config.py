@@ -30,9 +30,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import yaml
 
-from ..common.config import apply_override, build_dataclass
+from ..common.config import apply_override, build_dataclass, read_yaml
 from ..common.parallel import check_distributed_config, check_distributed_launch, check_trainer_fsdp, launched_processes
 from .recipes import RECIPES, config_class
 from .recipes.common import lora_config
@@ -278,7 +277,7 @@ def load_posttrain_config(path_or_name: str | Path, overrides: list[str] | None 
     Raises:
         ValueError: naming the file, the override or the field.
     """
-    data = yaml.safe_load(resolve_posttrain_config_path(path_or_name).read_text()) or {}
+    data = read_yaml(resolve_posttrain_config_path(path_or_name))
     if not isinstance(data, dict):
         raise ValueError(f"post-training config {path_or_name}: expected a mapping at the top, got {data!r}")
     for assignment in overrides or []:

@@ -31,8 +31,9 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..common.checkpoint import verify_checkpoint, write_manifest
+from ..common.folders import check_model_folder
 from ..common.parallel import check_world_size, consolidated_model, enable_fsdp2_on_cpu, load_sharded
-from ..common.run_folder import owned_run_folder
+from ..common.run_folder import check_no_other_job, owned_run_folder
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +217,29 @@ def _save(cfg, model, tokenizer, padding_side: str, curve) -> tuple[Path, Path |
     return final, adapter_dir, model
 
 
+def check_base(cfg) -> None:
+    """Check ``cfg.model`` before anything is built or written: a local folder (anything that exists, or a path-like
+    name: ``/``, ``.``, ``~``, ``outputs`` at the start, or more than one ``/``) must hold ``config.json``, the
+    tokenizer (``tokenizer_config.json`` + ``tokenizer.json``) and intact weights
+    (:func:`kdamoe.common.folders.check_model_folder`); any other name is taken for a Hub id.
+
+    Raises:
+        ValueError: naming ``model=`` and what is missing or damaged.
+    """
+    folder = Path(cfg.model).expanduser()
+    looks_local = folder.exists() or cfg.model.startswith(("/", ".", "~", "outputs")) or cfg.model.count("/") > 1
+    if looks_local and not (folder / "config.json").is_file():
+        raise ValueError(f"model={cfg.model}: no model folder there (no config.json). The shipped grpo / dpo / rloo "
+                         "configs start from outputs/posttrain/sft/final: run `kdamoe-posttrain --config sft` first, "
+                         "or pass --set model=FOLDER")
+    if folder.is_dir():
+        for name in ("tokenizer_config.json", "tokenizer.json"):
+            if not (folder / name).is_file():
+                raise ValueError(f"model={cfg.model}: no {name} there; the recipes need the model's tokenizer in its "
+                                 "folder (tokenizer.save_pretrained(folder))")
+        check_model_folder(folder)  # a missing, foreign, misshapen or non-finite tensor would otherwise load silently
+
+
 def load_base(cfg, sharded: bool = True):
     """``(model, tokenizer)`` of ``cfg.model``: ``KDAMoEForCausalLM.from_pretrained`` (float32) and ``AutoTokenizer``.
 
@@ -225,23 +249,15 @@ def load_base(cfg, sharded: bool = True):
     :func:`trained_model` fills with the gathered weights).
 
     Raises:
-        ValueError: ``cfg.model`` looks like a local folder without ``config.json``, or ``distributed_config``
-            does not fit the model (:func:`kdamoe.common.parallel.check_distributed_config`).
+        ValueError: see :func:`check_base`, or ``distributed_config`` does not fit the model
+            (:func:`kdamoe.common.parallel.check_distributed_config`).
     """
     import torch
     from transformers import AutoTokenizer
 
-    from ..common.folders import check_model_folder
     from ..model import KDAMoEForCausalLM
 
-    folder = Path(cfg.model).expanduser()
-    looks_local = folder.exists() or cfg.model.startswith(("/", ".", "~", "outputs")) or cfg.model.count("/") > 1
-    if looks_local and not (folder / "config.json").is_file():
-        raise ValueError(f"model={cfg.model}: no model folder there (no config.json). The shipped grpo / dpo / rloo "
-                         "configs start from outputs/posttrain/sft/final: run `kdamoe-posttrain --config sft` first, "
-                         "or pass --set model=FOLDER")
-    if folder.is_dir():  # a missing, foreign, misshapen or non-finite tensor would otherwise load silently
-        check_model_folder(folder)
+    check_base(cfg)
     if sharded and cfg.distributed_config is not None:
         model = load_sharded(KDAMoEForCausalLM, cfg.model, cfg.distributed_config, dtype=torch.float32)
     else:
@@ -283,30 +299,21 @@ def run_recipe(cfg, resume: bool = True, overwrite: bool = False) -> dict:
         kdamoe.common.run_folder.RunFolderError: the folder is busy, holds a pretraining run, is
             not empty on a fresh start, or was written by a run with another base / recipe / data (named).
     """
+    check_base(cfg)  # before anything is loaded or written: a typo leaves nothing behind
     out = Path(cfg.output_dir).expanduser().resolve()
     if _is_local(cfg.model) and Path(cfg.model).expanduser().resolve().is_relative_to(out):
         raise ValueError(f"model={cfg.model} lies inside output_dir={cfg.output_dir}: the run would overwrite its own "
                          "base; pick another output_dir")
+    check_no_other_job(cfg.output_dir, "posttraining")  # read-only: refused before the base loads
+    if resume and cfg.distributed_config is not None and any(Path(cfg.output_dir).glob("checkpoint-*")):
+        # refused before the base loads: a sharded load waits for every process, a refusal on one would hang the rest
+        raise ValueError(f"distributed_config: output_dir {cfg.output_dir} holds checkpoint-* folders, and "
+                         "transformers' Trainer cannot resume a model sharded while it loads; pass --no-resume "
+                         "--overwrite or another output_dir")
 
-    def find_resume() -> str | None:
-        checkpoint = newest_checkpoint(cfg.output_dir) if resume else None
-        if checkpoint and cfg.distributed_config is not None:
-            raise ValueError(f"distributed_config: output_dir holds {checkpoint}, and transformers' Trainer cannot "
-                             "resume a model sharded while it loads; pass --no-resume --overwrite or another "
-                             "output_dir")
-        return checkpoint
-
-    with owned_run_folder(cfg.output_dir, "posttraining", find_resume, overwrite=overwrite,
-                          identity=run_identity(cfg), say=logger.warning) as checkpoint:
-        return _train_and_save(cfg, checkpoint)
-
-
-def _train_and_save(cfg, checkpoint: str | None) -> dict:
-    """:func:`run_recipe`'s body, with the output folder owned and the checkpoint to resume (or None) decided."""
     from transformers import set_seed
 
     from ..callbacks import RouterBiasUpdateCallback, add_router_bias_callback
-    from .config import posttrain_config_to_dict
     from .recipes import build_trainer
     from .recipes.common import check_aux_loss
 
@@ -320,6 +327,18 @@ def _train_and_save(cfg, checkpoint: str | None) -> dict:
     enable_fsdp2_on_cpu(trainer)
     add_router_bias_callback(trainer, RouterBiasUpdateCallback(freeze_biases=cfg.router_biases == "freeze"))
     trainer.add_callback(CheckpointManifestCallback())
+    # The folder is claimed once the Trainer has set up the processes (accelerate's state then knows the main one);
+    # nothing was written to it before.
+    with owned_run_folder(cfg.output_dir, "posttraining", lambda: newest_checkpoint(cfg.output_dir) if resume else None,
+                          overwrite=overwrite, identity=run_identity(cfg), say=logger.warning) as checkpoint:
+        return _train_and_save(cfg, trainer, tokenizer, padding_side, checkpoint)
+
+
+def _train_and_save(cfg, trainer, tokenizer, padding_side: str, checkpoint: str | None) -> dict:
+    """:func:`run_recipe`'s training and saving, with the output folder owned and the checkpoint to resume (or None)
+    decided."""
+    from .config import posttrain_config_to_dict
+
     if checkpoint:
         logger.warning(f"resuming from {checkpoint}")
     result = trainer.train(resume_from_checkpoint=checkpoint)

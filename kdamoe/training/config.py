@@ -11,14 +11,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
-from ..common.config import apply_override, build_dataclass
+from ..common.config import apply_override, build_dataclass, read_yaml
 from ..common.parallel import PARALLELISMS, check_expert_parallel, launched_processes
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -242,7 +240,7 @@ def resolve_config_path(path: str | Path | None) -> Path:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read, override and validate a run configuration (see module docstring)."""
-    data = yaml.safe_load(resolve_config_path(path).read_text()) or {}
+    data = read_yaml(resolve_config_path(path))
     for assignment in overrides or []:
         apply_override(data, assignment)
     return build_dataclass(RunConfig, data, "").validate()

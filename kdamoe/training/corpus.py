@@ -198,6 +198,25 @@ def split_documents(docs: list[Document], val_documents: list[str] | None = None
     return train, val
 
 
+def check_corpus_source(cfg) -> None:
+    """The local files ``cfg`` (a :class:`kdamoe.training.config.DataConfig`) reads exist: the check a run makes
+    before it claims its output folder or builds anything, so a typo costs nothing.
+
+    Raises:
+        ValueError: naming the field and the path: a shakespeare folder without texts (with the command that fetches
+            it), a ``data.files`` entry that does not exist.
+    """
+    if cfg.source == "shakespeare":
+        folder = Path(cfg.path)
+        if not any(folder.glob("*.txt")):
+            raise ValueError(f"data.path: no texts in {folder}; run `python scripts/fetch_corpus.py --out {folder}` "
+                             "(or `make data`) first")
+    elif cfg.source == "files":
+        for name in cfg.files:
+            if not Path(name).exists():
+                raise ValueError(f"data.files: {name} does not exist")
+
+
 def load_corpus(cfg, seed: int = 0) -> tuple[list[Document], list[Document]]:
     """Documents of ``cfg`` (a :class:`kdamoe.training.config.DataConfig`), split into ``(train, val)``.
 
@@ -209,12 +228,9 @@ def load_corpus(cfg, seed: int = 0) -> tuple[list[Document], list[Document]]:
         ValueError: the shakespeare folder is missing (with the command that fetches it), or see
             :func:`read_text_files`, :func:`read_hf_dataset`, :func:`split_documents`.
     """
+    check_corpus_source(cfg)
     if cfg.source == "shakespeare":
-        folder = Path(cfg.path)
-        if not any(folder.glob("*.txt")):
-            raise ValueError(f"data.path: no texts in {folder}; run `python scripts/fetch_corpus.py --out {folder}` "
-                             "(or `make data`) first")
-        docs = read_text_files([folder])
+        docs = read_text_files([Path(cfg.path)])
     elif cfg.source == "files":
         docs = read_text_files(cfg.files)
     else:

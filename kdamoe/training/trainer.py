@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import time
 from contextlib import nullcontext
@@ -54,7 +53,7 @@ from ..common.parallel import (
     make_accelerator,
 )
 from .config import RunConfig, StageConfig, config_to_dict, with_defaults
-from .corpus import load_corpus
+from .corpus import check_corpus_source, load_corpus
 from .data import IGNORE_INDEX, pack_documents, stage_loader, tokenize_documents
 from .evaluate import BigramBaseline, evaluate_lm
 from .export import export_model, print_samples, reload_model
@@ -349,6 +348,15 @@ def run(cfg: RunConfig, resume: bool = True, stop_after_steps: int | None = None
     """
     start = time.perf_counter()
     out_dir = Path(cfg.output_dir)
+    check_corpus_source(cfg.data)  # before the folder is claimed: a typo leaves nothing behind
+    if cfg.tokenizer.path and not (Path(cfg.tokenizer.path) / "tokenizer_config.json").is_file():
+        raise ValueError(f"tokenizer.path: no tokenizer_config.json in {cfg.tokenizer.path} (a folder written by "
+                         "save_pretrained), or leave tokenizer.path unset to train one")
+    if stop_after_steps is not None:
+        total = sum(stage.steps for stage in cfg.train.stages)
+        if not 1 <= stop_after_steps <= total:
+            raise ValueError(f"--stop-after {stop_after_steps} never stops the run: it has {total} optimizer steps "
+                             f"(train.stages); give 1 <= N <= {total}")
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     use_bf16 = cfg.train.mixed_precision == "bf16" or (
