@@ -322,6 +322,7 @@ def test_cli_runs_sft_then_resumes(base, tmp_path, capsys):
     assert second["global_step"] == 3 and second["resumed_from"].endswith("checkpoint-2")
     model = AutoModelForCausalLM.from_pretrained(out / "final", trust_remote_code=True)
     assert model.config.model_type == "kda_moe"
+    assert model.config.use_cache is True  # the trainer's use_cache=False (for training) is not what ships
     card = (out / "final" / "README.md").read_text()
     assert "`sft`" in card and str(base) in card
     assert not list(out.glob(".final*"))  # no temporary folder left behind

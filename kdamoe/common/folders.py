@@ -26,12 +26,15 @@ def write_model_folder(model, tokenizer, out_dir: str | Path, card) -> Path:
     modeling files) and the tokenizer (``model_max_length`` = the model's ``max_position_embeddings``) into
     ``out_dir``, and ``card.save(out_dir / "README.md")``. Returns ``out_dir``."""
     out_dir = Path(out_dir)
-    # The run may have forced a backend (e.g. torch on a CPU); the shipped model picks its own.
-    trained_backend, model.config.kernel_backend = model.config.kernel_backend, "auto"
+    # The saved config describes the model for inference: the run may have forced a backend (e.g. torch on a CPU;
+    # the shipped model picks its own), and trainers set use_cache=False for training (activation checkpointing),
+    # which would make a plain forward of the published model return no cache.
+    trained = model.config.kernel_backend, model.config.use_cache
+    model.config.kernel_backend, model.config.use_cache = "auto", True
     try:
         model.save_pretrained(out_dir)
     finally:
-        model.config.kernel_backend = trained_backend
+        model.config.kernel_backend, model.config.use_cache = trained
     # The tokenizer's context limit is the model's (a pretraining tokenizer is trained before the model exists).
     saved_max, tokenizer.model_max_length = tokenizer.model_max_length, model.config.max_position_embeddings
     try:
