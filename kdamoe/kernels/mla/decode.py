@@ -47,6 +47,7 @@ from ..launch import fast_launch
 from ..utils import cdiv, is_interpreter, next_power_of_2, sm_count
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_MASK_DTYPES = (torch.bool, torch.int8, torch.int32, torch.int64)  # key_mask dtypes the kernel loads
 
 
 # The op's own argument checks (the same rules as the PyTorch reference in kdamoe/model/, which keeps its own
