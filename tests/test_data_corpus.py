@@ -5,7 +5,14 @@ import json
 import pytest
 
 from kdamoe.training.config import DataConfig
-from kdamoe.training.corpus import Document, fetch_shakespeare, load_corpus, read_text_files, split_documents, strip_gutenberg
+from kdamoe.training.corpus import (
+    Document,
+    fetch_shakespeare,
+    load_corpus,
+    read_text_files,
+    split_documents,
+    strip_gutenberg,
+)
 
 GUTENBERG = """The Project Gutenberg EBook of Something
 This eBook is for the use of anyone anywhere at no cost.

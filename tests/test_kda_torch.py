@@ -1,12 +1,11 @@
 """The pure-PyTorch KDA path against the float64 naive recurrence (kdamoe/kernels/kda/naive.py)."""
 
-import math
 
 import pytest
 import torch
 
-from kdamoe.model.kda_torch import causal_conv1d_torch, chunk_kda_torch, kda_gate, l2norm, recurrent_kda_torch
 from kdamoe.kernels.kda.naive import naive_kda_lowerbound_gate, naive_recurrent_kda
+from kdamoe.model.kda_torch import causal_conv1d_torch, chunk_kda_torch, kda_gate, l2norm, recurrent_kda_torch
 
 
 def _inputs(seed, B, T, H=2, K=8, V=6, dtype=torch.float64, lower_bound=-5.0):

@@ -13,12 +13,12 @@ pass, no checkpointing, ``log_softmax`` in float32, and the GRPO loss (Shao et a
 
 import pytest
 import torch
+import trl.kernels.chunked_logprob as trl_chunked_logprob
+import trl.trainer.utils as trl_utils
 from datasets import Dataset
 from torch.utils._python_dispatch import TorchDispatchMode
 from trl import GRPOConfig, GRPOTrainer
 
-import trl.kernels.chunked_logprob as trl_chunked_logprob
-import trl.trainer.utils as trl_utils
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.model.modeling_kdamoe import KDAMoEModel
 from kdamoe.posttraining.long_update import LongContextGRPOTrainer, real_token_span

@@ -4,7 +4,7 @@ transformers' experts interface, output recording and ``return_dict``."""
 import pytest
 import torch
 
-from kdamoe import KDAMoEConfig, KDAMoEForCausalLM, KDAMoEForSequenceClassification, KDAMoEModel
+from kdamoe import KDAMoEForCausalLM, KDAMoEForSequenceClassification
 from kdamoe.model.moe_torch import moe_experts_torch
 from tests.helpers import tiny_config
 

@@ -21,7 +21,6 @@ from kdamoe.posttraining.environment import ArithmeticEnvironment, make_tasks
 from kdamoe.posttraining.recipes import build_trainer
 from kdamoe.posttraining.recipes import grpo as grpo_recipe
 from kdamoe.training.tokenizer import train_tokenizer
-
 from tests.helpers import tiny_config
 
 FAST = ["trainer.max_steps=1", "trainer.warmup_steps=0", "trainer.per_device_train_batch_size=2", "trainer.save_strategy='no'",

@@ -18,7 +18,6 @@ from transformers import AutoModelForCausalLM
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.posttraining.agent import run_episodes, summarize_episodes
 from kdamoe.posttraining.keyhunt import KeyHuntEnvironment, KeyHuntTask
-
 from tests.helpers import tiny_config
 from tests.test_posttrain_keyhunt import _keyhunt_tokenizer, _reply_ids, expected_reward
 

@@ -19,7 +19,6 @@ from kdamoe.posttraining.data import make_family_tasks, sft_dataset, tool_schema
 from kdamoe.posttraining.keyhunt import PLACES, ROOMS, KeyHuntEnvironment, KeyHuntTask, make_keyhunt_tasks
 from kdamoe.posttraining.recipes import build_trainer
 from kdamoe.training.tokenizer import train_tokenizer
-
 from tests.helpers import tiny_config
 from tests.test_posttrain import record_rewards
 

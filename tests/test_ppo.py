@@ -16,9 +16,9 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from kdamoe import KDAMoEForCausalLM, KDAMoEForSequenceClassification  # noqa: E402
+from kdamoe.posttraining import load_posttrain_config, run_recipe  # noqa: E402
 from kdamoe.posttraining.data import episode_messages, user_message  # noqa: E402
 from kdamoe.posttraining.environment import make_tasks  # noqa: E402
-from kdamoe.posttraining import load_posttrain_config, run_recipe  # noqa: E402
 from kdamoe.training.tokenizer import train_tokenizer  # noqa: E402
 from tests.helpers import tiny_config  # noqa: E402
 

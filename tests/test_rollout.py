@@ -22,7 +22,6 @@ from kdamoe.posttraining import load_posttrain_config
 from kdamoe.posttraining.environment import ArithmeticTask
 from kdamoe.posttraining.recipes import build_trainer
 from kdamoe.posttraining.rollout import CachedRolloutGRPOTrainer
-
 from tests.test_posttrain import base  # noqa: F401  (the tiny base folder fixture)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

@@ -10,7 +10,6 @@ import functools
 import os
 
 import torch
-import triton
 
 
 def is_interpreter() -> bool:

@@ -20,7 +20,13 @@ a replay.
 """
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicCache,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
 # Latent rows are allocated in multiples of this (keeps the decode kernel's splits aligned and growth rare).
 _ALIGN = 256

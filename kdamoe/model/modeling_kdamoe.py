@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 from transformers import initialization as init
-from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import Cache
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation, use_kernelized_func
@@ -36,11 +36,10 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from transformers.utils import can_return_tuple, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_kdamoe import KDAMoEConfig, check_prefill_chunk_size
 from .cache_kdamoe import KDAMoECache, KDAMoELatentCacheLayer, attention_seq_length
+from .configuration_kdamoe import KDAMoEConfig, check_prefill_chunk_size
 from .decode_graph import DecodeGraph
 from .kernel_dispatch import (
-    hub_kernels_off_by_default,
     add_rms_norm,
     block_attnres,
     causal_conv1d,
@@ -51,6 +50,7 @@ from .kernel_dispatch import (
     fused_recurrent_kda,
     gated_rms_norm,
     glu_activation,
+    hub_kernels_off_by_default,
     latent_attention,
     moe_experts_op,
     moe_route_op,

@@ -61,7 +61,6 @@ def run_seed(base: str, output_dir: Path, seed: int, n_held_out: int, sft_overri
     from transformers import AutoTokenizer
 
     from ..model import KDAMoEForCausalLM
-
     from .run import run_recipe
 
     folder = output_dir / f"seed{seed}"

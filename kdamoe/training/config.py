@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 import time
@@ -38,13 +37,13 @@ from ..common.checkpoint import (
     MONITOR,
     PROGRESS,
     checkpoint_name,
+    find_checkpoint,
     list_checkpoints,
     load_expert_parallel_optimizer,
     load_state,
     save_checkpoint_atomically,
     save_expert_parallel_state,
 )
-from ..common.checkpoint import find_checkpoint
 from ..common.folders import model_from_run_config
 from .config import RunConfig, StageConfig, check_expert_parallel, config_to_dict, with_defaults
 from .corpus import load_corpus

@@ -14,9 +14,9 @@ import os
 import pytest
 import torch
 
+from kdamoe.kernels import block_attnres
 from kdamoe.model import kernel_dispatch
 from kdamoe.model.attnres_torch import block_attnres_torch
-from kdamoe.kernels import block_attnres
 
 ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from kdamoe.model.kda_torch import causal_conv1d_torch
 from kdamoe.kernels import causal_conv1d, causal_conv1d_parts, causal_conv1d_update
+from kdamoe.model.kda_torch import causal_conv1d_torch
 
 ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"

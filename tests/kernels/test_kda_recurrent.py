@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kdamoe.kernels import chunk_kda, fused_recurrent_kda
 from kdamoe.kernels.kda.naive import naive_kda_lowerbound_gate, naive_l2norm, naive_recurrent_kda

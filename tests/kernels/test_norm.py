@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from kdamoe.model import kernel_dispatch
 from kdamoe.kernels import add_rms_norm, gated_rms_norm, rms_norm
+from kdamoe.model import kernel_dispatch
 from kdamoe.model.modeling_kdamoe import KDAMoERMSNorm
 from kdamoe.model.norm_torch import add_rms_norm_torch, gated_rms_norm_torch, rms_norm_torch
 

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ..launch import autotune
 from ..utils import cdiv
-from .forward import TILE_CONFIGS, MAX_PARTS, conv_rows, part_cols, part_ptr
+from .forward import MAX_PARTS, TILE_CONFIGS, conv_rows, part_cols, part_ptr
 
 BT_DX = 64  # fixed: it sets the number of dweight partials (one per BT_DX rows of each batch row)
 

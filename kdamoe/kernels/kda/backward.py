@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from ..launch import autotune
-from .prepare import BT, BS, chunk_bounds
-from .intra import _exp_where, _tile, _row, _store_tile
+from .intra import _exp_where, _row, _store_tile, _tile
+from .prepare import BS, BT, chunk_bounds
 
 # Shared memory of the wy stage is dominated by staging dot operands (about 80 KB for the value loop and
 # 100 KB in all on triton 3.7 with input-dtype operands below); no loads are pipelined (num_stages=1).

@@ -14,11 +14,11 @@ tensor cores with the lower-bounded-gate anchor trick, WY solve, w/u/kg/qg) run 
 import torch
 
 from ..utils import cached_constant, is_interpreter
-from .prepare import chunk_table
+from .backward import bwd_intra, bwd_wy
 from .intra import intra_fwd
-from .state import state_fwd, state_bwd
-from .output import output_fwd, dv_local
-from .backward import bwd_wy, bwd_intra
+from .output import dv_local, output_fwd
+from .prepare import chunk_table
+from .state import state_bwd, state_fwd
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 

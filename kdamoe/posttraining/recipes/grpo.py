@@ -30,8 +30,7 @@ import re
 
 from trl import GRPOConfig, GRPOTrainer
 
-from ..data import prompt_dataset
-from ..data import ENVIRONMENTS
+from ..data import ENVIRONMENTS, prompt_dataset
 from ..environment import _as_int
 from ..long_update import LongContextGRPOTrainer
 from ..rollout import CachedRolloutGRPOTrainer

@@ -50,8 +50,8 @@ from transformers.trainer_utils import TrainOutput
 from trl import RewardConfig, RewardTrainer
 from trl.experimental.ppo import PPOConfig, PPOTrainer
 
-from kdamoe.model import KDAMoEForSequenceClassification
 from kdamoe.callbacks import add_router_bias_callback
+from kdamoe.model import KDAMoEForSequenceClassification
 from kdamoe.posttraining.data import episode_messages, preference_dataset, task_tool_schemas, user_message
 from kdamoe.posttraining.recipes.common import trainer_args, training_tasks
 
