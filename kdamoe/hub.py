@@ -29,6 +29,7 @@ files and the card metadata and touches no network. The token is huggingface_hub
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -39,6 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
+from huggingface_hub import HfApi, ModelCard
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers.dynamic_module_utils import get_relative_imports
 
 from .common.cards import count_parameters, pretraining_card_metadata, render_model_card
 from .common.checkpoint import PROGRESS, parse_checkpoint_name
@@ -133,8 +139,6 @@ def _load_tokenizer(*folders: str | Path):
 
 def _card_metadata(folder: Path) -> dict:
     """``base_model``, ``datasets`` and trainer tags of a card a trainer (e.g. TRL) wrote into ``folder``."""
-    from huggingface_hub import ModelCard
-
     readme = folder / "README.md"
     if not readme.is_file():
         return {}
@@ -173,8 +177,6 @@ def _validation_ids(vocab_size: int) -> torch.Tensor:
 @torch.no_grad()
 def _reference_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """float32 logits ``[1, T, vocab]`` of the source model (a float32 copy when stored in another dtype)."""
-    import copy
-
     ref = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
     return ref(input_ids=ids, use_cache=False).logits.float()
 
@@ -215,8 +217,6 @@ def build_hub_folder(src: str | Path, out_dir: str | Path, *, repo_id: str | Non
 
     adapter_base = None
     if source.kind == "peft-adapter":
-        from peft import PeftModel
-
         base_path = str(base_model_path or source.base_path)
         if not _is_local(base_path):
             raise ValueError(f"adapter base {base_path!r} (base_model_name_or_path in {source.path / 'adapter_config.json'}): "
@@ -274,8 +274,6 @@ _CARD_KEYS = ("base_model", "base_model_relation", "datasets", "data_note", "tra
 
 def _source_metadata(source: Source) -> dict:
     """Card values the source itself records (a pretraining run's config / summary / progress; a trainer's card)."""
-    import yaml
-
     if source.kind in ("pretraining-final", "pretraining-checkpoint"):
         run_cfg = yaml.safe_load((source.run_dir / "config.yaml").read_text())
         summary_path = source.run_dir / "summary.json"
@@ -362,7 +360,6 @@ def check_hub_files(folder: str | Path, adapter: bool = False) -> None:
         if not (folder / name).is_file():
             raise ValueError(f"{folder / name}: missing (a Hub folder needs it)")
     # the modules the code files import with single-dot imports: what transformers copies and loads (§7)
-    from transformers.dynamic_module_utils import get_relative_imports
 
     todo, seen = [n for n in needed if n.endswith(".py")], set()
     while todo:
@@ -397,8 +394,6 @@ def validate_hub_folder(folder: str | Path, reference: torch.Tensor | None = Non
         folder fails to load or generate; with the difference when the logits disagree beyond
         ``VALIDATION_ATOL`` / ``VALIDATION_RTOL``.
     """
-    from safetensors.torch import load_file
-
     folder = Path(folder).resolve()
     check_hub_files(folder, adapter=adapter_base is not None)
     if input_ids is None:
@@ -446,8 +441,6 @@ def upload_hub_folder(folder: str | Path, repo_id: str, *, private: bool | None 
                       token: str | None = None):
     """``HfApi.create_repo(exist_ok=True)``, ``create_branch`` for a new ``revision`` (unless ``create_pr``), then
     ``HfApi.upload_folder`` of ``folder``. Returns ``upload_folder``'s ``CommitInfo``."""
-    from huggingface_hub import HfApi
-
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, repo_type="model", exist_ok=True).repo_id
     if revision is not None and not create_pr:
@@ -459,8 +452,6 @@ def upload_hub_folder(folder: str | Path, repo_id: str, *, private: bool | None 
 
 def describe_hub_folder(folder: str | Path) -> str:
     """The dry-run report: each file with its size, then the card's YAML metadata."""
-    from huggingface_hub import ModelCard
-
     folder = Path(folder)
     lines = ["files:"] + [f"  {name}  ({(folder / name).stat().st_size} bytes)" for name in hub_files(folder)]
     lines += ["card metadata:"] + ["  " + line for line in ModelCard.load(folder / "README.md").data.to_yaml().splitlines()]

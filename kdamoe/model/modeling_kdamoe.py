@@ -798,7 +798,7 @@ def _fsdp2_wrapped_class(model: nn.Module) -> type | None:
     None when ``model`` is not an FSDP2 module."""
     if not torch.distributed.is_available():
         return None
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 (torch.distributed.fsdp is absent on torch builds without torch.distributed)
 
     if not isinstance(model, FSDPModule):
         return None

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 
 import torch
+from trl.chat_template_utils import parse_response
 
 from .data import environment_class, environment_tools
 
@@ -81,8 +82,6 @@ def run_episodes(model, tokenizer, tasks: list, *, batch_size: int = 64, max_new
     Raises:
         ValueError: ``batch_size`` / ``max_new_tokens`` < 1, a tokenizer without ``response_template``.
     """
-    from trl.chat_template_utils import parse_response
-
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
     if do_sample and not temperature > 0:

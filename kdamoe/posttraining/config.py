@@ -31,8 +31,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import yaml
+from transformers.distributed import DistributedConfig
 
 from ..common.config import apply_override, build_dataclass
+from .data import ENVIRONMENTS
 from .recipes import RECIPES, config_class
 from .recipes.common import lora_config
 
@@ -136,7 +138,6 @@ class PostTrainConfig:
             self.output_dir = f"outputs/posttrain/{self.recipe}"
         d = self.data
         need(d.num_tasks >= 1, "data.num_tasks", f"must be at least 1, got {d.num_tasks}")
-        from .data import ENVIRONMENTS
 
         need(d.environment in ENVIRONMENTS, "data.environment", f"{d.environment!r} is not one of {list(ENVIRONMENTS)}")
         need(1 <= d.min_calls <= d.max_calls, "data.min_calls / data.max_calls",
@@ -188,7 +189,7 @@ class PostTrainConfig:
             self._check_distributed()
         self._check_trainer()
         if self.recipe == "ppo":  # importable only in the PPO venv; _check_trainer has already imported it
-            from .recipes.ppo import PPOSection
+            from .recipes.ppo import PPOSection  # noqa: PLC0415 (trl.experimental.ppo, which recipes.ppo imports, exists only in the PPO venv)
 
             PPOSection.from_dict(self.ppo)
         if self.peft is not None:
@@ -280,8 +281,6 @@ def distributed_config_from_dict(section: dict[str, Any]):
             "did you mean"), gives a size that is not a positive integer or a flag that is not a bool, or
             ``DistributedConfig`` rejects a value (e.g. ``ep_size`` not dividing ``fsdp_size``).
     """
-    from transformers.distributed import DistributedConfig
-
     if not isinstance(section, dict):
         raise ValueError(f"config field distributed_config: expected a mapping of DistributedConfig fields, got "
                          f"{section!r}")

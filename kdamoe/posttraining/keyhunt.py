@@ -99,7 +99,7 @@ class KeyHuntTask:
     def episode_messages(self, steps: int | None = None) -> list[dict]:
         """Assistant / tool turns of an agent that opens ``steps`` doors (default: all; fewer is the hasty
         agent, who then takes a key that is not there) and calls ``take_key``, then says ``Done.``"""
-        from .data import tool_call_message, tool_result_message
+        from .data import tool_call_message, tool_result_message  # noqa: PLC0415 (cycle: kdamoe.posttraining.data imports this module at its top)
 
         steps = self.calls_needed if steps is None else steps
         if not 0 <= steps <= self.calls_needed:

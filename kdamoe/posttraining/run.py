@@ -26,6 +26,22 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+from accelerate import PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from matplotlib.figure import Figure
+from transformers import AutoTokenizer, set_seed
+from transformers.distributed import DistributedConfig
+from transformers.distributed.utils import gather_full_state_dict
+
+from ..callbacks import RouterBiasUpdateCallback, add_router_bias_callback
+from ..common.cards import count_parameters, render_model_card
+from ..common.folders import write_model_folder
+from ..model import KDAMoEConfig, KDAMoEForCausalLM
+from .config import check_distributed_config, posttrain_config_to_dict
+from .recipes import build_trainer
+from .recipes.common import check_aux_loss
+
 logger = logging.getLogger(__name__)
 
 RL_RECIPES = ("grpo", "rloo", "ppo")
@@ -81,19 +97,14 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _plot_reward_curve(curve: list[tuple[int, float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3))
+    fig = Figure(figsize=(5, 3))  # a bare Figure draws on the Agg canvas; pyplot's global backend is left alone
+    ax = fig.subplots()
     ax.plot([s for s, _ in curve], [r for _, r in curve], marker="o")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean reward")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def _is_local(path: str) -> bool:
@@ -101,8 +112,6 @@ def _is_local(path: str) -> bool:
 
 
 def _card(cfg, model, curve, image: str | None):
-    from ..common.cards import count_parameters, render_model_card
-
     d = cfg.data
     mode = f" ({cfg.grpo.mode})" if cfg.recipe == "grpo" else ""
     recipe = f"`{cfg.recipe}`{mode} with TRL's `{TRL_TRAINERS[cfg.recipe]}`"
@@ -140,8 +149,6 @@ def trained_model(cfg, trainer):
     accelerator = trainer.accelerator
     model = accelerator.unwrap_model(trainer.model)
     if getattr(model, "is_distributed_loading_by_transformers", False):
-        from transformers.distributed.utils import gather_full_state_dict
-
         state = gather_full_state_dict(model)  # collective: every rank takes part, rank 0 gets the tensors
     elif accelerator.is_fsdp2:
         state = accelerator.get_state_dict(trainer.model)
@@ -157,8 +164,6 @@ def trained_model(cfg, trainer):
 def _save(cfg, model, tokenizer, padding_side: str, curve) -> tuple[Path, Path | None, object]:
     """Write ``final/`` (and ``adapter/`` under PEFT) of the whole trained ``model``; return their paths and the
     saved model (merged under PEFT)."""
-    from ..common.folders import write_model_folder
-
     out = Path(cfg.output_dir)
     tokenizer.padding_side = padding_side  # GRPO / RLOO pad on the left; the shipped tokenizer keeps its own
     adapter_dir = None
@@ -191,12 +196,6 @@ def load_base(cfg, sharded: bool = True):
         ValueError: ``cfg.model`` looks like a local folder without ``config.json``, or ``distributed_config``
             does not fit the model (:func:`kdamoe.posttraining.config.check_distributed_config`).
     """
-    import torch
-    from transformers import AutoTokenizer
-
-    from ..model import KDAMoEConfig, KDAMoEForCausalLM
-    from .config import check_distributed_config
-
     folder = Path(cfg.model).expanduser()
     looks_local = folder.exists() or cfg.model.startswith(("/", ".", "~", "outputs")) or cfg.model.count("/") > 1
     if looks_local and not (folder / "config.json").is_file():
@@ -205,8 +204,6 @@ def load_base(cfg, sharded: bool = True):
                          "or pass --set model=FOLDER")
     kwargs = {}
     if sharded and cfg.distributed_config is not None:
-        from transformers.distributed import DistributedConfig
-
         check_distributed_config(cfg.distributed_config, KDAMoEConfig.from_pretrained(cfg.model))
         kwargs["distributed_config"] = DistributedConfig(**cfg.distributed_config)
     model = KDAMoEForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, **kwargs)
@@ -248,9 +245,6 @@ def enable_fsdp2_on_cpu(trainer) -> None:
     Raises:
         RuntimeError: the accelerator did not end up in FSDP2 mode (an accelerate version whose gating differs).
     """
-    from accelerate import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
     plugin_args = trainer.args.fsdp_plugin_args
     if plugin_args is None:
         return
@@ -283,13 +277,6 @@ def run_recipe(cfg, resume: bool = True) -> dict:
             budget past the context, ``distributed_config``'s ``ep_size`` against ``num_experts``), naming it; or a
             checkpoint to resume under ``distributed_config``.
     """
-    from transformers import set_seed
-
-    from ..callbacks import RouterBiasUpdateCallback, add_router_bias_callback
-    from .config import posttrain_config_to_dict
-    from .recipes import build_trainer
-    from .recipes.common import check_aux_loss
-
     checkpoint = newest_checkpoint(cfg.output_dir) if resume else None
     if checkpoint and cfg.distributed_config is not None:
         raise ValueError(f"distributed_config: output_dir holds {checkpoint}, and transformers' Trainer cannot resume "

