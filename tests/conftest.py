@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
     cores. Carry the tag over; runs after xdist's own hook. Older pytest (9.1 and before, e.g. on the GPU
     machine) has no ``coerce_node_id`` and reads ``_nodeid`` itself: nothing to carry over there."""
     try:
-        from _pytest.nodes import coerce_node_id
+        from _pytest.nodes import coerce_node_id  # noqa: PLC0415 (absent from pytest 9.1 and older, as on the GPU machine: the hook returns early there)
     except ImportError:
         return
 

@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+import kdamoe.model.modeling_kdamoe as modeling
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.model.modeling_kdamoe import KDAMoEBlockAttnRes
 from tests.helpers import tiny_config
@@ -101,7 +102,7 @@ def test_hidden_states_with_block_attnres_are_the_summed_stream():
     torch.manual_seed(1)
     model = KDAMoEForCausalLM(tiny_config(num_hidden_layers=3, attnres_num_blocks=3)).eval()
     ids = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(4))
-    backbone, total, expected = model.model, None, []
+    backbone, expected = model.model, []
     with torch.no_grad():
         out = model(ids, use_cache=False, output_hidden_states=True)
         # With one layer per block the sources before layer i are [emb, out_0, ..., out_{i-1}].
@@ -133,8 +134,6 @@ def test_every_pseudo_query_receives_gradient():
 def _mix_on_the_kernel(monkeypatch, record):
     """Run every AttnRes mix of the model on the Triton kernel (CPU interpreter) while the rest of the model stays
     on its torch ops; ``record`` gets, per mix, the sources' data pointers (to check they are not copies)."""
-    import kdamoe.model.modeling_kdamoe as modeling
-
     real = modeling.block_attnres
 
     def on_kernel(sources, query, key_weight, eps, backend):

@@ -12,6 +12,8 @@ import math
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -58,8 +60,6 @@ def test_bench_long_rl_tiny_records_every_part(tmp_path):
 def test_bench_long_rl_refuses_contexts_the_played_turns_overrun():
     """A context must lie past the one before plus the turns played there (it once failed with a negative
     dimension on the device when a context repeated)."""
-    import pytest
-
     bench = _load_bench()
     for contexts in ("64,64,1024", "64,80", "256,64"):
         with pytest.raises(SystemExit):

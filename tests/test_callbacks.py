@@ -3,7 +3,8 @@
 import pytest
 import torch
 from datasets import Dataset
-from transformers import Trainer, TrainingArguments
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.callbacks import RouterBiasUpdateCallback, add_router_bias_callback, find_kdamoe_model, find_kdamoe_models
@@ -58,8 +59,6 @@ class _TwoPlusReference(torch.nn.Module):
 
 
 def test_callback_balances_every_trainable_model_and_never_a_frozen_one():
-    from transformers import TrainerControl, TrainerState
-
     wrapper = _TwoPlusReference()
     assert [p for p, _ in find_kdamoe_models(wrapper)] == ["policy", "value_model", "ref"]
     assert [p for p, _ in find_kdamoe_models(wrapper.policy)] == [""]  # the inner KDAMoEModel is not listed
@@ -92,8 +91,6 @@ def test_callback_balances_every_trainable_model_and_never_a_frozen_one():
 
 @pytest.mark.parametrize("attach", ["add_router_bias_callback", "callbacks_argument"])
 def test_expert_load_metrics_reach_log_history_and_report_to(tmp_path, monkeypatch, attach):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     tb_dir = tmp_path / "tb"
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tb_dir))
     torch.manual_seed(0)
@@ -135,8 +132,6 @@ def test_a_backbone_a_wrapper_lists_again_is_not_a_second_model():
 
 
 def test_metrics_reach_a_log_history_row_that_holds_a_nan():
-    from transformers import TrainerControl, TrainerState
-
     torch.manual_seed(0)
     model = KDAMoEForCausalLM(tiny_config())
     model.train()

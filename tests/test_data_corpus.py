@@ -2,6 +2,7 @@
 
 import json
 
+import datasets
 import pytest
 
 from kdamoe.training.config import DataConfig
@@ -79,7 +80,6 @@ def test_load_corpus_sources(tmp_path):
     with pytest.raises(ValueError, match="fetch_corpus"):
         load_corpus(DataConfig(source="shakespeare", path=str(tmp_path / "empty")))
 
-    import datasets
 
     ds = datasets.Dataset.from_dict({"text": ["alpha beta", "", "gamma", "delta epsilon"]})
     ds.save_to_disk(str(tmp_path / "hf"))

@@ -8,6 +8,7 @@ Validation compares the reloaded folder's logits with the source model's in this
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,9 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from huggingface_hub import ModelCard
+from accelerate import Accelerator
+from filelock import FileLock
+from huggingface_hub import HfApi, ModelCard
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
 
-from kdamoe import hub
+from kdamoe import KDAMoEForCausalLM, hub
+from kdamoe.cli import push_main
+from kdamoe.common.checkpoint import save_checkpoint_atomically
 from kdamoe.training.config import config_to_dict, load_config
 from kdamoe.training.export import export_model
 from kdamoe.training.tokenizer import train_tokenizer
@@ -61,8 +68,6 @@ def _perturb(model, seed):
 def _shared_dir(tmp_path_factory, name, build):
     """``build(folder)`` once per test session, also across pytest-xdist workers (they share the parent of
     their base temp folders); the other workers wait on a file lock and reuse the folder."""
-    from filelock import FileLock
-
     root = tmp_path_factory.getbasetemp().parent
     folder = root / name
     with FileLock(str(root / f"{name}.lock")):
@@ -84,11 +89,6 @@ def sources(tmp_path_factory):
 
 
 def _build_sources(tmp):
-    from accelerate import Accelerator
-    from peft import LoraConfig, get_peft_model
-
-    from kdamoe import KDAMoEForCausalLM
-    from kdamoe.common.checkpoint import save_checkpoint_atomically
 
     tmp.mkdir(exist_ok=True)
     rng = random.Random(0)
@@ -229,8 +229,6 @@ def test_checkpoint_and_trainer_cards(built):
 
 def test_built_folders_carry_their_sources_weights(built, sources):
     """The checkpoint folder carries the checkpoint's weights, not final/'s; the merged one the merged LoRA."""
-    from safetensors.torch import load_file
-
     ckpt_state = load_file(str(sources["checkpoint"] / "model.safetensors"))
     built_state = load_file(str(built["checkpoint"] / "model.safetensors"))
     for name, tensor in ckpt_state.items():
@@ -243,8 +241,6 @@ def test_built_folders_carry_their_sources_weights(built, sources):
 
 
 def _copy(folder, dest):
-    import shutil
-
     shutil.copytree(folder, dest)
     return dest
 
@@ -288,8 +284,6 @@ def test_refusals(built, sources, tmp_path):
 
 
 def test_dry_run_cli_prints_files_and_metadata(sources, capsys, tmp_path):
-    from kdamoe.cli import push_main
-
     assert push_main([str(sources["trainer"]), "me/kdamoe-tiny-sft", "--dry-run", "--revision", "v1",
                       "--dataset", "me/data", "--out-dir", str(tmp_path / "kept")]) == 0
     out = capsys.readouterr().out
@@ -307,8 +301,6 @@ def test_dry_run_cli_prints_files_and_metadata(sources, capsys, tmp_path):
     (["{final}", "me/x", "--adapter"], "--adapter: SRC"),
 ])
 def test_cli_usage_errors(sources, capsys, argv, message):
-    from kdamoe.cli import push_main
-
     argv = [a.format(missing=sources["tmp"] / "nope", final=sources["final"]) for a in argv]
     with pytest.raises(SystemExit) as exit_info:
         push_main(argv)
@@ -317,8 +309,6 @@ def test_cli_usage_errors(sources, capsys, argv, message):
 
 def test_push_calls_hf_api(built, sources, monkeypatch):
     """The exact create_repo / create_branch / upload_folder calls; nothing reaches the network."""
-    from huggingface_hub import HfApi
-
     calls = []
 
     class Repo:
@@ -347,7 +337,6 @@ def test_push_calls_hf_api(built, sources, monkeypatch):
 
     # push_model_to_hub on an in-memory kdamoe model: our card and the tokenizer, validated, as a pull request
     calls.clear()
-    from kdamoe import KDAMoEForCausalLM
 
     validated = []  # the kdamoe-free reload itself is exercised by every build above
     monkeypatch.setattr(hub, "validate_hub_folder", lambda folder, **kw: validated.append(hub.hub_files(folder)))
@@ -361,8 +350,6 @@ def test_push_calls_hf_api(built, sources, monkeypatch):
 
 def test_wheel_ships_the_card_template(tmp_path):
     """Build the wheel from a clean copy of the package, then render a card with only the wheel on the path."""
-    import shutil
-
     src = tmp_path / "src"
     shutil.copytree(REPO / "kdamoe", src / "kdamoe", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("setup.py", "README.md"):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kdamoe.model.kernel_dispatch as dispatch
+from kdamoe import KDAMoEForCausalLM
 from kdamoe.model.kda_torch import causal_conv1d_torch
 from kdamoe.model.moe_torch import moe_experts_torch
 from tests.helpers import tiny_config
@@ -127,8 +128,6 @@ def test_resolve_without_fla(no_fla, monkeypatch):
 
 
 def test_model_on_cpu_never_calls_fla_even_when_it_imports(fake_fla):
-    from kdamoe import KDAMoEForCausalLM
-
     torch.manual_seed(0)
     model = KDAMoEForCausalLM(tiny_config(kernel_backend="auto", kda_head_dim=16)).eval()
     ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(0))

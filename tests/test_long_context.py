@@ -11,7 +11,8 @@ import torch
 from transformers import DynamicCache
 
 from kdamoe import KDAMoEForCausalLM
-from kdamoe.model.cache_kdamoe import KDAMoECache, KDAMoELatentCacheLayer
+from kdamoe.model.cache_kdamoe import KDAMoECache, KDAMoELatentCacheLayer, attention_seq_length
+from kdamoe.model.decode_graph import DecodeGraph
 from kdamoe.model.modeling_kdamoe import LATENT_ATTENTION_MAX_TOKENS
 from tests.helpers import tiny_config
 
@@ -329,8 +330,6 @@ def test_cache_length_is_the_mla_layers_count_under_every_transformers_version()
     """The cached length comes from an MLA layer (transformers 5.25's ``Cache.get_seq_length()`` reads layer 0, a KDA
     layer here, whose own count is not the tokens): the default, an MLA index and the model's own reading agree with
     the tokens fed; a KDA index is refused by name; an index past the last layer answers 0, as transformers' does."""
-    from kdamoe.model.cache_kdamoe import attention_seq_length
-
     kinds = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
     model = _model(layer_types=kinds)
     mla = kinds.index("full_attention")
@@ -347,8 +346,6 @@ def test_cache_length_is_the_mla_layers_count_under_every_transformers_version()
 def test_decode_graph_validity_follows_moved_and_replaced_parameters_and_the_model():
     """A captured graph reads parameters by address: moving one (``.data =``), replacing one (a new ``Parameter`` in
     the slot) or calling another model must invalidate it; an unchanged model must not (no needless re-capture)."""
-    from kdamoe.model.decode_graph import DecodeGraph
-
     model, other = _model(seed=0), _model(seed=0)
     graph = DecodeGraph.__new__(DecodeGraph)  # the validity bookkeeping alone: capturing needs CUDA
     graph.watch_parameters(model)

@@ -17,12 +17,14 @@ import trl.kernels.chunked_logprob as trl_chunked_logprob
 import trl.trainer.utils as trl_utils
 from datasets import Dataset
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.model.modeling_kdamoe import KDAMoEModel
 from kdamoe.posttraining.long_update import LongContextGRPOTrainer, real_token_span
 from kdamoe.posttraining.recipes import build_trainer
+from kdamoe.posttraining.rollout import CachedRolloutGRPOTrainer
 from tests.helpers import tiny_config
 from tests.test_posttrain import RL_FAST, _cfg, base  # noqa: F401  (the tiny base folder fixture)
 from tests.test_trl import _letter_tokenizer
@@ -298,16 +300,14 @@ def test_real_token_span_refuses_gaps_and_empty_rows():
 # ------------------------------------------------------------------------------------ the recipe setting
 
 
-def _grpo_cfg(base, tmp_path, *overrides):  # noqa: F811
+def _grpo_cfg(base, tmp_path, *overrides):  # noqa: F811 (the imported base fixture, which pytest passes by name)
     return _cfg("grpo_single_turn", base, tmp_path, *RL_FAST, *overrides)
 
 
-def test_long_context_recipe_turns_on_checkpointing_and_checks_the_model(base, tmp_path):  # noqa: F811
+def test_long_context_recipe_turns_on_checkpointing_and_checks_the_model(base, tmp_path):  # noqa: F811 (the imported base fixture, which pytest passes by name)
     """``grpo.long_context: true`` builds GRPO with per-layer activation checkpointing (off by default on a CPU) and
     refuses a model whose no-grad passes would not chunk or would ask for router logits; a non-boolean is refused
     naming the value."""
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = KDAMoEForCausalLM.from_pretrained(base, dtype=torch.float32)
     assert not build_trainer(_grpo_cfg(base, tmp_path), model, tokenizer).args.activation_checkpointing
@@ -327,14 +327,10 @@ def test_long_context_recipe_turns_on_checkpointing_and_checks_the_model(base, t
         build_trainer(_grpo_cfg(base, tmp_path, "grpo.long_context=true"), model, tokenizer)
 
 
-def test_cached_rollout_and_long_context_combine_into_one_trainer(base, tmp_path):  # noqa: F811
+def test_cached_rollout_and_long_context_combine_into_one_trainer(base, tmp_path):  # noqa: F811 (the imported base fixture, which pytest passes by name)
     """``grpo.rollout: cached`` with ``grpo.long_context: true`` (the shipped ``grpo_long``) builds one trainer that
     has both overrides: the cached rollout's ``_tool_call_loop`` and the memory-bounded
     ``_get_per_token_logps_and_entropies``, with checkpointing on."""
-    from transformers import AutoTokenizer
-
-    from kdamoe.posttraining.rollout import CachedRolloutGRPOTrainer
-
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = KDAMoEForCausalLM.from_pretrained(base, dtype=torch.float32)
     trainer = build_trainer(_grpo_cfg(base, tmp_path, "grpo.long_context=true", "grpo.rollout=cached"), model,

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from transformers.utils import is_kernels_available
 
 from kdamoe import KDAMoEForCausalLM, KDAMoEForSequenceClassification
+from kdamoe.model.modeling_kdamoe import fused_linear
 from tests.helpers import tiny_config
 
 
@@ -255,8 +256,6 @@ def test_eager_and_sdpa_attention_agree():
 def test_fused_linear_equals_each_projection_and_leaves_wrapped_modules_to_themselves():
     """One GEMM over concatenated weights == each ``nn.Linear`` on its own (float64); a module that is not a plain
     bias-free Linear (here one with a bias, as a stand-in for a wrapper) makes every module run itself."""
-    from kdamoe.model.modeling_kdamoe import fused_linear
-
     gen = torch.Generator().manual_seed(3)
     mods = tuple(torch.nn.Linear(24, n, bias=False).double() for n in (16, 5, 1, 9))
     x = torch.randn(2, 7, 24, generator=gen, dtype=torch.float64)
@@ -271,8 +270,6 @@ def test_fused_linear_group_is_one_view_of_its_modules_side_by_side():
     """A tuple entry (the KDA layer's q|k|v) gives one output, its modules' outputs side by side: in the fused case a
     single column view of the one GEMM (row stride Σ out), so its gradient reaches autograd as one piece; with a
     module that is not plain, the modules' own outputs concatenated. Values as each ``nn.Linear`` (float64)."""
-    from kdamoe.model.modeling_kdamoe import fused_linear
-
     gen = torch.Generator().manual_seed(5)
     mods = tuple(torch.nn.Linear(24, n, bias=False).double() for n in (6, 6, 6, 3))
     x = torch.randn(2, 7, 24, generator=gen, dtype=torch.float64)
@@ -289,8 +286,6 @@ def test_fused_linear_group_is_one_view_of_its_modules_side_by_side():
 def test_fused_linear_first_and_second_derivatives_equal_each_projection_on_its_own():
     """Gradients of the input and of every weight through the fused GEMM against separate ``nn.Linear`` modules in
     float64, and the same for a gradient penalty (double backward, ``create_graph=True``)."""
-    from kdamoe.model.modeling_kdamoe import fused_linear
-
     gen = torch.Generator().manual_seed(4)
     mods = tuple(torch.nn.Linear(24, n, bias=False).double() for n in (16, 5, 1, 9))
     x = torch.randn(2, 7, 24, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -310,8 +305,6 @@ def test_fused_linear_first_and_second_derivatives_equal_each_projection_on_its_
 
 def test_fused_linear_with_mismatched_dtypes_raises_like_the_modules():
     """float32 input, float64 weights: the same error as the modules give, not a silent cast."""
-    from kdamoe.model.modeling_kdamoe import fused_linear
-
     mods = tuple(torch.nn.Linear(6, n, bias=False).double() for n in (4, 3))
     x = torch.randn(5, 6, requires_grad=True)
     with pytest.raises(RuntimeError, match="dtype"):
@@ -321,8 +314,6 @@ def test_fused_linear_with_mismatched_dtypes_raises_like_the_modules():
 def test_fused_linear_under_autocast_runs_in_bfloat16_and_returns_float32_gradients():
     """float32 master weights under CPU bfloat16 autocast: the outputs are bfloat16 like ``F.linear``'s under
     autocast, and the gradients float32 and equal to autocast's separate projections."""
-    from kdamoe.model.modeling_kdamoe import fused_linear
-
     gen = torch.Generator().manual_seed(6)
     mods = tuple(torch.nn.Linear(32, n, bias=False) for n in (16, 8))
     x = torch.randn(3, 5, 32, generator=gen, requires_grad=True)

@@ -7,19 +7,29 @@ the policy takes each operand from the last tool result, so a right answer needs
 """
 
 import json
+import json as json_module
 import re
+import warnings
 
 import pytest
 import torch
+from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import get_json_schema
+from trl import SFTConfig
 
+import kdamoe.posttraining
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.callbacks import RouterBiasUpdateCallback, add_router_bias_callback
+from kdamoe.cli import posttrain_main
+from kdamoe.common.cards import render_model_card
 from kdamoe.posttraining import load_posttrain_config, run_recipe
 from kdamoe.posttraining.data import tool_schemas
-from kdamoe.posttraining.environment import ArithmeticEnvironment, make_tasks
+from kdamoe.posttraining.environment import ArithmeticEnvironment, ArithmeticTask, make_tasks
+from kdamoe.posttraining.long_update import real_token_span
 from kdamoe.posttraining.recipes import build_trainer
 from kdamoe.posttraining.recipes import grpo as grpo_recipe
+from kdamoe.posttraining.recipes.common import trainer_args
 from kdamoe.training.tokenizer import train_tokenizer
 from tests.helpers import tiny_config
 
@@ -159,7 +169,6 @@ def test_grpo_environment_rewards_are_the_environment_rewards(base, tmp_path):
     trainer, seen = _grpo_trainer(cfg, base, steps_of)
     trainer.train()
     assert seen
-    from kdamoe.posttraining.environment import ArithmeticTask
 
     for task_json, reward in seen:
         task = ArithmeticTask.from_json(task_json)
@@ -179,8 +188,6 @@ def test_grpo_tools_executes_tool_calls(base, tmp_path):
 
 
 def test_grpo_tools_have_the_environment_schemas():
-    from transformers.utils import get_json_schema
-
     assert [get_json_schema(f) for f in grpo_recipe.TOOLS] == tool_schemas(ArithmeticEnvironment)
 
 
@@ -232,7 +239,6 @@ def test_lora_on_experts_keeps_biases_and_reloads(base, tmp_path):
     with torch.no_grad():
         trained = result["model"].eval()(ids).logits
         final = AutoModelForCausalLM.from_pretrained(result["final"], trust_remote_code=True).eval()
-        from peft import PeftModel
 
         on_base = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), result["adapter"]).eval()
         base_logits = AutoModelForCausalLM.from_pretrained(base).eval()(ids).logits
@@ -306,8 +312,6 @@ def test_aux_loss_with_quantile_balancing_and_too_long_budget_are_refused(base, 
 
 
 def test_cli_runs_sft_then_resumes(base, tmp_path, capsys):
-    from kdamoe.cli import posttrain_main
-
     out = tmp_path / "run"
     args = ["--config", "sft", "--output-dir", str(out), "--set", f"model={base}", "--set", "data.num_tasks=4",
             "--set", "data.max_calls=1", "--set", "data.environment=arithmetic", "--set", "trainer.per_device_train_batch_size=2", "--set", "trainer.save_steps=1"]
@@ -326,8 +330,6 @@ def test_cli_runs_sft_then_resumes(base, tmp_path, capsys):
 
 
 def test_card_renders_the_reward_curve():
-    from kdamoe.common.cards import render_model_card
-
     card = str(render_model_card(tiny_config(), repo_id="kdamoe/x", total=10, active=5, recipe="`grpo` (environment)",
                                  base_model_path="outputs/base", reward_curve=[(1, 0.25), (2, 0.5)],
                                  reward_curve_image="reward_curve.png"))
@@ -349,12 +351,6 @@ def test_a_missing_base_folder_is_named(tmp_path):
 def test_cli_prints_a_library_errors_traceback_but_not_ours(monkeypatch, capsys):
     """``kdamoe-posttrain`` turns a ValueError of the run into exit 1 with its message; one raised inside a library
     (here json's) also gets its traceback, which once was hidden and made a deep crash look like a config error."""
-    import json as json_module
-
-    import kdamoe.posttraining
-    from kdamoe.cli import posttrain_main
-    from kdamoe.posttraining.long_update import real_token_span
-
     monkeypatch.setattr(kdamoe.posttraining, "run_recipe", lambda cfg, resume: json_module.loads("not json"))
     assert posttrain_main(["--config", "sft"]) == 1
     err = capsys.readouterr().err
@@ -369,12 +365,6 @@ def test_checkpointing_uses_the_current_names_and_keeps_a_users_old_name(tmp_pat
     """The recipes set ``activation_checkpointing`` (transformers 5.24's name; the old ``gradient_checkpointing``
     warned on every run); a user's old-name setting is renamed, not silently beaten by a default under the new name
     (given both, the new one wins inside TrainingArguments), and both names at once are refused."""
-    import warnings
-
-    from trl import SFTConfig
-
-    from kdamoe.posttraining.recipes.common import trainer_args
-
     cfg = load_posttrain_config("sft", [f"output_dir={tmp_path}"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

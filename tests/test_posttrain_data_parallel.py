@@ -60,10 +60,18 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 
+from kdamoe import KDAMoEForCausalLM, KDAMoEModel
+from kdamoe.cli import posttrain_main
+from kdamoe.posttraining.recipes import grpo, rloo
+from kdamoe.posttraining.recipes.grpo import _text
+from kdamoe.posttraining.run import check_world_size
 from tests.helpers import launch_processes
 from tests.test_posttrain import base  # noqa: F401  (the tiny base folder fixture)
 
@@ -90,14 +98,14 @@ def _launch(base_dir: str, out: Path, processes: int, *extra: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def sft_one(base, tmp_path_factory):  # noqa: F811
+def sft_one(base, tmp_path_factory):  # noqa: F811 (the imported base fixture, which pytest passes by name)
     """The one-process SFT run both process counts are compared with."""
     return _launch(base, tmp_path_factory.mktemp("sft_one"), 1)
 
 
 @pytest.mark.xdist_group("distributed")
 @pytest.mark.parametrize("processes", [2, 4])
-def test_sft_on_n_processes_reproduces_one_process_with_the_same_global_batch(base, sft_one, processes,  # noqa: F811
+def test_sft_on_n_processes_reproduces_one_process_with_the_same_global_batch(base, sft_one, processes,  # noqa: F811 (the imported base fixture, which pytest passes by name)
                                                                               tmp_path):
     one = sft_one
     many = _launch(base, tmp_path / "many", processes)
@@ -143,8 +151,6 @@ def _rl_argv(base_dir: str, root: Path, processes: int, recipe: str) -> list[str
 
 
 def _rl_results(root: Path, processes: int) -> dict:
-    from safetensors.torch import load_file
-
     out = {}
     for recipe in RL_RECIPES:
         history = json.loads((root / recipe / "summary.json").read_text())["log_history"]
@@ -155,7 +161,7 @@ def _rl_results(root: Path, processes: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def rl_runs(base, tmp_path_factory):  # noqa: F811
+def rl_runs(base, tmp_path_factory):  # noqa: F811 (the imported base fixture, which pytest passes by name)
     """``{processes: {recipe: {"losses", "ranks", "weights"}}}`` for 1 and 2 processes; the 2-process GRPO and
     RLOO runs replay the 1-process rollouts."""
     root = tmp_path_factory.mktemp("rl")
@@ -175,8 +181,6 @@ def rl_runs(base, tmp_path_factory):  # noqa: F811
 @pytest.mark.xdist_group("distributed")
 @pytest.mark.parametrize("recipe", RL_RECIPES)
 def test_rl_recipes_on_two_processes_reproduce_one_process_with_the_same_global_batch(rl_runs, recipe):
-    from safetensors.torch import load_file
-
     one, two = rl_runs[1][recipe], rl_runs[2][recipe]
     assert len(one["losses"]) == len(two["losses"]) == RL_STEPS
     assert len(set(one["losses"])) > 1  # the loss moves with the weights
@@ -200,9 +204,6 @@ def test_rl_recipes_on_two_processes_reproduce_one_process_with_the_same_global_
 
 def test_a_launch_the_trainer_did_not_set_up_is_refused(monkeypatch):
     # What the Trainer builds with use_cpu=false under a 2-process torchrun on a CPU: one lone process each.
-    from types import SimpleNamespace
-
-    from kdamoe.posttraining.run import check_world_size
 
     lone = SimpleNamespace(accelerator=SimpleNamespace(num_processes=1, distributed_type="NO"))
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -217,8 +218,6 @@ def _text_length_reward(completions, **kwargs) -> list[float]:
     (the stated answer) is 0 for every rollout of the untrained tiny base, so every advantage would be 0 and no
     weight would move; the cross-process logic under test (gathered rewards, group baselines, loss
     normalisation) does not depend on which deterministic reward it is."""
-    from kdamoe.posttraining.recipes.grpo import _text
-
     return [len(_text(completion)) / 10 for completion in completions]
 
 
@@ -234,12 +233,6 @@ def _posttrain_recording(runs: list[list[str]]) -> int:
     ``DUMP_DIR/replay.pt`` exists (the one-process run's ``rollouts0.pt``), ``generate`` returns this rank's
     contiguous slice of the recorded completions instead of sampling, after checking that its prompts are that
     slice's prompts."""
-    from torch.distributed.tensor import DTensor
-
-    from kdamoe import KDAMoEForCausalLM, KDAMoEModel
-    from kdamoe.cli import posttrain_main
-    from kdamoe.posttraining.recipes import grpo, rloo
-
     grpo.stated_answer_reward = rloo.stated_answer_reward = _text_length_reward
     forward, update, generate = KDAMoEModel.forward, KDAMoEForCausalLM.update_router_biases, KDAMoEForCausalLM.generate
     rank = int(os.environ.get("RANK", "0"))

@@ -39,8 +39,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers.distributed.checkpoint import consolidate_distributed_checkpoint
 
+from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
 from kdamoe.common.checkpoint import verify_checkpoint
+from kdamoe.hub import _validation_ids, validate_hub_folder
+from kdamoe.training.trainer import make_accelerator
 from tests.helpers import finish_processes, launch_processes, start_processes
 from tests.test_training_data_parallel import HOLD, _write_short_documents
 from tests.test_training_resume import _config
@@ -161,11 +167,6 @@ def _assert_final_holds(final: Path, sharded: dict) -> dict:
     """``final/model.safetensors`` holds exactly the consolidated checkpoint's tensors ``sharded`` (router biases
     included), and the folder loads without kdamoe (``validate_hub_folder``) with the logits of a plain model holding
     ``sharded``. Returns the exported tensors."""
-    from safetensors.torch import load_file
-
-    from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
-    from kdamoe.hub import _validation_ids, validate_hub_folder
-
     exported = load_file(final / "model.safetensors")
     assert set(exported) <= set(sharded) and any("e_score_correction_bias" in k for k in exported)
     for key, value in exported.items():
@@ -186,8 +187,6 @@ def _assert_final_holds(final: Path, sharded: dict) -> dict:
 def test_fsdp2_export_is_one_consolidated_hub_folder(fsdp, tmp_path):
     """``final/`` holds the full weights (equal to the last sharded checkpoint consolidated by torch's own
     ``dcp_to_torch_save``, router biases included) and loads in a process without kdamoe with the same logits."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     final = fsdp["checkpoint"].parent.parent / "final"
     assert (final / "model.safetensors").is_file() and (final / "modeling_kdamoe.py").is_file()
     assert not list(final.glob("pytorch_model_fsdp*")) and not list(final.rglob("*.distcp"))
@@ -202,8 +201,6 @@ def test_parallelism_is_checked_when_the_config_loads(tmp_path):
 
 
 def test_fsdp2_with_one_process_is_a_config_error(tmp_path, monkeypatch):
-    from kdamoe.training.trainer import make_accelerator
-
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="train.parallelism: fsdp2 needs at least 2 processes"):
         make_accelerator(_config(tmp_path, "one", parallelism="fsdp2"), use_bf16=False)
@@ -261,9 +258,6 @@ def test_fsdp2_ep_export_is_one_consolidated_hub_folder(ep, tmp_path):
     """``final/`` holds the weights of the stage-end checkpoint's shards (consolidated by transformers'
     ``consolidate_distributed_checkpoint``, experts of both ranks and router biases included) and loads in a process
     without kdamoe with the logits of a plain model holding those weights."""
-    from safetensors.torch import load_file
-    from transformers.distributed.checkpoint import consolidate_distributed_checkpoint
-
     final = ep["checkpoint"].parent.parent / "final"
     assert (final / "model.safetensors").is_file() and (final / "modeling_kdamoe.py").is_file()
     assert not list(final.glob("shard-*")) and not list(final.rglob("*.distcp"))
@@ -274,8 +268,6 @@ def test_fsdp2_ep_export_is_one_consolidated_hub_folder(ep, tmp_path):
 
 
 def test_fsdp2_ep_with_one_process_is_a_config_error(tmp_path, monkeypatch):
-    from kdamoe.training.trainer import make_accelerator
-
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = _config(tmp_path, "one", parallelism="fsdp2_ep")  # outside torchrun the config loads; the run refuses
     with pytest.raises(ValueError, match="train.parallelism: fsdp2_ep needs at least 2 processes"):

@@ -11,7 +11,9 @@ import os
 
 import pytest
 import torch
+import triton.runtime.interpreter as interpreter
 
+import kdamoe.kernels.conv.conv as conv
 from kdamoe.kernels import causal_conv1d, causal_conv1d_parts, causal_conv1d_update
 from kdamoe.model.kda_torch import causal_conv1d_torch
 
@@ -154,8 +156,6 @@ def test_a_column_slice_is_read_in_place_and_matches_the_reference(dtype, B, pac
     """x as the middle columns of a wider [B, T, 3C] tensor (the KDA layer's k part of its fused projection): read
     in place (the kernels take its row stride; a copy would allocate), values and gradients as the float64
     reference on the same values, and the gradient lands only in those columns of the wide tensor."""
-    import kdamoe.kernels.conv.conv as conv
-
     T, C, W = 70, 12, 4
     _, w, state, seq_idx, dy, _ = make(B, T, C, W, 21 + B, dtype, True, packed)
     wide = torch.randn(B, T, 3 * C, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE).requires_grad_()
@@ -187,7 +187,6 @@ def launches(monkeypatch):
     autotuner's timing runs would count too)."""
     if ON_GPU:
         return None
-    import triton.runtime.interpreter as interpreter
 
     names = []
 
@@ -266,8 +265,6 @@ def test_parts_with_an_unused_part_and_no_final_state():
 def test_rows_that_are_not_evenly_spaced_are_copied_first():
     """A slice of tokens of a batch of several rows (rows T' apart in a tensor of T > T' tokens) cannot be read with
     one row stride: it is copied, and the result equals the contiguous input's."""
-    import kdamoe.kernels.conv.conv as conv
-
     x, w, _, _, _, _ = make(2, 30, 8, 4, 12, torch.float32, False, False)
     sliced = x[:, 3:20]
     assert conv._rows_strided(sliced).data_ptr() != sliced.data_ptr()

@@ -15,6 +15,7 @@ import torch
 
 import kdamoe.model.kernel_dispatch as dispatch
 from kdamoe.kernels import glu
+from kdamoe.kernels.moe.glu import _rows
 from kdamoe.model.modeling_kdamoe import KDAMoEMLP
 from tests.helpers import tiny_config
 
@@ -179,5 +180,4 @@ def test_column_slices_of_one_gemm_output_are_read_in_place(activation):
     ref_gate, ref_up = (t.detach().double().requires_grad_() for t in (gate, up))
     reference(ref_gate, ref_up, activation, 4.0, 25.0).backward(grad_out.double())
     torch.testing.assert_close(both.grad, torch.cat([ref_gate.grad, ref_up.grad], -1).float(), rtol=1e-5, atol=1e-5)
-    from kdamoe.kernels.moe.glu import _rows
     assert _rows(gate, 37).data_ptr() == gate.data_ptr() and _rows(gate, 37).stride(0) == 2 * 37

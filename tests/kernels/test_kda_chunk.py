@@ -8,9 +8,11 @@ hence the looser tolerance).
 
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import triton.runtime.interpreter as interp
 
 from kdamoe.kernels import chunk_kda
 from kdamoe.kernels.kda.naive import naive_kda_lowerbound_gate, naive_l2norm, naive_recurrent_kda
@@ -208,7 +210,6 @@ def test_chunk_argument_errors():
 
 def _round_to_tf32(x):
     """Round a float32 numpy array to tf32 (10 explicit mantissa bits), round-to-nearest-even."""
-    import numpy as np
     u = x.view(np.uint32).astype(np.uint64)
     lsb = (u >> np.uint64(13)) & np.uint64(1)
     u = (u + np.uint64(0xFFF) + lsb) & ~np.uint64(0x1FFF)
@@ -222,9 +223,6 @@ def test_chunk_gate_gradient_survives_tf32_products(monkeypatch):
     (9e-3 / 5e-2 against 4e-4), because the row and column copies of each pair's term stopped cancelling
     inside the reverse cumsum. Emulate tf32 in the interpreter's dot (dots asking for tf32x3 or ieee stay
     exact) and require every gradient near the same level."""
-    import numpy as np
-    import triton.runtime.interpreter as interp
-
     orig = interp.InterpreterBuilder.create_dot
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
