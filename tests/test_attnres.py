@@ -93,7 +93,7 @@ def test_zero_blocks_is_the_standard_residual_stream():
         torch.testing.assert_close(out.logits, _standard_logits(model, ids, streams), rtol=1e-5, atol=1e-5)
     # hidden_states: embeddings, the stream after each layer, and (last) the final normed state.
     assert len(out.hidden_states) == model.config.num_hidden_layers + 1
-    for got, want in zip(out.hidden_states[:-1], streams):
+    for got, want in zip(out.hidden_states[:-1], streams, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.hidden_states[-1], model.model(ids, use_cache=False).last_hidden_state)
 
@@ -114,7 +114,7 @@ def test_hidden_states_with_block_attnres_are_the_summed_stream():
             partial = partial + _mlp(layer, _mix_reference(layer.mlp_res, sources + [partial]))
             sources.append(partial)
     assert len(out.hidden_states) == 4
-    for got, want in zip(out.hidden_states[:-1], expected):
+    for got, want in zip(out.hidden_states[:-1], expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

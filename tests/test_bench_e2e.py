@@ -56,7 +56,7 @@ def test_bench_e2e_tiny_writes_finite_rows(tmp_path):
     host = doc["raw"]["host"]["kdamoe_T64"]
     for phase in ("forward_ms", "backward_ms", "gpu_tail_ms", "step_ms"):
         assert len(host[f"{phase}_all"]) == 8 and all(x >= 0 for x in host[f"{phase}_all"]), (phase, host)
-    for a, b, c, total in zip(host["forward_ms_all"], host["backward_ms_all"], host["gpu_tail_ms_all"], host["step_ms_all"]):
+    for a, b, c, total in zip(host["forward_ms_all"], host["backward_ms_all"], host["gpu_tail_ms_all"], host["step_ms_all"], strict=True):
         assert math.isclose(a + b + c, total, rel_tol=1e-9), (a, b, c, total)  # the three phases tile the step
     # the model's forward runs under cProfile: a function of the model file appears among the cumulative rows
     assert any("modeling_kdamoe.py" in r["function"] for r in host["by_cumulative"]), host["by_cumulative"][:5]

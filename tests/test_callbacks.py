@@ -37,7 +37,7 @@ def test_trainer_updates_biases_once_per_optimizer_step(tmp_path):
     # Each optimizer step saw 2 micro-batches x 2 rows x 16 tokens, each routed to top-2 experts.
     for load in callback.loads:
         assert torch.all(load.sum(-1) == 2 * 2 * 16 * 2)
-    assert all(not torch.equal(a, r.e_score_correction_bias) for a, r in zip(biases_before, model._routers()))
+    assert all(not torch.equal(a, r.e_score_correction_bias) for a, r in zip(biases_before, model._routers(), strict=True))
     assert float(model.expert_load().sum()) == 0  # reset after the last update
 
 
@@ -77,8 +77,8 @@ def test_callback_balances_every_trainable_model_and_never_a_frozen_one():
     callback.on_log(None, state, TrainerControl(), logs=logs, model=wrapper)
     for name in ("policy", "value_model"):
         model = getattr(wrapper, name)
-        assert all(not torch.equal(b, r.e_score_correction_bias) for b, r in zip(before[name][1], model._routers())), name
-    assert all(torch.equal(b, r.e_score_correction_bias) for b, r in zip(before["ref"][1], wrapper.ref._routers()))
+        assert all(not torch.equal(b, r.e_score_correction_bias) for b, r in zip(before[name][1], model._routers(), strict=True)), name
+    assert all(torch.equal(b, r.e_score_correction_bias) for b, r in zip(before["ref"][1], wrapper.ref._routers(), strict=True))
     for name in ("policy", "value_model", "ref"):  # statistics reset everywhere
         assert float(getattr(wrapper, name).expert_load().sum()) == 0, name
     # one reading per model, the first one unprefixed
@@ -112,7 +112,7 @@ def test_expert_load_metrics_reach_log_history_and_report_to(tmp_path, monkeypat
 
     rows = [row for row in trainer.state.log_history if "loss" in row]
     assert [row["step"] for row in rows] == [1, 2]
-    for row, imbalance in zip(rows, callback.history):
+    for row, imbalance in zip(rows, callback.history, strict=True):
         assert row["expert_load/max_over_mean"] == max(imbalance)
         assert [row[f"expert_load/max_over_mean/layer_{1 + i}"] for i in range(3)] == imbalance  # first_k_dense=1
     if attach == "add_router_bias_callback":  # the reporter ran after us, so it saw them

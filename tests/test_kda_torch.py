@@ -32,7 +32,7 @@ def test_chunked_matches_naive_values_and_gradients(T):
     do, dht = torch.randn(o.shape, generator=gen, dtype=o.dtype), torch.randn(ht.shape, generator=gen, dtype=ht.dtype)
     grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), inputs)
     grads_ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), inputs)
-    for name, got, want in zip("q k v g beta h0".split(), grads, grads_ref):
+    for name, got, want in zip("q k v g beta h0".split(), grads, grads_ref, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=f"d{name}")
 
 
@@ -126,7 +126,12 @@ def _brute_force_conv(x, w, state, seq_idx):
     B, T, C = x.shape
     W = w.shape[1]
     ids = (lambda b, p: seq_idx[b, max(p, 0)].item() if p >= 0 else seq_idx[b, 0].item()) if seq_idx is not None else (lambda b, p: 0)
-    value = lambda b, p: x[b, p] if p >= 0 else (state[b, :, W + p] if state is not None else torch.zeros(C, dtype=x.dtype))
+
+    def value(b, p):
+        if p >= 0:
+            return x[b, p]
+        return state[b, :, W + p] if state is not None else torch.zeros(C, dtype=x.dtype)
+
     y = torch.zeros(B, T, C, dtype=torch.float64)
     new_state = torch.zeros(B, C, W, dtype=torch.float64)
     for b in range(B):

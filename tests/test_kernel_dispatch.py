@@ -7,6 +7,7 @@ made on them) and a fake ``fla`` package put into ``sys.modules``.
 
 import sys
 import types
+from itertools import pairwise
 
 import pytest
 import torch
@@ -64,7 +65,7 @@ class FakeFla:
             return causal_conv1d_torch(x, weight, initial_state)[0], None
         bounds = cu_seqlens.tolist()
         pieces = [causal_conv1d_torch(x[:, a:b], weight, None if initial_state is None else initial_state[n : n + 1])[0]
-                  for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+                  for n, (a, b) in enumerate(pairwise(bounds))]
         return torch.cat(pieces, 1), None
 
     def causal_conv1d_update(self, x, cache, weight=None, activation=None, **kwargs):
@@ -207,7 +208,7 @@ def test_conv_parts_on_every_backend_equal_the_reference(backend, fake_fla, monk
     grads_ref = torch.autograd.grad((y_ref * dys.double()).sum() + (state_ref * dstate.double()).sum(), ref_in)
     torch.testing.assert_close(grads[0][..., 1:1 + 3 * CP].double(), grads_ref[0], rtol=1e-5, atol=1e-5)
     assert grads[0][..., 0].abs().max() == 0 and grads[0][..., 1 + 3 * CP:].abs().max() == 0
-    for got, want in zip(grads[1:], grads_ref[1:]):
+    for got, want in zip(grads[1:], grads_ref[1:], strict=True):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
     with torch.no_grad():

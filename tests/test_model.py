@@ -112,7 +112,7 @@ def test_eval_and_generation_never_move_router_biases():
     model.generate(_ids(10, 1, 6), max_new_tokens=4, do_sample=False, pad_token_id=0)
     model.update_router_biases()
     after = [r.e_score_correction_bias for r in model._routers()]
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert model.expert_load().sum() == 0
 
 
@@ -213,7 +213,7 @@ def test_remote_code_round_trip_in_a_fresh_process(tmp_path):
     assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
     # In-process Auto classes (registered by `import kdamoe`) load it too, biases included.
     again = AutoModelForCausalLM.from_pretrained(folder)
-    for a, b in zip(model._routers(), again._routers()):
+    for a, b in zip(model._routers(), again._routers(), strict=True):
         assert torch.equal(a.e_score_correction_bias, b.e_score_correction_bias)
     assert isinstance(AutoModelForSequenceClassification.from_config(model.config), KDAMoEForSequenceClassification)
 
@@ -293,7 +293,7 @@ def test_fused_linear_first_and_second_derivatives_equal_each_projection_on_its_
     params = [x, *(m.weight for m in mods)]
 
     def derivatives(outs):
-        loss = sum((o.tanh() * u).sum() for o, u in zip(outs, upstream))
+        loss = sum((o.tanh() * u).sum() for o, u in zip(outs, upstream, strict=True))
         grads = torch.autograd.grad(loss, params, create_graph=True)
         return grads + torch.autograd.grad(sum(g.square().sum() for g in grads), params)
 

@@ -41,12 +41,15 @@ def _count_norm_kernel_calls(monkeypatch) -> dict:
     """``{op: calls}`` of the norm kernels (and the AttnRes mix, which fuses a key norm) of ``kdamoe.kernels``,
     counted from now on."""
     calls = {"rms_norm": 0, "add_rms_norm": 0, "gated_rms_norm": 0, "block_attnres": 0}
-    for name in calls:
-        def counted(*args, _real=getattr(kernels, name), _name=name):
-            calls[_name] += 1
-            return _real(*args)
+    def counting(name, real):
+        def counted(*args):
+            calls[name] += 1
+            return real(*args)
 
-        monkeypatch.setattr(kernels, name, counted)
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(kernels, name, counting(name, getattr(kernels, name)))
     return calls
 
 
@@ -277,7 +280,7 @@ def test_training_after_an_inference_mode_forward_of_the_same_shape():
     fresh = _model()
     fresh.config.kernel_backend = "triton"
     fresh(ids, labels=ids, use_cache=False).loss.backward()
-    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)

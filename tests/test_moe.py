@@ -44,7 +44,7 @@ def test_torch_experts_match_brute_force_and_skip_foreign_tokens(hidden_act):
     torch.testing.assert_close(out, ref)
     grads = torch.autograd.grad(out.square().sum(), (x, w, gate_up, down))
     grads_ref = torch.autograd.grad(ref.square().sum(), (x, w, gate_up, down))
-    for got, want in zip(grads, grads_ref):
+    for got, want in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(got, want)
 
 

@@ -124,7 +124,7 @@ def _script(model, tokenizer, tasks, steps_of):
 
     def generate(input_ids, attention_mask=None, **kwargs):
         rows = []
-        for ids, mask in zip(input_ids, attention_mask):
+        for ids, mask in zip(input_ids, attention_mask, strict=True):
             text = tokenizer.decode(ids[mask.bool()], skip_special_tokens=False)
             reply = _assistant_text(tokenizer, next_message(text))
             rows.append(torch.tensor(tokenizer(reply, add_special_tokens=False)["input_ids"]))
@@ -150,7 +150,7 @@ def record_rewards(trainer) -> list:
 
     def recording(inputs, *args):
         rewards = calculate(inputs, *args)
-        seen.extend(zip([row["task"] for row in inputs], rewards[:, 0].tolist()))
+        seen.extend(zip([row["task"] for row in inputs], rewards[:, 0].tolist(), strict=True))
         return rewards
 
     trainer._calculate_rewards = recording
@@ -165,7 +165,10 @@ def _expected_env_reward(task, steps):
 
 def test_grpo_environment_rewards_are_the_environment_rewards(base, tmp_path):
     cfg = _cfg("grpo", base, tmp_path, *RL_FAST, "data.max_calls=2", "data.num_tasks=4")
-    steps_of = lambda task: task.n_ops if task.start % 2 else task.n_ops - 1  # careful or one step short  # noqa: E731
+
+    def steps_of(task):
+        return task.n_ops if task.start % 2 else task.n_ops - 1  # careful or one step short
+
     trainer, seen = _grpo_trainer(cfg, base, steps_of)
     trainer.train()
     assert seen
@@ -194,8 +197,11 @@ def test_grpo_tools_have_the_environment_schemas():
 def test_rewards_of_single_turn_and_tools_modes():
     assert grpo_recipe.stated_answer_reward([[{"role": "assistant", "content": "7 + 5 = 12"}], "it is 13", "none"],
                                             answer=[12, 12, 12]) == [1.0, 0.0, 0.0]
-    submit = lambda v: {"role": "assistant", "tool_calls": [  # noqa: E731
-        {"type": "function", "function": {"name": "submit", "arguments": {"answer": v}}}]}
+
+    def submit(v):
+        return {"role": "assistant", "tool_calls": [
+            {"type": "function", "function": {"name": "submit", "arguments": {"answer": v}}}]}
+
     assert grpo_recipe.submitted_answer_reward([[submit(3), submit(12)], [submit("12")], [submit(11)], []],
                                                answer=[12, 12, 12, 12]) == [1.0, 1.0, 0.0, 0.0]
 

@@ -107,7 +107,7 @@ class ScriptedGenerate:
     def __call__(self, input_ids, attention_mask, max_new_tokens, **kwargs):
         self.kwargs.append(kwargs)
         rows = []
-        for ids, mask in zip(input_ids, attention_mask):
+        for ids, mask in zip(input_ids, attention_mask, strict=True):
             n = int(mask.sum())
             assert mask[-n:].all() and not mask[:-n].any()  # left padding
             text = self.tokenizer.decode(ids[-n:], skip_special_tokens=False)

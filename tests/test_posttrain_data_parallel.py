@@ -59,6 +59,7 @@ import json
 import os
 import shutil
 import sys
+from itertools import pairwise
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -113,7 +114,7 @@ def test_sft_on_n_processes_reproduces_one_process_with_the_same_global_batch(ba
     # Same episodes in the same order: at every step rank r saw the r-th slice of the one-process batch.
     single = one["ranks"][0]["episodes"]  # per step, GLOBAL_BATCH token lists
     assert len(single) == STEPS and all(len(step) == GLOBAL_BATCH for step in single)
-    slices = [sum(step, []) for step in zip(*(rank["episodes"] for rank in many["ranks"]))]
+    slices = [sum(step, []) for step in zip(*(rank["episodes"] for rank in many["ranks"]), strict=True)]
     assert slices == single
 
     assert len(one["losses"]) == len(many["losses"]) == STEPS
@@ -234,48 +235,57 @@ def _posttrain_recording(runs: list[list[str]]) -> int:
     contiguous slice of the recorded completions instead of sampling, after checking that its prompts are that
     slice's prompts."""
     grpo.stated_answer_reward = rloo.stated_answer_reward = _text_length_reward
-    forward, update, generate = KDAMoEModel.forward, KDAMoEForCausalLM.update_router_biases, KDAMoEForCausalLM.generate
+    originals = KDAMoEModel.forward, KDAMoEForCausalLM.update_router_biases, KDAMoEForCausalLM.generate
     rank = int(os.environ.get("RANK", "0"))
     for dump, *argv in runs:
-        dump = Path(dump)
-        episodes, biases, rollouts, sharded = [], [], [], []
-        replay = torch.load(dump / "replay.pt") if (dump / "replay.pt").exists() else None
-
-        # The backbone's forward: TRL's fused LM head (SFTTrainer) runs it directly, not KDAMoEForCausalLM.forward.
-        def recording_forward(self, *args, **kwargs):
-            positions = kwargs.get("position_ids")
-            if self.training and torch.is_grad_enabled() and positions is not None:
-                ids = kwargs["input_ids"]  # padding-free: [1, total tokens]
-                assert ids.shape[0] == 1
-                starts = (positions[0] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
-                episodes.append([ids[0, a:b].tolist() for a, b in zip(starts, starts[1:])])
-            return forward(self, *args, **kwargs)
-
-        def recording_update(self):
-            update(self)
-            biases.append(torch.stack([r.e_score_correction_bias.clone() for r in self._routers()]))
-            sharded.append(all(isinstance(p, DTensor) for p in self.parameters()))  # FSDP2 holds DTensor shards
-
-        def recording_generate(self, input_ids, attention_mask, **kwargs):
-            prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)]
-            if replay is None:
-                completions = generate(self, input_ids=input_ids, attention_mask=attention_mask,
-                                       **kwargs)[:, input_ids.shape[1]:]
-            else:
-                recorded = replay[len(rollouts)]
-                rows = slice(rank * len(prompts), (rank + 1) * len(prompts))
-                assert recorded["prompts"][rows] == prompts, "this rank's prompts are not its slice of the batch"
-                completions = recorded["completions"][rows]
-            rollouts.append({"prompts": prompts, "completions": completions})
-            return torch.cat([input_ids, completions], dim=1)
-
-        KDAMoEModel.forward, KDAMoEForCausalLM.update_router_biases = recording_forward, recording_update
-        KDAMoEForCausalLM.generate = recording_generate
-        status = posttrain_main(argv)
+        status = _run_recorded(Path(dump), argv, rank, *originals)
         if status:
             return status
-        torch.save({"episodes": episodes, "biases": torch.stack(biases), "sharded": sharded}, dump / f"rank{rank}.pt")
-        torch.save(rollouts, dump / f"rollouts{rank}.pt")
+    return 0
+
+
+def _run_recorded(dump: Path, argv: list[str], rank: int, forward, update, generate) -> int:
+    """One run of :func:`_posttrain_recording`: ``posttrain_main(argv)`` with the model's ``forward``,
+    ``update_router_biases`` and ``generate`` replaced by recording ones that call ``forward``, ``update`` and
+    ``generate`` (the unpatched methods); the records go to ``dump``. Returns ``posttrain_main``'s status."""
+    episodes, biases, rollouts, sharded = [], [], [], []
+    replay = torch.load(dump / "replay.pt") if (dump / "replay.pt").exists() else None
+
+    # The backbone's forward: TRL's fused LM head (SFTTrainer) runs it directly, not KDAMoEForCausalLM.forward.
+    def recording_forward(self, *args, **kwargs):
+        positions = kwargs.get("position_ids")
+        if self.training and torch.is_grad_enabled() and positions is not None:
+            ids = kwargs["input_ids"]  # padding-free: [1, total tokens]
+            assert ids.shape[0] == 1
+            starts = (positions[0] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+            episodes.append([ids[0, a:b].tolist() for a, b in pairwise(starts)])
+        return forward(self, *args, **kwargs)
+
+    def recording_update(self):
+        update(self)
+        biases.append(torch.stack([r.e_score_correction_bias.clone() for r in self._routers()]))
+        sharded.append(all(isinstance(p, DTensor) for p in self.parameters()))  # FSDP2 holds DTensor shards
+
+    def recording_generate(self, input_ids, attention_mask, **kwargs):
+        prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask, strict=True)]
+        if replay is None:
+            completions = generate(self, input_ids=input_ids, attention_mask=attention_mask,
+                                   **kwargs)[:, input_ids.shape[1]:]
+        else:
+            recorded = replay[len(rollouts)]
+            rows = slice(rank * len(prompts), (rank + 1) * len(prompts))
+            assert recorded["prompts"][rows] == prompts, "this rank's prompts are not its slice of the batch"
+            completions = recorded["completions"][rows]
+        rollouts.append({"prompts": prompts, "completions": completions})
+        return torch.cat([input_ids, completions], dim=1)
+
+    KDAMoEModel.forward, KDAMoEForCausalLM.update_router_biases = recording_forward, recording_update
+    KDAMoEForCausalLM.generate = recording_generate
+    status = posttrain_main(argv)
+    if status:
+        return status
+    torch.save({"episodes": episodes, "biases": torch.stack(biases), "sharded": sharded}, dump / f"rank{rank}.pt")
+    torch.save(rollouts, dump / f"rollouts{rank}.pt")
     return 0
 
 

@@ -58,7 +58,7 @@ def test_sft_under_fsdp2_on_two_processes_reproduces_one_process(base, tmp_path)
 
     assert two["ranks"][0]["sharded"] == two["ranks"][1]["sharded"] == [True] * STEPS  # FSDP2, not DDP
     assert one["ranks"][0]["sharded"] == [False] * STEPS
-    halves = [a + b for a, b in zip(two["ranks"][0]["episodes"], two["ranks"][1]["episodes"])]
+    halves = [a + b for a, b in zip(two["ranks"][0]["episodes"], two["ranks"][1]["episodes"], strict=True)]
     assert halves == one["ranks"][0]["episodes"]  # the same episodes in the same order
     assert len(one["losses"]) == len(two["losses"]) == STEPS
     assert two["losses"] == pytest.approx(one["losses"], rel=LOSS_RTOL)

@@ -230,7 +230,7 @@ def test_sft_dataset_careful_and_hasty(tokenizer):
     hasty = sft_dataset(tasks, hasty_fraction=1.0, seed=0)
     assert sft_dataset(tasks, hasty_fraction=1.0, seed=0)[:] == hasty[:]
     stops = set()
-    for task, c, h in zip(tasks, careful, hasty):
+    for task, c, h in zip(tasks, careful, hasty, strict=True):
         first, last = c["messages"][0], c["messages"][-1]
         assert (first["role"], first["content"]) == ("user", f"Find the key hidden in the {task.place}.")
         assert (last["role"], last["content"], last["tool_calls"]) == ("assistant", "Done.", None)
@@ -284,7 +284,7 @@ def _reply_ids(tokenizer, message):
 def script_generate(model, tokenizer):
     def generate(input_ids, attention_mask=None, **kwargs):
         rows = []
-        for ids, mask in zip(input_ids, attention_mask):
+        for ids, mask in zip(input_ids, attention_mask, strict=True):
             text = tokenizer.decode(ids[mask.bool()], skip_special_tokens=False)
             rows.append(torch.tensor(_reply_ids(tokenizer, scripted_reply(text))))
         new = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=tokenizer.pad_token_id)

@@ -153,7 +153,7 @@ def _compare(base_dir, tmp_path, name, steps_of, free_first, *overrides):
             trainer.model, torch.cat([o["prompt_ids"], o["completion_ids"]], 1),
             torch.cat([o["prompt_mask"], o["completion_mask"]], 1), o["completion_ids"].size(1))
     masks = cached["tool_mask"] or [[1] * len(c) for c in cached["completion_ids"]]  # None: no tools
-    for row, (logps, mask) in enumerate(zip(cached["logprobs"], masks)):
+    for row, (logps, mask) in enumerate(zip(cached["logprobs"], masks, strict=True)):
         assert len(logps) == len(mask) == len(trl["completion_ids"][row])
         got, want, keep = torch.tensor(logps), reference[row, :len(logps)], torch.tensor(mask).bool()
         assert torch.allclose(got[keep], want[keep], atol=1e-5, rtol=0), (row, (got - want)[keep].abs().max())
@@ -208,7 +208,7 @@ def test_cached_rollout_feeds_each_token_once(base, tmp_path):  # noqa: F811 (th
     tool_turns = [m.count(0) for m in tool_mask]
     assert tool_turns == [0, 23]  # the second rollout got one tool turn, of 23 tokens
     assert sorted(sizes, reverse=True)[:3] == [len(prompt_ids[0]), len(prompt_ids[1]), 1 + 23]
-    assert sum(sizes) == sum(len(p) + len(c) - 1 for p, c in zip(prompt_ids, completion_ids))
+    assert sum(sizes) == sum(len(p) + len(c) - 1 for p, c in zip(prompt_ids, completion_ids, strict=True))
 
 
 def test_rollout_setting_is_validated(base, tmp_path):  # noqa: F811 (the imported base fixture, which pytest passes by name)

@@ -40,6 +40,6 @@ def test_grpo_steps_update_weights_and_router_biases(tmp_path):
     trainer.train()
     assert trainer.state.global_step == 2
     assert not torch.equal(weights_before, model.lm_head.weight)
-    assert all(not torch.equal(b, r.e_score_correction_bias) for b, r in zip(biases_before, model._routers()))
+    assert all(not torch.equal(b, r.e_score_correction_bias) for b, r in zip(biases_before, model._routers(), strict=True))
     assert len(callback.history) == 2 and len(callback.history[0]) == model.config.num_sparse_layers
     assert all(value >= 1.0 for step in callback.history for value in step)

@@ -22,6 +22,7 @@ The in-chunk factors ``exp(G_i − G_j)`` are formed directly (``j ≤ i``, so t
 """
 
 import math
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +110,7 @@ def _sequence_bounds(B: int, T: int, cu_seqlens: torch.Tensor | None) -> list[tu
     if cu_seqlens is None:
         return [(b * T, (b + 1) * T) for b in range(B)]
     bounds = cu_seqlens.tolist()
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(pairwise(bounds))
 
 
 def chunk_kda_torch(

@@ -934,7 +934,7 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         # nothing still takes part (zeros), so no rank waits on a collective the others skipped.
         device = routers[0].e_score_correction_bias.device  # (routers may sit on several devices)
         stats = all_reduce_sum(torch.stack([router.statistics().to(device) for router in routers]))
-        for router, own in zip(routers, stats):
+        for router, own in zip(routers, stats, strict=True):
             router.update_bias(own.to(router.e_score_correction_bias.device))
 
 
@@ -1122,7 +1122,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
                     hidden_states = out.new_empty(B, T, out.shape[-1])
                 hidden_states[:, start:end] = out
                 per_chunk.append(states)
-            all_hidden_states = [torch.cat(layer_states, 1) for layer_states in zip(*per_chunk)]
+            all_hidden_states = [torch.cat(layer_states, 1) for layer_states in zip(*per_chunk, strict=True)]
 
         hidden_states_out = None
         if output_hidden_states:

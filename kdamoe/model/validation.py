@@ -68,7 +68,7 @@ def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, posi
             checks["target_low"], checks["target_high"] = torch.aminmax(kept)
     if checks:
         device = (input_ids if input_ids is not None else inputs_embeds).device  # the labels may lie elsewhere
-        checks = dict(zip(checks, torch.stack([v.to(device, torch.float64) for v in checks.values()]).tolist()))
+        checks = dict(zip(checks, torch.stack([v.to(device, torch.float64) for v in checks.values()]).tolist(), strict=True))
     if input_ids is not None and (checks["low"] < 0 or checks["high"] >= config.vocab_size):
         bad = int(checks["low"] if checks["low"] < 0 else checks["high"])
         raise ValueError(f"`input_ids` contains {bad}, outside [0, vocab_size={config.vocab_size})")
@@ -105,7 +105,7 @@ def check_cache_matches(config, cache: Cache, rows: int) -> None:
         raise ValueError(f"the cache has {len(cache.layers)} layers but the model has {config.num_hidden_layers}; pass a "
                          "cache built for this model (or none)")
     H, K = config.kda_num_heads, config.kda_head_dim
-    for i, (layer, layer_type) in enumerate(zip(cache.layers, config.layer_types)):
+    for i, (layer, layer_type) in enumerate(zip(cache.layers, config.layer_types, strict=True)):
         linear = isinstance(layer, LinearAttentionCacheLayerMixin)
         if linear != (layer_type == "linear_attention"):
             raise ValueError(f"cache layer {i} is a {type(layer).__name__} but model layer {i} is {layer_type!r}; pass a "

@@ -99,11 +99,11 @@ def run_episodes(model, tokenizer, tasks: list, *, batch_size: int = 64, max_new
     for start in range(0, len(tasks), batch_size):
         batch = tasks[start:start + batch_size]
         envs = [environment_class(task)() for task in batch]
-        for env, task in zip(envs, batch):
+        for env, task in zip(envs, batch, strict=True):
             env.reset(task=task)
         ids = [tokenizer.apply_chat_template([{"role": "user", "content": t.prompt()}], tools=environment_tools(e),
                                              add_generation_prompt=True, tokenize=True, return_dict=False)
-               for t, e in zip(batch, envs)]
+               for t, e in zip(batch, envs, strict=True)]
         prompt_lengths = [len(x) for x in ids]
         turns, ended = [0] * len(batch), [None] * len(batch)
         active = list(range(len(batch)))
@@ -146,7 +146,7 @@ def run_episodes(model, tokenizer, tasks: list, *, batch_size: int = 64, max_new
                     continue
                 ids[i] = ids[i] + _tool_suffix_ids(tokenizer, tool_messages)
             active = [i for i in active if ended[i] is None]
-        for i, (task, env) in enumerate(zip(batch, envs)):
+        for i, (task, env) in enumerate(zip(batch, envs, strict=True)):
             results.append(dict(task=task, reward=env.get_reward(),
                                 calls_before_submit=env.tool_calls_before_submit, tool_calls=len(env.calls), turns=turns[i],
                                 tokens=len(ids[i]), prompt_tokens=prompt_lengths[i], ended=ended[i]))

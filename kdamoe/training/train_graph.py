@@ -142,7 +142,7 @@ class TrainStepGraph:
                 model.zero_grad(set_to_none=True)
                 self._step()
         torch.cuda.current_stream(device).wait_stream(side)
-        for router, (tokens, counts) in zip(routers, saved):  # the warm-up steps' counts out again, in place
+        for router, (tokens, counts) in zip(routers, saved, strict=True):  # the warm-up steps' counts out again, in place
             for now, before in ((router.tokens_per_expert, tokens), (router.qb_counts, counts)):
                 if now is not None and before is not None:
                     now.copy_(before)

@@ -17,6 +17,7 @@ precision, RNG states and collectives, but never wraps the model).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -322,7 +323,7 @@ def save_checkpoint(accelerator, progress: TrainProgress, scheduler, monitor: Tr
 
     sharded = None
     if cfg.train.parallelism == "fsdp2_ep":
-        sharded = lambda folder: save_expert_parallel_state(model, optimizer, folder)  # noqa: E731
+        sharded = functools.partial(save_expert_parallel_state, model, optimizer)  # called with the folder
     path = save_checkpoint_atomically(accelerator, checkpoint_dir(out_dir, progress), write_own_state, sharded)
     if accelerator.is_main_process:  # stage end or not is read from the name: no file of a folder is trusted here
         stages = cfg.train.stages
@@ -490,8 +491,10 @@ def run(cfg: RunConfig, resume: bool = True, stop_after_steps: int | None = None
     n_params = sum(p.numel() for p in model.parameters())
     _say(accelerator, f"model: {n_params / 1e6:.2f} M parameters, {len(data.train_docs)} training documents "
                       f"({sum(map(len, data.train_docs))} tokens), device {accelerator.device}")
-    evaluate = lambda m: evaluate_lm(m, data.val_rows, data.byte_lengths, cfg.eval.batch_size, accelerator.device,
-                                     torch.bfloat16 if use_bf16 else None)
+
+    def evaluate(m):
+        return evaluate_lm(m, data.val_rows, data.byte_lengths, cfg.eval.batch_size, accelerator.device,
+                           torch.bfloat16 if use_bf16 else None)
 
     summary = {"seconds": 0.0, "finished": False}
     if checkpoint is None and accelerator.is_main_process:

@@ -45,7 +45,10 @@ def make_inputs(S, lead, d, dtype, param_dtype, seed):
     query = 0.5 * torch.randn(d, generator=gen)
     gamma = 1 + 0.3 * torch.randn(d, generator=gen)
     dh = torch.randn(*lead, d, generator=gen)
-    leaf = lambda t, dt: t.to(DEVICE, dt).requires_grad_()  # noqa: E731
+
+    def leaf(t, dt):
+        return t.to(DEVICE, dt).requires_grad_()
+
     return [leaf(v, dtype) for v in sources], leaf(query, param_dtype), leaf(gamma, param_dtype), dh.to(DEVICE)
 
 
@@ -77,7 +80,7 @@ def test_mix_matches_float64_autograd_and_torch_op(S, lead, d, dtype):
     assert rel(out, out64) < TOL[dtype]
     assert rel(out, same_out) < 2 * TOL[dtype]
     names = [f"source {i}" for i in range(S)] + ["query", "key_weight"]
-    for name, g, g_same, g64 in zip(names, grads, same_grads, grads64):
+    for name, g, g_same, g64 in zip(names, grads, same_grads, grads64, strict=True):
         if S == 1 and name in ("query", "key_weight"):
             # One source: softmax weight 1 whatever the logit, the query and the key norm get exactly no gradient.
             assert torch.equal(g, torch.zeros_like(g)) and float(g64.abs().max()) == 0, name
@@ -96,7 +99,7 @@ def test_float32_parameters_on_half_sources():
     out, grads = run(block_attnres, sources, query, gamma, dh)
     _, grads64 = float64_reference(sources, query, gamma, dh)
     assert out.dtype == torch.float16 and grads[-2].dtype == grads[-1].dtype == torch.float32
-    for g, g64 in zip(grads, grads64):
+    for g, g64 in zip(grads, grads64, strict=True):
         assert rel(g, g64) < TOL[torch.float16]
 
 
@@ -111,7 +114,7 @@ def test_sources_of_mixed_dtypes_are_promoted():
     assert out.dtype == same_out.dtype == torch.float32
     assert [g.dtype for g in grads] == [torch.float32, torch.float16, torch.float16, torch.float32, torch.float32]
     assert rel(out, out64) < TOL[torch.float32] and rel(out, same_out) < TOL[torch.float32]
-    for g, g64 in zip(grads, grads64):
+    for g, g64 in zip(grads, grads64, strict=True):
         assert rel(g, g64) < TOL[g.dtype]
 
 
@@ -120,7 +123,7 @@ def test_many_rows_sum_the_parameter_gradients_over_all_programs():
     sources, query, gamma, dh = make_inputs(3, (151,), 100, torch.float32, torch.float32, seed=5)
     _, grads = run(block_attnres, sources, query, gamma, dh)
     _, grads64 = float64_reference(sources, query, gamma, dh)
-    for g, g64 in zip(grads, grads64):
+    for g, g64 in zip(grads, grads64, strict=True):
         assert rel(g, g64) < TOL[torch.float32]
 
 
@@ -135,7 +138,7 @@ def test_strided_sources_and_sources_without_gradient():
     grads = torch.autograd.grad(out, [strided, sources[2], query, gamma], dh)
     out64, grads64 = float64_reference([frozen, strided, sources[2]], query, gamma, dh)
     assert rel(out, out64) < TOL[torch.float32]
-    for g, g64 in zip(grads, grads64[1:]):
+    for g, g64 in zip(grads, grads64[1:], strict=True):
         assert rel(g, g64) < TOL[torch.float32]
 
 

@@ -87,7 +87,7 @@ def test_matches_reference_values_and_gradients(dtype, B, T, C, W, seed, with_st
     grads = torch.autograd.grad(loss, wanted)
     loss_ref = (y_ref * dy.double()).sum() + (state_ref * dstate.double()).sum()
     grads_ref = torch.autograd.grad(loss_ref, [t for t in ref_in if t is not None])
-    for name, got, want in zip(("x", "weight", "conv_state"), grads, grads_ref):
+    for name, got, want in zip(("x", "weight", "conv_state"), grads, grads_ref, strict=True):
         assert got.dtype == dtype, name
         assert rel(got, want) <= TOL[dtype] * 5, f"d{name}"
 
@@ -124,7 +124,7 @@ def test_gradients_at_tile_and_document_boundaries(dtype, T, C, W, seed, starts)
     assert rel(y, y_ref) <= TOL[dtype]
     grads = torch.autograd.grad((y.float() * dy.to(DEVICE)).sum(), dev)
     grads_ref = torch.autograd.grad((y_ref * dy.double()).sum(), ref_in)
-    for name, got, want in zip(("x", "weight", "conv_state"), grads, grads_ref):
+    for name, got, want in zip(("x", "weight", "conv_state"), grads, grads_ref, strict=True):
         assert rel(got, want) <= TOL[dtype] * 5, f"d{name}"
     if starts is not None and len(starts) > 1 and starts[1] < W:  # a short first document still reaches the state
         assert grads_ref[2][..., : W - starts[1]].abs().max() > 0
@@ -226,7 +226,7 @@ def test_parts_read_a_fused_projection_in_place_and_match_the_reference(dtype, B
         assert rel(y, y_ref[..., i * CP:(i + 1) * CP]) <= TOL[dtype], f"part {i}"
     torch.testing.assert_close(new_state.double().cpu(), state_ref.detach(), rtol=0, atol=0)
 
-    loss = sum((y.float() * dy.to(DEVICE)).sum() for y, dy in zip(ys, dys))
+    loss = sum((y.float() * dy.to(DEVICE)).sum() for y, dy in zip(ys, dys, strict=True))
     loss = loss + (new_state.float() * dstate.to(DEVICE)).sum()
     wanted = [wide] + [t for t in dev if t is not None]
     names = launches(monkeypatch)
@@ -236,7 +236,7 @@ def test_parts_read_a_fused_projection_in_place_and_match_the_reference(dtype, B
     grads_ref = torch.autograd.grad(loss_ref, [t for t in ref_in if t is not None])
     assert rel(grads[0][..., 3:3 + C], grads_ref[0]) <= TOL[dtype] * 5, "dx"
     assert grads[0][..., :3].abs().max() == 0 and grads[0][..., 3 + C:].abs().max() == 0
-    for name, got, want in zip(("weight", "conv_state"), grads[1:], grads_ref[1:]):
+    for name, got, want in zip(("weight", "conv_state"), grads[1:], grads_ref[1:], strict=True):
         assert got.dtype == dtype, name
         assert rel(got, want) <= TOL[dtype] * 5, f"d{name}"
 
@@ -257,7 +257,7 @@ def test_parts_with_an_unused_part_and_no_final_state():
     for i in used:
         mask[i * CP:(i + 1) * CP] = 1
     grads_ref = torch.autograd.grad((y_ref * dy.double() * mask).sum(), ref_in)
-    for name, got, want in zip(("x", "weight", "conv_state"), grads, grads_ref):
+    for name, got, want in zip(("x", "weight", "conv_state"), grads, grads_ref, strict=True):
         assert rel(got, want) <= TOL[torch.float32] * 5, f"d{name}"
     assert grads[0][..., CP:2 * CP].abs().max() == 0  # depthwise: the unused part's channels feed only its output
 

@@ -52,7 +52,7 @@ def kernel_and_reference(gate, up, dout, activation, beta1, beta2):
 
 
 def assert_matches(got, want, dtype):
-    for name, a, b in zip(("out", "d_gate", "d_up"), got, want):
+    for name, a, b in zip(("out", "d_gate", "d_up"), got, want, strict=True):
         assert a.dtype == dtype and a.shape == b.shape, name
         a = a.detach().double().cpu()
         assert torch.isfinite(a).all(), name
@@ -158,10 +158,10 @@ def test_mlp_runs_the_kernel_for_the_backend_read_at_call_time(hidden_act, monke
         (out * x).sum().backward()
         results[backend] = [out.detach(), xg.grad] + [p.grad for p in mlp.parameters()]
     assert kernels.calls == (2 if ON_GPU else 1)  # "auto" picks the kernel on CUDA only
-    for got, want in zip(results["triton"], results["torch"]):
+    for got, want in zip(results["triton"], results["torch"], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if not ON_GPU:
-        for got, want in zip(results["auto"], results["torch"]):
+        for got, want in zip(results["auto"], results["torch"], strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 

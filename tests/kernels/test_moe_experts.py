@@ -62,7 +62,7 @@ def check(n, hid, inter, e, k, seed, activation="situ", tol=2e-5, **kw):
     assert out.dtype == x.dtype and out.shape == (n, hid)
     assert ref.norm() > 0
     errs = {"out": relative_error(out, ref)}
-    for name, p, q in zip(["d_hidden", "d_weights", "d_gate_up", "d_down"], ps, qs):
+    for name, p, q in zip(["d_hidden", "d_weights", "d_gate_up", "d_down"], ps, qs, strict=True):
         assert p.grad is not None and p.grad.dtype == p.dtype and q.grad.norm() > 0
         errs[name] = relative_error(p.grad, q.grad)
     assert all(v < tol for v in errs.values()), errs
@@ -107,7 +107,7 @@ def test_experts_gpu_launch_under_the_interpreter(monkeypatch):
         out = moe_experts(ps[0], idx, ps[1], ps[2], ps[3])
         out.backward(torch.ones_like(out))
         results.append([out.detach()] + [p.grad for p in ps])
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
     assert results[1][3][[1, 4]].abs().max() == 0 and results[1][4][[1, 4]].abs().max() == 0
 
@@ -161,7 +161,7 @@ def test_experts_grouped_path_writes_every_element_it_reads(monkeypatch):
         names = ["out", "d_hidden", "d_weights", "d_gate_up", "d_down"]
         got = [out.detach()] + [p.grad for p in ps]
         want = [ref.detach()] + [q.grad for q in qs]
-        for name, a, b in zip(names, got, want):
+        for name, a, b in zip(names, got, want, strict=True):
             assert torch.isfinite(a).all(), (gpu_launch, name)
             assert relative_error(a, b) < 2e-5, (gpu_launch, name)
         assert (ps[1].grad.cpu()[idx == 6] == 0).all()
@@ -199,7 +199,7 @@ def test_experts_float16():
     ref.sum().backward()
     assert out.dtype == torch.float16
     assert relative_error(out, ref) < 5e-3
-    for p, q in zip(ps, qs):
+    for p, q in zip(ps, qs, strict=True):
         assert relative_error(p.grad, q.grad) < 1e-2
 
 

@@ -11,6 +11,8 @@ tensor cores with the lower-bounded-gate anchor trick, WY solve, w/u/kg/qg) run 
 ``backward`` (chunk-parallel gradients).
 """
 
+from itertools import pairwise
+
 import torch
 
 from ..utils import cached_constant, is_interpreter
@@ -118,7 +120,7 @@ def validate_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_
             raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor [N+1]")
         _check_device("cu_seqlens", cu_seqlens, device)
         cl = cu_seqlens.tolist()
-        if cl[0] != 0 or cl[-1] != T or any(b < a for a, b in zip(cl[:-1], cl[1:])):
+        if cl[0] != 0 or cl[-1] != T or any(b < a for a, b in pairwise(cl)):
             raise ValueError(f"cu_seqlens must rise from 0 to T={T} without decreasing, got {cl}")
         N = len(cl) - 1
     else:
@@ -205,8 +207,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     Raises:
         ValueError: wrong shapes, dtypes, devices, head dims, lower_bound, or cu_seqlens with B > 1.
     """
-    N = validate_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias,
-                            lower_bound)
+    validate_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias,
+                        lower_bound)
     B, T, H, K = q.shape
     V = v.shape[-1]
     if scale is None:

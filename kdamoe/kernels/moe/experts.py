@@ -132,7 +132,7 @@ def _interpreter_launch(plan: _Plan, counts: torch.Tensor) -> None:
 
 
 def _rows_gemm(plan, a, b, out, n_out, k_dim, stride_am, stride_be, stride_bk, stride_bn, gather_a, sorted_out, prec):
-    grid = lambda meta: (plan.max_tiles * cdiv(n_out, meta["BN"]),)  # noqa: E731
+    grid = lambda meta: (plan.max_tiles * cdiv(n_out, meta["BN"]),)
     _rows_gemm_kernel[grid](
         a, b, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, out,
         plan.e, n_out, k_dim, plan.k, stride_am, stride_be, stride_bk, stride_bn,
@@ -154,7 +154,7 @@ def _glu_rows_bwd(plan, dg, h, w, dh, dw, act, betas):
 
 def _wgrad(plan, a, b, out, p, q, stride_am, stride_bm, gather_a, gather_b, prec):
     n_exp = plan.wgrad_experts.numel()
-    grid = lambda meta: (n_exp * cdiv(p, meta["BP"]) * cdiv(q, meta["BQ"]),)  # noqa: E731
+    grid = lambda meta: (n_exp * cdiv(p, meta["BP"]) * cdiv(q, meta["BQ"]),)
     _wgrad_kernel[grid](
         a, b, plan.order, plan.row_offs, plan.wgrad_experts, out, plan.e, p, q, stride_am, stride_bm,
         TOPK=plan.k, GATHER_A=gather_a, GATHER_B=gather_b, PREC=prec,
@@ -193,7 +193,7 @@ class MoEExpertsFunction(torch.autograd.Function):
         # the weighted slot output, and ∂W2 = Σ ∂out[tok]ᵀ g_w a plain GEMM
         g = torch.empty(plan.m, inter, device=x.device, dtype=dt)
         h = torch.empty(plan.m if save_h else 1, two_i, device=x.device, dtype=dt)
-        grid = lambda meta: (plan.max_tiles * cdiv(inter, meta["BN"]),)  # noqa: E731
+        grid = lambda meta: (plan.max_tiles * cdiv(inter, meta["BN"]),)
         _gate_up_fwd_kernel[grid](
             x, w1, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, w, g, h, e, inter, hid, beta1, beta2,
             TOPK=plan.k, ACT=act, SAVE_H=save_h, PREC=prec, BM=plan.bm,

@@ -105,7 +105,7 @@ def submitted_answer_reward(completions: list[list[dict]], answer: list[int], **
     """Mode ``tools``: 1.0 when the completion's last ``submit`` call passes the row's ``answer`` (an int, or
     text of one), else 0.0. ``completions``: TRL's conversational completions (assistant and tool messages)."""
     out = []
-    for completion, want in zip(completions, answer):
+    for completion, want in zip(completions, answer, strict=True):
         value = _submitted_value(completion)
         try:
             out.append(float(value is not None and _as_int(value, "answer") == want))
@@ -126,7 +126,7 @@ def stated_answer_reward(completions, answer: list[int], **kwargs) -> list[float
     ``completions``: conversational (a list of messages; their ``content`` is read) or plain text.
     """
     out = []
-    for completion, want in zip(completions, answer):
+    for completion, want in zip(completions, answer, strict=True):
         numbers = _INTEGER.findall(_text(completion))
         out.append(float(bool(numbers) and int(numbers[-1]) == want))
     return out
