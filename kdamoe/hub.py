@@ -114,7 +114,8 @@ def _refuse_pickled_weights(folder: Path, safetensors_name: str) -> None:
 
 
 def _load_kdamoe_model(folder: str | Path):
-    """A ``KDAMoEForCausalLM`` from a local ``save_pretrained`` folder, with kdamoe's own classes, in the stored dtype."""
+    """A ``KDAMoEForCausalLM`` from a local ``save_pretrained`` folder, with kdamoe's own classes, in the stored
+    dtype."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     if config.get("model_type") != "kda_moe":

@@ -1,9 +1,9 @@
 """Long context on the CPU: chunked prefill, the latent-only MLA cache and what generate() does with it.
 
 References are independent of the code under test: the single-pass forward without a cache (per-head keys and
-values, SDPA) and transformers' own per-head ``DynamicCache``. Models run in float64; the RMSNorms and the router compute in float32
-by design, so paths that add the same terms in another order agree to ~1e-7, far below what any wrong mask, state
-or position gives (differences of 1e-2 and more on these models).
+values, SDPA) and transformers' own per-head ``DynamicCache``. Models run in float64; the RMSNorms and the router
+compute in float32 by design, so paths that add the same terms in another order agree to ~1e-7, far below what any wrong
+mask, state or position gives (differences of 1e-2 and more on these models).
 """
 
 import pytest

@@ -5,10 +5,11 @@ our backbone (``KDAMoEForCausalLM.model``), then ``trl.kernels.ChunkedLogProbFun
 through the LM head tile by tile (token tiles x vocabulary tiles), folding each tile into online-logsumexp
 statistics, and its backward recomputes each tile. With activation checkpointing per decoder layer and our chunked
 prefill for the no-grad passes (reference and old-policy log-probs), nothing of size ``[T, vocab]`` is ever
-allocated; ``LongContextGRPOTrainer`` scores each row without its padding, so neither is a ``[T, T]`` mask. These tests run that path with small tiles (the TRL module constants patched, so a short sequence spans
-several tiles and chunks) and compare it with an independent reference: the model's own full-logits forward in one
-pass, no checkpointing, ``log_softmax`` in float32, and the GRPO loss (Shao et al. 2024, arXiv:2402.03300; the
-``bnpo`` aggregation with the k3 KL estimator and an entropy bonus) written out here.
+allocated; ``LongContextGRPOTrainer`` scores each row without its padding, so neither is a ``[T, T]`` mask. These tests
+run that path with small tiles (the TRL module constants patched, so a short sequence spans several tiles and chunks)
+and compare it with an independent reference: the model's own full-logits forward in one pass, no checkpointing,
+``log_softmax`` in float32, and the GRPO loss (Shao et al. 2024, arXiv:2402.03300; the ``bnpo`` aggregation with the k3
+KL estimator and an entropy bonus) written out here.
 """
 
 import pytest

@@ -19,8 +19,9 @@ from kdamoe.model.modeling_kdamoe import (
 )
 from tests.helpers import tiny_config
 
-# These run the model with kernel_backend="triton" on CPU tensors through the Triton interpreter; on a GPU machine (KDAMOE_TEST_ON_GPU=1) the same code
-# paths are checked on CUDA by tests/test_gpu_backends.py and the benchmarks' agreement columns.
+# These run the model with kernel_backend="triton" on CPU tensors through the Triton interpreter; on a GPU machine
+# (KDAMOE_TEST_ON_GPU=1) the same code paths are checked on CUDA by tests/test_gpu_backends.py and the benchmarks'
+# agreement columns.
 pytestmark = pytest.mark.skipif(bool(os.environ.get("KDAMOE_TEST_ON_GPU")), reason="CPU-interpreter test")
 
 

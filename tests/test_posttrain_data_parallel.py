@@ -19,12 +19,13 @@ sum theirs and DDP adds the two partial gradients, so float32 sums are taken in 
 after step 1 differ by float32 rounding. The Trainer divides every rank's token-loss sum by (global token count
 / N) (``average_tokens_across_devices``, default True; TRL's ``SFTTrainer.compute_loss`` then multiplies by N
 before DDP averages), so each token weighs the same on every rank. Measured over these 4 steps: at most 1e-7
-relative at 2 and at 4 processes (9.7e-8 each), so ``LOSS_RTOL = 1e-5`` leaves a 100x margin; a per-rank mean instead of the global
-token mean (``average_tokens_across_devices=false``; the episodes have unequal assistant token counts) was off
-by 1.6e-4 to 5.6e-4 relative on steps 2-4 (5e-6 on step 1, the same weights). The Quantile
+relative at 2 and at 4 processes (9.7e-8 each), so ``LOSS_RTOL = 1e-5`` leaves a 100x margin; a per-rank mean instead of
+the global token mean (``average_tokens_across_devices=false``; the episodes have unequal assistant token counts) was
+off by 1.6e-4 to 5.6e-4 relative on steps 2-4 (5e-6 on step 1, the same weights). The Quantile
 Balancing histograms count the same tokens in the same bins unless a margin lies within rounding of a bin edge:
-measured, the biases equal the one-process run bitwise at 2 and 4 processes; they are compared with ``BIAS_ATOL = 1e-6``, and across
-ranks bitwise (one all-reduce of the statistics per update: every rank computes from the same sums).
+measured, the biases equal the one-process run bitwise at 2 and 4 processes; they are compared with
+``BIAS_ATOL = 1e-6``, and across ranks bitwise (one all-reduce of the statistics per update: every rank computes from
+the same sums).
 
 Other recipes (GRPO in mode ``single_turn`` with a KL term ``beta=0.1``, DPO, RLOO): 5 steps of a global batch
 of 4 rows (GRPO / RLOO: 2 prompts x ``num_generations=2``), 1 process x 4 against 2 processes x 2. One launch per

@@ -23,11 +23,12 @@ checkpoint; rank 0 meanwhile enters the step and waits in FSDP2's first all-gath
 rank loads it with ``DistributedConfig(fsdp_size=2, ep_size=2)``), the same rows, the same loss normalisation. What
 may differ is float32 rounding: an expert multiplies the rows routed to it from both ranks in one product instead
 of each rank's rows in its own, and the gradient norm is summed per device mesh. Measured here (tied embeddings):
-losses of all 5 steps bitwise equal (an untied version differed by 4.3e-8 at step 5), router biases bitwise equal; so the bounds are the ``LOSS_RTOL`` and
-``BIAS_ATOL`` of the one-process comparison (a per-rank loss mean instead of the global one is off by ~3e-4). The resumed ``fsdp2_ep`` run starts
-from a copy of the uninterrupted run's folder as it stood after checkpoint ``STOP_AT`` (what a kill right after that
-checkpoint leaves; the kill itself is exercised above for ``fsdp2``), so one uninterrupted run serves both checks,
-and it reproduces the uninterrupted losses and biases bitwise.
+losses of all 5 steps bitwise equal (an untied version differed by 4.3e-8 at step 5), router biases bitwise equal; so
+the bounds are the ``LOSS_RTOL`` and ``BIAS_ATOL`` of the one-process comparison (a per-rank loss mean instead of the
+global one is off by ~3e-4). The resumed ``fsdp2_ep`` run starts from a copy of the uninterrupted run's folder as it
+stood after checkpoint ``STOP_AT`` (what a kill right after that checkpoint leaves; the kill itself is exercised above
+for ``fsdp2``), so one uninterrupted run serves both checks, and it reproduces the uninterrupted losses and biases
+bitwise.
 """
 
 import json

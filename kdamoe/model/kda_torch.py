@@ -257,8 +257,8 @@ def recurrent_kda_torch(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA (the decode path), fla ``fused_recurrent_kda`` signature.
 
-    Same arguments (less ``chunk_size``), shapes, return values and errors as :func:`chunk_kda_torch`; cost ``O(T)`` sequential
-    steps, meant for ``T = 1`` decoding. Each step applies
+    Same arguments (less ``chunk_size``), shapes, return values and errors as :func:`chunk_kda_torch`; cost ``O(T)``
+    sequential steps, meant for ``T = 1`` decoding. Each step applies
     ``S ← Diag(exp(g_t)) S;  S ← S + β_t k_t (v_t − Sᵀ k_t)ᵀ;  o_t = Sᵀ (scale·q_t)``.
     """
     B, T, H, K = q.shape

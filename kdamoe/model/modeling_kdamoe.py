@@ -503,8 +503,8 @@ class KDAMoETopkRouter(nn.Module):
     ``s = σ(W_r x)``, ``T = TopK(s + b, k)``, ``p_j = s_j / Σ_{r∈T} s_r``; the Top-(k+1) biased scores give
     the selection margins QB histograms (see ``quantile_balancing.selection_margins``). One op computes all of
     it: ``kernel_dispatch.moe_route_op`` picks the Triton kernel on CUDA and ``moe_torch.moe_route_torch``
-    otherwise (the same function). ``e_score_correction_bias`` (the bias ``b``) is a saved buffer that is never trained; it
-    changes only in :meth:`update_bias`. The statistics are plain tensors (not buffers) so they are
+    otherwise (the same function). ``e_score_correction_bias`` (the bias ``b``) is a saved buffer that is never trained;
+    it changes only in :meth:`update_bias`. The statistics are plain tensors (not buffers) so they are
     neither saved nor broadcast by DDP.
     """
 

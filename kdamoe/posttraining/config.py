@@ -52,8 +52,8 @@ class TaskDataConfig:
 
     ``environment``: ``keyhunt`` (:mod:`kdamoe.posttraining.keyhunt`) or ``arithmetic``
     (:mod:`kdamoe.posttraining.environment`). ``min_calls`` / ``max_calls``: tool calls a task needs before its
-    final call (key hunt: doors to open before ``take_key``; arithmetic: operations before ``submit``). ``max_operand``: arithmetic operands lie in
-    ``[2, max_operand]``. ``hasty_fraction``: share of SFT demonstrations by the hasty agent
+    final call (key hunt: doors to open before ``take_key``; arithmetic: operations before ``submit``). ``max_operand``:
+    arithmetic operands lie in ``[2, max_operand]``. ``hasty_fraction``: share of SFT demonstrations by the hasty agent
     (:func:`~kdamoe.posttraining.data.sft_dataset`). ``seed`` fixes the tasks.
     """
 

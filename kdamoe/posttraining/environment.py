@@ -17,8 +17,8 @@ identically.
 
 Reward (one number in ``[0, 1]``): ``1.0`` when the submitted value equals the chain's result and every
 operation was carried out with the tools, in order, with the right operands (a right number typed without
-the tools earns no more than partial credit); otherwise ``0.5 × (operations carried out correctly, in order) / n_ops``, a partial credit that
-separates an agent that did some of the work from one that did none (GRPO needs differences
+the tools earns no more than partial credit); otherwise ``0.5 × (operations carried out correctly, in order) / n_ops``,
+a partial credit that separates an agent that did some of the work from one that did none (GRPO needs differences
 within a group to learn anything).
 """
 

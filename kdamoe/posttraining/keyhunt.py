@@ -20,8 +20,8 @@ docstrings, ``get_reward()``).
 
 Reward (``[0, 1]``): ``1.0`` when ``take_key`` came after the key was found; ``0.2 + 0.3 × rooms entered / n``
 (:data:`EARLY_BASE`, :data:`EARLY_CREDIT`) when it came too early (finishing beats not finishing, and every
-room entered before giving up is worth something); ``0.0`` when the agent never called it. An unfinished task earns nothing — measured:
-with partial credit for rooms entered alone, GRPO learned to open every door and never take the key.
+room entered before giving up is worth something); ``0.0`` when the agent never called it. An unfinished task earns
+nothing — measured: with partial credit for rooms entered alone, GRPO learned to open every door and never take the key.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ def export_model(model, tokenizer, cfg, summary: dict, folder: str | Path, repo_
     validation perplexity / bits per byte as ``model-index``).
 
     Args:
-        summary: needs ``before``, ``after`` and ``bigram`` metric dicts (see :func:`kdamoe.training.evaluate.evaluate_lm`).
+        summary: needs ``before``, ``after`` and ``bigram`` metric dicts (see
+            :func:`kdamoe.training.evaluate.evaluate_lm`).
         repo_id: the card's Hub id (default ``kdamoe/kdamoe-<output_dir name>``; ``kdamoe-push`` re-renders it).
     Returns:
         The folder.

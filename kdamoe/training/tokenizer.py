@@ -1,8 +1,8 @@
 """Byte-level BPE tokenizer with chat and tool-call markup, as a transformers ``PreTrainedTokenizerFast``.
 
 Special tokens: ``<|bos|>`` starts every document (the post-processor adds it: ``tokenizer(text)`` is
-``[bos] + tokens`` as in training; ``add_special_tokens=False`` leaves it out), ``<|im_end|>`` ends a chat turn *and* a document
-(it is ``eos_token``, so generation stops at the end of a turn), ``<|pad|>`` pads. ``<|im_start|>``
+``[bos] + tokens`` as in training; ``add_special_tokens=False`` leaves it out), ``<|im_end|>`` ends a chat turn *and* a
+document (it is ``eos_token``, so generation stops at the end of a turn), ``<|pad|>`` pads. ``<|im_start|>``
 opens a turn. Tool markup (``<tools>``, ``<tool_call>``, ``<tool_response>`` and their closers) is
 added as *non-special* tokens so decoding with ``skip_special_tokens=True`` keeps tool calls.
 """

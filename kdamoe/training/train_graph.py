@@ -8,8 +8,8 @@ at 32K the gaps between kernels add ~9 ms. A CUDA graph records the launches onc
 
 What makes the step capturable: no op of the model's training forward or backward reads a device value on the host
 (``tests/test_model_triton.py`` checks it) except the input check, which this class runs itself before each replay
-(the model skips it inside this class's capture, ``kdamoe.model.validation.inputs_prevalidated``); the Triton kernels are
-compiled and autotuned by the eager warm-up steps before the capture; the router statistics accumulate in place into
+(the model skips it inside this class's capture, ``kdamoe.model.validation.inputs_prevalidated``); the Triton kernels
+are compiled and autotuned by the eager warm-up steps before the capture; the router statistics accumulate in place into
 tensors that exist before the capture.
 
 What it does not cover (use the eager step): packed documents (``position_ids`` with restarts: the varlen kernels size

@@ -1,9 +1,10 @@
 """block_attnres (Triton) against two references: the Block AttnRes formula (arXiv:2603.15031) written out in
 float64 and differentiated by torch.autograd (no rounding at all), and ``kdamoe.model.attnres_torch`` in the same dtype
 (the model's torch path; in float32 only for the gradients, as in half precision that op's roundings of the
-keys, softmax weights and products put it farther from float64 than the kernel). Output and the gradients of every source, the query and the key-norm weight; S = 1..9
-sources, odd widths and row counts, several row blocks per backward program, parameters in float32 on
-low-precision sources, sources of mixed dtypes (autocast), strided sources, sources without gradient, argument errors, the dispatch.
+keys, softmax weights and products put it farther from float64 than the kernel). Output and the gradients of every
+source, the query and the key-norm weight; S = 1..9 sources, odd widths and row counts, several row blocks per backward
+program, parameters in float32 on low-precision sources, sources of mixed dtypes (autocast), strided sources, sources
+without gradient, argument errors, the dispatch.
 
 Runs on the CPU interpreter (tests/conftest.py) in float32 and float16; with KDAMOE_TEST_ON_GPU=1 on a CUDA
 machine the same tests run on the GPU, with bfloat16 added (the interpreter mishandles it).

@@ -138,8 +138,9 @@ ADD_CASES += [(torch.float32, torch.float32, torch.float32, (300, 16))]
 def test_add_rms_norm_matches_float64_autograd_and_the_unfused_ops(x_dtype, r_dtype, w_dtype, shape):
     """``(h, out) = add_rms_norm(x, residual, w)`` with gradients flowing into both outputs (h continues the residual
     stream). Forward: h equals the torch add to the bit, out ``rms_norm_torch(h)`` as the plain kernel does (the same
-    rounding points), and both match float64. Gradients of x, residual and w: against float64 autograd of ``h = x + r, out = norm(h)``, and
-    against the unfused ops within one rounding of the dtype (the kernel adds h's gradient before rounding)."""
+    rounding points), and both match float64. Gradients of x, residual and w: against float64 autograd of
+    ``h = x + r, out = norm(h)``, and against the unfused ops within one rounding of the dtype (the kernel adds h's
+    gradient before rounding)."""
     gen = torch.Generator().manual_seed(sum(shape) + 11)
     x = 2 * torch.randn(shape, generator=gen)
     r = torch.randn(shape, generator=gen)

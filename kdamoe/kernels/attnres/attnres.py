@@ -1,7 +1,7 @@
 """Block AttnRes mix in Triton: the public function and its autograd Function.
 
-Semantics are those of ``kdamoe.model.attnres_torch.block_attnres_torch`` (the reference) computed in float32 without its
-intermediate roundings; the launches are in ``kernels.py``. The sources are passed to the kernels as they are (a
+Semantics are those of ``kdamoe.model.attnres_torch.block_attnres_torch`` (the reference) computed in float32 without
+its intermediate roundings; the launches are in ``kernels.py``. The sources are passed to the kernels as they are (a
 tuple of views), never stacked: the mix reads ``S`` tensors in place and, in the backward, returns one gradient per
 source.
 """

@@ -18,11 +18,11 @@ the normalised keys and the softmax weights to it; the kernel is the more exact 
 against float64).
 
 Layout: the sources arrive as a tuple of ``[N, d]`` tensors (unit strides, each in its own dtype; Triton tuple
-arguments), so no stacked copy is ever made; ``S`` is a constexpr and the source loop is unrolled. A program holds ``BLOCK_M`` rows × the
-whole last dim (``BLOCK_D = next_pow2(d)``, d ≤ 8192). The forward reads each source once with an online softmax
-(running max and denominator, as in flash attention's forward) and saves only the per-row log-sum-exp ``[N]``. The
-backward reads each source twice (pass 1: ``δ``; pass 2: ``dv_i`` and ``u``), runs ``P`` programs over the row
-blocks ``pid, pid + P, …`` and writes each program's ``u`` into one float32 row of a ``[P, d]`` buffer that the
+arguments), so no stacked copy is ever made; ``S`` is a constexpr and the source loop is unrolled. A program holds
+``BLOCK_M`` rows × the whole last dim (``BLOCK_D = next_pow2(d)``, d ≤ 8192). The forward reads each source once with an
+online softmax (running max and denominator, as in flash attention's forward) and saves only the per-row log-sum-exp
+``[N]``. The backward reads each source twice (pass 1: ``δ``; pass 2: ``dv_i`` and ``u``), runs ``P`` programs over the
+row blocks ``pid, pid + P, …`` and writes each program's ``u`` into one float32 row of a ``[P, d]`` buffer that the
 caller sums (no atomics: deterministic). Nothing reads a device value on the host (CUDA-graph capturable).
 """
 

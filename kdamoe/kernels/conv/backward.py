@@ -5,7 +5,8 @@ With ``dpre[t] = dy[t] · σ(pre[t]) · (1 + pre[t] · (1 − σ(pre[t])))`` (Si
 convention) are::
 
     dx[s]            = Σ_i dpre[s+i] · w[W−1−i] · [s+i < T] · [id(s+i) = id(s)]
-    dw[c, W−1−i]     = Σ_s dpre[s+i] · x[s] · [s+i < T] · [id(s+i) = id(s)]  +  Σ_{t<i} dpre[t] · state[W+t−i] · [id(t) = first id]
+    dw[c, W−1−i]     = Σ_s dpre[s+i] · x[s] · [s+i < T] · [id(s+i) = id(s)]
+                       + Σ_{t<i} dpre[t] · state[W+t−i] · [id(t) = first id]
     dstate[b, c, m]  = Σ_{r<m} dpre[r] · w[m−1−r] · [id(r) = first id]      (slot m holds position m − W)
 
 Two kernels, each over (BT rows, BC channels, batch row) tiles:

@@ -4,8 +4,8 @@
   ``ArithmeticEnvironment``): one environment per rollout, reset from
   the row's ``task`` column; its public methods are the tools and its ``get_reward()`` (computed from what the
   tools saw, not from the text) is the reward.
-* ``tools`` — ``tools=[add, multiply, submit]`` (arithmetic tasks only): stateless calculator functions (the same signatures and
-  docstrings as the environment's, so the prompt is the one SFT trained on); reward
+* ``tools`` — ``tools=[add, multiply, submit]`` (arithmetic tasks only): stateless calculator functions (the
+  same signatures and docstrings as the environment's, so the prompt is the one SFT trained on); reward
   :func:`submitted_answer_reward`: 1.0 when the last ``submit`` call of the completion passes the row's
   ``answer``.
 * ``single_turn`` — no tools; reward :func:`stated_answer_reward`: 1.0 when the last integer in the

@@ -281,11 +281,12 @@ def build_trainer(cfg, model, tokenizer) -> KDAMoEPPOTrainer:
     """The PPO trainer for ``model`` (a ``KDAMoEForCausalLM``) on the prompts of ``cfg.data``'s tasks.
 
     ``cfg`` is a post-training config (recipe ``ppo``): ``output_dir``, ``seed``, ``model`` (the base folder,
-    also the start of a reward model trained here), ``data`` (the generated tasks), ``trainer`` (``PPOConfig`` keyword arguments), ``ppo``
-    (:class:`PPOSection` or its mapping) and ``router_biases``. Recipe defaults: ``stop_token="eos"`` (a
-    response ends at the end of the assistant turn), ``missing_eos_penalty=1.0``, ``num_sample_generations=0``
-    (no eval set), ``response_length`` = longest careful episode + :data:`RESPONSE_MARGIN`, and, since TRL's
-    PPO ignores ``max_steps``, ``total_episodes`` = ``max_steps`` × the rollout batch when ``max_steps`` is set.
+    also the start of a reward model trained here), ``data`` (the generated tasks), ``trainer`` (``PPOConfig`` keyword
+    arguments), ``ppo`` (:class:`PPOSection` or its mapping) and ``router_biases``. Recipe defaults:
+    ``stop_token="eos"`` (a response ends at the end of the assistant turn), ``missing_eos_penalty=1.0``,
+    ``num_sample_generations=0`` (no eval set), ``response_length`` = longest careful episode + :data:`RESPONSE_MARGIN`,
+    and, since TRL's PPO ignores ``max_steps``, ``total_episodes`` = ``max_steps`` × the rollout batch when
+    ``max_steps`` is set.
 
     The returned trainer has no router-bias callback yet: run.py attaches it first
     (``kdamoe.callbacks.add_router_bias_callback``), and it reaches policy and value model.
