@@ -162,7 +162,8 @@ class RouterBiasUpdateCallback(TrainerCallback):
         if logs is None or not self._pending:
             return control
         row = state.log_history[-1] if state.log_history else None
-        if row is not None and row.get("step") == state.global_step and all(_same(row.get(k), v) for k, v in logs.items()):
+        if (row is not None and row.get("step") == state.global_step
+                and all(_same(row.get(k), v) for k, v in logs.items())):
             row.update(self._pending)  # the row Trainer.log stored for these logs
         logs.update(self._pending)
         self._pending = {}

@@ -81,7 +81,8 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if initial_state is not None and initial_state.shape != (N, H, q.shape[-1], v.shape[-1]):
         raise ValueError(
-            f"initial_state must be [N, H, K, V] = [{N}, {H}, {q.shape[-1]}, {v.shape[-1]}]; got {tuple(initial_state.shape)}"
+            f"initial_state must be [N, H, K, V] = [{N}, {H}, {q.shape[-1]}, {v.shape[-1]}]; "
+            f"got {tuple(initial_state.shape)}"
         )
 
 
@@ -159,7 +160,8 @@ def chunk_kda_torch(
     B, T, H, K = q.shape
     V, out_dtype = v.shape[-1], v.dtype
     gate = (use_gate_in_kernel, A_log, dt_bias, lower_bound)
-    dtype, q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, gate)
+    dtype, q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                                       gate)
 
     # Lay every sequence out in whole chunks; padded slots have g = β = k = v = q = 0, which leaves the
     # state untouched and produces nothing, so the padding is exact.
@@ -264,7 +266,8 @@ def recurrent_kda_torch(
     B, T, H, K = q.shape
     V, out_dtype = v.shape[-1], v.dtype
     gate = (use_gate_in_kernel, A_log, dt_bias, lower_bound)
-    dtype, q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, gate)
+    dtype, q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                                       gate)
     bounds = _sequence_bounds(B, T, cu_seqlens)
     N = len(bounds)
     state0 = q.new_zeros(N, H, K, V) if initial_state is None else initial_state.to(dtype)

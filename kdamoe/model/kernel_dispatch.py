@@ -77,7 +77,8 @@ def _interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def select_backend(requested: str, device_type: str, have_kdamoe: bool, have_fla: bool, interpreter: bool = False) -> str:
+def select_backend(requested: str, device_type: str, have_kdamoe: bool, have_fla: bool,
+                   interpreter: bool = False) -> str:
     """The implementation to run: ``"kdamoe"``, ``"fla"`` or ``"torch"`` (pure decision, no imports).
 
     Args:

@@ -376,7 +376,8 @@ class KDAMoEAttention(nn.Module):
             self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
         self.kv_a_proj = nn.Linear(d, config.kv_lora_rank, bias=False)
         self.kv_a_layernorm = KDAMoERMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps, config=config)
-        self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.qk_head_dim + self.v_head_dim), bias=False)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.qk_head_dim + self.v_head_dim),
+                                   bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, d, bias=False)
 
     def forward(self, hidden_states, masks: dict | None = None, cache: Cache | None = None, **kwargs):
@@ -652,7 +653,8 @@ class KDAMoEExperts(nn.Module):
         return self.act_fn(gate, up)
 
     def forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
-        return moe_experts_torch(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn)
+        return moe_experts_torch(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                                 self.act_fn)
 
 
 class KDAMoESparseMoeBlock(nn.Module):
@@ -1300,7 +1302,8 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
                 loss_targets=loss_targets,
                 **kwargs,
             )
-        if isinstance(outputs.cache, KDAMoECache) and (input_ids if input_ids is not None else inputs_embeds).shape[1] == 1:
+        new_tokens = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        if isinstance(outputs.cache, KDAMoECache) and new_tokens == 1:
             outputs.cache.decode_steps += 1
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep

@@ -148,8 +148,8 @@ def run_episodes(model, tokenizer, tasks: list, *, batch_size: int = 64, max_new
             active = [i for i in active if ended[i] is None]
         for i, (task, env) in enumerate(zip(batch, envs, strict=True)):
             results.append(dict(task=task, reward=env.get_reward(),
-                                calls_before_submit=env.tool_calls_before_submit, tool_calls=len(env.calls), turns=turns[i],
-                                tokens=len(ids[i]), prompt_tokens=prompt_lengths[i], ended=ended[i]))
+                                calls_before_submit=env.tool_calls_before_submit, tool_calls=len(env.calls),
+                                turns=turns[i], tokens=len(ids[i]), prompt_tokens=prompt_lengths[i], ended=ended[i]))
     model.train(was_training)
     return results
 

@@ -132,7 +132,8 @@ class PostTrainConfig:
         need(self.grpo.mode in GRPO_MODES, "grpo.mode", f"{self.grpo.mode!r} is not one of {GRPO_MODES}")
         need(self.grpo.rollout in GRPO_ROLLOUTS, "grpo.rollout",
              f"{self.grpo.rollout!r} is not one of {GRPO_ROLLOUTS}")
-        need(self.router_biases in ROUTER_BIASES, "router_biases", f"{self.router_biases!r} is not one of {ROUTER_BIASES}")
+        need(self.router_biases in ROUTER_BIASES, "router_biases",
+             f"{self.router_biases!r} is not one of {ROUTER_BIASES}")
         need(bool(self.model), "model", "must name a base model folder or Hub id")
         if self.output_dir is None:
             self.output_dir = f"outputs/posttrain/{self.recipe}"
@@ -169,8 +170,8 @@ class PostTrainConfig:
                  f"WORLD_SIZE is {world}, and one process trains unsharded")
             fsdp_config = t.get("fsdp_config")  # a dict here; a JSON file's path is transformers' to read
             version = fsdp_config.get("version", 2) if isinstance(fsdp_config, dict) else 2
-            need(version == 2, "trainer.fsdp_config", f"version {version!r}: the recipes support FSDP2 only (version 2, "
-                 "transformers' default)")
+            need(version == 2, "trainer.fsdp_config",
+                 f"version {version!r}: the recipes support FSDP2 only (version 2, transformers' default)")
             need(self.peft is None, "trainer.fsdp", "with a peft adapter: not supported by the recipes (train the "
                  "full model, peft: null)")
         sharded_by = "trainer.fsdp" if t.get("fsdp") else "distributed_config" if self.distributed_config else None
@@ -214,7 +215,8 @@ class PostTrainConfig:
              f"tp_size={config.tp_size}, pp_size={config.pp_size}: kdamoe has no tensor- or pipeline-parallel plan "
              "(fsdp_size and ep_size shard it)")
         need(config.dp_replicate_size == 1, "distributed_config.dp_replicate_size",
-             f"{config.dp_replicate_size}: HSDP is not tested with the recipes (shard over all processes with fsdp_size)")
+             f"{config.dp_replicate_size}: HSDP is not tested with the recipes "
+             "(shard over all processes with fsdp_size)")
         need(config.fsdp_size == world, "distributed_config.fsdp_size",
              f"{config.fsdp_size} must be the number of processes, WORLD_SIZE={world}: the Trainer gives every "
              "process its own rows, and the model's data-parallel size is fsdp_size")

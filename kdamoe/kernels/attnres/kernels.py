@@ -55,7 +55,8 @@ def _forward_kernel(V, Q, G, O, LSE, n_rows, D, eps,
     row_ok = rows < n_rows
     mask = row_ok[:, None] & col_ok[None, :]
     offsets = rows[:, None].to(tl.int64) * D + cols[None, :]
-    w = tl.load(Q + cols, mask=col_ok, other=0.).to(tl.float32) * tl.load(G + cols, mask=col_ok, other=0.).to(tl.float32)
+    w = (tl.load(Q + cols, mask=col_ok, other=0.).to(tl.float32)
+         * tl.load(G + cols, mask=col_ok, other=0.).to(tl.float32))
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -79,7 +80,8 @@ def _backward_kernel(V, Q, G, DH, LSE, DV, U, n_rows, D, eps, n_blocks, P,
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
-    w = tl.load(Q + cols, mask=col_ok, other=0.).to(tl.float32) * tl.load(G + cols, mask=col_ok, other=0.).to(tl.float32)
+    w = (tl.load(Q + cols, mask=col_ok, other=0.).to(tl.float32)
+         * tl.load(G + cols, mask=col_ok, other=0.).to(tl.float32))
     u = tl.zeros([BLOCK_D], dtype=tl.float32)
     for blk in range(pid, n_blocks, P):
         rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -63,7 +63,8 @@ def _validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj
     if tuple(top_k_weights.shape) != (n, k):
         raise ValueError(f"moe_experts: top_k_weights must be [N, k] = {(n, k)}, got {tuple(top_k_weights.shape)}")
     if top_k_weights.dtype not in _FLOATS:
-        raise ValueError(f"moe_experts: top_k_weights dtype must be float16/bfloat16/float32, got {top_k_weights.dtype}")
+        raise ValueError("moe_experts: top_k_weights dtype must be float16/bfloat16/float32, "
+                         f"got {top_k_weights.dtype}")
     if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != hid or gate_up_proj.shape[1] % 2:
         raise ValueError(f"moe_experts: gate_up_proj must be [E, 2I, hidden={hid}], got {tuple(gate_up_proj.shape)}")
     e, two_i, _ = gate_up_proj.shape
@@ -306,8 +307,8 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
         # Triton's CPU interpreter (3.7) computes tl.dot on bfloat16 operands wrongly (errors of order 1e9, no
         # warning); the grouped GEMMs would return garbage
         raise ValueError("moe_experts: bfloat16 inputs need a CUDA device; under TRITON_INTERPRET=1 the grouped "
-                         "path's tl.dot is wrong in bfloat16 — use float32 or float16 on the CPU (torch.autocast('cpu') "
-                         "defaults to bfloat16)")
+                         "path's tl.dot is wrong in bfloat16 — use float32 or float16 on the CPU "
+                         "(torch.autocast('cpu') defaults to bfloat16)")
     if hidden_states.shape[0] == 0:  # no tokens: an empty output that still connects every input to the graph
         zero = (top_k_weights.sum() * 0).to(hidden_states.dtype) + gate_up_proj.sum() * 0 + down_proj.sum() * 0
         return hidden_states * 0 + zero

@@ -138,7 +138,8 @@ def _check_no_aux_loss(model) -> None:
     config = model.config
     if config.router_aux_loss_coef != 0 and config.router_bias_update != "none":
         raise ValueError(
-            f"router_aux_loss_coef={config.router_aux_loss_coef} with router_bias_update={config.router_bias_update!r}: "
+            f"router_aux_loss_coef={config.router_aux_loss_coef} with "
+            f"router_bias_update={config.router_bias_update!r}: "
             "the router-bias update balances the experts; set router_aux_loss_coef to 0"
         )
 
