@@ -79,7 +79,8 @@ def test_model_matches_loop_reference(layers, blocks, random_queries):
                     module.query.normal_(0, 1.0)
     ids = torch.randint(3, 97, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, use_cache=False).logits, _reference_logits(model, ids), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(ids, use_cache=False).logits, _reference_logits(model, ids),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_zero_blocks_is_the_standard_residual_stream():

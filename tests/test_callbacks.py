@@ -37,7 +37,8 @@ def test_trainer_updates_biases_once_per_optimizer_step(tmp_path):
     # Each optimizer step saw 2 micro-batches x 2 rows x 16 tokens, each routed to top-2 experts.
     for load in callback.loads:
         assert torch.all(load.sum(-1) == 2 * 2 * 16 * 2)
-    assert all(not torch.equal(a, r.e_score_correction_bias) for a, r in zip(biases_before, model._routers(), strict=True))
+    assert all(not torch.equal(a, r.e_score_correction_bias)
+               for a, r in zip(biases_before, model._routers(), strict=True))
     assert float(model.expert_load().sum()) == 0  # reset after the last update
 
 
@@ -77,8 +78,10 @@ def test_callback_balances_every_trainable_model_and_never_a_frozen_one():
     callback.on_log(None, state, TrainerControl(), logs=logs, model=wrapper)
     for name in ("policy", "value_model"):
         model = getattr(wrapper, name)
-        assert all(not torch.equal(b, r.e_score_correction_bias) for b, r in zip(before[name][1], model._routers(), strict=True)), name
-    assert all(torch.equal(b, r.e_score_correction_bias) for b, r in zip(before["ref"][1], wrapper.ref._routers(), strict=True))
+        assert all(not torch.equal(b, r.e_score_correction_bias)
+                   for b, r in zip(before[name][1], model._routers(), strict=True)), name
+    assert all(torch.equal(b, r.e_score_correction_bias)
+               for b, r in zip(before["ref"][1], wrapper.ref._routers(), strict=True))
     for name in ("policy", "value_model", "ref"):  # statistics reset everywhere
         assert float(getattr(wrapper, name).expert_load().sum()) == 0, name
     # one reading per model, the first one unprefixed

@@ -7,7 +7,7 @@ from kdamoe import KDAMoEConfig
 
 def test_defaults_are_a_3_to_1_hybrid_and_round_trip(tmp_path):
     config = KDAMoEConfig(num_hidden_layers=8)
-    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    assert config.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 2
     assert config.qk_head_dim == config.hidden_size // config.num_attention_heads
     config.save_pretrained(tmp_path)
     again = KDAMoEConfig.from_pretrained(tmp_path)

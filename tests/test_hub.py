@@ -144,7 +144,8 @@ def built(sources, tmp_path_factory):
              "checkpoint": ("checkpoint", dict(repo_id="me/kdamoe-tiny-ckpt")),
              "trainer": ("trainer", dict(repo_id="me/kdamoe-tiny-sft")),
              "merged": ("adapter", dict(repo_id="me/kdamoe-tiny-lora-merged", base_model="me/kdamoe-tiny")),
-             "adapter": ("adapter", dict(repo_id="me/kdamoe-tiny-lora", merge_adapter=False, base_model="me/kdamoe-tiny"))}
+             "adapter": ("adapter", dict(repo_id="me/kdamoe-tiny-lora", merge_adapter=False,
+                                         base_model="me/kdamoe-tiny"))}
 
     def build(out):
         for name, (kind, kwargs) in kinds.items():
@@ -314,14 +315,17 @@ def test_push_calls_hf_api(built, sources, monkeypatch):
     class Repo:
         repo_id = "me/kdamoe-tiny"
 
-    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create_repo", repo_id, kw)) or Repo())
-    monkeypatch.setattr(HfApi, "create_branch", lambda self, repo_id, **kw: calls.append(("create_branch", repo_id, kw)))
+    monkeypatch.setattr(HfApi, "create_repo",
+                        lambda self, repo_id, **kw: calls.append(("create_repo", repo_id, kw)) or Repo())
+    monkeypatch.setattr(HfApi, "create_branch",
+                        lambda self, repo_id, **kw: calls.append(("create_branch", repo_id, kw)))
     uploaded = {}
 
     def upload_folder(self, **kw):
         uploaded.update(files=hub.hub_files(kw["folder_path"]),
                         tags=ModelCard.load(Path(kw["folder_path"]) / "README.md").data.tags)
-        calls.append(("upload_folder", kw["repo_id"], {k: v for k, v in kw.items() if k not in ("folder_path", "repo_id")}))
+        rest = {k: v for k, v in kw.items() if k not in ("folder_path", "repo_id")}
+        calls.append(("upload_folder", kw["repo_id"], rest))
         return "commit"
 
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)

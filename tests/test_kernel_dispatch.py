@@ -141,7 +141,8 @@ def test_model_on_cpu_never_calls_fla_even_when_it_imports(fake_fla):
 def test_fla_conv_adapter_keeps_packed_documents_and_the_cache_apart(fake_fla):
     """seq_idx -> cu_seqlens over the flattened batch, the row's cached state -> its first document only."""
     gen = torch.Generator().manual_seed(5)
-    x, w, state = torch.randn(2, 11, 6, generator=gen), torch.randn(6, 4, generator=gen), torch.randn(2, 6, 4, generator=gen)
+    x, w = torch.randn(2, 11, 6, generator=gen), torch.randn(6, 4, generator=gen)
+    state = torch.randn(2, 6, 4, generator=gen)
     seq_idx = torch.tensor([[0] * 4 + [1] * 5 + [2] * 2, [3] * 11])
     y, new_state = dispatch._fla_causal_conv1d(dispatch.fla_kernels(), x, w, state, seq_idx)
     y_ref, state_ref = causal_conv1d_torch(x, w, state, seq_idx)
@@ -152,7 +153,8 @@ def test_fla_conv_adapter_keeps_packed_documents_and_the_cache_apart(fake_fla):
 
 def test_fla_conv_adapter_decode_step_leaves_the_cache_tensor_alone(fake_fla):
     gen = torch.Generator().manual_seed(6)
-    x, w, state = torch.randn(3, 1, 5, generator=gen), torch.randn(5, 4, generator=gen), torch.randn(3, 5, 4, generator=gen)
+    x, w = torch.randn(3, 1, 5, generator=gen), torch.randn(5, 4, generator=gen)
+    state = torch.randn(3, 5, 4, generator=gen)
     kept = state.clone()
     y, new_state = dispatch._fla_causal_conv1d(dispatch.fla_kernels(), x, w, state, None)
     y_ref, state_ref = causal_conv1d_torch(x, w, kept)

@@ -199,7 +199,8 @@ def test_cache_reorder_repeat_select_and_crop():
         torch.testing.assert_close(layer.latents[:, :14], before[[2, 0, 0]], rtol=0, atol=0)
         kda_state = cache.layers[0].recurrent_states[0].clone()
         cache.batch_repeat_interleave(2)
-        assert layer.latents.shape[0] == 6 and torch.equal(cache.layers[0].recurrent_states[0], kda_state.repeat_interleave(2, 0))
+        assert layer.latents.shape[0] == 6
+        assert torch.equal(cache.layers[0].recurrent_states[0], kda_state.repeat_interleave(2, 0))
         cache.batch_select_indices(torch.tensor([1, 4]))
         assert layer.latents.shape[0] == 2
         layer.crop(-4)  # (transformers' linear-attention layers cannot crop without past recording)

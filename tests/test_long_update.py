@@ -74,7 +74,8 @@ def _trainer(folder, tmp_path, trainer_class=LongContextGRPOTrainer, **overrides
     kwargs.update(overrides)
     trainer = trainer_class(model=_load(folder), args=GRPOConfig(**kwargs),
                           reward_funcs=lambda completions, **_: [0.0] * len(completions),
-                          train_dataset=Dataset.from_dict({"prompt": ["a b"] * 4}), processing_class=_letter_tokenizer())
+                          train_dataset=Dataset.from_dict({"prompt": ["a b"] * 4}),
+                          processing_class=_letter_tokenizer())
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); one micro-batch per step here
     return trainer
 
@@ -172,8 +173,9 @@ def test_no_grad_reference_and_old_policy_passes_equal_the_single_pass(folder, t
 
 
 def _reference_grpo_loss(trainer, logps, entropy, old_logps, ref_logps, advantages, mask):
-    """GRPO's clipped surrogate + beta x k3 KL (times the importance ratio, TRL's ``use_bias_correction_kl``), ``bnpo`` aggregation (token mean over the batch), minus the entropy
-    bonus (token mean); one micro-batch, no gradient accumulation."""
+    """GRPO's clipped surrogate + beta x k3 KL (times the importance ratio, TRL's ``use_bias_correction_kl``),
+    ``bnpo`` aggregation (token mean over the batch), minus the entropy bonus (token mean); one micro-batch, no
+    gradient accumulation."""
     ratio = torch.exp(logps - old_logps)
     clipped = ratio.clamp(1 - trainer.epsilon_low, 1 + trainer.epsilon_high)
     a = advantages.unsqueeze(1)

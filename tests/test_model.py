@@ -187,16 +187,18 @@ def test_remote_code_round_trip_in_a_fresh_process(tmp_path):
     model.save_pretrained(folder)
     files = sorted(os.listdir(folder))
     assert "model.safetensors" in files and not any(f.endswith(".bin") for f in files)
-    for code in ("configuration_kdamoe.py", "modeling_kdamoe.py", "kda_torch.py", "moe_torch.py", "quantile_balancing.py",
-                 "kernel_dispatch.py", "cache_kdamoe.py", "decode_graph.py", "mla_torch.py", "norm_torch.py",
-                 "attnres_torch.py"):
+    for code in ("configuration_kdamoe.py", "modeling_kdamoe.py", "kda_torch.py", "moe_torch.py",
+                 "quantile_balancing.py", "kernel_dispatch.py", "cache_kdamoe.py", "decode_graph.py", "mla_torch.py",
+                 "norm_torch.py", "attnres_torch.py"):
         assert code in files, files
     ids = _ids(14, 2, 12)
     torch.save(ids, tmp_path / "ids.pt")
-    script = REMOTE_SCRIPT.format(repo=os.getcwd(), folder=str(folder), ids=str(tmp_path / "ids.pt"), out=str(tmp_path / "out.pt"))
+    script = REMOTE_SCRIPT.format(repo=os.getcwd(), folder=str(folder), ids=str(tmp_path / "ids.pt"),
+                                  out=str(tmp_path / "out.pt"))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "transformers_modules" in result.stdout
     assert "KDAMoEModel KDAMoEForSequenceClassification" in result.stdout  # auto_map names every head

@@ -207,7 +207,8 @@ def test_kda_layer_training_step_copies_no_activation(monkeypatch):
     equal the torch backend's."""
     torch.manual_seed(0)
     layer = KDAMoEDeltaAttention(tiny_config(kda_head_dim=16, kernel_backend="triton"), 0)
-    with torch.no_grad():  # built alone, the layer skips the model's _init_weights: dt_bias would be torch.empty's bytes
+    # built alone, the layer skips the model's _init_weights: dt_bias would be torch.empty's bytes
+    with torch.no_grad():
         layer.dt_bias.copy_(_dt_bias_init(layer.dt_bias, layer.config.kda_lower_bound))
     B, T = 2, 40
     x = torch.randn(B, T, layer.config.hidden_size, generator=torch.Generator().manual_seed(3), requires_grad=True)

@@ -33,8 +33,9 @@ from kdamoe.posttraining.recipes.common import trainer_args
 from kdamoe.training.tokenizer import train_tokenizer
 from tests.helpers import tiny_config
 
-FAST = ["trainer.max_steps=1", "trainer.warmup_steps=0", "trainer.per_device_train_batch_size=2", "trainer.save_strategy='no'",
-        "data.num_tasks=4", "data.environment=arithmetic", "data.min_calls=1", "data.max_calls=1", "data.max_operand=5"]
+FAST = ["trainer.max_steps=1", "trainer.warmup_steps=0", "trainer.per_device_train_batch_size=2",
+        "trainer.save_strategy='no'", "data.num_tasks=4", "data.environment=arithmetic", "data.min_calls=1",
+        "data.max_calls=1", "data.max_operand=5"]
 RL_FAST = FAST + ["trainer.num_generations=2"]
 
 
@@ -320,7 +321,8 @@ def test_aux_loss_with_quantile_balancing_and_too_long_budget_are_refused(base, 
 def test_cli_runs_sft_then_resumes(base, tmp_path, capsys):
     out = tmp_path / "run"
     args = ["--config", "sft", "--output-dir", str(out), "--set", f"model={base}", "--set", "data.num_tasks=4",
-            "--set", "data.max_calls=1", "--set", "data.environment=arithmetic", "--set", "trainer.per_device_train_batch_size=2", "--set", "trainer.save_steps=1"]
+            "--set", "data.max_calls=1", "--set", "data.environment=arithmetic",
+            "--set", "trainer.per_device_train_batch_size=2", "--set", "trainer.save_steps=1"]
     assert posttrain_main([*args, "--set", "trainer.max_steps=2"]) == 0
     assert capsys.readouterr().out.strip().endswith("final")
     first = json.loads((out / "summary.json").read_text())

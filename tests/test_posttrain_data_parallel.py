@@ -146,7 +146,8 @@ def _rl_argv(base_dir: str, root: Path, processes: int, recipe: str) -> list[str
     overrides = [f"model={base_dir}", f"trainer.max_steps={RL_STEPS}", "trainer.warmup_steps=0",
                  f"trainer.per_device_train_batch_size={RL_GLOBAL_BATCH // processes}", "trainer.optim=sgd",
                  "trainer.learning_rate=0.5",
-                 "trainer.save_strategy='no'", "trainer.logging_steps=1", f"data.num_tasks={RL_STEPS * RL_GLOBAL_BATCH}",
+                 "trainer.save_strategy='no'", "trainer.logging_steps=1",
+                 f"data.num_tasks={RL_STEPS * RL_GLOBAL_BATCH}",
                  "data.environment=arithmetic", "data.min_calls=1", "data.max_calls=1", "data.max_operand=5"]
     return [str(dump), "--output-dir", str(root / recipe), "--no-resume", *[a for o in overrides for a in ("--set", o)],
             *RL_RECIPES[recipe]]  # last: the recipe's own overrides win

@@ -61,8 +61,8 @@ def test_careful_agent_gets_the_key_and_full_reward():
     task = KeyHuntTask("castle", ("hall", "attic", "vault"))
     env = KeyHuntEnvironment()
     results = _play(env, task, 3)
-    assert results == ["A hall. Another door leads on.", "An attic. Another door leads on.", "A vault. The key lies here!",
-                       "you have the key"]
+    assert results == ["A hall. Another door leads on.", "An attic. Another door leads on.",
+                       "A vault. The key lies here!", "you have the key"]
     assert env.get_reward() == expected_reward(3, 3) == 1.0
     assert env.tool_calls_before_submit == 3 and env.done
 

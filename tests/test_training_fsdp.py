@@ -71,8 +71,8 @@ def _command(tmp_path, name: str, processes: int, parallelism: str, *extra: str)
     dump.mkdir()
     # tied embeddings, as in the shipped CPU preset: a resumed fsdp2_ep run once failed to save them
     args = [str(RECORDER), str(dump), "--config", str(tmp_path / f"{name}.yaml"),
-            "--set", f"train.stages.0.batch_size={GLOBAL_BATCH // processes}", "--set", "model.tie_word_embeddings=true",
-            *extra]
+            "--set", f"train.stages.0.batch_size={GLOBAL_BATCH // processes}",
+            "--set", "model.tie_word_embeddings=true", *extra]
     return args, dump
 
 

@@ -61,7 +61,8 @@ def uninterrupted(tmp_path_factory):
     return tmp_path, summary
 
 
-@pytest.mark.parametrize("stop_after", [3, 5])  # at a stage boundary; mid-stage, two steps to go (LR schedule state matters)
+# at a stage boundary; mid-stage, two steps to go (LR schedule state matters)
+@pytest.mark.parametrize("stop_after", [3, 5])
 def test_resume_reproduces_losses_bitwise(uninterrupted, stop_after):
     tmp_path, full = uninterrupted
     assert full["finished"] and [s for s, _ in full["losses"]] == list(range(1, 8))

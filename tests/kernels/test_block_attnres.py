@@ -150,7 +150,8 @@ def test_empty_input():
     out = block_attnres(sources, query, gamma, EPS)
     grads = torch.autograd.grad(out.sum(), [*sources, query, gamma])
     assert out.shape == (0, 3, 8) and grads[0].shape == (0, 3, 8)
-    assert torch.equal(grads[-2], torch.zeros(8, device=DEVICE)) and torch.equal(grads[-1], torch.zeros(8, device=DEVICE))
+    zero = torch.zeros(8, device=DEVICE)
+    assert torch.equal(grads[-2], zero) and torch.equal(grads[-1], zero)
 
 
 def test_bad_arguments_raise_value_errors_naming_them(monkeypatch):

@@ -57,7 +57,8 @@ def make(B, T, C, W, seed, dtype, with_state, packed):
 
 
 F32, F16 = torch.float32, torch.float16
-CASES = [  # dtype, B, T, C, W, seed, with_state, packed; T = 70 / 100 cross the 64-row blocks, C = 70 the channel blocks
+# dtype, B, T, C, W, seed, with_state, packed; T = 70 / 100 cross the 64-row blocks, C = 70 the channel blocks
+CASES = [
     (F32, 2, 70, 12, 4, 1, True, True),
     (F16, 1, 70, 12, 4, 7, True, True),
     (F32, 1, 100, 70, 4, 2, False, True),

@@ -174,8 +174,8 @@ def test_add_rms_norm_matches_float64_autograd_and_the_unfused_ops(x_dtype, r_dt
 
 
 def test_add_rms_norm_with_an_unused_output_and_in_the_module():
-    """Only ``out`` takes a gradient: the norm's gradient alone; only ``h``: the add's, and the weight none. ``KDAMoERMSNorm`` with
-    a ``residual`` runs the fused op and returns ``(h, out)``; without one, the plain norm."""
+    """Only ``out`` takes a gradient: the norm's gradient alone; only ``h``: the add's, and the weight none.
+    ``KDAMoERMSNorm`` with a ``residual`` runs the fused op and returns ``(h, out)``; without one, the plain norm."""
     gen = torch.Generator().manual_seed(3)
     x, r = torch.randn(4, 32, generator=gen).to(DEVICE), torch.randn(4, 32, generator=gen).to(DEVICE)
     w = (1 + 0.5 * torch.randn(32, generator=gen)).to(DEVICE)
