@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 from matplotlib.figure import Figure
-from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
@@ -58,6 +57,8 @@ class TrainingMonitor:
         self.enabled, self.threshold, self.histogram_every = enabled, threshold, histogram_every
         self.writer = None
         if enabled:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 (tensorboard is absent from the PPO venv, requirements-ppo.txt, whose recipe imports kdamoe.training)
+
             self.writer = SummaryWriter(str(log_dir))
         self.total_load: torch.Tensor | None = None
         self.bar = None

@@ -21,7 +21,6 @@ import logging
 from typing import Any
 
 import torch
-from peft import LoraConfig
 
 from ..data import episode_messages, make_family_tasks, task_tool_schemas, user_message
 
@@ -208,6 +207,8 @@ def lora_config(section: dict[str, Any]):
     Raises:
         ValueError: naming the section when LoraConfig rejects a key or a value.
     """
+    from peft import LoraConfig  # noqa: PLC0415 (peft is absent from the PPO venv, requirements-ppo.txt, whose recipe imports this module)
+
     try:
         return LoraConfig(**{"task_type": "CAUSAL_LM", **section})
     except (TypeError, ValueError) as err:
