@@ -13,8 +13,8 @@ if not os.environ.get("KDAMOE_TEST_ON_GPU"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest  # noqa: E402 (imported after TRITON_INTERPRET and OMP_NUM_THREADS are set above)
+import torch  # noqa: E402 (imported after TRITON_INTERPRET and OMP_NUM_THREADS are set above)
 
 torch.set_num_threads(1)
 
