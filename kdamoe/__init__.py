@@ -6,14 +6,15 @@ Importing the package registers ``model_type="kda_moe"`` with the Auto classes a
 GPU image), ``import kdamoe.kernels`` still works and the model names raise an ImportError that says why.
 """
 
-_MODEL_NAMES = (
+__all__ = [
     "KDAMoEConfig",
     "KDAMoEPreTrainedModel",
     "KDAMoEModel",
     "KDAMoEForCausalLM",
     "KDAMoEForSequenceClassification",
     "KDAMoECache",
-)
+]
+_MODEL_NAMES = tuple(__all__)
 
 try:
     from transformers import (
@@ -49,5 +50,3 @@ else:
     KDAMoEModel.register_for_auto_class("AutoModel")
     KDAMoEForCausalLM.register_for_auto_class("AutoModelForCausalLM")
     KDAMoEForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
-
-__all__ = list(_MODEL_NAMES)

@@ -137,7 +137,8 @@ class RouterBiasUpdateCallback(TrainerCallback):
                     metrics[f"{prefix}/max_over_mean/layer_{first_sparse + i}"] = value
                 if max(imbalance) > self.warn_threshold:
                     warnings.warn(f"expert load imbalance max/mean = {max(imbalance):.2f} > {self.warn_threshold} "
-                                  f"at step {state.global_step}" + (f" in {path}" if path else ""))
+                                  f"at step {state.global_step}" + (f" in {path}" if path else ""),
+                                  stacklevel=1)  # about the run's state, not about a caller's line
             if routers_trainable(kdamoe_model) and not self.freeze_biases:
                 kdamoe_model.update_router_biases()
             else:
@@ -161,7 +162,8 @@ class RouterBiasUpdateCallback(TrainerCallback):
         if logs is None or not self._pending:
             return control
         row = state.log_history[-1] if state.log_history else None
-        if row is not None and row.get("step") == state.global_step and all(_same(row.get(k), v) for k, v in logs.items()):
+        if (row is not None and row.get("step") == state.global_step
+                and all(_same(row.get(k), v) for k, v in logs.items())):
             row.update(self._pending)  # the row Trainer.log stored for these logs
         logs.update(self._pending)
         self._pending = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import traceback
 from pathlib import Path
@@ -29,7 +30,7 @@ def train_main(argv: list[str] | None = None) -> int:
         parser.error(f"--stop-after must be >= 1 optimizer step (got {args.stop_after})")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    from kdamoe.training import load_config, run
+    from kdamoe.training import load_config, run  # noqa: PLC0415 (deferred: each entry point loads only its own job, after parsing its arguments)
 
     overrides = list(args.overrides) + ([f"output_dir={args.output_dir}"] if args.output_dir else [])
     try:
@@ -60,7 +61,7 @@ _THREADS_HELP = ("torch intra-op threads on the CPU (default 1: the small models
 def _set_threads(parser: argparse.ArgumentParser, n: int) -> None:
     if n < 1:
         parser.error(f"--num-threads must be >= 1 (got {n})")
-    import torch
+    import torch  # noqa: PLC0415 (deferred: `import kdamoe.cli` does not load torch; the entry points that use it do)
 
     torch.set_num_threads(n)
 
@@ -88,7 +89,7 @@ def posttrain_main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     _set_threads(parser, args.num_threads)
 
-    from kdamoe.posttraining import load_posttrain_config, run_recipe
+    from kdamoe.posttraining import load_posttrain_config, run_recipe  # noqa: PLC0415 (deferred: each entry point loads only its own job, after parsing its arguments)
 
     overrides = list(args.overrides) + ([f"output_dir={args.output_dir}"] if args.output_dir else [])
     try:
@@ -108,7 +109,8 @@ def _raised_by_kdamoe(err: BaseException) -> bool:
 
 
 def posttrain_demo_main(argv: list[str] | None = None) -> int:
-    """``kdamoe-posttrain-demo [--seeds N] [--base DIR] [--output-dir DIR] [--held-out N]``: what ``make posttrain`` runs.
+    """``kdamoe-posttrain-demo [--seeds N] [--base DIR] [--output-dir DIR] [--held-out N]``: what
+    ``make posttrain`` runs.
 
     SFT then GRPO in the key-hunt environment from the pretrained model, scored on held-out tasks
     (:mod:`kdamoe.posttraining.demo`). Exit 0 when GRPO beat SFT on held-out success on every seed, else 1.
@@ -132,7 +134,7 @@ def posttrain_demo_main(argv: list[str] | None = None) -> int:
     if args.held_out < 1:
         parser.error(f"--held-out must be >= 1 (got {args.held_out})")
 
-    from kdamoe.posttraining.demo import run_demo
+    from kdamoe.posttraining.demo import run_demo  # noqa: PLC0415 (deferred: each entry point loads only its own job, after parsing its arguments)
 
     summary = _user_errors_exit_2(parser, run_demo, args.base, args.output_dir, seeds=tuple(range(args.seeds)),
                                   n_held_out=args.held_out, sft_overrides=args.sft_overrides,
@@ -141,21 +143,23 @@ def posttrain_demo_main(argv: list[str] | None = None) -> int:
 
 
 def generate_main(argv: list[str] | None = None) -> int:
-    """``kdamoe-generate --model DIR --prompt TEXT [--max-new-tokens N] [--greedy] [--chat] ...``: stream a continuation."""
+    """``kdamoe-generate --model DIR --prompt TEXT [--max-new-tokens N] [--greedy] [--chat] ...``: stream a
+    continuation."""
     parser = argparse.ArgumentParser(prog="kdamoe-generate", description="Stream text from a saved KDAMoE folder.")
     parser.add_argument("--model", required=True, help="folder written by kdamoe-train (…/final) or a Hub id")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=100)
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--greedy", action="store_true", help="greedy decoding instead of the folder's sampling settings")
+    parser.add_argument("--greedy", action="store_true",
+                        help="greedy decoding instead of the folder's sampling settings")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     args = parser.parse_args(argv)
     _check_generate_args(parser, args)
 
-    from kdamoe.training.export import generate_text, load_for_generation
+    from kdamoe.training.export import generate_text, load_for_generation  # noqa: PLC0415 (deferred: each entry point loads only its own job, after parsing its arguments)
 
     model, tokenizer = _user_errors_exit_2(parser, load_for_generation, args.model, args.device)
     kwargs = {"max_new_tokens": args.max_new_tokens}
@@ -171,10 +175,7 @@ def generate_main(argv: list[str] | None = None) -> int:
 def _check_generate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Usage errors (exit 2, naming the value) for what transformers would reject only after loading the model,
     with a traceback: sampling settings, the device, and a local model path that is not an exported folder."""
-    import math
-    from pathlib import Path
-
-    import torch
+    import torch  # noqa: PLC0415 (deferred: `import kdamoe.cli` does not load torch; the entry points that use it do)
 
     if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature > 0):
         parser.error(f"--temperature must be a finite number > 0 (got {args.temperature}); "
@@ -225,13 +226,13 @@ def push_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    from kdamoe.common.cards import check_repo_id
+    from kdamoe.common.cards import check_repo_id  # noqa: PLC0415 (deferred: huggingface_hub loads after the arguments parse)
 
     try:
         check_repo_id(args.repo_id, "REPO_ID")
     except ValueError as err:
         parser.error(str(err))
-    from kdamoe.hub import detect_source, push_to_hub
+    from kdamoe.hub import detect_source, push_to_hub  # noqa: PLC0415 (deferred: each entry point loads only its own job, after parsing its arguments)
     try:
         source = detect_source(args.src)
     except ValueError as err:
@@ -251,7 +252,7 @@ def push_main(argv: list[str] | None = None) -> int:
 
 
 def _cuda() -> bool:
-    import torch
+    import torch  # noqa: PLC0415 (deferred: `import kdamoe.cli` does not load torch; the entry points that use it do)
 
     return torch.cuda.is_available()
 

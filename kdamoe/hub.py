@@ -29,6 +29,7 @@ files and the card metadata and touches no network. The token is huggingface_hub
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -39,6 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
+from huggingface_hub import HfApi, ModelCard
+from peft import PeftModel, get_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers.dynamic_module_utils import get_relative_imports
 
 from .common.cards import check_repo_id, count_parameters, pretraining_card_metadata, render_model_card
 from .common.checkpoint import PROGRESS, parse_checkpoint_name
@@ -107,13 +113,16 @@ def detect_source(src: str | Path) -> Source:
 
 def _refuse_pickled_weights(folder: Path, safetensors_name: str) -> None:
     if not (folder / safetensors_name).is_file() and not (folder / f"{safetensors_name}.index.json").is_file():
-        pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES and "training_args" not in p.name)
-        hint = f" (found {pickled[0]}: pickled weights are not read; re-save with safe_serialization)" if pickled else ""
+        pickled = sorted(p.name for p in folder.iterdir()
+                         if p.suffix in PICKLE_SUFFIXES and "training_args" not in p.name)
+        hint = (f" (found {pickled[0]}: pickled weights are not read; re-save with safe_serialization)"
+                if pickled else "")
         raise ValueError(f"{folder / safetensors_name}: missing{hint}")
 
 
 def _load_kdamoe_model(folder: str | Path):
-    """A ``KDAMoEForCausalLM`` from a local ``save_pretrained`` folder, with kdamoe's own classes, in the stored dtype."""
+    """A ``KDAMoEForCausalLM`` from a local ``save_pretrained`` folder, with kdamoe's own classes, in the stored
+    dtype."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     if config.get("model_type") != "kda_moe":
@@ -127,7 +136,8 @@ def _load_kdamoe_model(folder: str | Path):
     except ValueError:
         raise
     except Exception as err:  # a truncated or foreign weights file: name it instead of a loader traceback
-        raise ValueError(f"{folder / 'model.safetensors'}: the model does not load ({type(err).__name__}: {err})") from err
+        raise ValueError(f"{folder / 'model.safetensors'}: the model does not load "
+                         f"({type(err).__name__}: {err})") from err
 
 
 def _load_tokenizer(*folders: str | Path):
@@ -140,8 +150,6 @@ def _load_tokenizer(*folders: str | Path):
 
 def _card_metadata(folder: Path) -> dict:
     """``base_model``, ``datasets`` and trainer tags of a card a trainer (e.g. TRL) wrote into ``folder``."""
-    from huggingface_hub import ModelCard
-
     readme = folder / "README.md"
     if not readme.is_file():
         return {}
@@ -150,7 +158,8 @@ def _card_metadata(folder: Path) -> dict:
     if _is_local(base):  # e.g. PEFT's card names the local base folder; the Hub needs an id
         base = None
     out = {"base_model": base, "datasets": data.datasets,
-           "extra_tags": [t for t in (data.tags or []) if t in ("trl", "sft", "dpo", "grpo", "orpo", "kto", "reward-trainer")]}
+           "extra_tags": [t for t in (data.tags or [])
+                          if t in ("trl", "sft", "dpo", "grpo", "orpo", "kto", "reward-trainer")]}
     return {k: v for k, v in out.items() if v}
 
 
@@ -180,8 +189,6 @@ def _validation_ids(vocab_size: int) -> torch.Tensor:
 @torch.no_grad()
 def _reference_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """float32 logits ``[1, T, vocab]`` of the source model (a float32 copy when stored in another dtype)."""
-    import copy
-
     ref = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
     return ref(input_ids=ids, use_cache=False).logits.float()
 
@@ -226,12 +233,11 @@ def build_hub_folder(src: str | Path, out_dir: str | Path, *, repo_id: str | Non
 
     adapter_base = None
     if source.kind == "peft-adapter":
-        from peft import PeftModel, get_peft_model_state_dict
-
         base_path = str(base_model_path or source.base_path)
         if not _is_local(base_path):
-            raise ValueError(f"adapter base {base_path!r} (base_model_name_or_path in {source.path / 'adapter_config.json'}): "
-                             "not a local folder; pass base_model_path (--base-model-path) with the base model's folder")
+            raise ValueError(f"adapter base {base_path!r} (base_model_name_or_path in "
+                             f"{source.path / 'adapter_config.json'}): not a local folder; pass base_model_path "
+                             "(--base-model-path) with the base model's folder")
         if meta.get("base_model") is None and not _is_local(source.base_path):
             meta["base_model"] = source.base_path
         base = _load_kdamoe_model(base_path)
@@ -287,12 +293,11 @@ _CARD_KEYS = ("base_model", "base_model_relation", "datasets", "data_note", "tra
 
 def _source_metadata(source: Source) -> dict:
     """Card values the source itself records (a pretraining run's config / summary / progress; a trainer's card)."""
-    import yaml
-
     if source.kind in ("pretraining-final", "pretraining-checkpoint"):
         run_cfg = yaml.safe_load((source.run_dir / "config.yaml").read_text())
         summary_path = source.run_dir / "summary.json"
-        summary = json.loads(summary_path.read_text()) if source.kind == "pretraining-final" and summary_path.is_file() else None
+        summary = (json.loads(summary_path.read_text())
+                   if source.kind == "pretraining-final" and summary_path.is_file() else None)
         progress = (json.loads((source.path / "progress.json").read_text())
                     if source.kind == "pretraining-checkpoint" else None)
         return pretraining_card_metadata(run_cfg, summary, progress)
@@ -301,7 +306,8 @@ def _source_metadata(source: Source) -> dict:
 
 def _adapter_description(peft_config, model) -> str:
     trainable = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
-    targets = sorted(set(peft_config.target_modules or [])) + sorted(set(getattr(peft_config, "target_parameters", None) or []))
+    targets = (sorted(set(peft_config.target_modules or []))
+               + sorted(set(getattr(peft_config, "target_parameters", None) or [])))
     return (f"LoRA (PEFT) with rank {peft_config.r}, alpha {peft_config.lora_alpha}, on {', '.join(targets)}: "
             f"{trainable / 1e6:.3f} M adapter parameters.")
 
@@ -341,7 +347,8 @@ with torch.no_grad():
                          min_new_tokens=args["new_tokens"], do_sample=False)
 chat = None
 if tokenizer.chat_template:
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                         tokenize=False)
 save_file({"logits": logits.contiguous()}, args["logits_path"])
 print("KDAMOE-VALIDATION " + json.dumps({"generated": out.shape[1] - prompt.shape[1], "chat": chat,
                   "kdamoe_loaded": any(m == "kdamoe" or m.startswith("kdamoe.") for m in sys.modules),
@@ -352,7 +359,8 @@ print("KDAMOE-VALIDATION " + json.dumps({"generated": out.shape[1] - prompt.shap
 def check_hub_files(folder: str | Path, adapter: bool = False) -> None:
     """Refuse (``ValueError`` naming the file) a folder with a pickle file, or without a file a Hub folder needs:
     ``README.md``, the tokenizer files, and ``config.json`` + safetensors weights + ``generation_config.json`` + every
-    modeling file named in ``auto_map`` (a model), or ``adapter_config.json`` + ``adapter_model.safetensors`` (an adapter)."""
+    modeling file named in ``auto_map`` (a model), or ``adapter_config.json`` + ``adapter_model.safetensors``
+    (an adapter)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"{folder}: not a folder")
@@ -365,7 +373,8 @@ def check_hub_files(folder: str | Path, adapter: bool = False) -> None:
     else:
         needed += ["config.json", "generation_config.json"]
         if not (folder / "model.safetensors").is_file():
-            needed.append("model.safetensors.index.json" if any(folder.glob("model-*.safetensors")) else "model.safetensors")
+            sharded = any(folder.glob("model-*.safetensors"))
+            needed.append("model.safetensors.index.json" if sharded else "model.safetensors")
         if (folder / "config.json").is_file():
             auto_map = json.loads((folder / "config.json").read_text()).get("auto_map") or {}
             if "AutoModelForCausalLM" not in auto_map:
@@ -375,7 +384,6 @@ def check_hub_files(folder: str | Path, adapter: bool = False) -> None:
         if not (folder / name).is_file():
             raise ValueError(f"{folder / name}: missing (a Hub folder needs it)")
     # the modules the code files import with single-dot imports: what transformers copies and loads (§7)
-    from transformers.dynamic_module_utils import get_relative_imports
 
     todo, seen = [n for n in needed if n.endswith(".py")], set()
     while todo:
@@ -394,8 +402,9 @@ def check_hub_files(folder: str | Path, adapter: bool = False) -> None:
                 raise ValueError(f"{folder / shard}: missing (listed in model.safetensors.index.json)")
 
 
-def validate_hub_folder(folder: str | Path, reference: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
-                        adapter_base: str | Path | None = None, timeout: float = 600.0) -> dict:
+def validate_hub_folder(folder: str | Path, reference: torch.Tensor | None = None,
+                        input_ids: torch.Tensor | None = None, adapter_base: str | Path | None = None,
+                        timeout: float = 600.0) -> dict:
     """Check ``folder`` (:func:`check_hub_files`), then load it in a fresh process where ``import kdamoe`` fails,
     generate, and compare its float32 logits on ``input_ids`` with ``reference``.
 
@@ -410,8 +419,6 @@ def validate_hub_folder(folder: str | Path, reference: torch.Tensor | None = Non
         folder fails to load or generate; with the difference when the logits disagree beyond
         ``VALIDATION_ATOL`` / ``VALIDATION_RTOL``.
     """
-    from safetensors.torch import load_file
-
     folder = Path(folder).resolve()
     check_hub_files(folder, adapter=adapter_base is not None)
     if input_ids is None:
@@ -419,7 +426,8 @@ def validate_hub_folder(folder: str | Path, reference: torch.Tensor | None = Non
         input_ids = _validation_ids(vocab)
     with tempfile.TemporaryDirectory(prefix="kdamoe-validate-") as tmp:
         args = dict(folder=str(folder), adapter_base=str(Path(adapter_base).resolve()) if adapter_base else None,
-                    input_ids=input_ids.tolist(), new_tokens=GENERATE_TOKENS, logits_path=str(Path(tmp) / "logits.safetensors"))
+                    input_ids=input_ids.tolist(), new_tokens=GENERATE_TOKENS,
+                    logits_path=str(Path(tmp) / "logits.safetensors"))
         # Offline, and a private modules cache: the copied code is the folder's, never a stale cached copy.
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(Path(tmp) / "modules")}
         result = subprocess.run([sys.executable, "-c", _VALIDATE_SCRIPT, json.dumps(args)], capture_output=True,
@@ -437,7 +445,8 @@ def validate_hub_folder(folder: str | Path, reference: torch.Tensor | None = Non
     diff = None
     if reference is not None:
         if logits.shape != reference.shape:
-            raise ValueError(f"{folder}: logits of shape {tuple(logits.shape)}, the source model's {tuple(reference.shape)}")
+            raise ValueError(f"{folder}: logits of shape {tuple(logits.shape)}, "
+                             f"the source model's {tuple(reference.shape)}")
         diff = float((logits - reference).abs().max())
         if not torch.allclose(logits, reference, atol=VALIDATION_ATOL, rtol=VALIDATION_RTOL):
             raise ValueError(f"{folder}: logits differ from the source model's by up to {diff:.3g} "
@@ -459,8 +468,6 @@ def upload_hub_folder(folder: str | Path, repo_id: str, *, private: bool | None 
                       token: str | None = None):
     """``HfApi.create_repo(exist_ok=True)``, ``create_branch`` for a new ``revision`` (unless ``create_pr``), then
     ``HfApi.upload_folder`` of ``folder``. Returns ``upload_folder``'s ``CommitInfo``."""
-    from huggingface_hub import HfApi
-
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, repo_type="model", exist_ok=True).repo_id
     if revision is not None and not create_pr:
@@ -472,11 +479,10 @@ def upload_hub_folder(folder: str | Path, repo_id: str, *, private: bool | None 
 
 def describe_hub_folder(folder: str | Path) -> str:
     """The dry-run report: each file with its size, then the card's YAML metadata."""
-    from huggingface_hub import ModelCard
-
     folder = Path(folder)
     lines = ["files:"] + [f"  {name}  ({(folder / name).stat().st_size} bytes)" for name in hub_files(folder)]
-    lines += ["card metadata:"] + ["  " + line for line in ModelCard.load(folder / "README.md").data.to_yaml().splitlines()]
+    metadata = ModelCard.load(folder / "README.md").data.to_yaml()
+    lines += ["card metadata:"] + ["  " + line for line in metadata.splitlines()]
     return "\n".join(lines)
 
 

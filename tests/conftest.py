@@ -13,8 +13,8 @@ if not os.environ.get("KDAMOE_TEST_ON_GPU"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest  # noqa: E402 (imported after TRITON_INTERPRET and OMP_NUM_THREADS are set above)
+import torch  # noqa: E402 (imported after TRITON_INTERPRET and OMP_NUM_THREADS are set above)
 
 torch.set_num_threads(1)
 
@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
     cores. Carry the tag over; runs after xdist's own hook. Older pytest (9.1 and before, e.g. on the GPU
     machine) has no ``coerce_node_id`` and reads ``_nodeid`` itself: nothing to carry over there."""
     try:
-        from _pytest.nodes import coerce_node_id
+        from _pytest.nodes import coerce_node_id  # noqa: PLC0415 (absent from pytest 9.1 and older, as on the GPU machine: the hook returns early there)
     except ImportError:
         return
 

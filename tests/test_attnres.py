@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+import kdamoe.model.modeling_kdamoe as modeling
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.model.modeling_kdamoe import KDAMoEBlockAttnRes
 from tests.helpers import tiny_config
@@ -78,7 +79,8 @@ def test_model_matches_loop_reference(layers, blocks, random_queries):
                     module.query.normal_(0, 1.0)
     ids = torch.randint(3, 97, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, use_cache=False).logits, _reference_logits(model, ids), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(ids, use_cache=False).logits, _reference_logits(model, ids),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_zero_blocks_is_the_standard_residual_stream():
@@ -92,7 +94,7 @@ def test_zero_blocks_is_the_standard_residual_stream():
         torch.testing.assert_close(out.logits, _standard_logits(model, ids, streams), rtol=1e-5, atol=1e-5)
     # hidden_states: embeddings, the stream after each layer, and (last) the final normed state.
     assert len(out.hidden_states) == model.config.num_hidden_layers + 1
-    for got, want in zip(out.hidden_states[:-1], streams):
+    for got, want in zip(out.hidden_states[:-1], streams, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.hidden_states[-1], model.model(ids, use_cache=False).last_hidden_state)
 
@@ -101,7 +103,7 @@ def test_hidden_states_with_block_attnres_are_the_summed_stream():
     torch.manual_seed(1)
     model = KDAMoEForCausalLM(tiny_config(num_hidden_layers=3, attnres_num_blocks=3)).eval()
     ids = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(4))
-    backbone, total, expected = model.model, None, []
+    backbone, expected = model.model, []
     with torch.no_grad():
         out = model(ids, use_cache=False, output_hidden_states=True)
         # With one layer per block the sources before layer i are [emb, out_0, ..., out_{i-1}].
@@ -113,7 +115,7 @@ def test_hidden_states_with_block_attnres_are_the_summed_stream():
             partial = partial + _mlp(layer, _mix_reference(layer.mlp_res, sources + [partial]))
             sources.append(partial)
     assert len(out.hidden_states) == 4
-    for got, want in zip(out.hidden_states[:-1], expected):
+    for got, want in zip(out.hidden_states[:-1], expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -133,8 +135,6 @@ def test_every_pseudo_query_receives_gradient():
 def _mix_on_the_kernel(monkeypatch, record):
     """Run every AttnRes mix of the model on the Triton kernel (CPU interpreter) while the rest of the model stays
     on its torch ops; ``record`` gets, per mix, the sources' data pointers (to check they are not copies)."""
-    import kdamoe.model.modeling_kdamoe as modeling
-
     real = modeling.block_attnres
 
     def on_kernel(sources, query, key_weight, eps, backend):

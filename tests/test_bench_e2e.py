@@ -51,7 +51,8 @@ def test_bench_e2e_tiny_writes_finite_rows(tmp_path):
     host = doc["raw"]["host"]["kdamoe_T64"]
     for phase in ("forward_ms", "backward_ms", "gpu_tail_ms", "step_ms"):
         assert len(host[f"{phase}_all"]) == 8 and all(x >= 0 for x in host[f"{phase}_all"]), (phase, host)
-    for a, b, c, total in zip(host["forward_ms_all"], host["backward_ms_all"], host["gpu_tail_ms_all"], host["step_ms_all"]):
+    for a, b, c, total in zip(host["forward_ms_all"], host["backward_ms_all"], host["gpu_tail_ms_all"],
+                              host["step_ms_all"], strict=True):
         assert math.isclose(a + b + c, total, rel_tol=1e-9), (a, b, c, total)  # the three phases tile the step
     # the model's forward runs under cProfile: a function of the model file appears among the cumulative rows
     assert any("modeling_kdamoe.py" in r["function"] for r in host["by_cumulative"]), host["by_cumulative"][:5]
@@ -69,7 +70,8 @@ def test_both_graphed_rows_divide_kdamoe_graph_by_native_graph():
            "graph": {"kdamoe_train_T8192": {"median_ms": 74.0, "tok_s": 110702.7},
                      "kdamoe_train_T32768": {"median_ms": 300.0, "tok_s": 109226.7}},
            "native_graph": {"train_T8192": {"median_ms": 148.0, "tok_s": 55351.4},
-                            "train_T32768": {"error": "RuntimeError: operation not permitted when stream is capturing"}}}
+                            "train_T32768": {"error": "RuntimeError: operation not permitted "
+                                                      "when stream is capturing"}}}
     rows = {r["name"]: r for r in bench.make_rows(raw)}
     both = rows["CUDA-graph train step 8K, both sides graphed"]
     assert both["peer"] == "native+fla graphed" and both["ours_ms"] == 74.0 and both["peer_ms"] == 148.0

@@ -11,6 +11,8 @@ import math
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from harness import load_script  # noqa: E402  (the benchmarks folder is not a package)
@@ -51,8 +53,6 @@ def test_bench_long_rl_tiny_records_every_part(tmp_path):
 def test_bench_long_rl_refuses_contexts_the_played_turns_overrun():
     """A context must lie past the one before plus the turns played there (it once failed with a negative
     dimension on the device when a context repeated)."""
-    import pytest
-
     bench = load_script("bench_long_rl")
     for contexts in ("64,64,1024", "64,80", "256,64"):
         with pytest.raises(SystemExit):

@@ -3,7 +3,8 @@
 import pytest
 import torch
 from datasets import Dataset
-from transformers import Trainer, TrainingArguments
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.callbacks import RouterBiasUpdateCallback, add_router_bias_callback, find_kdamoe_model, find_kdamoe_models
@@ -36,7 +37,8 @@ def test_trainer_updates_biases_once_per_optimizer_step(tmp_path):
     # Each optimizer step saw 2 micro-batches x 2 rows x 16 tokens, each routed to top-2 experts.
     for load in callback.loads:
         assert torch.all(load.sum(-1) == 2 * 2 * 16 * 2)
-    assert all(not torch.equal(a, r.e_score_correction_bias) for a, r in zip(biases_before, model._routers()))
+    assert all(not torch.equal(a, r.e_score_correction_bias)
+               for a, r in zip(biases_before, model._routers(), strict=True))
     assert float(model.expert_load().sum()) == 0  # reset after the last update
 
 
@@ -58,8 +60,6 @@ class _TwoPlusReference(torch.nn.Module):
 
 
 def test_callback_balances_every_trainable_model_and_never_a_frozen_one():
-    from transformers import TrainerControl, TrainerState
-
     wrapper = _TwoPlusReference()
     assert [p for p, _ in find_kdamoe_models(wrapper)] == ["policy", "value_model", "ref"]
     assert [p for p, _ in find_kdamoe_models(wrapper.policy)] == [""]  # the inner KDAMoEModel is not listed
@@ -78,8 +78,10 @@ def test_callback_balances_every_trainable_model_and_never_a_frozen_one():
     callback.on_log(None, state, TrainerControl(), logs=logs, model=wrapper)
     for name in ("policy", "value_model"):
         model = getattr(wrapper, name)
-        assert all(not torch.equal(b, r.e_score_correction_bias) for b, r in zip(before[name][1], model._routers())), name
-    assert all(torch.equal(b, r.e_score_correction_bias) for b, r in zip(before["ref"][1], wrapper.ref._routers()))
+        assert all(not torch.equal(b, r.e_score_correction_bias)
+                   for b, r in zip(before[name][1], model._routers(), strict=True)), name
+    assert all(torch.equal(b, r.e_score_correction_bias)
+               for b, r in zip(before["ref"][1], wrapper.ref._routers(), strict=True))
     for name in ("policy", "value_model", "ref"):  # statistics reset everywhere
         assert float(getattr(wrapper, name).expert_load().sum()) == 0, name
     # one reading per model, the first one unprefixed
@@ -92,8 +94,6 @@ def test_callback_balances_every_trainable_model_and_never_a_frozen_one():
 
 @pytest.mark.parametrize("attach", ["add_router_bias_callback", "callbacks_argument"])
 def test_expert_load_metrics_reach_log_history_and_report_to(tmp_path, monkeypatch, attach):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     tb_dir = tmp_path / "tb"
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tb_dir))
     torch.manual_seed(0)
@@ -115,7 +115,7 @@ def test_expert_load_metrics_reach_log_history_and_report_to(tmp_path, monkeypat
 
     rows = [row for row in trainer.state.log_history if "loss" in row]
     assert [row["step"] for row in rows] == [1, 2]
-    for row, imbalance in zip(rows, callback.history):
+    for row, imbalance in zip(rows, callback.history, strict=True):
         assert row["expert_load/max_over_mean"] == max(imbalance)
         assert [row[f"expert_load/max_over_mean/layer_{1 + i}"] for i in range(3)] == imbalance  # first_k_dense=1
     if attach == "add_router_bias_callback":  # the reporter ran after us, so it saw them
@@ -135,8 +135,6 @@ def test_a_backbone_a_wrapper_lists_again_is_not_a_second_model():
 
 
 def test_metrics_reach_a_log_history_row_that_holds_a_nan():
-    from transformers import TrainerControl, TrainerState
-
     torch.manual_seed(0)
     model = KDAMoEForCausalLM(tiny_config())
     model.train()

@@ -1,5 +1,8 @@
 """KDAMoEConfig: defaults, round trip, and a clear ValueError naming each bad field."""
 
+import json
+import logging
+
 import pytest
 
 from kdamoe import KDAMoEConfig
@@ -7,7 +10,7 @@ from kdamoe import KDAMoEConfig
 
 def test_defaults_are_a_3_to_1_hybrid_and_round_trip(tmp_path):
     config = KDAMoEConfig(num_hidden_layers=8)
-    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    assert config.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 2
     assert config.qk_head_dim == config.hidden_size // config.num_attention_heads
     config.save_pretrained(tmp_path)
     again = KDAMoEConfig.from_pretrained(tmp_path)
@@ -47,9 +50,6 @@ def test_lower_bound_edges_are_accepted():
 
 def test_a_misspelt_config_json_key_warns_with_the_close_match(tmp_path, caplog):
     """transformers keeps unknown config.json keys as attributes no layer reads; a near-miss of a field must warn."""
-    import json
-    import logging
-
     KDAMoEConfig(num_hidden_layers=2).save_pretrained(tmp_path)
     data = json.loads((tmp_path / "config.json").read_text())
     data["kda_lower_bund"] = -3.0  # typo of kda_lower_bound

@@ -2,10 +2,18 @@
 
 import json
 
+import datasets
 import pytest
 
 from kdamoe.training.config import DataConfig
-from kdamoe.training.corpus import Document, fetch_shakespeare, load_corpus, read_text_files, split_documents, strip_gutenberg
+from kdamoe.training.corpus import (
+    Document,
+    fetch_shakespeare,
+    load_corpus,
+    read_text_files,
+    split_documents,
+    strip_gutenberg,
+)
 
 GUTENBERG = """The Project Gutenberg EBook of Something
 This eBook is for the use of anyone anywhere at no cost.
@@ -72,7 +80,6 @@ def test_load_corpus_sources(tmp_path):
     with pytest.raises(ValueError, match="fetch_corpus"):
         load_corpus(DataConfig(source="shakespeare", path=str(tmp_path / "empty")))
 
-    import datasets
 
     ds = datasets.Dataset.from_dict({"text": ["alpha beta", "", "gamma", "delta epsilon"]})
     ds.save_to_disk(str(tmp_path / "hf"))

@@ -43,6 +43,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from transformers.distributed import DistributedConfig
+
+from kdamoe import KDAMoEForCausalLM
+from tests.helpers import launch_processes, tiny_config
 
 WORLDS, DEADLINE_S, LR = (2, 4), 120, 0.5
 RTOL = ATOL = 1e-5
@@ -77,11 +82,6 @@ def _step(model, ids: torch.Tensor, full_tensor) -> dict:
 
 def _rank_main(folder: str, out: str) -> None:
     """One rank of the torchrun run: each mode in turn, its results and saved folder under ``out/MODE``."""
-    import torch.distributed as dist
-    from transformers.distributed import DistributedConfig
-
-    from kdamoe import KDAMoEForCausalLM
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -100,9 +100,6 @@ def _rank_main(folder: str, out: str) -> None:
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda world: f"world{world}")
 def runs(request, tmp_path_factory):
     """Both modes' per-rank results on ``world`` ranks and the one-process reference on the ``world`` batches."""
-    from kdamoe import KDAMoEForCausalLM
-    from tests.helpers import launch_processes, tiny_config
-
     world = request.param
     root = tmp_path_factory.mktemp(f"engine{world}")
     torch.manual_seed(0)

@@ -14,22 +14,23 @@ import textwrap
 import pytest
 import torch
 
+from kdamoe import KDAMoEForCausalLM
+from kdamoe.kernels.utils import relative_error
+from tests.helpers import tiny_config
+
 ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs KDAMOE_TEST_ON_GPU=1 and CUDA")
 
 
 def _fla_available():
     try:
-        import fla.ops.kda  # noqa: F401
+        import fla.ops.kda  # noqa: F401, PLC0415 (flash-linear-attention is optional: this probes whether it imports)
     except Exception:
         return False
     return True
 
 
 def _dense_model():
-    from kdamoe import KDAMoEForCausalLM
-    from tests.helpers import tiny_config
-
     torch.manual_seed(0)
     config = tiny_config(hidden_size=64, kda_num_heads=2, kda_head_dim=32, num_hidden_layers=4,
                          first_k_dense_replace=4, attnres_num_blocks=2, kernel_backend="torch")
@@ -49,7 +50,6 @@ def _run(model, backend, ids, position_ids):
 def test_backend_matches_torch_on_a_packed_training_step(backend):
     if backend == "fla" and not _fla_available():
         pytest.skip("flash-linear-attention is not installed")
-    from kdamoe.kernels.utils import relative_error
 
     model = _dense_model().train()
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -12,14 +12,15 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from kdamoe import KDAMoEForCausalLM
+from kdamoe.model.modeling_kdamoe import _causal_sdpa
+from tests.helpers import tiny_config
+
 ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs KDAMOE_TEST_ON_GPU=1 and CUDA")
 
 
 def _model(dtype=torch.bfloat16, **overrides):
-    from kdamoe import KDAMoEForCausalLM
-    from tests.helpers import tiny_config
-
     torch.manual_seed(0)
     fields = dict(hidden_size=128, kda_num_heads=2, kda_head_dim=64, num_hidden_layers=4, num_attention_heads=4,
                   kv_lora_rank=64, qk_head_dim=32, num_experts=8, num_experts_per_tok=2, moe_latent_size=64,
@@ -139,8 +140,6 @@ def test_latent_cache_agrees_with_the_per_head_cache_in_bfloat16():
 @pytest.mark.parametrize("T, S", [(300, 1000), (4096, 40000)])
 def test_chunk_attention_after_a_cache_equals_the_masked_reference(T, S):
     """The cuDNN prefix + causal merge against float32 attention with an explicit bottom-right causal mask."""
-    from kdamoe.model.modeling_kdamoe import _causal_sdpa
-
     g = torch.Generator(device="cuda").manual_seed(T)
     q, k, v = (torch.randn(1, 8, n, 128, device="cuda", generator=g, dtype=torch.bfloat16) for n in (T, S, S))
     got = _causal_sdpa(q, k, v, 128**-0.5).float()

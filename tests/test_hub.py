@@ -9,6 +9,7 @@ Validation compares the reloaded folder's logits with the source model's in this
 import json
 import random
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -17,9 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from huggingface_hub import ModelCard
+from accelerate import Accelerator
+from filelock import FileLock
+from huggingface_hub import HfApi, ModelCard
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
 
-from kdamoe import hub
+from kdamoe import KDAMoEForCausalLM, hub
+from kdamoe.cli import push_main
+from kdamoe.common.checkpoint import save_checkpoint_atomically
 from kdamoe.training.config import config_to_dict, load_config
 from kdamoe.training.export import export_model
 from kdamoe.training.tokenizer import train_tokenizer
@@ -62,8 +69,6 @@ def _perturb(model, seed):
 def _shared_dir(tmp_path_factory, name, build):
     """``build(folder)`` once per test session, also across pytest-xdist workers (they share the parent of
     their base temp folders); the other workers wait on a file lock and reuse the folder."""
-    from filelock import FileLock
-
     root = tmp_path_factory.getbasetemp().parent
     folder = root / name
     with FileLock(str(root / f"{name}.lock")):
@@ -85,11 +90,6 @@ def sources(tmp_path_factory):
 
 
 def _build_sources(tmp):
-    from accelerate import Accelerator
-    from peft import LoraConfig, get_peft_model
-
-    from kdamoe import KDAMoEForCausalLM
-    from kdamoe.common.checkpoint import save_checkpoint_atomically
 
     tmp.mkdir(exist_ok=True)
     rng = random.Random(0)
@@ -145,7 +145,8 @@ def built(sources, tmp_path_factory):
              "checkpoint": ("checkpoint", dict(repo_id="me/kdamoe-tiny-ckpt")),
              "trainer": ("trainer", dict(repo_id="me/kdamoe-tiny-sft")),
              "merged": ("adapter", dict(repo_id="me/kdamoe-tiny-lora-merged", base_model="me/kdamoe-tiny")),
-             "adapter": ("adapter", dict(repo_id="me/kdamoe-tiny-lora", merge_adapter=False, base_model="me/kdamoe-tiny"))}
+             "adapter": ("adapter", dict(repo_id="me/kdamoe-tiny-lora", merge_adapter=False,
+                                         base_model="me/kdamoe-tiny"))}
 
     def build(out):
         for name, (kind, kwargs) in kinds.items():
@@ -230,8 +231,6 @@ def test_checkpoint_and_trainer_cards(built):
 
 def test_built_folders_carry_their_sources_weights(built, sources):
     """The checkpoint folder carries the checkpoint's weights, not final/'s; the merged one the merged LoRA."""
-    from safetensors.torch import load_file
-
     ckpt_state = load_file(str(sources["checkpoint"] / "model.safetensors"))
     built_state = load_file(str(built["checkpoint"] / "model.safetensors"))
     for name, tensor in ckpt_state.items():
@@ -244,8 +243,6 @@ def test_built_folders_carry_their_sources_weights(built, sources):
 
 
 def _copy(folder, dest):
-    import shutil
-
     shutil.copytree(folder, dest)
     return dest
 
@@ -289,8 +286,6 @@ def test_refusals(built, sources, tmp_path):
 
 
 def test_dry_run_cli_prints_files_and_metadata(sources, capsys, tmp_path):
-    from kdamoe.cli import push_main
-
     assert push_main([str(sources["trainer"]), "me/kdamoe-tiny-sft", "--dry-run", "--revision", "v1",
                       "--dataset", "me/data", "--out-dir", str(tmp_path / "kept")]) == 0
     out = capsys.readouterr().out
@@ -310,8 +305,6 @@ def test_dry_run_cli_prints_files_and_metadata(sources, capsys, tmp_path):
     (["{final}", "me/x", "--adapter"], "--adapter: SRC"),
 ])
 def test_cli_usage_errors(sources, capsys, argv, message):
-    from kdamoe.cli import push_main
-
     argv = [a.format(missing=sources["tmp"] / "nope", final=sources["final"]) for a in argv]
     with pytest.raises(SystemExit) as exit_info:
         push_main(argv)
@@ -320,21 +313,22 @@ def test_cli_usage_errors(sources, capsys, argv, message):
 
 def test_push_calls_hf_api(built, sources, monkeypatch):
     """The exact create_repo / create_branch / upload_folder calls; nothing reaches the network."""
-    from huggingface_hub import HfApi
-
     calls = []
 
     class Repo:
         repo_id = "me/kdamoe-tiny"
 
-    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create_repo", repo_id, kw)) or Repo())
-    monkeypatch.setattr(HfApi, "create_branch", lambda self, repo_id, **kw: calls.append(("create_branch", repo_id, kw)))
+    monkeypatch.setattr(HfApi, "create_repo",
+                        lambda self, repo_id, **kw: calls.append(("create_repo", repo_id, kw)) or Repo())
+    monkeypatch.setattr(HfApi, "create_branch",
+                        lambda self, repo_id, **kw: calls.append(("create_branch", repo_id, kw)))
     uploaded = {}
 
     def upload_folder(self, **kw):
         uploaded.update(files=hub.hub_files(kw["folder_path"]),
                         tags=ModelCard.load(Path(kw["folder_path"]) / "README.md").data.tags)
-        calls.append(("upload_folder", kw["repo_id"], {k: v for k, v in kw.items() if k not in ("folder_path", "repo_id")}))
+        rest = {k: v for k, v in kw.items() if k not in ("folder_path", "repo_id")}
+        calls.append(("upload_folder", kw["repo_id"], rest))
         return "commit"
 
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
@@ -350,7 +344,6 @@ def test_push_calls_hf_api(built, sources, monkeypatch):
 
     # push_model_to_hub on an in-memory kdamoe model: our card and the tokenizer, validated, as a pull request
     calls.clear()
-    from kdamoe import KDAMoEForCausalLM
 
     validated = []  # the kdamoe-free reload itself is exercised by every build above
     monkeypatch.setattr(hub, "validate_hub_folder", lambda folder, **kw: validated.append(hub.hub_files(folder)))
@@ -364,8 +357,6 @@ def test_push_calls_hf_api(built, sources, monkeypatch):
 
 def test_wheel_ships_the_card_template(tmp_path):
     """Build the wheel from a clean copy of the package, then render a card with only the wheel on the path."""
-    import shutil
-
     src = tmp_path / "src"
     shutil.copytree(REPO / "kdamoe", src / "kdamoe", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("setup.py", "README.md"):
@@ -382,14 +373,13 @@ def test_wheel_ships_the_card_template(tmp_path):
                             cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-2000:]
     template, *metadata = result.stdout.split()
-    assert Path(template) == tmp_path / "site" / "kdamoe" / "common" / "model_cards" / "model_card.md"  # the wheel's copy
+    # the wheel's copy
+    assert Path(template) == tmp_path / "site" / "kdamoe" / "common" / "model_cards" / "model_card.md"
     assert metadata == ["transformers", "text-generation", "True"]
 
 
 def _rewrite(folder, name, edit):
     """Load ``folder/name`` (safetensors), apply ``edit`` to the dict, save it back."""
-    from safetensors.torch import load_file, save_file
-
     tensors = load_file(str(folder / name))
     edit(tensors)
     save_file(tensors, str(folder / name), metadata={"format": "pt"})

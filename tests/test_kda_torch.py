@@ -1,12 +1,11 @@
 """The pure-PyTorch KDA path against the float64 naive recurrence (kdamoe/kernels/kda/naive.py)."""
 
-import math
 
 import pytest
 import torch
 
-from kdamoe.model.kda_torch import causal_conv1d_torch, chunk_kda_torch, kda_gate, l2norm, recurrent_kda_torch
 from kdamoe.kernels.kda.naive import naive_kda_lowerbound_gate, naive_recurrent_kda
+from kdamoe.model.kda_torch import causal_conv1d_torch, chunk_kda_torch, kda_gate, l2norm, recurrent_kda_torch
 
 
 def _inputs(seed, B, T, H=2, K=8, V=6, dtype=torch.float64, lower_bound=-5.0):
@@ -33,7 +32,7 @@ def test_chunked_matches_naive_values_and_gradients(T):
     do, dht = torch.randn(o.shape, generator=gen, dtype=o.dtype), torch.randn(ht.shape, generator=gen, dtype=ht.dtype)
     grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), inputs)
     grads_ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), inputs)
-    for name, got, want in zip("q k v g beta h0".split(), grads, grads_ref):
+    for name, got, want in zip("q k v g beta h0".split(), grads, grads_ref, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=f"d{name}")
 
 
@@ -51,7 +50,8 @@ def test_variable_length_batch_matches_each_sequence_alone():
     q, k, v, g, beta, _ = _inputs(seed=3, B=1, T=64)
     h0 = torch.randn(4, 2, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     o, ht = chunk_kda_torch(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
-    o_ref, ht_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+    o_ref, ht_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                        cu_seqlens=cu_seqlens)
     torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(ht, ht_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(ht[1], h0[1])  # the empty sequence keeps its state
@@ -59,7 +59,8 @@ def test_variable_length_batch_matches_each_sequence_alone():
 
 def test_recurrent_step_matches_naive_with_l2norm_in_kernel():
     q, k, v, g, beta, h0 = _inputs(seed=11, B=3, T=5)
-    o, ht = recurrent_kda_torch(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, ht = recurrent_kda_torch(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True)
     o_ref, ht_ref = naive_recurrent_kda(l2norm(q), l2norm(k), v, g, beta, initial_state=h0, output_final_state=True)
     torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(ht, ht_ref, rtol=1e-10, atol=1e-10)
@@ -126,8 +127,17 @@ def _brute_force_conv(x, w, state, seq_idx):
     """float64 triple loop of y[b,t,c] = SiLU(Σ_j w[c,W-1-j] x[b,t-j,c] [same id]) and the W-input state."""
     B, T, C = x.shape
     W = w.shape[1]
-    ids = (lambda b, p: seq_idx[b, max(p, 0)].item() if p >= 0 else seq_idx[b, 0].item()) if seq_idx is not None else (lambda b, p: 0)
-    value = lambda b, p: x[b, p] if p >= 0 else (state[b, :, W + p] if state is not None else torch.zeros(C, dtype=x.dtype))
+
+    def ids(b, p):
+        if seq_idx is None:
+            return 0
+        return seq_idx[b, max(p, 0)].item() if p >= 0 else seq_idx[b, 0].item()
+
+    def value(b, p):
+        if p >= 0:
+            return x[b, p]
+        return state[b, :, W + p] if state is not None else torch.zeros(C, dtype=x.dtype)
+
     y = torch.zeros(B, T, C, dtype=torch.float64)
     new_state = torch.zeros(B, C, W, dtype=torch.float64)
     for b in range(B):

@@ -7,11 +7,13 @@ made on them) and a fake ``fla`` package put into ``sys.modules``.
 
 import sys
 import types
+from itertools import pairwise
 
 import pytest
 import torch
 
 import kdamoe.model.kernel_dispatch as dispatch
+from kdamoe import KDAMoEForCausalLM
 from kdamoe.model.kda_torch import causal_conv1d_torch
 from kdamoe.model.moe_torch import moe_experts_torch
 from tests.helpers import tiny_config
@@ -63,7 +65,7 @@ class FakeFla:
             return causal_conv1d_torch(x, weight, initial_state)[0], None
         bounds = cu_seqlens.tolist()
         pieces = [causal_conv1d_torch(x[:, a:b], weight, None if initial_state is None else initial_state[n : n + 1])[0]
-                  for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+                  for n, (a, b) in enumerate(pairwise(bounds))]
         return torch.cat(pieces, 1), None
 
     def causal_conv1d_update(self, x, cache, weight=None, activation=None, **kwargs):
@@ -127,8 +129,6 @@ def test_resolve_without_fla(no_fla, monkeypatch):
 
 
 def test_model_on_cpu_never_calls_fla_even_when_it_imports(fake_fla):
-    from kdamoe import KDAMoEForCausalLM
-
     torch.manual_seed(0)
     model = KDAMoEForCausalLM(tiny_config(kernel_backend="auto", kda_head_dim=16)).eval()
     ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(0))
@@ -141,7 +141,8 @@ def test_model_on_cpu_never_calls_fla_even_when_it_imports(fake_fla):
 def test_fla_conv_adapter_keeps_packed_documents_and_the_cache_apart(fake_fla):
     """seq_idx -> cu_seqlens over the flattened batch, the row's cached state -> its first document only."""
     gen = torch.Generator().manual_seed(5)
-    x, w, state = torch.randn(2, 11, 6, generator=gen), torch.randn(6, 4, generator=gen), torch.randn(2, 6, 4, generator=gen)
+    x, w = torch.randn(2, 11, 6, generator=gen), torch.randn(6, 4, generator=gen)
+    state = torch.randn(2, 6, 4, generator=gen)
     seq_idx = torch.tensor([[0] * 4 + [1] * 5 + [2] * 2, [3] * 11])
     y, new_state = dispatch._fla_causal_conv1d(dispatch.fla_kernels(), x, w, state, seq_idx)
     y_ref, state_ref = causal_conv1d_torch(x, w, state, seq_idx)
@@ -152,7 +153,8 @@ def test_fla_conv_adapter_keeps_packed_documents_and_the_cache_apart(fake_fla):
 
 def test_fla_conv_adapter_decode_step_leaves_the_cache_tensor_alone(fake_fla):
     gen = torch.Generator().manual_seed(6)
-    x, w, state = torch.randn(3, 1, 5, generator=gen), torch.randn(5, 4, generator=gen), torch.randn(3, 5, 4, generator=gen)
+    x, w = torch.randn(3, 1, 5, generator=gen), torch.randn(5, 4, generator=gen)
+    state = torch.randn(3, 5, 4, generator=gen)
     kept = state.clone()
     y, new_state = dispatch._fla_causal_conv1d(dispatch.fla_kernels(), x, w, state, None)
     y_ref, state_ref = causal_conv1d_torch(x, w, kept)
@@ -208,7 +210,7 @@ def test_conv_parts_on_every_backend_equal_the_reference(backend, fake_fla, monk
     grads_ref = torch.autograd.grad((y_ref * dys.double()).sum() + (state_ref * dstate.double()).sum(), ref_in)
     torch.testing.assert_close(grads[0][..., 1:1 + 3 * CP].double(), grads_ref[0], rtol=1e-5, atol=1e-5)
     assert grads[0][..., 0].abs().max() == 0 and grads[0][..., 1 + 3 * CP:].abs().max() == 0
-    for got, want in zip(grads[1:], grads_ref[1:]):
+    for got, want in zip(grads[1:], grads_ref[1:], strict=True):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
     with torch.no_grad():

@@ -1,9 +1,9 @@
 """Long context on the CPU: chunked prefill, the latent-only MLA cache and what generate() does with it.
 
 References are independent of the code under test: the single-pass forward without a cache (per-head keys and
-values, SDPA) and transformers' own per-head ``DynamicCache``. Models run in float64; the RMSNorms and the router compute in float32
-by design, so paths that add the same terms in another order agree to ~1e-7, far below what any wrong mask, state
-or position gives (differences of 1e-2 and more on these models).
+values, SDPA) and transformers' own per-head ``DynamicCache``. Models run in float64; the RMSNorms and the router
+compute in float32 by design, so paths that add the same terms in another order agree to ~1e-7, far below what any wrong
+mask, state or position gives (differences of 1e-2 and more on these models).
 """
 
 import pytest
@@ -11,7 +11,8 @@ import torch
 from transformers import DynamicCache
 
 from kdamoe import KDAMoEForCausalLM
-from kdamoe.model.cache_kdamoe import KDAMoECache, KDAMoELatentCacheLayer
+from kdamoe.model.cache_kdamoe import KDAMoECache, KDAMoELatentCacheLayer, attention_seq_length
+from kdamoe.model.decode_graph import DecodeGraph
 from kdamoe.model.modeling_kdamoe import LATENT_ATTENTION_MAX_TOKENS
 from tests.helpers import tiny_config
 
@@ -198,7 +199,8 @@ def test_cache_reorder_repeat_select_and_crop():
         torch.testing.assert_close(layer.latents[:, :14], before[[2, 0, 0]], rtol=0, atol=0)
         kda_state = cache.layers[0].recurrent_states[0].clone()
         cache.batch_repeat_interleave(2)
-        assert layer.latents.shape[0] == 6 and torch.equal(cache.layers[0].recurrent_states[0], kda_state.repeat_interleave(2, 0))
+        assert layer.latents.shape[0] == 6
+        assert torch.equal(cache.layers[0].recurrent_states[0], kda_state.repeat_interleave(2, 0))
         cache.batch_select_indices(torch.tensor([1, 4]))
         assert layer.latents.shape[0] == 2
         layer.crop(-4)  # (transformers' linear-attention layers cannot crop without past recording)
@@ -329,8 +331,6 @@ def test_cache_length_is_the_mla_layers_count_under_every_transformers_version()
     """The cached length comes from an MLA layer (transformers 5.25's ``Cache.get_seq_length()`` reads layer 0, a KDA
     layer here, whose own count is not the tokens): the default, an MLA index and the model's own reading agree with
     the tokens fed; a KDA index is refused by name; an index past the last layer answers 0, as transformers' does."""
-    from kdamoe.model.cache_kdamoe import attention_seq_length
-
     kinds = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
     model = _model(layer_types=kinds)
     mla = kinds.index("full_attention")
@@ -347,8 +347,6 @@ def test_cache_length_is_the_mla_layers_count_under_every_transformers_version()
 def test_decode_graph_validity_follows_moved_and_replaced_parameters_and_the_model():
     """A captured graph reads parameters by address: moving one (``.data =``), replacing one (a new ``Parameter`` in
     the slot) or calling another model must invalidate it; an unchanged model must not (no needless re-capture)."""
-    from kdamoe.model.decode_graph import DecodeGraph
-
     model, other = _model(seed=0), _model(seed=0)
     graph = DecodeGraph.__new__(DecodeGraph)  # the validity bookkeeping alone: capturing needs CUDA
     graph.watch_parameters(model)

@@ -5,24 +5,27 @@ our backbone (``KDAMoEForCausalLM.model``), then ``trl.kernels.ChunkedLogProbFun
 through the LM head tile by tile (token tiles x vocabulary tiles), folding each tile into online-logsumexp
 statistics, and its backward recomputes each tile. With activation checkpointing per decoder layer and our chunked
 prefill for the no-grad passes (reference and old-policy log-probs), nothing of size ``[T, vocab]`` is ever
-allocated; ``LongContextGRPOTrainer`` scores each row without its padding, so neither is a ``[T, T]`` mask. These tests run that path with small tiles (the TRL module constants patched, so a short sequence spans
-several tiles and chunks) and compare it with an independent reference: the model's own full-logits forward in one
-pass, no checkpointing, ``log_softmax`` in float32, and the GRPO loss (Shao et al. 2024, arXiv:2402.03300; the
-``bnpo`` aggregation with the k3 KL estimator and an entropy bonus) written out here.
+allocated; ``LongContextGRPOTrainer`` scores each row without its padding, so neither is a ``[T, T]`` mask. These tests
+run that path with small tiles (the TRL module constants patched, so a short sequence spans several tiles and chunks)
+and compare it with an independent reference: the model's own full-logits forward in one pass, no checkpointing,
+``log_softmax`` in float32, and the GRPO loss (Shao et al. 2024, arXiv:2402.03300; the ``bnpo`` aggregation with the k3
+KL estimator and an entropy bonus) written out here.
 """
 
 import pytest
 import torch
-from datasets import Dataset
-from torch.utils._python_dispatch import TorchDispatchMode
-from trl import GRPOConfig, GRPOTrainer
-
 import trl.kernels.chunked_logprob as trl_chunked_logprob
 import trl.trainer.utils as trl_utils
+from datasets import Dataset
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoTokenizer
+from trl import GRPOConfig, GRPOTrainer
+
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.model.modeling_kdamoe import KDAMoEModel
 from kdamoe.posttraining.long_update import LongContextGRPOTrainer, real_token_span
 from kdamoe.posttraining.recipes import build_trainer
+from kdamoe.posttraining.rollout import CachedRolloutGRPOTrainer
 from tests.helpers import tiny_config
 from tests.test_posttrain import RL_FAST, _cfg, base  # noqa: F401  (the tiny base folder fixture)
 from tests.test_trl import _letter_tokenizer
@@ -71,7 +74,8 @@ def _trainer(folder, tmp_path, trainer_class=LongContextGRPOTrainer, **overrides
     kwargs.update(overrides)
     trainer = trainer_class(model=_load(folder), args=GRPOConfig(**kwargs),
                           reward_funcs=lambda completions, **_: [0.0] * len(completions),
-                          train_dataset=Dataset.from_dict({"prompt": ["a b"] * 4}), processing_class=_letter_tokenizer())
+                          train_dataset=Dataset.from_dict({"prompt": ["a b"] * 4}),
+                          processing_class=_letter_tokenizer())
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); one micro-batch per step here
     return trainer
 
@@ -169,8 +173,9 @@ def test_no_grad_reference_and_old_policy_passes_equal_the_single_pass(folder, t
 
 
 def _reference_grpo_loss(trainer, logps, entropy, old_logps, ref_logps, advantages, mask):
-    """GRPO's clipped surrogate + beta x k3 KL (times the importance ratio, TRL's ``use_bias_correction_kl``), ``bnpo`` aggregation (token mean over the batch), minus the entropy
-    bonus (token mean); one micro-batch, no gradient accumulation."""
+    """GRPO's clipped surrogate + beta x k3 KL (times the importance ratio, TRL's ``use_bias_correction_kl``),
+    ``bnpo`` aggregation (token mean over the batch), minus the entropy bonus (token mean); one micro-batch, no
+    gradient accumulation."""
     ratio = torch.exp(logps - old_logps)
     clipped = ratio.clamp(1 - trainer.epsilon_low, 1 + trainer.epsilon_high)
     a = advantages.unsqueeze(1)
@@ -298,16 +303,14 @@ def test_real_token_span_refuses_gaps_and_empty_rows():
 # ------------------------------------------------------------------------------------ the recipe setting
 
 
-def _grpo_cfg(base, tmp_path, *overrides):  # noqa: F811
+def _grpo_cfg(base, tmp_path, *overrides):  # noqa: F811 (the imported base fixture, which pytest passes by name)
     return _cfg("grpo_single_turn", base, tmp_path, *RL_FAST, *overrides)
 
 
-def test_long_context_recipe_turns_on_checkpointing_and_checks_the_model(base, tmp_path):  # noqa: F811
+def test_long_context_recipe_turns_on_checkpointing_and_checks_the_model(base, tmp_path):  # noqa: F811 (the imported base fixture, which pytest passes by name)
     """``grpo.long_context: true`` builds GRPO with per-layer activation checkpointing (off by default on a CPU) and
     refuses a model whose no-grad passes would not chunk or would ask for router logits; a non-boolean is refused
     naming the value."""
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = KDAMoEForCausalLM.from_pretrained(base, dtype=torch.float32)
     assert not build_trainer(_grpo_cfg(base, tmp_path), model, tokenizer).args.activation_checkpointing
@@ -327,14 +330,10 @@ def test_long_context_recipe_turns_on_checkpointing_and_checks_the_model(base, t
         build_trainer(_grpo_cfg(base, tmp_path, "grpo.long_context=true"), model, tokenizer)
 
 
-def test_cached_rollout_and_long_context_combine_into_one_trainer(base, tmp_path):  # noqa: F811
+def test_cached_rollout_and_long_context_combine_into_one_trainer(base, tmp_path):  # noqa: F811 (the imported base fixture, which pytest passes by name)
     """``grpo.rollout: cached`` with ``grpo.long_context: true`` (the shipped ``grpo_long``) builds one trainer that
     has both overrides: the cached rollout's ``_tool_call_loop`` and the memory-bounded
     ``_get_per_token_logps_and_entropies``, with checkpointing on."""
-    from transformers import AutoTokenizer
-
-    from kdamoe.posttraining.rollout import CachedRolloutGRPOTrainer
-
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = KDAMoEForCausalLM.from_pretrained(base, dtype=torch.float32)
     trainer = build_trainer(_grpo_cfg(base, tmp_path, "grpo.long_context=true", "grpo.rollout=cached"), model,

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from transformers.utils import is_kernels_available
 
 from kdamoe import KDAMoECache, KDAMoEForCausalLM, KDAMoEForSequenceClassification
+from kdamoe.model.modeling_kdamoe import fused_linear
 from tests.helpers import tiny_config
 
 
@@ -111,7 +112,7 @@ def test_eval_and_generation_never_move_router_biases():
     model.generate(_ids(10, 1, 6), max_new_tokens=4, do_sample=False, pad_token_id=0)
     model.update_router_biases()
     after = [r.e_score_correction_bias for r in model._routers()]
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert model.expert_load().sum() == 0
 
 
@@ -186,16 +187,18 @@ def test_remote_code_round_trip_in_a_fresh_process(tmp_path):
     model.save_pretrained(folder)
     files = sorted(os.listdir(folder))
     assert "model.safetensors" in files and not any(f.endswith(".bin") for f in files)
-    for code in ("configuration_kdamoe.py", "modeling_kdamoe.py", "kda_torch.py", "moe_torch.py", "quantile_balancing.py",
-                 "kernel_dispatch.py", "cache_kdamoe.py", "decode_graph.py", "mla_torch.py", "norm_torch.py",
-                 "attnres_torch.py"):
+    for code in ("configuration_kdamoe.py", "modeling_kdamoe.py", "kda_torch.py", "moe_torch.py",
+                 "quantile_balancing.py", "kernel_dispatch.py", "cache_kdamoe.py", "decode_graph.py", "mla_torch.py",
+                 "norm_torch.py", "attnres_torch.py"):
         assert code in files, files
     ids = _ids(14, 2, 12)
     torch.save(ids, tmp_path / "ids.pt")
-    script = REMOTE_SCRIPT.format(repo=os.getcwd(), folder=str(folder), ids=str(tmp_path / "ids.pt"), out=str(tmp_path / "out.pt"))
+    script = REMOTE_SCRIPT.format(repo=os.getcwd(), folder=str(folder), ids=str(tmp_path / "ids.pt"),
+                                  out=str(tmp_path / "out.pt"))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "transformers_modules" in result.stdout
     assert "KDAMoEModel KDAMoEForSequenceClassification" in result.stdout  # auto_map names every head
@@ -212,7 +215,7 @@ def test_remote_code_round_trip_in_a_fresh_process(tmp_path):
     assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
     # In-process Auto classes (registered by `import kdamoe`) load it too, biases included.
     again = AutoModelForCausalLM.from_pretrained(folder)
-    for a, b in zip(model._routers(), again._routers()):
+    for a, b in zip(model._routers(), again._routers(), strict=True):
         assert torch.equal(a.e_score_correction_bias, b.e_score_correction_bias)
     assert isinstance(AutoModelForSequenceClassification.from_config(model.config), KDAMoEForSequenceClassification)
 
@@ -255,8 +258,6 @@ def test_eager_and_sdpa_attention_agree():
 def test_fused_linear_equals_each_projection_and_leaves_wrapped_modules_to_themselves():
     """One GEMM over concatenated weights == each ``nn.Linear`` on its own (float64); a module that is not a plain
     bias-free Linear (here one with a bias, as a stand-in for a wrapper) makes every module run itself."""
-    from kdamoe.model.modeling_kdamoe import fused_linear
-
     gen = torch.Generator().manual_seed(3)
     mods = tuple(torch.nn.Linear(24, n, bias=False).double() for n in (16, 5, 1, 9))
     x = torch.randn(2, 7, 24, generator=gen, dtype=torch.float64)
@@ -271,8 +272,6 @@ def test_fused_linear_group_is_one_view_of_its_modules_side_by_side():
     """A tuple entry (the KDA layer's q|k|v) gives one output, its modules' outputs side by side: in the fused case a
     single column view of the one GEMM (row stride Σ out), so its gradient reaches autograd as one piece; with a
     module that is not plain, the modules' own outputs concatenated. Values as each ``nn.Linear`` (float64)."""
-    from kdamoe.model.modeling_kdamoe import fused_linear
-
     gen = torch.Generator().manual_seed(5)
     mods = tuple(torch.nn.Linear(24, n, bias=False).double() for n in (6, 6, 6, 3))
     x = torch.randn(2, 7, 24, generator=gen, dtype=torch.float64)
@@ -289,8 +288,6 @@ def test_fused_linear_group_is_one_view_of_its_modules_side_by_side():
 def test_fused_linear_first_and_second_derivatives_equal_each_projection_on_its_own():
     """Gradients of the input and of every weight through the fused GEMM against separate ``nn.Linear`` modules in
     float64, and the same for a gradient penalty (double backward, ``create_graph=True``)."""
-    from kdamoe.model.modeling_kdamoe import fused_linear
-
     gen = torch.Generator().manual_seed(4)
     mods = tuple(torch.nn.Linear(24, n, bias=False).double() for n in (16, 5, 1, 9))
     x = torch.randn(2, 7, 24, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -298,7 +295,7 @@ def test_fused_linear_first_and_second_derivatives_equal_each_projection_on_its_
     params = [x, *(m.weight for m in mods)]
 
     def derivatives(outs):
-        loss = sum((o.tanh() * u).sum() for o, u in zip(outs, upstream))
+        loss = sum((o.tanh() * u).sum() for o, u in zip(outs, upstream, strict=True))
         grads = torch.autograd.grad(loss, params, create_graph=True)
         return grads + torch.autograd.grad(sum(g.square().sum() for g in grads), params)
 
@@ -310,8 +307,6 @@ def test_fused_linear_first_and_second_derivatives_equal_each_projection_on_its_
 
 def test_fused_linear_with_mismatched_dtypes_raises_like_the_modules():
     """float32 input, float64 weights: the same error as the modules give, not a silent cast."""
-    from kdamoe.model.modeling_kdamoe import fused_linear
-
     mods = tuple(torch.nn.Linear(6, n, bias=False).double() for n in (4, 3))
     x = torch.randn(5, 6, requires_grad=True)
     with pytest.raises(RuntimeError, match="dtype"):
@@ -321,8 +316,6 @@ def test_fused_linear_with_mismatched_dtypes_raises_like_the_modules():
 def test_fused_linear_under_autocast_runs_in_bfloat16_and_returns_float32_gradients():
     """float32 master weights under CPU bfloat16 autocast: the outputs are bfloat16 like ``F.linear``'s under
     autocast, and the gradients float32 and equal to autocast's separate projections."""
-    from kdamoe.model.modeling_kdamoe import fused_linear
-
     gen = torch.Generator().manual_seed(6)
     mods = tuple(torch.nn.Linear(32, n, bias=False) for n in (16, 8))
     x = torch.randn(3, 5, 32, generator=gen, requires_grad=True)

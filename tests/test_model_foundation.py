@@ -3,8 +3,9 @@ transformers' experts interface, output recording and ``return_dict``."""
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-from kdamoe import KDAMoEConfig, KDAMoEForCausalLM, KDAMoEForSequenceClassification, KDAMoEModel
+from kdamoe import KDAMoEForCausalLM, KDAMoEForSequenceClassification
 from kdamoe.model.moe_torch import moe_experts_torch
 from tests.helpers import tiny_config
 
@@ -167,8 +168,6 @@ def test_bad_config_values_raise_at_config_time(field, value):
 @pytest.mark.parametrize("field, value", [("situ_beta", float("inf")), ("rms_norm_eps", -1.0), ("rms_norm_eps", True),
                                           ("tie_word_embeddings", "yes"), ("kda_lower_bound", -50.0)])
 def test_bad_values_set_after_the_config_are_refused_when_the_model_is_built(tmp_path, field, value):
-    from transformers import AutoModelForCausalLM
-
     config = tiny_config()
     setattr(config, field, value)
     with pytest.raises(ValueError, match=field):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
 
+import kdamoe.kernels as kernels
 import kdamoe.model.modeling_kdamoe as modeling
 from kdamoe import KDAMoEForCausalLM
 from tests.helpers import tiny_config
@@ -68,8 +69,6 @@ def test_triton_backend_fused_loss_matches_torch_backend(monkeypatch):
     """With labels, ignored positions and the trainer's int64 ``num_items_in_batch``, the model on the triton backend
     (the fused kernel) gives the torch backend's loss (transformers' ForCausalLMLoss), lm_head gradient and gradient
     of the hidden states within float32 tolerance; the logits stay lm_head's output."""
-    import kdamoe.kernels as kernels
-
     kernel_calls = []
     real_kernel = kernels.causal_lm_loss
     monkeypatch.setattr(kernels, "causal_lm_loss", lambda *a: kernel_calls.append(1) or real_kernel(*a))

@@ -5,12 +5,23 @@ import traceback
 
 import pytest
 import torch
+import triton.runtime.interpreter as interpreter
 
+import kdamoe.kernels as kernels
+import kdamoe.kernels.moe.experts as experts
 from kdamoe import KDAMoEForCausalLM
+from kdamoe.model.modeling_kdamoe import (
+    KDAMoEBlockAttnRes,
+    KDAMoEDeltaAttention,
+    KDAMoEGatedRMSNorm,
+    KDAMoERMSNorm,
+    _dt_bias_init,
+)
 from tests.helpers import tiny_config
 
-# These run the model with kernel_backend="triton" on CPU tensors through the Triton interpreter; on a GPU machine (KDAMOE_TEST_ON_GPU=1) the same code
-# paths are checked on CUDA by tests/test_gpu_backends.py and the benchmarks' agreement columns.
+# These run the model with kernel_backend="triton" on CPU tensors through the Triton interpreter; on a GPU machine
+# (KDAMOE_TEST_ON_GPU=1) the same code paths are checked on CUDA by tests/test_gpu_backends.py and the benchmarks'
+# agreement columns.
 pytestmark = pytest.mark.skipif(bool(os.environ.get("KDAMOE_TEST_ON_GPU")), reason="CPU-interpreter test")
 
 
@@ -30,15 +41,16 @@ def _model(**overrides):
 def _count_norm_kernel_calls(monkeypatch) -> dict:
     """``{op: calls}`` of the norm kernels (and the AttnRes mix, which fuses a key norm) of ``kdamoe.kernels``,
     counted from now on."""
-    import kdamoe.kernels as kernels
-
     calls = {"rms_norm": 0, "add_rms_norm": 0, "gated_rms_norm": 0, "block_attnres": 0}
-    for name in calls:
-        def counted(*args, _real=getattr(kernels, name), _name=name):
-            calls[_name] += 1
-            return _real(*args)
+    def counting(name, real):
+        def counted(*args):
+            calls[name] += 1
+            return real(*args)
 
-        monkeypatch.setattr(kernels, name, counted)
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(kernels, name, counting(name, getattr(kernels, name)))
     return calls
 
 
@@ -48,8 +60,6 @@ def test_training_step_matches_torch_backend_on_packed_batch(monkeypatch, attnre
     every RMSNorm onto the Triton norm kernels (one call per norm module), the KDA output norm onto the gated one and
     every Block AttnRes mix (with its key norm) onto the AttnRes kernel; in the plain residual stream each layer's
     post-attention norm runs fused with the residual add."""
-    from kdamoe.model.modeling_kdamoe import KDAMoEBlockAttnRes, KDAMoEGatedRMSNorm, KDAMoERMSNorm
-
     model = _model(attnres_num_blocks=attnres_num_blocks).train()
     mixes = sum(isinstance(m, KDAMoEBlockAttnRes) for m in model.modules())
     norms = [m for m in model.modules() if isinstance(m, KDAMoERMSNorm)]
@@ -142,8 +152,6 @@ def test_training_step_reads_nothing_back_from_the_device(monkeypatch, inputs):
     padding, transformers' own mask builders still read back whether the mask is all ones. The interpreter-only
     launch planning of the experts op (``_interpreter_launch``, host syncs that cost nothing on the CPU) is not
     counted."""
-    import kdamoe.kernels.moe.experts as experts
-
     torch.manual_seed(0)  # two layers (KDA, then MLA with MoE) carry every op of the four-layer model
     model = KDAMoEForCausalLM(tiny_config(kda_head_dim=16, num_hidden_layers=2, kernel_backend="triton",
                                           layer_types=["linear_attention", "full_attention"])).train()
@@ -197,13 +205,10 @@ def test_kda_layer_training_step_copies_no_activation(monkeypatch):
     of q, k and v is one kernel launch forward and two backward (before: three and six), at a width (2 heads × 16 =
     32 channels per part) that is not a multiple of the conv's channel block. The layer's output and gradients still
     equal the torch backend's."""
-    import triton.runtime.interpreter as interpreter
-
-    from kdamoe.model.modeling_kdamoe import KDAMoEDeltaAttention, _dt_bias_init
-
     torch.manual_seed(0)
     layer = KDAMoEDeltaAttention(tiny_config(kda_head_dim=16, kernel_backend="triton"), 0)
-    with torch.no_grad():  # built alone, the layer skips the model's _init_weights: dt_bias would be torch.empty's bytes
+    # built alone, the layer skips the model's _init_weights: dt_bias would be torch.empty's bytes
+    with torch.no_grad():
         layer.dt_bias.copy_(_dt_bias_init(layer.dt_bias, layer.config.kda_lower_bound))
     B, T = 2, 40
     x = torch.randn(B, T, layer.config.hidden_size, generator=torch.Generator().manual_seed(3), requires_grad=True)
@@ -277,7 +282,7 @@ def test_training_after_an_inference_mode_forward_of_the_same_shape():
     fresh = _model()
     fresh.config.kernel_backend = "triton"
     fresh(ids, labels=ids, use_cache=False).loss.backward()
-    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)

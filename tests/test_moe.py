@@ -12,13 +12,15 @@ from tests.helpers import tiny_config
 
 def test_situ_glu_is_capped_and_equals_swiglu_near_zero():
     gen = torch.Generator().manual_seed(0)
-    a, b = 1e3 * torch.randn(10000, generator=gen, dtype=torch.float64), 1e3 * torch.randn(10000, generator=gen, dtype=torch.float64)
+    a = 1e3 * torch.randn(10000, generator=gen, dtype=torch.float64)
+    b = 1e3 * torch.randn(10000, generator=gen, dtype=torch.float64)
     out = situ_glu(a, b, 4.0, 25.0)
     assert float(out.abs().max()) <= 4.0 * 25.0
     assert float(out.abs().max()) > 0.9 * 4.0 * 25.0  # the cap is reached, not just respected
     moderate = situ_glu(a / 100, b / 100, 4.0, 25.0)
     assert float(moderate.abs().max()) < 4.0 * 25.0
-    small_a, small_b = 1e-3 * torch.randn(1000, generator=gen, dtype=torch.float64), 1e-3 * torch.randn(1000, generator=gen, dtype=torch.float64)
+    small_a = 1e-3 * torch.randn(1000, generator=gen, dtype=torch.float64)
+    small_b = 1e-3 * torch.randn(1000, generator=gen, dtype=torch.float64)
     swiglu = torch.nn.functional.silu(small_a) * small_b
     torch.testing.assert_close(situ_glu(small_a, small_b), swiglu, rtol=1e-6, atol=0)
     # Formula, term by term.
@@ -44,7 +46,7 @@ def test_torch_experts_match_brute_force_and_skip_foreign_tokens(hidden_act):
     torch.testing.assert_close(out, ref)
     grads = torch.autograd.grad(out.square().sum(), (x, w, gate_up, down))
     grads_ref = torch.autograd.grad(ref.square().sum(), (x, w, gate_up, down))
-    for got, want in zip(grads, grads_ref):
+    for got, want in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(got, want)
 
 
@@ -63,7 +65,8 @@ def test_histogram_quantile_within_one_bin_of_exact():
 
 
 def _skewed_router(rule, seed=0):
-    config = tiny_config(hidden_size=32, num_experts=16, num_experts_per_tok=2, router_bias_update=rule, router_bias_update_rate=1e-3)
+    config = tiny_config(hidden_size=32, num_experts=16, num_experts_per_tok=2, router_bias_update=rule,
+                         router_bias_update_rate=1e-3)
     router = KDAMoETopkRouter(config)
     gen = torch.Generator().manual_seed(seed)
     direction = torch.randn(32, generator=gen)

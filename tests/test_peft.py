@@ -2,8 +2,10 @@
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import TrainerControl, TrainerState
 
 from kdamoe import KDAMoEForCausalLM
+from kdamoe.callbacks import RouterBiasUpdateCallback
 from tests.helpers import tiny_config
 
 
@@ -35,10 +37,6 @@ def test_lora_on_attention_and_experts_trains_and_merges():
 
 def test_lora_adapter_on_a_fresh_base_reproduces_the_trained_model(tmp_path, caplog):
     """Router biases are frozen under PEFT: the adapter alone (no buffers) must rebuild the trained model."""
-    from transformers import TrainerControl, TrainerState
-
-    from kdamoe.callbacks import RouterBiasUpdateCallback
-
     torch.manual_seed(0)
     base = KDAMoEForCausalLM(tiny_config())
     base.save_pretrained(tmp_path / "base")  # the published base

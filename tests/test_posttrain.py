@@ -7,26 +7,38 @@ the policy takes each operand from the last tool result, so a right answer needs
 """
 
 import json
+import json as json_module
 import logging
 import re
+import shutil
+import warnings
 
 import pytest
 import torch
+from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import get_json_schema
+from trl import SFTConfig
 
+import kdamoe.posttraining
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.callbacks import RouterBiasUpdateCallback, add_router_bias_callback
+from kdamoe.cli import posttrain_main
+from kdamoe.common.cards import render_model_card
+from kdamoe.common.run_folder import RunFolderError
 from kdamoe.posttraining import load_posttrain_config, run_recipe
 from kdamoe.posttraining.data import tool_schemas
-from kdamoe.posttraining.environment import ArithmeticEnvironment, make_tasks
+from kdamoe.posttraining.environment import ArithmeticEnvironment, ArithmeticTask, make_tasks
+from kdamoe.posttraining.long_update import real_token_span
 from kdamoe.posttraining.recipes import build_trainer
 from kdamoe.posttraining.recipes import grpo as grpo_recipe
+from kdamoe.posttraining.recipes.common import trainer_args
 from kdamoe.training.tokenizer import train_tokenizer
-
 from tests.helpers import tiny_config
 
-FAST = ["trainer.max_steps=1", "trainer.warmup_steps=0", "trainer.per_device_train_batch_size=2", "trainer.save_strategy='no'",
-        "data.num_tasks=4", "data.environment=arithmetic", "data.min_calls=1", "data.max_calls=1", "data.max_operand=5"]
+FAST = ["trainer.max_steps=1", "trainer.warmup_steps=0", "trainer.per_device_train_batch_size=2",
+        "trainer.save_strategy='no'", "data.num_tasks=4", "data.environment=arithmetic", "data.min_calls=1",
+        "data.max_calls=1", "data.max_operand=5"]
 RL_FAST = FAST + ["trainer.num_generations=2"]
 
 
@@ -116,7 +128,7 @@ def _script(model, tokenizer, tasks, steps_of):
 
     def generate(input_ids, attention_mask=None, **kwargs):
         rows = []
-        for ids, mask in zip(input_ids, attention_mask):
+        for ids, mask in zip(input_ids, attention_mask, strict=True):
             text = tokenizer.decode(ids[mask.bool()], skip_special_tokens=False)
             reply = _assistant_text(tokenizer, next_message(text))
             rows.append(torch.tensor(tokenizer(reply, add_special_tokens=False)["input_ids"]))
@@ -142,7 +154,7 @@ def record_rewards(trainer) -> list:
 
     def recording(inputs, *args):
         rewards = calculate(inputs, *args)
-        seen.extend(zip([row["task"] for row in inputs], rewards[:, 0].tolist()))
+        seen.extend(zip([row["task"] for row in inputs], rewards[:, 0].tolist(), strict=True))
         return rewards
 
     trainer._calculate_rewards = recording
@@ -157,11 +169,13 @@ def _expected_env_reward(task, steps):
 
 def test_grpo_environment_rewards_are_the_environment_rewards(base, tmp_path):
     cfg = _cfg("grpo", base, tmp_path, *RL_FAST, "data.max_calls=2", "data.num_tasks=4")
-    steps_of = lambda task: task.n_ops if task.start % 2 else task.n_ops - 1  # careful or one step short  # noqa: E731
+
+    def steps_of(task):
+        return task.n_ops if task.start % 2 else task.n_ops - 1  # careful or one step short
+
     trainer, seen = _grpo_trainer(cfg, base, steps_of)
     trainer.train()
     assert seen
-    from kdamoe.posttraining.environment import ArithmeticTask
 
     for task_json, reward in seen:
         task = ArithmeticTask.from_json(task_json)
@@ -181,16 +195,17 @@ def test_grpo_tools_executes_tool_calls(base, tmp_path):
 
 
 def test_grpo_tools_have_the_environment_schemas():
-    from transformers.utils import get_json_schema
-
     assert [get_json_schema(f) for f in grpo_recipe.TOOLS] == tool_schemas(ArithmeticEnvironment)
 
 
 def test_rewards_of_single_turn_and_tools_modes():
     assert grpo_recipe.stated_answer_reward([[{"role": "assistant", "content": "7 + 5 = 12"}], "it is 13", "none"],
                                             answer=[12, 12, 12]) == [1.0, 0.0, 0.0]
-    submit = lambda v: {"role": "assistant", "tool_calls": [  # noqa: E731
-        {"type": "function", "function": {"name": "submit", "arguments": {"answer": v}}}]}
+
+    def submit(v):
+        return {"role": "assistant", "tool_calls": [
+            {"type": "function", "function": {"name": "submit", "arguments": {"answer": v}}}]}
+
     assert grpo_recipe.submitted_answer_reward([[submit(3), submit(12)], [submit("12")], [submit(11)], []],
                                                answer=[12, 12, 12, 12]) == [1.0, 1.0, 0.0, 0.0]
 
@@ -234,7 +249,6 @@ def test_lora_on_experts_keeps_biases_and_reloads(base, tmp_path):
     with torch.no_grad():
         trained = result["model"].eval()(ids).logits
         final = AutoModelForCausalLM.from_pretrained(result["final"], trust_remote_code=True).eval()
-        from peft import PeftModel
 
         on_base = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), result["adapter"]).eval()
         base_logits = AutoModelForCausalLM.from_pretrained(base).eval()(ids).logits
@@ -308,11 +322,10 @@ def test_aux_loss_with_quantile_balancing_and_too_long_budget_are_refused(base, 
 
 
 def test_cli_runs_sft_then_resumes(base, tmp_path, capsys):
-    from kdamoe.cli import posttrain_main
-
     out = tmp_path / "run"
     args = ["--config", "sft", "--output-dir", str(out), "--set", f"model={base}", "--set", "data.num_tasks=4",
-            "--set", "data.max_calls=1", "--set", "data.environment=arithmetic", "--set", "trainer.per_device_train_batch_size=2", "--set", "trainer.save_steps=1"]
+            "--set", "data.max_calls=1", "--set", "data.environment=arithmetic",
+            "--set", "trainer.per_device_train_batch_size=2", "--set", "trainer.save_steps=1"]
     assert posttrain_main([*args, "--set", "trainer.max_steps=2"]) == 0
     assert capsys.readouterr().out.strip().endswith("final")
     first = json.loads((out / "summary.json").read_text())
@@ -332,11 +345,6 @@ def test_resume_takes_the_newest_intact_checkpoint_and_refuses_another_run(base,
     """Before: a checkpoint without optimizer.pt / scheduler.pt resumed with a fresh optimizer and schedule, a damaged
     newest checkpoint stopped the run with a traceback, no intact one silently started over, and another model=
     continued the old run under the new base's name."""
-    import shutil
-
-    from kdamoe.cli import posttrain_main
-    from kdamoe.common.run_folder import RunFolderError
-
     out = tmp_path / "run"
     args = ["--config", "sft", "--output-dir", str(out), "--set", f"model={base}", "--set", "data.num_tasks=4",
             "--set", "data.max_calls=1", "--set", "data.environment=arithmetic",
@@ -374,8 +382,6 @@ def test_resume_takes_the_newest_intact_checkpoint_and_refuses_another_run(base,
 
 
 def test_card_renders_the_reward_curve():
-    from kdamoe.common.cards import render_model_card
-
     card = str(render_model_card(tiny_config(), repo_id="kdamoe/x", total=10, active=5, recipe="`grpo` (environment)",
                                  base_model_path="outputs/base", reward_curve=[(1, 0.25), (2, 0.5)],
                                  reward_curve_image="reward_curve.png"))
@@ -398,12 +404,6 @@ def test_cli_keeps_a_library_errors_traceback_and_turns_ours_into_a_usage_error(
     """``kdamoe-posttrain``: a ValueError raised by kdamoe's own checks is a usage error (one line, exit 2); one raised
     inside a library (here json's) propagates with its traceback, which once was hidden and made a deep crash look
     like a config error."""
-    import json as json_module
-
-    import kdamoe.posttraining
-    from kdamoe.cli import posttrain_main
-    from kdamoe.posttraining.long_update import real_token_span
-
     monkeypatch.setattr(kdamoe.posttraining, "run_recipe", lambda cfg, **kw: json_module.loads("not json"))
     with pytest.raises(json_module.JSONDecodeError):
         posttrain_main(["--config", "sft"])
@@ -419,12 +419,6 @@ def test_checkpointing_uses_the_current_names_and_keeps_a_users_old_name(tmp_pat
     """The recipes set ``activation_checkpointing`` (transformers 5.24's name; the old ``gradient_checkpointing``
     warned on every run); a user's old-name setting is renamed, not silently beaten by a default under the new name
     (given both, the new one wins inside TrainingArguments), and both names at once are refused."""
-    import warnings
-
-    from trl import SFTConfig
-
-    from kdamoe.posttraining.recipes.common import trainer_args
-
     cfg = load_posttrain_config("sft", [f"output_dir={tmp_path}"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -16,9 +16,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kdamoe import KDAMoEForCausalLM
+from kdamoe.cli import posttrain_demo_main
 from kdamoe.posttraining.agent import run_episodes, summarize_episodes
+from kdamoe.posttraining.demo import STAGES, run_demo
 from kdamoe.posttraining.keyhunt import KeyHuntEnvironment, KeyHuntTask
-
 from tests.helpers import tiny_config
 from tests.test_posttrain_keyhunt import _keyhunt_tokenizer, _reply_ids, expected_reward
 
@@ -106,7 +107,7 @@ class ScriptedGenerate:
     def __call__(self, input_ids, attention_mask, max_new_tokens, **kwargs):
         self.kwargs.append(kwargs)
         rows = []
-        for ids, mask in zip(input_ids, attention_mask):
+        for ids, mask in zip(input_ids, attention_mask, strict=True):
             n = int(mask.sum())
             assert mask[-n:].all() and not mask[:-n].any()  # left padding
             text = self.tokenizer.decode(ids[-n:], skip_special_tokens=False)
@@ -245,8 +246,6 @@ def test_summarize_episodes_by_hand():
     (["--seeds", "0"], "--seeds must be >= 1 (got 0)"), (["--held-out", "0"], "--held-out must be >= 1 (got 0)"),
 ])
 def test_demo_cli_usage_errors(argv, needle, capsys):
-    from kdamoe.cli import posttrain_demo_main
-
     with pytest.raises(SystemExit) as exit_info:
         posttrain_demo_main(argv)
     assert exit_info.value.code == 2
@@ -254,8 +253,6 @@ def test_demo_cli_usage_errors(argv, needle, capsys):
 
 
 def test_demo_cli_refuses_a_base_without_config(tmp_path, capsys):
-    from kdamoe.cli import posttrain_demo_main
-
     empty = tmp_path / "not_a_model"
     empty.mkdir()
     with pytest.raises(SystemExit) as exit_info:
@@ -271,8 +268,6 @@ DEMO_FAST = ["trainer.max_steps=1", "trainer.warmup_steps=0", "trainer.per_devic
 
 
 def test_run_demo_end_to_end(tokenizer, tmp_path):
-    from kdamoe.posttraining.demo import STAGES, run_demo
-
     base = tmp_path / "base"
     torch.manual_seed(0)
     config = tiny_config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,

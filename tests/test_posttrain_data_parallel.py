@@ -19,12 +19,13 @@ sum theirs and DDP adds the two partial gradients, so float32 sums are taken in 
 after step 1 differ by float32 rounding. The Trainer divides every rank's token-loss sum by (global token count
 / N) (``average_tokens_across_devices``, default True; TRL's ``SFTTrainer.compute_loss`` then multiplies by N
 before DDP averages), so each token weighs the same on every rank. Measured over these 4 steps: at most 1e-7
-relative at 2 and at 4 processes (9.7e-8 each), so ``LOSS_RTOL = 1e-5`` leaves a 100x margin; a per-rank mean instead of the global
-token mean (``average_tokens_across_devices=false``; the episodes have unequal assistant token counts) was off
-by 1.6e-4 to 5.6e-4 relative on steps 2-4 (5e-6 on step 1, the same weights). The Quantile
+relative at 2 and at 4 processes (9.7e-8 each), so ``LOSS_RTOL = 1e-5`` leaves a 100x margin; a per-rank mean instead of
+the global token mean (``average_tokens_across_devices=false``; the episodes have unequal assistant token counts) was
+off by 1.6e-4 to 5.6e-4 relative on steps 2-4 (5e-6 on step 1, the same weights). The Quantile
 Balancing histograms count the same tokens in the same bins unless a margin lies within rounding of a bin edge:
-measured, the biases equal the one-process run bitwise at 2 and 4 processes; they are compared with ``BIAS_ATOL = 1e-6``, and across
-ranks bitwise (one all-reduce of the statistics per update: every rank computes from the same sums).
+measured, the biases equal the one-process run bitwise at 2 and 4 processes; they are compared with
+``BIAS_ATOL = 1e-6``, and across ranks bitwise (one all-reduce of the statistics per update: every rank computes from
+the same sums).
 
 Other recipes (GRPO in mode ``single_turn`` with a KL term ``beta=0.1``, DPO, RLOO): 5 steps of a global batch
 of 4 rows (GRPO / RLOO: 2 prompts x ``num_generations=2``), 1 process x 4 against 2 processes x 2. One launch per
@@ -59,11 +60,20 @@ import json
 import os
 import shutil
 import sys
+from itertools import pairwise
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 
+from kdamoe import KDAMoEForCausalLM, KDAMoEModel
+from kdamoe.cli import posttrain_main
+from kdamoe.common.parallel import check_world_size
+from kdamoe.posttraining.recipes import grpo, rloo
+from kdamoe.posttraining.recipes.grpo import _text
 from tests.helpers import launch_processes
 from tests.test_posttrain import base  # noqa: F401  (the tiny base folder fixture)
 
@@ -90,14 +100,14 @@ def _launch(base_dir: str, out: Path, processes: int, *extra: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def sft_one(base, tmp_path_factory):  # noqa: F811
+def sft_one(base, tmp_path_factory):  # noqa: F811 (the imported base fixture, which pytest passes by name)
     """The one-process SFT run both process counts are compared with."""
     return _launch(base, tmp_path_factory.mktemp("sft_one"), 1)
 
 
 @pytest.mark.xdist_group("distributed")
 @pytest.mark.parametrize("processes", [2, 4])
-def test_sft_on_n_processes_reproduces_one_process_with_the_same_global_batch(base, sft_one, processes,  # noqa: F811
+def test_sft_on_n_processes_reproduces_one_process_with_the_same_global_batch(base, sft_one, processes,  # noqa: F811 (the imported base fixture, which pytest passes by name)
                                                                               tmp_path):
     one = sft_one
     many = _launch(base, tmp_path / "many", processes)
@@ -105,7 +115,7 @@ def test_sft_on_n_processes_reproduces_one_process_with_the_same_global_batch(ba
     # Same episodes in the same order: at every step rank r saw the r-th slice of the one-process batch.
     single = one["ranks"][0]["episodes"]  # per step, GLOBAL_BATCH token lists
     assert len(single) == STEPS and all(len(step) == GLOBAL_BATCH for step in single)
-    slices = [sum(step, []) for step in zip(*(rank["episodes"] for rank in many["ranks"]))]
+    slices = [sum(step, []) for step in zip(*(rank["episodes"] for rank in many["ranks"]), strict=True)]
     assert slices == single
 
     assert len(one["losses"]) == len(many["losses"]) == STEPS
@@ -136,15 +146,14 @@ def _rl_argv(base_dir: str, root: Path, processes: int, recipe: str) -> list[str
     overrides = [f"model={base_dir}", f"trainer.max_steps={RL_STEPS}", "trainer.warmup_steps=0",
                  f"trainer.per_device_train_batch_size={RL_GLOBAL_BATCH // processes}", "trainer.optim=sgd",
                  "trainer.learning_rate=0.5",
-                 "trainer.save_strategy='no'", "trainer.logging_steps=1", f"data.num_tasks={RL_STEPS * RL_GLOBAL_BATCH}",
+                 "trainer.save_strategy='no'", "trainer.logging_steps=1",
+                 f"data.num_tasks={RL_STEPS * RL_GLOBAL_BATCH}",
                  "data.environment=arithmetic", "data.min_calls=1", "data.max_calls=1", "data.max_operand=5"]
     return [str(dump), "--output-dir", str(root / recipe), "--no-resume", *[a for o in overrides for a in ("--set", o)],
             *RL_RECIPES[recipe]]  # last: the recipe's own overrides win
 
 
 def _rl_results(root: Path, processes: int) -> dict:
-    from safetensors.torch import load_file
-
     out = {}
     for recipe in RL_RECIPES:
         history = json.loads((root / recipe / "summary.json").read_text())["log_history"]
@@ -155,7 +164,7 @@ def _rl_results(root: Path, processes: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def rl_runs(base, tmp_path_factory):  # noqa: F811
+def rl_runs(base, tmp_path_factory):  # noqa: F811 (the imported base fixture, which pytest passes by name)
     """``{processes: {recipe: {"losses", "ranks", "weights"}}}`` for 1 and 2 processes; the 2-process GRPO and
     RLOO runs replay the 1-process rollouts."""
     root = tmp_path_factory.mktemp("rl")
@@ -175,8 +184,6 @@ def rl_runs(base, tmp_path_factory):  # noqa: F811
 @pytest.mark.xdist_group("distributed")
 @pytest.mark.parametrize("recipe", RL_RECIPES)
 def test_rl_recipes_on_two_processes_reproduce_one_process_with_the_same_global_batch(rl_runs, recipe):
-    from safetensors.torch import load_file
-
     one, two = rl_runs[1][recipe], rl_runs[2][recipe]
     assert len(one["losses"]) == len(two["losses"]) == RL_STEPS
     assert len(set(one["losses"])) > 1  # the loss moves with the weights
@@ -200,10 +207,6 @@ def test_rl_recipes_on_two_processes_reproduce_one_process_with_the_same_global_
 
 def test_a_launch_the_trainer_did_not_set_up_is_refused(monkeypatch):
     # What the Trainer builds with use_cpu=false under a 2-process torchrun on a CPU: one lone process each.
-    from types import SimpleNamespace
-
-    from kdamoe.common.parallel import check_world_size
-
     lone = SimpleNamespace(num_processes=1, distributed_type="NO")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="WORLD_SIZE=2 .* set up 1"):
@@ -217,8 +220,6 @@ def _text_length_reward(completions, **kwargs) -> list[float]:
     (the stated answer) is 0 for every rollout of the untrained tiny base, so every advantage would be 0 and no
     weight would move; the cross-process logic under test (gathered rewards, group baselines, loss
     normalisation) does not depend on which deterministic reward it is."""
-    from kdamoe.posttraining.recipes.grpo import _text
-
     return [len(_text(completion)) / 10 for completion in completions]
 
 
@@ -234,55 +235,58 @@ def _posttrain_recording(runs: list[list[str]]) -> int:
     ``DUMP_DIR/replay.pt`` exists (the one-process run's ``rollouts0.pt``), ``generate`` returns this rank's
     contiguous slice of the recorded completions instead of sampling, after checking that its prompts are that
     slice's prompts."""
-    from torch.distributed.tensor import DTensor
-
-    from kdamoe import KDAMoEForCausalLM, KDAMoEModel
-    from kdamoe.cli import posttrain_main
-    from kdamoe.posttraining.recipes import grpo, rloo
-
     grpo.stated_answer_reward = rloo.stated_answer_reward = _text_length_reward
-    forward, update, generate = KDAMoEModel.forward, KDAMoEForCausalLM.update_router_biases, KDAMoEForCausalLM.generate
+    originals = KDAMoEModel.forward, KDAMoEForCausalLM.update_router_biases, KDAMoEForCausalLM.generate
     rank = int(os.environ.get("RANK", "0"))
     for dump, *argv in runs:
-        dump = Path(dump)
-        episodes, biases, rollouts, sharded = [], [], [], []
-        replay = torch.load(dump / "replay.pt") if (dump / "replay.pt").exists() else None
-
-        # The backbone's forward: TRL's fused LM head (SFTTrainer) runs it directly, not KDAMoEForCausalLM.forward.
-        def recording_forward(self, *args, **kwargs):
-            positions = kwargs.get("position_ids")
-            if self.training and torch.is_grad_enabled() and positions is not None:
-                ids = kwargs["input_ids"]  # padding-free: [1, total tokens]
-                assert ids.shape[0] == 1
-                starts = (positions[0] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
-                episodes.append([ids[0, a:b].tolist() for a, b in zip(starts, starts[1:])])
-            return forward(self, *args, **kwargs)
-
-        def recording_update(self):
-            update(self)
-            biases.append(torch.stack([r.e_score_correction_bias.clone() for r in self._routers()]))
-            sharded.append(all(isinstance(p, DTensor) for p in self.parameters()))  # FSDP2 holds DTensor shards
-
-        def recording_generate(self, input_ids, attention_mask, **kwargs):
-            prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)]
-            if replay is None:
-                completions = generate(self, input_ids=input_ids, attention_mask=attention_mask,
-                                       **kwargs)[:, input_ids.shape[1]:]
-            else:
-                recorded = replay[len(rollouts)]
-                rows = slice(rank * len(prompts), (rank + 1) * len(prompts))
-                assert recorded["prompts"][rows] == prompts, "this rank's prompts are not its slice of the batch"
-                completions = recorded["completions"][rows]
-            rollouts.append({"prompts": prompts, "completions": completions})
-            return torch.cat([input_ids, completions], dim=1)
-
-        KDAMoEModel.forward, KDAMoEForCausalLM.update_router_biases = recording_forward, recording_update
-        KDAMoEForCausalLM.generate = recording_generate
-        status = posttrain_main(argv)
+        status = _run_recorded(Path(dump), argv, rank, *originals)
         if status:
             return status
-        torch.save({"episodes": episodes, "biases": torch.stack(biases), "sharded": sharded}, dump / f"rank{rank}.pt")
-        torch.save(rollouts, dump / f"rollouts{rank}.pt")
+    return 0
+
+
+def _run_recorded(dump: Path, argv: list[str], rank: int, forward, update, generate) -> int:
+    """One run of :func:`_posttrain_recording`: ``posttrain_main(argv)`` with the model's ``forward``,
+    ``update_router_biases`` and ``generate`` replaced by recording ones that call ``forward``, ``update`` and
+    ``generate`` (the unpatched methods); the records go to ``dump``. Returns ``posttrain_main``'s status."""
+    episodes, biases, rollouts, sharded = [], [], [], []
+    replay = torch.load(dump / "replay.pt") if (dump / "replay.pt").exists() else None
+
+    # The backbone's forward: TRL's fused LM head (SFTTrainer) runs it directly, not KDAMoEForCausalLM.forward.
+    def recording_forward(self, *args, **kwargs):
+        positions = kwargs.get("position_ids")
+        if self.training and torch.is_grad_enabled() and positions is not None:
+            ids = kwargs["input_ids"]  # padding-free: [1, total tokens]
+            assert ids.shape[0] == 1
+            starts = (positions[0] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+            episodes.append([ids[0, a:b].tolist() for a, b in pairwise(starts)])
+        return forward(self, *args, **kwargs)
+
+    def recording_update(self):
+        update(self)
+        biases.append(torch.stack([r.e_score_correction_bias.clone() for r in self._routers()]))
+        sharded.append(all(isinstance(p, DTensor) for p in self.parameters()))  # FSDP2 holds DTensor shards
+
+    def recording_generate(self, input_ids, attention_mask, **kwargs):
+        prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask, strict=True)]
+        if replay is None:
+            completions = generate(self, input_ids=input_ids, attention_mask=attention_mask,
+                                   **kwargs)[:, input_ids.shape[1]:]
+        else:
+            recorded = replay[len(rollouts)]
+            rows = slice(rank * len(prompts), (rank + 1) * len(prompts))
+            assert recorded["prompts"][rows] == prompts, "this rank's prompts are not its slice of the batch"
+            completions = recorded["completions"][rows]
+        rollouts.append({"prompts": prompts, "completions": completions})
+        return torch.cat([input_ids, completions], dim=1)
+
+    KDAMoEModel.forward, KDAMoEForCausalLM.update_router_biases = recording_forward, recording_update
+    KDAMoEForCausalLM.generate = recording_generate
+    status = posttrain_main(argv)
+    if status:
+        return status
+    torch.save({"episodes": episodes, "biases": torch.stack(biases), "sharded": sharded}, dump / f"rank{rank}.pt")
+    torch.save(rollouts, dump / f"rollouts{rank}.pt")
     return 0
 
 

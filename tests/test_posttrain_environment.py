@@ -108,7 +108,10 @@ def test_json_text_arguments_render_as_tojson(tokenizer):
     for message in as_dict:
         for call in message.get("tool_calls") or []:
             call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-    render = lambda m: tokenizer.apply_chat_template([{"role": "user", "content": "x"}, *m], tokenize=False)  # noqa: E731
+
+    def render(m):
+        return tokenizer.apply_chat_template([{"role": "user", "content": "x"}, *m], tokenize=False)
+
     assert render(as_text) == render(as_dict)
     assert '{"name": "add", "arguments": {"a": 3, "b": 4}}' in render(as_text)
 
@@ -119,11 +122,11 @@ def test_dataset_columns():
     assert [r["answer"] for r in rows] == [t.answer for t in tasks]
     assert [ArithmeticTask.from_json(r["task"]) for r in rows] == tasks
     pairs = preference_dataset(tasks, seed=0)
-    for pair, task in zip(pairs, tasks):
+    for pair, task in zip(pairs, tasks, strict=True):
         chosen_submit = json.loads(pair["chosen"][-3]["tool_calls"][0]["function"]["arguments"])["answer"]
         rejected_submit = json.loads(pair["rejected"][-3]["tool_calls"][0]["function"]["arguments"])["answer"]
         assert chosen_submit == task.answer and rejected_submit != task.answer
     hasty = sft_dataset(tasks, hasty_fraction=1.0, seed=0)
-    assert all(len(r["messages"]) < 1 + len(episode_messages(t)) for r, t in zip(hasty, tasks))
+    assert all(len(r["messages"]) < 1 + len(episode_messages(t)) for r, t in zip(hasty, tasks, strict=True))
     with pytest.raises(ValueError, match="1.5"):
         sft_dataset(tasks, hasty_fraction=1.5)

@@ -44,7 +44,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, GenerationMixin
 
+from kdamoe.posttraining import load_posttrain_config, run_recipe
 from tests.helpers import launch_processes
 from tests.test_posttrain import base  # noqa: F401  (the tiny base folder fixture)
 
@@ -72,8 +75,6 @@ def _argv(base_dir: str, root: Path, name: str, recipe: str, processes: int, *ex
 
 def _launch(base_dir: str, root: Path, processes: int, runs: dict[str, tuple]) -> dict:
     """``runs``: ``{name: (recipe, *overrides)}``, run one after the other in one launch of ``processes`` ranks."""
-    from safetensors.torch import load_file
-
     argvs = [_argv(base_dir, root, name, recipe, processes, *extra) for name, (recipe, *extra) in runs.items()]
     launch_processes([str(Path(__file__))] + [a for argv in argvs for a in ("--then", *argv)][1:], processes,
                      DEADLINE_S)
@@ -89,7 +90,7 @@ def _launch(base_dir: str, root: Path, processes: int, runs: dict[str, tuple]) -
 
 
 @pytest.fixture(scope="module")
-def runs(base, tmp_path_factory):  # noqa: F811
+def runs(base, tmp_path_factory):  # noqa: F811 (the imported base fixture, which pytest passes by name)
     root = tmp_path_factory.mktemp("ep")
     runs = {"sft_ddp": ("sft",), "sft_ep": ("sft", EP), "grpo_ddp": ("grpo",), "grpo_ep": ("grpo", EP)}
     return {**_launch(base, root, 2, runs), "base": base}
@@ -98,8 +99,6 @@ def runs(base, tmp_path_factory):  # noqa: F811
 def _reloaded(final: Path, ranks: list[dict]) -> None:
     """``final/`` is a Hub folder with our code (not torch's FSDP files, FSDP2's generated class's home) and loads
     as a plain model that gives the ranks' eval logits and greedy tokens."""
-    from transformers import AutoModelForCausalLM
-
     files = os.listdir(final)
     assert "model.safetensors" in files and "modeling_kdamoe.py" in files, files
     assert not any(name.startswith("_fsdp") for name in files), files
@@ -133,8 +132,6 @@ def _sharded_with_equal_biases(ranks: list[dict]) -> torch.Tensor:
 
 @pytest.mark.xdist_group("distributed")
 def test_sft_under_fsdp2_with_expert_parallelism_reproduces_ddp(runs):
-    from safetensors.torch import load_file
-
     ddp, ep = runs["sft_ddp"], runs["sft_ep"]
     assert ddp["ranks"][0]["sharded"] == [False] * STEPS
     for got, expected in zip(ep["ranks"], ddp["ranks"], strict=True):
@@ -150,12 +147,11 @@ def test_sft_under_fsdp2_with_expert_parallelism_reproduces_ddp(runs):
 
 @pytest.mark.xdist_group("distributed")
 def test_grpo_under_fsdp2_with_expert_parallelism_reproduces_ddp(runs):
-    from safetensors.torch import load_file
-
     ddp, ep = runs["grpo_ddp"], runs["grpo_ep"]
     for got, expected in zip(ep["rollouts"], ddp["rollouts"], strict=True):  # per rank, per generate call
         # generate on the sharded model sampled what the replicas sampled
-        assert len(got) == STEPS and all(torch.equal(a["completions"], b["completions"]) for a, b in zip(got, expected))
+        assert len(got) == STEPS
+        assert all(torch.equal(a["completions"], b["completions"]) for a, b in zip(got, expected, strict=True))
     assert len(ddp["losses"]) == len(ep["losses"]) == STEPS and len(set(ddp["losses"])) > 1
     assert ep["losses"] == pytest.approx(ddp["losses"], rel=LOSS_RTOL, abs=GRPO_LOSS_ATOL)
     biases = _sharded_with_equal_biases(ep["ranks"])
@@ -184,16 +180,14 @@ def test_grpo_under_fsdp2_with_expert_parallelism_reproduces_ddp(runs):
     (2, [EP, "recipe=grpo", "grpo.mode=single_turn", "grpo.rollout=cached", "data.environment=arithmetic"],
      "grpo.rollout: cached with distributed_config"),
 ])
-def test_distributed_config_is_refused_when_it_cannot_run(base, monkeypatch, world, overrides, needle):  # noqa: F811
-    from kdamoe.posttraining import load_posttrain_config
+def test_distributed_config_is_refused_when_it_cannot_run(base, monkeypatch, world, overrides, needle):  # noqa: F811 (the imported base fixture, which pytest passes by name)
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(ValueError, match=needle):
         load_posttrain_config("sft", [f"model={base}", *overrides])
 
 
-def test_a_checkpoint_to_resume_is_refused_before_the_base_loads(base, monkeypatch, tmp_path):  # noqa: F811
-    from kdamoe.posttraining import load_posttrain_config, run_recipe
+def test_a_checkpoint_to_resume_is_refused_before_the_base_loads(base, monkeypatch, tmp_path):  # noqa: F811 (the imported base fixture, which pytest passes by name)
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     (tmp_path / "checkpoint-3").mkdir()
@@ -207,8 +201,6 @@ def _record_model(run_recipe_model):
     """Wrap ``kdamoe.posttraining.run.trained_model``: first, on every rank, save the (sharded) trained model's eval
     logits on :data:`IDS` and its greedy continuation of row ``rank`` by ``2 + 2 * rank`` tokens (module docstring)
     to ``<output_dir>_ranks/model<RANK>.pt``."""
-    from transformers import GenerationMixin
-
     def recording(cfg, trainer):
         model = trainer.accelerator.unwrap_model(trainer.model)
         rank = int(os.environ.get("RANK", "0"))

@@ -18,10 +18,14 @@ rounding (cancelling terms) comes out as ±lr in either run. Tolerances: ``LOSS_
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from kdamoe.common.parallel import enable_fsdp2_on_cpu
+from kdamoe.posttraining import load_posttrain_config
 from tests.helpers import launch_processes
 from tests.test_posttrain import base  # noqa: F401  (the tiny base folder fixture)
 
@@ -31,8 +35,6 @@ RECORDER = Path(__file__).with_name("test_posttrain_data_parallel.py")
 
 
 def _launch(base_dir: str, root: Path, processes: int, *extra: str) -> dict:
-    from safetensors.torch import load_file
-
     out, dump = root / "out", root / "ranks"
     dump.mkdir(parents=True)
     overrides = [f"model={base_dir}", f"trainer.max_steps={STEPS}", "trainer.warmup_steps=0",
@@ -49,15 +51,14 @@ def _launch(base_dir: str, root: Path, processes: int, *extra: str) -> dict:
 
 
 @pytest.mark.xdist_group("distributed")
-def test_sft_under_fsdp2_on_two_processes_reproduces_one_process(base, tmp_path):  # noqa: F811
-    from safetensors.torch import load_file
+def test_sft_under_fsdp2_on_two_processes_reproduces_one_process(base, tmp_path):  # noqa: F811 (the imported base fixture, which pytest passes by name)
 
     one = _launch(base, tmp_path / "one", 1)
     two = _launch(base, tmp_path / "two", 2, "trainer.fsdp=true")
 
     assert two["ranks"][0]["sharded"] == two["ranks"][1]["sharded"] == [True] * STEPS  # FSDP2, not DDP
     assert one["ranks"][0]["sharded"] == [False] * STEPS
-    halves = [a + b for a, b in zip(two["ranks"][0]["episodes"], two["ranks"][1]["episodes"])]
+    halves = [a + b for a, b in zip(two["ranks"][0]["episodes"], two["ranks"][1]["episodes"], strict=True)]
     assert halves == one["ranks"][0]["episodes"]  # the same episodes in the same order
     assert len(one["losses"]) == len(two["losses"]) == STEPS
     assert two["losses"] == pytest.approx(one["losses"], rel=LOSS_RTOL)
@@ -79,10 +80,6 @@ def test_sft_under_fsdp2_on_two_processes_reproduces_one_process(base, tmp_path)
 def test_enable_fsdp2_is_a_no_op_without_fsdp():
     """Without ``trainer.fsdp`` the Trainer's accelerator is left as it is (the refusals of FSDP on one process,
     version 1 and under PEFT happen when the config loads: tests/test_posttrain.py)."""
-    from types import SimpleNamespace
-
-    from kdamoe.common.parallel import enable_fsdp2_on_cpu
-
     accelerator = SimpleNamespace(distributed_type="untouched")
     trainer = SimpleNamespace(args=SimpleNamespace(fsdp_plugin_args=None), accelerator=accelerator)
     enable_fsdp2_on_cpu(trainer)
@@ -105,8 +102,6 @@ def test_multi_turn_grpo_under_fsdp2_is_refused_when_the_config_loads(monkeypatc
     call and the other's to an answer, every such recipe aborted in the second ``generate`` ("Received data size
     doesn't match expected size. Is there a distributed collective mismatch"; NCCL would hang); under DDP the
     same runs finished (docs/post-training.md, "Several processes")."""
-    from kdamoe.posttraining import load_posttrain_config
-
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=r"config field grpo\.mode: .* with trainer\.fsdp: .*DDP"):
         load_posttrain_config(recipe, ["trainer.fsdp=true", *overrides])
@@ -117,8 +112,6 @@ def test_multi_turn_grpo_under_fsdp2_is_refused_when_the_config_loads(monkeypatc
 def test_single_turn_grpo_under_fsdp2_loads(monkeypatch, overrides):
     """Single-turn GRPO makes one ``generate`` call per batch (TRL's rollout) or per rollout (the cached one, the
     same number of rows on every rank), each kept in step by ``synced_gpus``: it stays allowed."""
-    from kdamoe.posttraining import load_posttrain_config
-
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = load_posttrain_config("grpo_single_turn", ["trainer.fsdp=true", *overrides])
     assert cfg.trainer["fsdp"] is True and cfg.grpo.mode == "single_turn"

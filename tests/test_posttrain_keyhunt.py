@@ -19,7 +19,6 @@ from kdamoe.posttraining.data import make_family_tasks, sft_dataset, tool_schema
 from kdamoe.posttraining.keyhunt import PLACES, ROOMS, KeyHuntEnvironment, KeyHuntTask, make_keyhunt_tasks
 from kdamoe.posttraining.recipes import build_trainer
 from kdamoe.training.tokenizer import train_tokenizer
-
 from tests.helpers import tiny_config
 from tests.test_posttrain import record_rewards
 
@@ -62,8 +61,8 @@ def test_careful_agent_gets_the_key_and_full_reward():
     task = KeyHuntTask("castle", ("hall", "attic", "vault"))
     env = KeyHuntEnvironment()
     results = _play(env, task, 3)
-    assert results == ["A hall. Another door leads on.", "An attic. Another door leads on.", "A vault. The key lies here!",
-                       "you have the key"]
+    assert results == ["A hall. Another door leads on.", "An attic. Another door leads on.",
+                       "A vault. The key lies here!", "you have the key"]
     assert env.get_reward() == expected_reward(3, 3) == 1.0
     assert env.tool_calls_before_submit == 3 and env.done
 
@@ -231,7 +230,7 @@ def test_sft_dataset_careful_and_hasty(tokenizer):
     hasty = sft_dataset(tasks, hasty_fraction=1.0, seed=0)
     assert sft_dataset(tasks, hasty_fraction=1.0, seed=0)[:] == hasty[:]
     stops = set()
-    for task, c, h in zip(tasks, careful, hasty):
+    for task, c, h in zip(tasks, careful, hasty, strict=True):
         first, last = c["messages"][0], c["messages"][-1]
         assert (first["role"], first["content"]) == ("user", f"Find the key hidden in the {task.place}.")
         assert (last["role"], last["content"], last["tool_calls"]) == ("assistant", "Done.", None)
@@ -285,7 +284,7 @@ def _reply_ids(tokenizer, message):
 def script_generate(model, tokenizer):
     def generate(input_ids, attention_mask=None, **kwargs):
         rows = []
-        for ids, mask in zip(input_ids, attention_mask):
+        for ids, mask in zip(input_ids, attention_mask, strict=True):
             text = tokenizer.decode(ids[mask.bool()], skip_special_tokens=False)
             rows.append(torch.tensor(_reply_ids(tokenizer, scripted_reply(text))))
         new = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=tokenizer.pad_token_id)

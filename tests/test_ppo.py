@@ -12,15 +12,15 @@ import pytest
 
 pytest.importorskip("trl.experimental.ppo", reason="TRL's PPO trainer needs trl==1.12 (make ppo-env)")
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+import torch  # noqa: E402 (imported after the importorskip above: outside the PPO venv the module is skipped)
+from transformers import AutoModelForCausalLM  # noqa: E402 (imported after the importorskip above: outside the PPO venv the module is skipped)
 
-from kdamoe import KDAMoEForCausalLM, KDAMoEForSequenceClassification  # noqa: E402
-from kdamoe.posttraining.data import episode_messages, user_message  # noqa: E402
-from kdamoe.posttraining.environment import make_tasks  # noqa: E402
-from kdamoe.posttraining import load_posttrain_config, run_recipe  # noqa: E402
-from kdamoe.training.tokenizer import train_tokenizer  # noqa: E402
-from tests.helpers import tiny_config  # noqa: E402
+from kdamoe import KDAMoEForCausalLM, KDAMoEForSequenceClassification  # noqa: E402 (imported after the importorskip above: outside the PPO venv the module is skipped)
+from kdamoe.posttraining import load_posttrain_config, run_recipe  # noqa: E402 (imported after the importorskip above: outside the PPO venv the module is skipped)
+from kdamoe.posttraining.data import episode_messages, user_message  # noqa: E402 (imported after the importorskip above: outside the PPO venv the module is skipped)
+from kdamoe.posttraining.environment import make_tasks  # noqa: E402 (imported after the importorskip above: outside the PPO venv the module is skipped)
+from kdamoe.training.tokenizer import train_tokenizer  # noqa: E402 (imported after the importorskip above: outside the PPO venv the module is skipped)
+from tests.helpers import tiny_config  # noqa: E402 (imported after the importorskip above: outside the PPO venv the module is skipped)
 
 
 def _state(model) -> dict[str, torch.Tensor]:

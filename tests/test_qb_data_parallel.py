@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import kdamoe.model.quantile_balancing as qb
+from kdamoe import KDAMoEForCausalLM
+from tests.helpers import tiny_config
+
 WORLD, STEPS, DEADLINE_S = 2, 3, 180
 
 
 def _model():
-    from kdamoe import KDAMoEForCausalLM
-    from tests.helpers import tiny_config
-
     torch.manual_seed(0)
     return KDAMoEForCausalLM(tiny_config(num_experts=8, num_experts_per_tok=2, qb_num_bins=64)).train()
 
@@ -37,8 +38,6 @@ def _biases(model) -> torch.Tensor:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    import kdamoe.model.quantile_balancing as qb
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))

@@ -22,7 +22,6 @@ from kdamoe.posttraining import load_posttrain_config
 from kdamoe.posttraining.environment import ArithmeticTask
 from kdamoe.posttraining.recipes import build_trainer
 from kdamoe.posttraining.rollout import CachedRolloutGRPOTrainer
-
 from tests.test_posttrain import base  # noqa: F401  (the tiny base folder fixture)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -93,12 +92,12 @@ def _script(model, processor):
     model.generate = scripted
 
 
-def _trainer(base, tmp_path, name, rollout, processor, *overrides):
-    cfg = load_posttrain_config(name, [f"model={base}", f"output_dir={tmp_path / rollout}", *FAST,
+def _trainer(base_dir, tmp_path, name, rollout, processor, *overrides):
+    cfg = load_posttrain_config(name, [f"model={base_dir}", f"output_dir={tmp_path / rollout}", *FAST,
                                        f"grpo.rollout={rollout}", *overrides])
     torch.manual_seed(0)
-    model = KDAMoEForCausalLM.from_pretrained(base, dtype=torch.float32)
-    trainer = build_trainer(cfg, model, AutoTokenizer.from_pretrained(base))
+    model = KDAMoEForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    trainer = build_trainer(cfg, model, AutoTokenizer.from_pretrained(base_dir))
     _script(model, processor)
     return trainer
 
@@ -128,12 +127,12 @@ def _play(trainer, rows):
     return seen["out"], out
 
 
-def _compare(base, tmp_path, name, steps_of, free_first, *overrides):
-    tokenizer = AutoTokenizer.from_pretrained(base)
+def _compare(base_dir, tmp_path, name, steps_of, free_first, *overrides):
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
     script = ScriptedToolCalls(tokenizer, steps_of, free_first)
     results = {}
     for rollout in ("trl", "cached"):
-        trainer = _trainer(base, tmp_path, name, rollout, script, *overrides)
+        trainer = _trainer(base_dir, tmp_path, name, rollout, script, *overrides)
         tasks = [t for t in map(ArithmeticTask.from_json, trainer.train_dataset["task"])][:2]
         (prompt_ids, completion_ids, tool_mask, completions, logprobs, *_), out = _play(trainer, _rows(trainer, tasks))
         results[rollout] = dict(trainer=trainer, prompt_ids=prompt_ids, completion_ids=completion_ids,
@@ -154,7 +153,7 @@ def _compare(base, tmp_path, name, steps_of, free_first, *overrides):
             trainer.model, torch.cat([o["prompt_ids"], o["completion_ids"]], 1),
             torch.cat([o["prompt_mask"], o["completion_mask"]], 1), o["completion_ids"].size(1))
     masks = cached["tool_mask"] or [[1] * len(c) for c in cached["completion_ids"]]  # None: no tools
-    for row, (logps, mask) in enumerate(zip(cached["logprobs"], masks)):
+    for row, (logps, mask) in enumerate(zip(cached["logprobs"], masks, strict=True)):
         assert len(logps) == len(mask) == len(trl["completion_ids"][row])
         got, want, keep = torch.tensor(logps), reference[row, :len(logps)], torch.tensor(mask).bool()
         assert torch.allclose(got[keep], want[keep], atol=1e-5, rtol=0), (row, (got - want)[keep].abs().max())
@@ -162,7 +161,7 @@ def _compare(base, tmp_path, name, steps_of, free_first, *overrides):
     return results
 
 
-def test_cached_rollout_equals_trl_in_environment_mode(base, tmp_path):  # noqa: F811
+def test_cached_rollout_equals_trl_in_environment_mode(base, tmp_path):  # noqa: F811 (the imported base fixture, which pytest passes by name)
     # the first two tasks start at 2 and 5: row 0 submits at once (a wrong answer), row 1 computes, submits, and
     # then writes freely until eos or the budget
     results = _compare(base, tmp_path, "grpo", steps_of=lambda task: task.n_ops if task.start % 2 else 0,
@@ -176,7 +175,7 @@ def test_cached_rollout_equals_trl_in_environment_mode(base, tmp_path):  # noqa:
     assert [len(e.calls) for e in environments] == [1, 2]  # the tools ran once, on the rollout's own environment
 
 
-def test_cached_rollout_equals_trl_in_tools_mode(base, tmp_path):  # noqa: F811
+def test_cached_rollout_equals_trl_in_tools_mode(base, tmp_path):  # noqa: F811 (the imported base fixture, which pytest passes by name)
     # row 0 writes freely from its first turn (no tool call: no tool round for it), row 1 computes and submits
     results = _compare(base, tmp_path, "grpo_tools", steps_of=lambda task: task.n_ops,
                        free_first=lambda task: task.start % 2 == 0)
@@ -184,13 +183,13 @@ def test_cached_rollout_equals_trl_in_tools_mode(base, tmp_path):  # noqa: F811
     assert [m.count(0) > 0 for m in masks] == [False, True]
 
 
-def test_cached_rollout_equals_trl_in_single_turn_mode(base, tmp_path):  # noqa: F811
+def test_cached_rollout_equals_trl_in_single_turn_mode(base, tmp_path):  # noqa: F811 (the imported base fixture, which pytest passes by name)
     results = _compare(base, tmp_path, "grpo_single_turn", lambda task: 0, lambda task: True,
                        "trainer.max_completion_length=12")
     assert results["trl"]["tool_mask"] is None and [len(c) for c in results["trl"]["completion_ids"]] == [12, 12]
 
 
-def test_cached_rollout_feeds_each_token_once(base, tmp_path):  # noqa: F811
+def test_cached_rollout_feeds_each_token_once(base, tmp_path):  # noqa: F811 (the imported base fixture, which pytest passes by name)
     """Every forward of the cached path after a rollout's prompt takes at most the new tokens of its turn (the last
     sampled token + the tool turn); over a rollout the model sees each token exactly once (the last one, never fed
     by ``generate``, excepted). TRL's loop re-feeds the whole sequence every turn."""
@@ -209,10 +208,10 @@ def test_cached_rollout_feeds_each_token_once(base, tmp_path):  # noqa: F811
     tool_turns = [m.count(0) for m in tool_mask]
     assert tool_turns == [0, 23]  # the second rollout got one tool turn, of 23 tokens
     assert sorted(sizes, reverse=True)[:3] == [len(prompt_ids[0]), len(prompt_ids[1]), 1 + 23]
-    assert sum(sizes) == sum(len(p) + len(c) - 1 for p, c in zip(prompt_ids, completion_ids))
+    assert sum(sizes) == sum(len(p) + len(c) - 1 for p, c in zip(prompt_ids, completion_ids, strict=True))
 
 
-def test_rollout_setting_is_validated(base, tmp_path):  # noqa: F811
+def test_rollout_setting_is_validated(base, tmp_path):  # noqa: F811 (the imported base fixture, which pytest passes by name)
     with pytest.raises(ValueError, match=r"grpo\.rollout.*'fast'"):
         load_posttrain_config("grpo", ["grpo.rollout=fast"])
     assert load_posttrain_config("grpo").grpo.rollout == "trl"

@@ -3,7 +3,15 @@
 import random
 
 import pytest
+from transformers import AutoTokenizer
+from trl.chat_template_utils import (
+    is_chat_template_prefix_preserving,
+    is_chat_template_stop_token_trained,
+    supports_tool_calling,
+)
 
+from kdamoe.training.data import tokenize_documents
+from kdamoe.training.export import encode_prompt
 from kdamoe.training.tokenizer import BOS, EOS, PAD, TOOL_TOKENS, TURN_START, token_byte_lengths, train_tokenizer
 
 WORDS = "the king queen lord speak thou thee hath doth night day love death sword crown ghost".split()
@@ -44,12 +52,6 @@ def test_roundtrip_and_byte_lengths(tokenizer):
 
 
 def test_chat_template_tools_and_prefix(tokenizer):
-    from trl.chat_template_utils import (
-        is_chat_template_prefix_preserving,
-        is_chat_template_stop_token_trained,
-        supports_tool_calling,
-    )
-
     assert supports_tool_calling(tokenizer)
     assert is_chat_template_prefix_preserving(tokenizer)
     assert is_chat_template_stop_token_trained(tokenizer)
@@ -75,8 +77,6 @@ def test_chat_template_tools_and_prefix(tokenizer):
 
 
 def test_response_parsing_and_save(tokenizer, tmp_path):
-    from transformers import AutoTokenizer
-
     reply = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call><|im_end|>'
     parsed = tokenizer.parse_response(reply, prefix="<|im_start|>assistant\n")
     assert parsed["content"].strip() == "Sure."
@@ -95,10 +95,6 @@ def test_vocab_too_small():
 
 
 def test_saved_tokenizer_prepends_bos_once_like_training(tokenizer, tmp_path):
-    from transformers import AutoTokenizer
-
-    from kdamoe.training.data import tokenize_documents
-    from kdamoe.training.export import encode_prompt
 
     tokenizer.save_pretrained(tmp_path)
     tok = AutoTokenizer.from_pretrained(tmp_path)

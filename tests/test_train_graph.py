@@ -1,5 +1,5 @@
-"""``kdamoe.training.train_graph.TrainStepGraph``: the captured training step gives the eager step's loss, gradients and router
-counts, replays new data, captures again for a new shape, and refuses what it cannot run.
+"""``kdamoe.training.train_graph.TrainStepGraph``: the captured training step gives the eager step's loss, gradients and
+router counts, replays new data, captures again for a new shape, and refuses what it cannot run.
 
 The argument checks run on the CPU; the graph itself needs CUDA (``KDAMOE_TEST_ON_GPU=1``), where it is compared with
 the eager step of the same model (the unfused, uncaptured path: same kernels, launched one by one).

@@ -1,7 +1,10 @@
 """Run configuration: shipped files load, overrides apply, bad values name their field."""
 
+import inspect
+
 import pytest
 
+from kdamoe import KDAMoEConfig
 from kdamoe.training.config import CONFIG_DIR, load_config, resolve_config_path
 
 
@@ -47,8 +50,6 @@ def test_missing_file_and_bad_override():
 
 @pytest.mark.parametrize("name", ["cpu_default.yaml", "gpu_h200.yaml"])
 def test_shipped_model_sections_are_valid_kdamoe_configs(name):
-    from kdamoe import KDAMoEConfig
-
     cfg = load_config(name)
     model_cfg = KDAMoEConfig(**cfg.model, vocab_size=cfg.tokenizer.vocab_size)
     assert model_cfg.num_experts_per_tok < model_cfg.num_experts
@@ -73,9 +74,6 @@ def test_unknown_model_key_is_rejected_at_config_time(override, message):
 
 
 def test_every_shipped_model_key_is_a_kdamoe_config_argument():
-    import inspect
-
-    from kdamoe import KDAMoEConfig
 
     documented = set(inspect.signature(KDAMoEConfig.__init__).parameters) - {"self", "kwargs"}
     for name in ("cpu_default.yaml", "gpu_h200.yaml"):

@@ -30,6 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kdamoe import KDAMoEForCausalLM
+from kdamoe.cli import train_main
 from kdamoe.training.config import load_config
 from kdamoe.training.trainer import run
 from tests.helpers import launch_processes
@@ -115,9 +117,6 @@ def _train_recording(dump: Path, argv: list[str]) -> int:
     """``kdamoe.cli.train_main(argv)``, saving ``{"rows": [micro-batches, B, T], "biases": [updates, routers, E]}``
     of this rank to ``dump/rank<RANK>.pt``. With ``KDAMOE_TEST_HOLD=<rank>:<n>`` in the environment, rank
     ``<rank>`` instead stops at its (n+1)-th training forward (:func:`_hold_here`) for the test to kill it."""
-    from kdamoe import KDAMoEForCausalLM
-    from kdamoe.cli import train_main
-
     rows, biases = [], []
     forward, update = KDAMoEForCausalLM.forward, KDAMoEForCausalLM.update_router_biases
     hold_rank, _, hold_at = os.environ.get(HOLD, "-1:0").partition(":")

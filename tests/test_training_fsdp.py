@@ -23,11 +23,12 @@ checkpoint; rank 0 meanwhile enters the step and waits in FSDP2's first all-gath
 rank loads it with ``DistributedConfig(fsdp_size=2, ep_size=2)``), the same rows, the same loss normalisation. What
 may differ is float32 rounding: an expert multiplies the rows routed to it from both ranks in one product instead
 of each rank's rows in its own, and the gradient norm is summed per device mesh. Measured here (tied embeddings):
-losses of all 5 steps bitwise equal (an untied version differed by 4.3e-8 at step 5), router biases bitwise equal; so the bounds are the ``LOSS_RTOL`` and
-``BIAS_ATOL`` of the one-process comparison (a per-rank loss mean instead of the global one is off by ~3e-4). The resumed ``fsdp2_ep`` run starts
-from a copy of the uninterrupted run's folder as it stood after checkpoint ``STOP_AT`` (what a kill right after that
-checkpoint leaves; the kill itself is exercised above for ``fsdp2``), so one uninterrupted run serves both checks,
-and it reproduces the uninterrupted losses and biases bitwise.
+losses of all 5 steps bitwise equal (an untied version differed by 4.3e-8 at step 5), router biases bitwise equal; so
+the bounds are the ``LOSS_RTOL`` and ``BIAS_ATOL`` of the one-process comparison (a per-rank loss mean instead of the
+global one is off by ~3e-4). The resumed ``fsdp2_ep`` run starts from a copy of the uninterrupted run's folder as it
+stood after checkpoint ``STOP_AT`` (what a kill right after that checkpoint leaves; the kill itself is exercised above
+for ``fsdp2``), so one uninterrupted run serves both checks, and it reproduces the uninterrupted losses and biases
+bitwise.
 """
 
 import json
@@ -39,8 +40,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers.distributed.checkpoint import consolidate_distributed_checkpoint
 
+from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
 from kdamoe.common.checkpoint import verify_checkpoint
+from kdamoe.common.parallel import make_accelerator
+from kdamoe.hub import _validation_ids, validate_hub_folder
 from tests.helpers import finish_processes, launch_processes, start_processes
 from tests.test_training_data_parallel import HOLD, _write_short_documents
 from tests.test_training_resume import _config
@@ -64,8 +71,8 @@ def _command(tmp_path, name: str, processes: int, parallelism: str, *extra: str)
     dump.mkdir()
     # tied embeddings, as in the shipped CPU preset: a resumed fsdp2_ep run once failed to save them
     args = [str(RECORDER), str(dump), "--config", str(tmp_path / f"{name}.yaml"),
-            "--set", f"train.stages.0.batch_size={GLOBAL_BATCH // processes}", "--set", "model.tie_word_embeddings=true",
-            *extra]
+            "--set", f"train.stages.0.batch_size={GLOBAL_BATCH // processes}",
+            "--set", "model.tie_word_embeddings=true", *extra]
     return args, dump
 
 
@@ -161,11 +168,6 @@ def _assert_final_holds(final: Path, sharded: dict) -> dict:
     """``final/model.safetensors`` holds exactly the consolidated checkpoint's tensors ``sharded`` (router biases
     included), and the folder loads without kdamoe (``validate_hub_folder``) with the logits of a plain model holding
     ``sharded``. Returns the exported tensors."""
-    from safetensors.torch import load_file
-
-    from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
-    from kdamoe.hub import _validation_ids, validate_hub_folder
-
     exported = load_file(final / "model.safetensors")
     assert set(exported) <= set(sharded) and any("e_score_correction_bias" in k for k in exported)
     for key, value in exported.items():
@@ -186,8 +188,6 @@ def _assert_final_holds(final: Path, sharded: dict) -> dict:
 def test_fsdp2_export_is_one_consolidated_hub_folder(fsdp, tmp_path):
     """``final/`` holds the full weights (equal to the last sharded checkpoint consolidated by torch's own
     ``dcp_to_torch_save``, router biases included) and loads in a process without kdamoe with the same logits."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     final = fsdp["checkpoint"].parent.parent / "final"
     assert (final / "model.safetensors").is_file() and (final / "modeling_kdamoe.py").is_file()
     assert not list(final.glob("pytorch_model_fsdp*")) and not list(final.rglob("*.distcp"))
@@ -202,15 +202,11 @@ def test_parallelism_is_checked_when_the_config_loads(tmp_path):
 
 
 def test_an_unknown_parallelism_is_refused_before_any_set_up():
-    from kdamoe.common.parallel import make_accelerator
-
     with pytest.raises(ValueError, match="train.parallelism: must be one of ddp, fsdp2, fsdp2_ep, got 'fsdp'"):
         make_accelerator("fsdp", use_bf16=False)
 
 
 def test_fsdp2_with_one_process_is_a_config_error(tmp_path, monkeypatch):
-    from kdamoe.common.parallel import make_accelerator
-
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = _config(tmp_path, "one", parallelism="fsdp2")
     with pytest.raises(ValueError, match="train.parallelism: fsdp2 needs at least 2 processes"):
@@ -269,9 +265,6 @@ def test_fsdp2_ep_export_is_one_consolidated_hub_folder(ep, tmp_path):
     """``final/`` holds the weights of the stage-end checkpoint's shards (consolidated by transformers'
     ``consolidate_distributed_checkpoint``, experts of both ranks and router biases included) and loads in a process
     without kdamoe with the logits of a plain model holding those weights."""
-    from safetensors.torch import load_file
-    from transformers.distributed.checkpoint import consolidate_distributed_checkpoint
-
     final = ep["checkpoint"].parent.parent / "final"
     assert (final / "model.safetensors").is_file() and (final / "modeling_kdamoe.py").is_file()
     assert not list(final.glob("shard-*")) and not list(final.rglob("*.distcp"))
@@ -282,8 +275,6 @@ def test_fsdp2_ep_export_is_one_consolidated_hub_folder(ep, tmp_path):
 
 
 def test_fsdp2_ep_with_one_process_is_a_config_error(tmp_path, monkeypatch):
-    from kdamoe.common.parallel import make_accelerator
-
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = _config(tmp_path, "one", parallelism="fsdp2_ep")  # outside torchrun the config loads; the run refuses
     with pytest.raises(ValueError, match="train.parallelism: fsdp2_ep needs at least 2 processes"):

@@ -21,7 +21,10 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from kdamoe import KDAMoEForCausalLM
+from kdamoe.model.modeling_kdamoe import KDAMoEDecoderLayer
 from kdamoe.training.trainer import micro_batch_loss
 from tests.helpers import tiny_config
 
@@ -43,10 +46,6 @@ class _SameRowsOnEveryProcess:
 
 
 def test_fsdp2_bf16_loss_is_the_token_mean_of_a_count_bf16_cannot_hold(tmp_path):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from kdamoe import KDAMoEForCausalLM
-    from kdamoe.model.modeling_kdamoe import KDAMoEDecoderLayer
 
     assert not dist.is_initialized()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from kdamoe.training.monitoring import TrainingMonitor, load_imbalance, plot_expert_load
 
@@ -12,8 +13,6 @@ def test_load_imbalance():
 
 
 def test_monitor_warns_records_and_draws(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     mon = TrainingMonitor(tmp_path / "tb", threshold=2.0, histogram_every=1)
     mon.start_stage("s", total_steps=2, done_steps=0)
     even, skewed = torch.ones(2, 4), torch.tensor([[1.0, 1.0, 1.0, 1.0], [10.0, 0.0, 0.0, 0.0]])

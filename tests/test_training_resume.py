@@ -2,12 +2,20 @@
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
 import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from transformers import AutoTokenizer
 
+from kdamoe.cli import generate_main, train_main
+from kdamoe.common.checkpoint import MANIFEST, verify_checkpoint, write_manifest
+from kdamoe.posttraining import load_posttrain_config, run_recipe
 from kdamoe.training import load_config, run
+from kdamoe.training.export import reload_model
+from kdamoe.training.trainer import check_same_run
 
 WORDS = ("to be or not that is the question whether tis nobler in mind suffer slings and arrows of outrageous "
          "fortune take arms against a sea troubles by opposing end them die sleep no more").split()
@@ -54,7 +62,8 @@ def uninterrupted(tmp_path_factory):
     return tmp_path, summary
 
 
-@pytest.mark.parametrize("stop_after", [3, 5])  # at a stage boundary; mid-stage, two steps to go (LR schedule state matters)
+# at a stage boundary; mid-stage, two steps to go (LR schedule state matters)
+@pytest.mark.parametrize("stop_after", [3, 5])
 def test_resume_reproduces_losses_bitwise(uninterrupted, stop_after):
     tmp_path, full = uninterrupted
     assert full["finished"] and [s for s, _ in full["losses"]] == list(range(1, 8))
@@ -69,10 +78,6 @@ def test_resume_reproduces_losses_bitwise(uninterrupted, stop_after):
 
 
 def test_outputs_of_a_finished_run(uninterrupted):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from transformers import AutoTokenizer
-
-    from kdamoe.training.export import reload_model
 
     tmp_path, full = uninterrupted
     out = tmp_path / "full"
@@ -110,9 +115,6 @@ def test_outputs_of_a_finished_run(uninterrupted):
 
 
 def test_resume_refuses_a_changed_config_and_a_fresh_start_refuses_a_used_folder(uninterrupted, tmp_path, capsys):
-    from kdamoe.cli import train_main
-    from kdamoe.training.trainer import check_same_run
-
     tmp, _ = uninterrupted
     changed = _config(tmp, "full")
     changed.train.stages[1].lr = 1e-3
@@ -133,8 +135,6 @@ def test_resume_refuses_a_changed_config_and_a_fresh_start_refuses_a_used_folder
     assert "not empty and nothing to resume from" in err and "--overwrite" in err and "Traceback" not in err
     assert (used / "tokenizer" / "my_vocab_notes.txt").read_text() == "kept" and (used / "final").is_dir()
     # the pretraining run's own folder is no place for a post-training run (its final/ is the base)
-    from kdamoe.posttraining import load_posttrain_config, run_recipe
-
     cfg = load_posttrain_config("sft", [f"model={tmp / 'full' / 'final'}", f"output_dir={tmp / 'full'}"])
     with pytest.raises(ValueError, match="lies inside output_dir"):
         run_recipe(cfg)
@@ -147,8 +147,6 @@ def test_resume_refuses_a_changed_config_and_a_fresh_start_refuses_a_used_folder
 
 
 def test_cli_entry_points(uninterrupted, capsys):
-    from kdamoe.cli import generate_main, train_main
-
     tmp_path, _ = uninterrupted
     cfg_path = tmp_path / "full.yaml"
     assert train_main(["--config", str(cfg_path), "--output-dir", str(tmp_path / "cli"), "--no-resume",
@@ -190,8 +188,6 @@ def killed(uninterrupted):
 
 
 def _copy_run(killed, tmp_path, name):
-    import shutil
-
     shutil.copytree(killed, tmp_path / name)
     return tmp_path / name / "checkpoints" / "stage1-step000002"
 
@@ -212,8 +208,6 @@ def test_resume_skips_a_truncated_newest_checkpoint(uninterrupted, killed, capsy
 
 
 def test_resume_never_unpickles_a_planted_custom_checkpoint(uninterrupted, killed):
-    from kdamoe.common.checkpoint import verify_checkpoint, write_manifest
-
     tmp_path, full = uninterrupted
     newest = _copy_run(killed, tmp_path, "planted")
     marker = tmp_path / "planted_payload_ran"
@@ -232,8 +226,6 @@ def test_resume_never_unpickles_a_planted_custom_checkpoint(uninterrupted, kille
 
 
 def test_resume_with_no_intact_checkpoint_refuses_instead_of_starting_over(killed, tmp_path):
-    import shutil
-
     shutil.copytree(killed, tmp_path / "broken")
     for folder in (tmp_path / "broken" / "checkpoints").iterdir():
         (folder / "progress.json").write_text("{")
@@ -243,8 +235,6 @@ def test_resume_with_no_intact_checkpoint_refuses_instead_of_starting_over(kille
 
 
 def test_checkpoint_writes_are_atomic(killed):
-    from kdamoe.common.checkpoint import MANIFEST, verify_checkpoint
-
     root = killed / "checkpoints"
     assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
     for folder in root.iterdir():

@@ -23,7 +23,8 @@ def test_grpo_steps_update_weights_and_router_biases(tmp_path):
     model = KDAMoEForCausalLM(tiny_config(vocab_size=29))
     weights_before = model.lm_head.weight.detach().clone()
     biases_before = [r.e_score_correction_bias.clone() for r in model._routers()]
-    prompts = Dataset.from_dict({"prompt": ["a b c", "d e f g h", "x y", "p q r s"] * 2})  # uneven lengths: left padding
+    # uneven lengths: left padding
+    prompts = Dataset.from_dict({"prompt": ["a b c", "d e f g h", "x y", "p q r s"] * 2})
 
     def reward(completions, **kwargs):
         return [float(c.count("a")) + 0.1 * len(c) for c in completions]
@@ -40,6 +41,7 @@ def test_grpo_steps_update_weights_and_router_biases(tmp_path):
     trainer.train()
     assert trainer.state.global_step == 2
     assert not torch.equal(weights_before, model.lm_head.weight)
-    assert all(not torch.equal(b, r.e_score_correction_bias) for b, r in zip(biases_before, model._routers()))
+    assert all(not torch.equal(b, r.e_score_correction_bias)
+               for b, r in zip(biases_before, model._routers(), strict=True))
     assert len(callback.history) == 2 and len(callback.history[0]) == model.config.num_sparse_layers
     assert all(value >= 1.0 for step in callback.history for value in step)

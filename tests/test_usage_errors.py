@@ -2,6 +2,9 @@
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
 
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.cli import posttrain_main, train_main
@@ -52,16 +55,11 @@ def test_posttrain_refuses_a_base_without_tokenizer_before_writing(tmp_path, cap
 
 
 def test_posttrain_refuses_a_base_with_a_damaged_tensor(tmp_path, capsys):
-    from safetensors.torch import load_file, save_file
-    from transformers import PreTrainedTokenizerFast
-
     base = tmp_path / "base"
     KDAMoEForCausalLM(tiny_config()).save_pretrained(base)
     tensors = load_file(str(base / "model.safetensors"))
     tensors["model.norm.weight"] = torch.full_like(tensors["model.norm.weight"], float("inf"))
     save_file(tensors, str(base / "model.safetensors"), metadata={"format": "pt"})
-    from tokenizers import Tokenizer, models
-
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")),
                             unk_token="<unk>").save_pretrained(base)
     line = _usage_error(posttrain_main, ["--config", "sft", "--output-dir", str(tmp_path / "sft"),

@@ -66,7 +66,8 @@ def architecture_values(config, total: int, active: int, trained_context: int | 
     experts = (f"{config.num_experts} routed (top-{config.num_experts_per_tok}, sigmoid router, "
                f"{config.router_bias_update} balancing), {config.num_shared_experts} shared; expert width "
                f"{config.moe_intermediate_size}, latent {config.moe_latent_size}; {config.hidden_act} GLU")
-    context = f"max_position_embeddings {config.max_position_embeddings} (no positional encoding: a budget, not a limit)"
+    context = (f"max_position_embeddings {config.max_position_embeddings} "
+               "(no positional encoding: a budget, not a limit)")
     if trained_context:
         context = f"trained on rows of up to {trained_context} tokens; " + context
     attnres = (f"{config.attnres_num_blocks} blocks" if config.attnres_num_blocks else "off (standard residual stream)")
@@ -154,7 +155,8 @@ def render_model_card(config, *, repo_id: str, total: int, active: int, adapter:
         eval_results=eval_results)
     rows = None
     if evaluation is not None:
-        rows = [*evaluation.get("baselines", []), {"name": "this model", "ppl": evaluation["ppl"], "bpb": evaluation["bpb"]}]
+        rows = [*evaluation.get("baselines", []),
+                {"name": "this model", "ppl": evaluation["ppl"], "bpb": evaluation["bpb"]}]
     values = architecture_values(config, total, active, trained_context)
     return ModelCard.from_template(
         card_data, template_path=str(TEMPLATE), model_id=name, repo_id=repo_id, adapter=adapter,

@@ -37,6 +37,9 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+from transformers.distributed.checkpoint import load_optimizer_distributed, save_optimizer_distributed
+
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
 MONITOR = "monitor.safetensors"
@@ -190,9 +193,6 @@ def save_expert_parallel_state(model, optimizer, folder: Path) -> None:
     ``save_pretrained(distributed_checkpoint=True)`` and ``transformers.distributed.checkpoint.
     save_optimizer_distributed``). The router biases are persistent buffers, so they are in the model's shards.
     """
-    import torch
-    from transformers.distributed.checkpoint import save_optimizer_distributed
-
     # Tied embeddings (tie_word_embeddings, as in the CPU preset): transformers 5.24 hands both keys to safetensors.
     # That passes while a shard is a view into a larger buffer (a model sharded from a full load) and fails with
     # "Some tensors share memory" once each shard owns its storage (a model loaded from these shards, i.e. after
@@ -216,6 +216,4 @@ def load_expert_parallel_optimizer(model, optimizer, folder: Path) -> None:
     distributed_config=...)``, :func:`kdamoe.common.parallel.expert_parallel_model`). As for ``fsdp2``
     checkpoints, torch.distributed.checkpoint unpickles the folder's ``.metadata``: trusted folders only.
     """
-    from transformers.distributed.checkpoint import load_optimizer_distributed
-
     load_optimizer_distributed(model, optimizer, str(folder / EP_OPTIMIZER))

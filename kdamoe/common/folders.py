@@ -92,8 +92,8 @@ def load_pretraining_checkpoint(checkpoint: str | Path, run_dir: str | Path):
         raise ValueError(f"checkpoint {checkpoint}: {reason}")
     for needed in ("config.yaml", "tokenizer"):
         if not (run_dir / needed).exists():
-            raise ValueError(f"{run_dir / needed}: missing (a checkpoint is rebuilt with its run's config and "
-                             "tokenizer)")
+            raise ValueError(f"{run_dir / needed}: missing "
+                             "(a checkpoint is rebuilt with its run's config and tokenizer)")
     run_cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     tokenizer = load_run_tokenizer(run_dir / "tokenizer")
     model = model_from_run_config(run_cfg, tokenizer)

@@ -104,7 +104,7 @@ class FastLaunch:
         at = self.autotuner
         if at is not None:
             if len(at.configs) > 1:
-                named = dict(zip(at.arg_names, args))
+                named = dict(zip(at.arg_names, args, strict=False))  # the positional ones; kwargs follow
                 for name, value in kwargs.items():
                     if name in at.arg_names:
                         named[name] = value

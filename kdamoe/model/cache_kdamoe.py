@@ -20,7 +20,13 @@ a replay.
 """
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicCache,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
 # Latent rows are allocated in multiples of this (keeps the decode kernel's splits aligned and growth rare).
 _ALIGN = 256
@@ -50,7 +56,8 @@ class KDAMoELatentCacheLayer(CacheLayerMixin):
         super().__init__()
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool)
                                           or max_cache_len < 1):
-            raise ValueError(f"max_cache_len must be None or a positive integer number of tokens, got {max_cache_len!r}")
+            raise ValueError("max_cache_len must be None or a positive integer number of tokens, "
+                             f"got {max_cache_len!r}")
         self.max_cache_len = max_cache_len
         self.latents: torch.Tensor | None = None
         self.length = 0
@@ -243,7 +250,8 @@ class KDAMoECache(DynamicCache):
             elif layer_type == "full_attention":
                 layers.append(KDAMoELatentCacheLayer(max_cache_len=max_cache_len))
             else:
-                raise ValueError(f"config.layer_types holds {layer_type!r}; expected 'linear_attention' or 'full_attention'")
+                raise ValueError(f"config.layer_types holds {layer_type!r}; "
+                                 "expected 'linear_attention' or 'full_attention'")
         super().__init__()
         self.layers = layers
         self.layer_class_to_replicate = None
@@ -318,7 +326,8 @@ class KDAMoECache(DynamicCache):
         if isinstance(layer, KDAMoELatentCacheLayer):
             return int(layer.get_seq_length())
         if layer_idx != 0:
-            raise ValueError(f"get_seq_length: layer {layer_idx} is a KDA layer, which does not count the cached tokens")
+            raise ValueError(f"get_seq_length: layer {layer_idx} is a KDA layer, "
+                             "which does not count the cached tokens")
         return attention_seq_length(self)
 
     @property

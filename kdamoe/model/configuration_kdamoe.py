@@ -167,10 +167,12 @@ class KDAMoEConfig(PreTrainedConfig):
         self.num_attention_heads = num_attention_heads
         self.kv_lora_rank = kv_lora_rank
         self.q_lora_rank = q_lora_rank
-        self.qk_head_dim = qk_head_dim if qk_head_dim is not None else _divide(hidden_size, num_attention_heads, "num_attention_heads")
+        self.qk_head_dim = (qk_head_dim if qk_head_dim is not None
+                            else _divide(hidden_size, num_attention_heads, "num_attention_heads"))
         self.v_head_dim = v_head_dim if v_head_dim is not None else self.qk_head_dim
         self.kda_num_heads = kda_num_heads
-        self.kda_head_dim = kda_head_dim if kda_head_dim is not None else _divide(hidden_size, kda_num_heads, "kda_num_heads")
+        self.kda_head_dim = (kda_head_dim if kda_head_dim is not None
+                             else _divide(hidden_size, kda_num_heads, "kda_num_heads"))
         self.kda_short_conv_kernel_size = kda_short_conv_kernel_size
         self.kda_lower_bound = float(kda_lower_bound)
         self.kda_chunk_size = kda_chunk_size
@@ -286,7 +288,8 @@ class KDAMoEConfig(PreTrainedConfig):
                 f"(blocks group whole layers), got {self.attnres_num_blocks!r}"
             )
         if self.router_bias_update not in ROUTER_BIAS_UPDATES:
-            raise ValueError(f"`router_bias_update` is {self.router_bias_update!r}; expected one of {ROUTER_BIAS_UPDATES}")
+            raise ValueError(f"`router_bias_update` is {self.router_bias_update!r}; "
+                             f"expected one of {ROUTER_BIAS_UPDATES}")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"`hidden_act` is {self.hidden_act!r}; expected one of {HIDDEN_ACTS}")
         if self.kernel_backend not in KERNEL_BACKENDS:
@@ -302,7 +305,8 @@ def check_prefill_chunk_size(chunk) -> None:
 def _divide(total: int, parts: int, parts_name: str) -> int:
     """`total // parts`, raising when the head count does not divide the width."""
     if not isinstance(parts, int) or parts <= 0 or total % parts != 0:
-        raise ValueError(f"`hidden_size` ({total}) is not divisible by `{parts_name}` ({parts}); give the head dim explicitly")
+        raise ValueError(f"`hidden_size` ({total}) is not divisible by `{parts_name}` ({parts}); "
+                         "give the head dim explicitly")
     return total // parts
 
 

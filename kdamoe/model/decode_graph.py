@@ -65,7 +65,8 @@ class DecodeGraph:
         return model is self.model() and self.param_ptrs == self._param_ptrs()
 
     def _param_ptrs(self) -> list[int]:
-        return [-1 if p is None else p.data_ptr() for p in (module._parameters.get(name) for module, name in self.param_slots)]
+        params = (module._parameters.get(name) for module, name in self.param_slots)
+        return [-1 if p is None else p.data_ptr() for p in params]
 
     def replay(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """Run one step: ``input_ids [B, 1]`` int64, ``attention_mask [B, past + 1]`` (or None) → logits (a copy)."""

@@ -22,6 +22,7 @@ The in-chunk factors ``exp(G_i − G_j)`` are formed directly (``j ≤ i``, so t
 """
 
 import math
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +81,8 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if initial_state is not None and initial_state.shape != (N, H, q.shape[-1], v.shape[-1]):
         raise ValueError(
-            f"initial_state must be [N, H, K, V] = [{N}, {H}, {q.shape[-1]}, {v.shape[-1]}]; got {tuple(initial_state.shape)}"
+            f"initial_state must be [N, H, K, V] = [{N}, {H}, {q.shape[-1]}, {v.shape[-1]}]; "
+            f"got {tuple(initial_state.shape)}"
         )
 
 
@@ -109,7 +111,7 @@ def _sequence_bounds(B: int, T: int, cu_seqlens: torch.Tensor | None) -> list[tu
     if cu_seqlens is None:
         return [(b * T, (b + 1) * T) for b in range(B)]
     bounds = cu_seqlens.tolist()
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(pairwise(bounds))
 
 
 def chunk_kda_torch(
@@ -158,7 +160,8 @@ def chunk_kda_torch(
     B, T, H, K = q.shape
     V, out_dtype = v.shape[-1], v.dtype
     gate = (use_gate_in_kernel, A_log, dt_bias, lower_bound)
-    dtype, q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, gate)
+    dtype, q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                                       gate)
 
     # Lay every sequence out in whole chunks; padded slots have g = β = k = v = q = 0, which leaves the
     # state untouched and produces nothing, so the padding is exact.
@@ -256,14 +259,15 @@ def recurrent_kda_torch(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA (the decode path), fla ``fused_recurrent_kda`` signature.
 
-    Same arguments (less ``chunk_size``), shapes, return values and errors as :func:`chunk_kda_torch`; cost ``O(T)`` sequential
-    steps, meant for ``T = 1`` decoding. Each step applies
+    Same arguments (less ``chunk_size``), shapes, return values and errors as :func:`chunk_kda_torch`; cost ``O(T)``
+    sequential steps, meant for ``T = 1`` decoding. Each step applies
     ``S ← Diag(exp(g_t)) S;  S ← S + β_t k_t (v_t − Sᵀ k_t)ᵀ;  o_t = Sᵀ (scale·q_t)``.
     """
     B, T, H, K = q.shape
     V, out_dtype = v.shape[-1], v.dtype
     gate = (use_gate_in_kernel, A_log, dt_bias, lower_bound)
-    dtype, q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, gate)
+    dtype, q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                                       gate)
     bounds = _sequence_bounds(B, T, cu_seqlens)
     N = len(bounds)
     state0 = q.new_zeros(N, H, K, V) if initial_state is None else initial_state.to(dtype)

@@ -47,7 +47,7 @@ _FLA_OPS = ("causal_conv1d", "chunk_kda", "fused_recurrent_kda")  # the ops fla 
 def kdamoe_kernels():
     """The ``kdamoe.kernels`` module, or None when it (or Triton) cannot be imported."""
     try:
-        import kdamoe.kernels as kernels
+        import kdamoe.kernels as kernels  # noqa: PLC0415 (kdamoe.kernels is optional in a remote-code folder: imported on first use, None when absent)
     except ImportError:
         return None
     return kernels
@@ -77,7 +77,8 @@ def _interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def select_backend(requested: str, device_type: str, have_kdamoe: bool, have_fla: bool, interpreter: bool = False) -> str:
+def select_backend(requested: str, device_type: str, have_kdamoe: bool, have_fla: bool,
+                   interpreter: bool = False) -> str:
     """The implementation to run: ``"kdamoe"``, ``"fla"`` or ``"torch"`` (pure decision, no imports).
 
     Args:

@@ -36,11 +36,10 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from transformers.utils import can_return_tuple, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_kdamoe import KDAMoEConfig, check_prefill_chunk_size
 from .cache_kdamoe import KDAMoECache, KDAMoELatentCacheLayer, attention_seq_length
+from .configuration_kdamoe import KDAMoEConfig, check_prefill_chunk_size
 from .decode_graph import DecodeGraph
 from .kernel_dispatch import (
-    hub_kernels_off_by_default,
     add_rms_norm,
     block_attnres,
     causal_conv1d,
@@ -51,6 +50,7 @@ from .kernel_dispatch import (
     fused_recurrent_kda,
     gated_rms_norm,
     glu_activation,
+    hub_kernels_off_by_default,
     latent_attention,
     moe_experts_op,
     moe_route_op,
@@ -376,7 +376,8 @@ class KDAMoEAttention(nn.Module):
             self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
         self.kv_a_proj = nn.Linear(d, config.kv_lora_rank, bias=False)
         self.kv_a_layernorm = KDAMoERMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps, config=config)
-        self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.qk_head_dim + self.v_head_dim), bias=False)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.qk_head_dim + self.v_head_dim),
+                                   bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, d, bias=False)
 
     def forward(self, hidden_states, masks: dict | None = None, cache: Cache | None = None, **kwargs):
@@ -504,8 +505,8 @@ class KDAMoETopkRouter(nn.Module):
     ``s = σ(W_r x)``, ``T = TopK(s + b, k)``, ``p_j = s_j / Σ_{r∈T} s_r``; the Top-(k+1) biased scores give
     the selection margins QB histograms (see ``quantile_balancing.selection_margins``). One op computes all of
     it: ``kernel_dispatch.moe_route_op`` picks the Triton kernel on CUDA and ``moe_torch.moe_route_torch``
-    otherwise (the same function). ``e_score_correction_bias`` (the bias ``b``) is a saved buffer that is never trained; it
-    changes only in :meth:`update_bias`. The statistics are plain tensors (not buffers) so they are
+    otherwise (the same function). ``e_score_correction_bias`` (the bias ``b``) is a saved buffer that is never trained;
+    it changes only in :meth:`update_bias`. The statistics are plain tensors (not buffers) so they are
     neither saved nor broadcast by DDP.
     """
 
@@ -653,7 +654,8 @@ class KDAMoEExperts(nn.Module):
         return self.act_fn(gate, up)
 
     def forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
-        return moe_experts_torch(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn)
+        return moe_experts_torch(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                                 self.act_fn)
 
 
 class KDAMoESparseMoeBlock(nn.Module):
@@ -799,7 +801,7 @@ def _fsdp2_wrapped_class(model: nn.Module) -> type | None:
     None when ``model`` is not an FSDP2 module."""
     if not torch.distributed.is_available():
         return None
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 (torch.distributed.fsdp is absent on torch builds without torch.distributed)
 
     if not isinstance(model, FSDPModule):
         return None
@@ -935,7 +937,7 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         # nothing still takes part (zeros), so no rank waits on a collective the others skipped.
         device = routers[0].e_score_correction_bias.device  # (routers may sit on several devices)
         stats = all_reduce_sum(torch.stack([router.statistics().to(device) for router in routers]))
-        for router, own in zip(routers, stats):
+        for router, own in zip(routers, stats, strict=True):
             router.update_bias(own.to(router.e_score_correction_bias.device))
 
 
@@ -1129,7 +1131,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
                     hidden_states = out.new_empty(B, T, out.shape[-1])
                 hidden_states[:, start:end] = out
                 per_chunk.append(states)
-            all_hidden_states = [torch.cat(layer_states, 1) for layer_states in zip(*per_chunk)]
+            all_hidden_states = [torch.cat(layer_states, 1) for layer_states in zip(*per_chunk, strict=True)]
 
         hidden_states_out = None
         if output_hidden_states:
@@ -1307,7 +1309,8 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
                 loss_targets=loss_targets,
                 **kwargs,
             )
-        if isinstance(outputs.cache, KDAMoECache) and (input_ids if input_ids is not None else inputs_embeds).shape[1] == 1:
+        new_tokens = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        if isinstance(outputs.cache, KDAMoECache) and new_tokens == 1:
             outputs.cache.decode_steps += 1
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep

@@ -35,14 +35,16 @@ def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, posi
         raise ValueError("Specify exactly one of `input_ids` or `inputs_embeds`")
     if input_ids is not None:
         if input_ids.dtype not in (torch.int64, torch.int32):  # what the embedding lookup takes
-            raise ValueError(f"`input_ids` must be an int64 (or int32) tensor of token ids, got dtype {input_ids.dtype}")
+            raise ValueError("`input_ids` must be an int64 (or int32) tensor of token ids, "
+                             f"got dtype {input_ids.dtype}")
         if input_ids.dim() != 2:
             raise ValueError(f"`input_ids` must be 2-D [batch, seq_len], got shape {list(input_ids.shape)}")
         shape = input_ids.shape
     else:
         if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
             raise ValueError(
-                f"`inputs_embeds` must be [batch, seq_len, hidden_size={config.hidden_size}], got {list(inputs_embeds.shape)}"
+                f"`inputs_embeds` must be [batch, seq_len, hidden_size={config.hidden_size}], "
+                f"got {list(inputs_embeds.shape)}"
             )
         shape = inputs_embeds.shape[:2]
     B, T = shape
@@ -74,7 +76,8 @@ def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, posi
             checks["target_low"], checks["target_high"] = torch.aminmax(kept)
     if checks:
         device = (input_ids if input_ids is not None else inputs_embeds).device  # the labels may lie elsewhere
-        checks = dict(zip(checks, torch.stack([v.to(device, torch.float64) for v in checks.values()]).tolist()))
+        values = torch.stack([v.to(device, torch.float64) for v in checks.values()]).tolist()
+        checks = dict(zip(checks, values, strict=True))
     if input_ids is not None and (checks["low"] < 0 or checks["high"] >= config.vocab_size):
         bad = int(checks["low"] if checks["low"] < 0 else checks["high"])
         raise ValueError(f"`input_ids` contains {bad}, outside [0, vocab_size={config.vocab_size})")
@@ -87,14 +90,17 @@ def validate_model_inputs(config, input_ids, inputs_embeds, attention_mask, posi
         raise ValueError(f"`attention_mask` must hold only 0 (padding) and 1 (token), got also {others}")
     if attention_mask is not None and attention_mask.dim() == 2:
         expected = T if past is None else past + T
-        if attention_mask.shape[0] != B or attention_mask.shape[1] < T or (past is not None and attention_mask.shape[1] != expected):
+        if (attention_mask.shape[0] != B or attention_mask.shape[1] < T
+                or (past is not None and attention_mask.shape[1] != expected)):
             want = f"[{B}, {expected}]" if past is not None else f"[{B}, >= {T}]"
             raise ValueError(
                 f"`attention_mask` has shape {list(attention_mask.shape)}; expected {want} (cached tokens + new tokens)"
             )
     elif attention_mask is not None and attention_mask.dim() != 4:
-        raise ValueError(f"`attention_mask` must be 2-D [batch, past + seq_len] (or a 4-D mask), got {list(attention_mask.shape)}")
-    if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[0] not in (1, B) or position_ids.shape[1] != T):
+        raise ValueError("`attention_mask` must be 2-D [batch, past + seq_len] (or a 4-D mask), "
+                         f"got {list(attention_mask.shape)}")
+    if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[0] not in (1, B)
+                                     or position_ids.shape[1] != T):
         raise ValueError(f"`position_ids` has shape {list(position_ids.shape)}; expected [{B}, {T}]")
     if position_ids is not None and (position_ids.dtype.is_floating_point or position_ids.dtype.is_complex
                                      or position_ids.dtype == torch.bool):
@@ -109,14 +115,14 @@ def check_cache_matches(config, cache: Cache, rows: int) -> None:
     ``config`` and the ``rows`` of the inputs (a mismatch would otherwise fail deep in a kernel or, for some
     shapes, give wrong logits silently). Reads shapes only."""
     if len(cache.layers) != config.num_hidden_layers:
-        raise ValueError(f"the cache has {len(cache.layers)} layers but the model has {config.num_hidden_layers}; pass a "
-                         "cache built for this model (or none)")
+        raise ValueError(f"the cache has {len(cache.layers)} layers but the model has {config.num_hidden_layers}; "
+                         "pass a cache built for this model (or none)")
     H, K = config.kda_num_heads, config.kda_head_dim
-    for i, (layer, layer_type) in enumerate(zip(cache.layers, config.layer_types)):
+    for i, (layer, layer_type) in enumerate(zip(cache.layers, config.layer_types, strict=True)):
         linear = isinstance(layer, LinearAttentionCacheLayerMixin)
         if linear != (layer_type == "linear_attention"):
-            raise ValueError(f"cache layer {i} is a {type(layer).__name__} but model layer {i} is {layer_type!r}; pass a "
-                             "cache built for this model (or none)")
+            raise ValueError(f"cache layer {i} is a {type(layer).__name__} but model layer {i} is {layer_type!r}; "
+                             "pass a cache built for this model (or none)")
         found = None
         if linear:
             state = layer.recurrent_states.get(0)
@@ -129,7 +135,8 @@ def check_cache_matches(config, cache: Cache, rows: int) -> None:
         elif isinstance(layer, KDAMoELatentCacheLayer):
             batch = None if layer.latents is None else layer.latents.shape[0]
             if layer.latents is not None and layer.latents.shape[-1] != config.kv_lora_rank:
-                found = f"latents of width {layer.latents.shape[-1]} (the model's kv_lora_rank is {config.kv_lora_rank})"
+                found = (f"latents of width {layer.latents.shape[-1]} "
+                         f"(the model's kv_lora_rank is {config.kv_lora_rank})")
         else:
             keys = getattr(layer, "keys", None)
             batch = keys.shape[0] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else None

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 
 import torch
+from trl.chat_template_utils import parse_response
 
 from .data import environment_class, environment_tools
 
@@ -81,8 +82,6 @@ def run_episodes(model, tokenizer, tasks: list, *, batch_size: int = 64, max_new
     Raises:
         ValueError: ``batch_size`` / ``max_new_tokens`` < 1, a tokenizer without ``response_template``.
     """
-    from trl.chat_template_utils import parse_response
-
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
     if do_sample and not temperature > 0:
@@ -100,11 +99,11 @@ def run_episodes(model, tokenizer, tasks: list, *, batch_size: int = 64, max_new
     for start in range(0, len(tasks), batch_size):
         batch = tasks[start:start + batch_size]
         envs = [environment_class(task)() for task in batch]
-        for env, task in zip(envs, batch):
+        for env, task in zip(envs, batch, strict=True):
             env.reset(task=task)
         ids = [tokenizer.apply_chat_template([{"role": "user", "content": t.prompt()}], tools=environment_tools(e),
                                              add_generation_prompt=True, tokenize=True, return_dict=False)
-               for t, e in zip(batch, envs)]
+               for t, e in zip(batch, envs, strict=True)]
         prompt_lengths = [len(x) for x in ids]
         turns, ended = [0] * len(batch), [None] * len(batch)
         active = list(range(len(batch)))
@@ -147,10 +146,10 @@ def run_episodes(model, tokenizer, tasks: list, *, batch_size: int = 64, max_new
                     continue
                 ids[i] = ids[i] + _tool_suffix_ids(tokenizer, tool_messages)
             active = [i for i in active if ended[i] is None]
-        for i, (task, env) in enumerate(zip(batch, envs)):
+        for i, (task, env) in enumerate(zip(batch, envs, strict=True)):
             results.append(dict(task=task, reward=env.get_reward(),
-                                calls_before_submit=env.tool_calls_before_submit, tool_calls=len(env.calls), turns=turns[i],
-                                tokens=len(ids[i]), prompt_tokens=prompt_lengths[i], ended=ended[i]))
+                                calls_before_submit=env.tool_calls_before_submit, tool_calls=len(env.calls),
+                                turns=turns[i], tokens=len(ids[i]), prompt_tokens=prompt_lengths[i], ended=ended[i]))
     model.train(was_training)
     return results
 

@@ -30,9 +30,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-
 from ..common.config import apply_override, build_dataclass, read_yaml
 from ..common.parallel import check_distributed_config, check_distributed_launch, check_trainer_fsdp, launched_processes
+from .data import ENVIRONMENTS
 from .recipes import RECIPES, config_class
 from .recipes.common import lora_config
 
@@ -50,8 +50,8 @@ class TaskDataConfig:
 
     ``environment``: ``keyhunt`` (:mod:`kdamoe.posttraining.keyhunt`) or ``arithmetic``
     (:mod:`kdamoe.posttraining.environment`). ``min_calls`` / ``max_calls``: tool calls a task needs before its
-    final call (key hunt: doors to open before ``take_key``; arithmetic: operations before ``submit``). ``max_operand``: arithmetic operands lie in
-    ``[2, max_operand]``. ``hasty_fraction``: share of SFT demonstrations by the hasty agent
+    final call (key hunt: doors to open before ``take_key``; arithmetic: operations before ``submit``). ``max_operand``:
+    arithmetic operands lie in ``[2, max_operand]``. ``hasty_fraction``: share of SFT demonstrations by the hasty agent
     (:func:`~kdamoe.posttraining.data.sft_dataset`). ``seed`` fixes the tasks.
     """
 
@@ -130,13 +130,13 @@ class PostTrainConfig:
         need(self.grpo.mode in GRPO_MODES, "grpo.mode", f"{self.grpo.mode!r} is not one of {GRPO_MODES}")
         need(self.grpo.rollout in GRPO_ROLLOUTS, "grpo.rollout",
              f"{self.grpo.rollout!r} is not one of {GRPO_ROLLOUTS}")
-        need(self.router_biases in ROUTER_BIASES, "router_biases", f"{self.router_biases!r} is not one of {ROUTER_BIASES}")
+        need(self.router_biases in ROUTER_BIASES, "router_biases",
+             f"{self.router_biases!r} is not one of {ROUTER_BIASES}")
         need(bool(self.model), "model", "must name a base model folder or Hub id")
         if self.output_dir is None:
             self.output_dir = f"outputs/posttrain/{self.recipe}"
         d = self.data
         need(d.num_tasks >= 1, "data.num_tasks", f"must be at least 1, got {d.num_tasks}")
-        from .data import ENVIRONMENTS
 
         need(d.environment in ENVIRONMENTS, "data.environment", f"{d.environment!r} is not one of {list(ENVIRONMENTS)}")
         need(1 <= d.min_calls <= d.max_calls, "data.min_calls / data.max_calls",
@@ -179,7 +179,7 @@ class PostTrainConfig:
             self._check_distributed()
         self._check_trainer()
         if self.recipe == "ppo":  # importable only in the PPO venv; _check_trainer has already imported it
-            from .recipes.ppo import PPOSection
+            from .recipes.ppo import PPOSection  # noqa: PLC0415 (trl.experimental.ppo, which recipes.ppo imports, exists only in the PPO venv)
 
             PPOSection.from_dict(self.ppo)
         if self.peft is not None:

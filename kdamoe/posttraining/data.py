@@ -21,13 +21,15 @@ apart — which is what the post-training demo shows GRPO learning (docs/post-tr
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 
 from datasets import Dataset
+from transformers.utils import get_json_schema
 
-from .environment import ArithmeticEnvironment, ArithmeticTask
-from .keyhunt import KeyHuntEnvironment, KeyHuntTask
+from .environment import ArithmeticEnvironment, ArithmeticTask, make_tasks
+from .keyhunt import KeyHuntEnvironment, KeyHuntTask, make_keyhunt_tasks
 
 ENVIRONMENTS = {"keyhunt": (KeyHuntTask, KeyHuntEnvironment), "arithmetic": (ArithmeticTask, ArithmeticEnvironment)}
 
@@ -43,9 +45,6 @@ def make_family_tasks(environment: str, n: int, seed: int, *, min_calls: int = 1
     Raises:
         ValueError: an unknown ``environment`` or a range the family's generator refuses.
     """
-    from .environment import make_tasks
-    from .keyhunt import make_keyhunt_tasks
-
     if environment == "keyhunt":
         return make_keyhunt_tasks(n, seed, min_rooms=min_calls, max_rooms=max_calls, exclude=exclude)
     if environment == "arithmetic":
@@ -64,8 +63,6 @@ def environment_class(task) -> type:
 def environment_tools(env) -> list:
     """The bound tool methods of an environment instance, in TRL's order: public functions of its class
     other than ``reset`` / ``get_reward``, as ``inspect.getmembers`` lists them (alphabetical)."""
-    import inspect
-
     return [getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
             if name not in ("reset", "get_reward") and not name.startswith("_")]
 
@@ -73,8 +70,6 @@ def environment_tools(env) -> list:
 def tool_schemas(env_cls: type) -> list[dict]:
     """JSON schemas of an environment's tools, exactly as TRL renders them for ``environment_factory``
     (:func:`environment_tools` through transformers' ``get_json_schema``)."""
-    from transformers.utils import get_json_schema
-
     return [get_json_schema(tool) for tool in environment_tools(env_cls())]
 
 

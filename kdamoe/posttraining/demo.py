@@ -20,14 +20,22 @@ import json
 import time
 from pathlib import Path
 
+import torch
+from transformers import AutoTokenizer
+
+from ..model import KDAMoEForCausalLM
+from .agent import run_episodes, summarize_episodes
+from .config import load_posttrain_config
+from .data import make_family_tasks
+from .recipes.common import training_tasks
+from .run import run_recipe
+
 HELD_OUT_SEED = 20261201
 TURN_TOKENS = 40  # tokens per assistant turn: a tool call is ~25 with the 512-token vocabulary
 STAGES = ("pretrained", "sft", "grpo")
 
 
 def _stage_config(name: str, model: str, output_dir: Path, seed: int, overrides: list[str]):
-    from .config import load_posttrain_config
-
     cfg = load_posttrain_config(name, [f"model={model}", f"output_dir={output_dir}", f"seed={seed}", *overrides])
     cfg.data.seed += seed
     return cfg
@@ -36,9 +44,6 @@ def _stage_config(name: str, model: str, output_dir: Path, seed: int, overrides:
 def held_out_tasks(configs: list, n: int, min_calls: int = 2, max_calls: int = 3) -> list:
     """``n`` key-hunt tasks needing ``min_calls``–``max_calls`` doors, none of them in the training sets of
     ``configs`` (their ``data`` sections), drawn with :data:`HELD_OUT_SEED`."""
-    from .data import make_family_tasks
-    from .recipes.common import training_tasks
-
     seen = set()
     for cfg in configs:
         seen.update(training_tasks(cfg))
@@ -46,8 +51,6 @@ def held_out_tasks(configs: list, n: int, min_calls: int = 2, max_calls: int = 3
 
 
 def _score(model, tokenizer, tasks, seed: int, batch_size: int) -> dict:
-    from .agent import run_episodes, summarize_episodes
-
     start = time.perf_counter()
     episodes = run_episodes(model, tokenizer, tasks, batch_size=batch_size, max_new_tokens=TURN_TOKENS,
                             do_sample=True, temperature=1.0, seed=seed)
@@ -57,13 +60,6 @@ def _score(model, tokenizer, tasks, seed: int, batch_size: int) -> dict:
 def run_seed(base: str, output_dir: Path, seed: int, n_held_out: int, sft_overrides=(), grpo_overrides=(),
              batch_size: int = 64) -> dict:
     """One seed of the demo (module docstring); returns its rows and wall times (seconds)."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from ..model import KDAMoEForCausalLM
-
-    from .run import run_recipe
-
     folder = output_dir / f"seed{seed}"
     sft_cfg = _stage_config("sft", base, folder / "sft", seed, list(sft_overrides))
     grpo_cfg = _stage_config("grpo", str(folder / "sft" / "final"), folder / "grpo", seed, list(grpo_overrides))

@@ -17,8 +17,8 @@ identically.
 
 Reward (one number in ``[0, 1]``): ``1.0`` when the submitted value equals the chain's result and every
 operation was carried out with the tools, in order, with the right operands (a right number typed without
-the tools earns no more than partial credit); otherwise ``0.5 × (operations carried out correctly, in order) / n_ops``, a partial credit that
-separates an agent that did some of the work from one that did none (GRPO needs differences
+the tools earns no more than partial credit); otherwise ``0.5 × (operations carried out correctly, in order) / n_ops``,
+a partial credit that separates an agent that did some of the work from one that did none (GRPO needs differences
 within a group to learn anything).
 """
 
@@ -88,13 +88,14 @@ class ArithmeticTask:
     def episode_messages(self, steps: int | None = None) -> list[dict]:
         """Assistant / tool turns of an agent that carries out the first ``steps`` operations (default: all)
         and then submits the value reached (``steps < n_ops``: the hasty agent, a wrong answer)."""
-        from .data import tool_call_message, tool_result_message
+        from .data import tool_call_message, tool_result_message  # noqa: PLC0415 (cycle: kdamoe.posttraining.data imports this module at its top)
 
         steps = self.n_ops if steps is None else steps
         if not 0 <= steps <= self.n_ops:
             raise ValueError(f"steps={steps} outside [0, {self.n_ops}]")
         values, out = self.values(), []
-        for (name, operand), current, result in zip(self.ops[:steps], values, values[1:]):
+        # values holds n_ops + 1 entries (the start first) and steps may stop short of n_ops: zip stops at steps
+        for (name, operand), current, result in zip(self.ops[:steps], values, values[1:], strict=False):
             out += [tool_call_message(name, {"a": current, "b": operand}), tool_result_message(name, result)]
         out += [tool_call_message("submit", {"answer": values[steps]}), tool_result_message("submit", "submitted"),
                 {"role": "assistant", "content": "Done."}]
@@ -241,7 +242,8 @@ class ArithmeticEnvironment:
         """Operations of the task carried out in order with the right operands, counted from the first."""
         values, done = self.task.values(), 0
         calc = [(name, args) for name, args in self.calls if name != "submit"]
-        for (name, args), (want, operand), current in zip(calc, self.task.ops, values):
+        # the agent may have made fewer (or more) calls than the task has operations: count the common prefix
+        for (name, args), (want, operand), current in zip(calc, self.task.ops, values, strict=False):
             if name == want and sorted(_maybe_int(v) for v in args.values()) == sorted([current, operand]):
                 done += 1
             else:

@@ -20,8 +20,8 @@ docstrings, ``get_reward()``).
 
 Reward (``[0, 1]``): ``1.0`` when ``take_key`` came after the key was found; ``0.2 + 0.3 × rooms entered / n``
 (:data:`EARLY_BASE`, :data:`EARLY_CREDIT`) when it came too early (finishing beats not finishing, and every
-room entered before giving up is worth something); ``0.0`` when the agent never called it. An unfinished task earns nothing — measured:
-with partial credit for rooms entered alone, GRPO learned to open every door and never take the key.
+room entered before giving up is worth something); ``0.0`` when the agent never called it. An unfinished task earns
+nothing — measured: with partial credit for rooms entered alone, GRPO learned to open every door and never take the key.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class KeyHuntTask:
     def episode_messages(self, steps: int | None = None) -> list[dict]:
         """Assistant / tool turns of an agent that opens ``steps`` doors (default: all; fewer is the hasty
         agent, who then takes a key that is not there) and calls ``take_key``, then says ``Done.``"""
-        from .data import tool_call_message, tool_result_message
+        from .data import tool_call_message, tool_result_message  # noqa: PLC0415 (cycle: kdamoe.posttraining.data imports this module at its top)
 
         steps = self.calls_needed if steps is None else steps
         if not 0 <= steps <= self.calls_needed:
@@ -139,7 +139,8 @@ def make_keyhunt_tasks(n: int, seed: int, *, min_rooms: int = 1, max_rooms: int 
     rng = random.Random(seed)
     out, seen = [], exclude
     while len(out) < n:
-        task = KeyHuntTask(rng.choice(PLACES), tuple(rng.choice(ROOMS) for _ in range(rng.randint(min_rooms, max_rooms))))
+        place = rng.choice(PLACES)
+        task = KeyHuntTask(place, tuple(rng.choice(ROOMS) for _ in range(rng.randint(min_rooms, max_rooms))))
         if task not in seen:
             seen.add(task)
             out.append(task)

@@ -26,14 +26,22 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from accelerate import PartialState
-from transformers import TrainerCallback
+from matplotlib.figure import Figure
+from transformers import AutoTokenizer, TrainerCallback, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..callbacks import RouterBiasUpdateCallback, add_router_bias_callback
+from ..common.cards import count_parameters, render_model_card
 from ..common.checkpoint import verify_checkpoint, write_manifest
-from ..common.folders import check_model_folder
+from ..common.folders import check_model_folder, write_model_folder
 from ..common.parallel import check_world_size, consolidated_model, enable_fsdp2_on_cpu, load_sharded
 from ..common.run_folder import check_no_other_job, owned_run_folder
+from ..model import KDAMoEForCausalLM
+from .config import posttrain_config_to_dict
+from .recipes import build_trainer
+from .recipes.common import check_aux_loss
 
 logger = logging.getLogger(__name__)
 
@@ -134,19 +142,14 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _plot_reward_curve(curve: list[tuple[int, float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3))
+    fig = Figure(figsize=(5, 3))  # a bare Figure draws on the Agg canvas; pyplot's global backend is left alone
+    ax = fig.subplots()
     ax.plot([s for s, _ in curve], [r for _, r in curve], marker="o")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean reward")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def _is_local(path: str) -> bool:
@@ -154,8 +157,6 @@ def _is_local(path: str) -> bool:
 
 
 def _card(cfg, model, curve, image: str | None):
-    from ..common.cards import count_parameters, render_model_card
-
     d = cfg.data
     mode = f" ({cfg.grpo.mode})" if cfg.recipe == "grpo" else ""
     recipe = f"`{cfg.recipe}`{mode} with TRL's `{TRL_TRAINERS[cfg.recipe]}`"
@@ -196,8 +197,6 @@ def trained_model(cfg, trainer):
 def _save(cfg, model, tokenizer, padding_side: str, curve) -> tuple[Path, Path | None, object]:
     """Write ``final/`` (and ``adapter/`` under PEFT) of the whole trained ``model``; return their paths and the
     saved model (merged under PEFT)."""
-    from ..common.folders import write_model_folder
-
     out = Path(cfg.output_dir)
     tokenizer.padding_side = padding_side  # GRPO / RLOO pad on the left; the shipped tokenizer keeps its own
     adapter_dir = None
@@ -252,11 +251,6 @@ def load_base(cfg, sharded: bool = True):
         ValueError: see :func:`check_base`, or ``distributed_config`` does not fit the model
             (:func:`kdamoe.common.parallel.check_distributed_config`).
     """
-    import torch
-    from transformers import AutoTokenizer
-
-    from ..model import KDAMoEForCausalLM
-
     check_base(cfg)
     if sharded and cfg.distributed_config is not None:
         model = load_sharded(KDAMoEForCausalLM, cfg.model, cfg.distributed_config, dtype=torch.float32)
@@ -269,7 +263,6 @@ def load_base(cfg, sharded: bool = True):
 def run_identity(cfg) -> dict:
     """What a resumed run must share with the run that wrote its output folder: the base model (a local folder as
     its absolute path), the recipe and the data section."""
-    from .config import posttrain_config_to_dict
 
     model = str(Path(cfg.model).expanduser().resolve()) if _is_local(cfg.model) else cfg.model
     return {"model": model, "recipe": cfg.recipe, "data": posttrain_config_to_dict(cfg)["data"]}
@@ -311,12 +304,6 @@ def run_recipe(cfg, resume: bool = True, overwrite: bool = False) -> dict:
                          "transformers' Trainer cannot resume a model sharded while it loads; pass --no-resume "
                          "--overwrite or another output_dir")
 
-    from transformers import set_seed
-
-    from ..callbacks import RouterBiasUpdateCallback, add_router_bias_callback
-    from .recipes import build_trainer
-    from .recipes.common import check_aux_loss
-
     set_seed(cfg.seed)
     model, tokenizer = load_base(cfg)
     check_aux_loss(cfg, model.config)
@@ -337,7 +324,6 @@ def run_recipe(cfg, resume: bool = True, overwrite: bool = False) -> dict:
 def _train_and_save(cfg, trainer, tokenizer, padding_side: str, checkpoint: str | None) -> dict:
     """:func:`run_recipe`'s training and saving, with the output folder owned and the checkpoint to resume (or None)
     decided."""
-    from .config import posttrain_config_to_dict
 
     if checkpoint:
         logger.warning(f"resuming from {checkpoint}")

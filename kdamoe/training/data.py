@@ -21,7 +21,8 @@ def tokenize_documents(tokenizer, texts: list[str], bos_id: int, eos_id: int) ->
     return [[bos_id, *ids, eos_id] for ids in encoded]
 
 
-def pack_documents(docs: list[list[int]], seq_len: int, pad_id: int, drop_last: bool = False) -> dict[str, torch.Tensor]:
+def pack_documents(docs: list[list[int]], seq_len: int, pad_id: int,
+                   drop_last: bool = False) -> dict[str, torch.Tensor]:
     """Pack token documents into rows of ``seq_len`` tokens with restarting positions.
 
     Args:

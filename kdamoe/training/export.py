@@ -22,7 +22,8 @@ def export_model(model, tokenizer, cfg, summary: dict, folder: str | Path, repo_
     validation perplexity / bits per byte as ``model-index``).
 
     Args:
-        summary: needs ``before``, ``after`` and ``bigram`` metric dicts (see :func:`kdamoe.training.evaluate.evaluate_lm`).
+        summary: needs ``before``, ``after`` and ``bigram`` metric dicts (see
+            :func:`kdamoe.training.evaluate.evaluate_lm`).
         repo_id: the card's Hub id (default ``kdamoe/kdamoe-<output_dir name>``; ``kdamoe-push`` re-renders it).
     Returns:
         The folder.
@@ -62,7 +63,8 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> torch.Tensor:
 @torch.no_grad()
 def generate_text(model, tokenizer, prompt: str, device: torch.device | str = "cpu", stream: bool = False,
                   chat: bool = False, seed: int = 0, **generate_kwargs) -> str:
-    """Continue ``prompt``; with ``stream`` the text is printed as it comes (``TextStreamer``). Returns the continuation.
+    """Continue ``prompt``; with ``stream`` the text is printed as it comes (``TextStreamer``). Returns the
+    continuation.
 
     ``generate_kwargs`` override the model's ``generation_config`` (e.g. ``max_new_tokens``, ``do_sample``).
     """

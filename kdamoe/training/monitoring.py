@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
@@ -22,16 +23,13 @@ def load_imbalance(load: torch.Tensor) -> torch.Tensor:
 def plot_expert_load(load: torch.Tensor, path: str | Path, title: str = "Expert load") -> Path:
     """Save a heat map of ``load [L, E]`` (tokens per expert per MoE layer), each layer divided by its mean.
 
-    Uses matplotlib's Agg backend (no display). Returns the written path.
+    Draws on a bare ``matplotlib.figure.Figure`` (Agg canvas, no display; pyplot's global backend is left
+    alone). Returns the written path.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     load = load.float()
     rel = (load / load.mean(dim=-1, keepdim=True).clamp_min(1e-12)).numpy()
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * rel.shape[1] + 2), max(2.0, 0.45 * rel.shape[0] + 1.2)))
+    fig = Figure(figsize=(max(4.0, 0.35 * rel.shape[1] + 2), max(2.0, 0.45 * rel.shape[0] + 1.2)))
+    ax = fig.subplots()
     im = ax.imshow(rel, aspect="auto", cmap="viridis", interpolation="nearest")
     ax.set_xlabel("expert")
     ax.set_ylabel("MoE layer")
@@ -42,7 +40,6 @@ def plot_expert_load(load: torch.Tensor, path: str | Path, title: str = "Expert 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
@@ -60,7 +57,7 @@ class TrainingMonitor:
         self.enabled, self.threshold, self.histogram_every = enabled, threshold, histogram_every
         self.writer = None
         if enabled:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 (tensorboard is absent from the PPO venv, requirements-ppo.txt, whose recipe imports kdamoe.training)
 
             self.writer = SummaryWriter(str(log_dir))
         self.total_load: torch.Tensor | None = None

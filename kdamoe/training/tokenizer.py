@@ -1,8 +1,8 @@
 """Byte-level BPE tokenizer with chat and tool-call markup, as a transformers ``PreTrainedTokenizerFast``.
 
 Special tokens: ``<|bos|>`` starts every document (the post-processor adds it: ``tokenizer(text)`` is
-``[bos] + tokens`` as in training; ``add_special_tokens=False`` leaves it out), ``<|im_end|>`` ends a chat turn *and* a document
-(it is ``eos_token``, so generation stops at the end of a turn), ``<|pad|>`` pads. ``<|im_start|>``
+``[bos] + tokens`` as in training; ``add_special_tokens=False`` leaves it out), ``<|im_end|>`` ends a chat turn *and* a
+document (it is ``eos_token``, so generation stops at the end of a turn), ``<|pad|>`` pads. ``<|im_start|>``
 opens a turn. Tool markup (``<tools>``, ``<tool_call>``, ``<tool_response>`` and their closers) is
 added as *non-special* tokens so decoding with ``skip_special_tokens=True`` keeps tool calls.
 """
@@ -25,7 +25,8 @@ CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
-    "{{- 'You may call these tools. Put each call in <tool_call></tool_call> as JSON with \"name\" and \"arguments\".\\n<tools>' }}"
+    "{{- 'You may call these tools. Put each call in <tool_call></tool_call> as JSON with "
+    "\"name\" and \"arguments\".\\n<tools>' }}"
     # One line per tool, `name(arg: type, ...) -> type: description`: a small vocabulary spends ~250 tokens
     # on a tool's JSON schema and ~25 on this line, and the tool loop's budget is the whole context.
     "{%- for tool in tools %}"
@@ -128,7 +129,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, min_frequency:
 
 def _byte_decoder() -> dict[str, int]:
     """Inverse of the byte-level alphabet: printable stand-in character → byte value (GPT-2's mapping)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:

@@ -8,8 +8,8 @@ at 32K the gaps between kernels add ~9 ms. A CUDA graph records the launches onc
 
 What makes the step capturable: no op of the model's training forward or backward reads a device value on the host
 (``tests/test_model_triton.py`` checks it) except the input check, which this class runs itself before each replay
-(the model skips it inside this class's capture, ``kdamoe.model.validation.inputs_prevalidated``); the Triton kernels are
-compiled and autotuned by the eager warm-up steps before the capture; the router statistics accumulate in place into
+(the model skips it inside this class's capture, ``kdamoe.model.validation.inputs_prevalidated``); the Triton kernels
+are compiled and autotuned by the eager warm-up steps before the capture; the router statistics accumulate in place into
 tensors that exist before the capture.
 
 What it does not cover (use the eager step): packed documents (``position_ids`` with restarts: the varlen kernels size
@@ -70,8 +70,8 @@ class TrainStepGraph:
         if not (model.training and torch.is_grad_enabled()):
             raise ValueError("TrainStepGraph runs a training step: the model must be in train() mode with grad enabled")
         if getattr(model, "is_gradient_checkpointing", False):
-            raise ValueError("TrainStepGraph does not capture gradient checkpointing (its recomputation runs inside the "
-                             "backward); call model.gradient_checkpointing_disable() or use the eager step")
+            raise ValueError("TrainStepGraph does not capture gradient checkpointing (its recomputation runs inside "
+                             "the backward); call model.gradient_checkpointing_disable() or use the eager step")
         device = self._device()
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a [B, T] tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
@@ -142,7 +142,8 @@ class TrainStepGraph:
                 model.zero_grad(set_to_none=True)
                 self._step()
         torch.cuda.current_stream(device).wait_stream(side)
-        for router, (tokens, counts) in zip(routers, saved):  # the warm-up steps' counts out again, in place
+        # the warm-up steps' counts out again, in place
+        for router, (tokens, counts) in zip(routers, saved, strict=True):
             for now, before in ((router.tokens_per_expert, tokens), (router.qb_counts, counts)):
                 if now is not None and before is not None:
                     now.copy_(before)

@@ -18,6 +18,7 @@ accumulation, mixed precision, RNG states and collectives, but never wraps the m
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -29,22 +30,22 @@ from pathlib import Path
 import torch
 import yaml
 from accelerate.utils import set_seed
-from transformers import get_cosine_schedule_with_warmup
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer, get_cosine_schedule_with_warmup
 
 from ..common.checkpoint import (
     EP_MODEL,
     MONITOR,
     PROGRESS,
     checkpoint_name,
+    find_checkpoint,
     list_checkpoints,
     load_expert_parallel_optimizer,
     load_state,
     save_checkpoint_atomically,
     save_expert_parallel_state,
 )
-from ..common.checkpoint import find_checkpoint
 from ..common.folders import model_from_run_config
-from ..common.run_folder import owned_run_folder
 from ..common.parallel import (
     check_world_size,
     consolidated_model,
@@ -52,6 +53,7 @@ from ..common.parallel import (
     expert_parallel_model,
     make_accelerator,
 )
+from ..common.run_folder import owned_run_folder
 from .config import RunConfig, StageConfig, config_to_dict, with_defaults
 from .corpus import check_corpus_source, load_corpus
 from .data import IGNORE_INDEX, pack_documents, stage_loader, tokenize_documents
@@ -103,8 +105,6 @@ class PreparedData:
 def prepare_data(cfg: RunConfig, out_dir: Path) -> PreparedData:
     """Load the corpus, split it, get the tokenizer (trained on the training split, saved to
     ``out_dir/tokenizer`` and reused from there on resume) and tokenize both splits."""
-    from transformers import AutoTokenizer
-
     train_docs, val_docs = load_corpus(cfg.data, cfg.seed)
     tok_dir = out_dir / "tokenizer"
     if cfg.tokenizer.path:
@@ -189,8 +189,6 @@ def save_checkpoint(accelerator, progress: TrainProgress, scheduler, monitor: Tr
     accelerate's state, under ``fsdp2_ep`` the sharded ``model`` and ``optimizer``
     (:func:`kdamoe.common.checkpoint.save_expert_parallel_state`), ``progress.json``, ``monitor.safetensors``, the
     manifest. Then delete mid-stage checkpoints beyond the newest ``train.keep_checkpoints``; stage ends are kept."""
-    from safetensors.torch import save_file
-
     progress.scheduler = scheduler.state_dict()
     progress.num_processes = accelerator.num_processes
 
@@ -201,7 +199,7 @@ def save_checkpoint(accelerator, progress: TrainProgress, scheduler, monitor: Tr
 
     sharded = None
     if cfg.train.parallelism == "fsdp2_ep":
-        sharded = lambda folder: save_expert_parallel_state(model, optimizer, folder)  # noqa: E731
+        sharded = functools.partial(save_expert_parallel_state, model, optimizer)  # called with the folder
     path = save_checkpoint_atomically(accelerator, checkpoint_dir(out_dir, progress), write_own_state, sharded)
     if accelerator.is_main_process:  # stage end or not is read from the name: no file of a folder is trusted here
         stages = cfg.train.stages
@@ -216,8 +214,6 @@ def save_checkpoint(accelerator, progress: TrainProgress, scheduler, monitor: Tr
 def load_checkpoint(folder: Path, monitor: TrainingMonitor) -> TrainProgress:
     """Our own state from a checkpoint folder: the :class:`TrainProgress` and the monitor's expert-load totals
     (accelerate's part is loaded by :func:`kdamoe.common.checkpoint.load_state` in :func:`train_stage`)."""
-    from safetensors.torch import load_file
-
     if (folder / MONITOR).exists():
         monitor.load_state_dict(load_file(str(folder / MONITOR)))
     return TrainProgress.load(folder)
@@ -252,12 +248,13 @@ def micro_batch_loss(accelerator, model, batch: dict, aux_coef: float) -> torch.
     return n * output.loss
 
 
-def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, data: PreparedData, progress: TrainProgress,
-                monitor: TrainingMonitor, cfg: RunConfig, out_dir: Path, resume_from: Path | None,
-                stop_at: int | None) -> bool:
+def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, data: PreparedData,
+                progress: TrainProgress, monitor: TrainingMonitor, cfg: RunConfig, out_dir: Path,
+                resume_from: Path | None, stop_at: int | None) -> bool:
     """Run one stage to its last step (or until ``progress.global_step == stop_at``). Returns False if stopped early."""
     t = cfg.train
-    expert_parallel = t.parallelism == "fsdp2_ep"  # the model is transformers' (expert_parallel_model), not accelerate's
+    # the model is transformers' (expert_parallel_model), not accelerate's
+    expert_parallel = t.parallelism == "fsdp2_ep"
     rows = pack_documents(data.train_docs, stage.seq_len, data.tokenizer.pad_token_id, drop_last=True)
     loader = accelerator.prepare(stage_loader(rows, stage.batch_size, stage.steps * t.grad_accum_steps,
                                               cfg.seed + index, accelerator.num_processes))
@@ -300,7 +297,8 @@ def train_stage(accelerator, model, optimizer, index: int, stage: StageConfig, d
             continue
         lr = scheduler.get_last_lr()[0]  # the rate this step used
         scheduler.step()
-        load = accelerator.reduce(raw_model.expert_load(), "sum")  # all processes' tokens; before the update resets them
+        # all processes' tokens; before the update resets them
+        load = accelerator.reduce(raw_model.expert_load(), "sum")
         raw_model.update_router_biases()
         progress.step, progress.global_step = progress.step + 1, progress.global_step + 1
         progress.tokens += step_tokens
@@ -396,8 +394,10 @@ def _train_in_folder(cfg: RunConfig, accelerator, out_dir: Path, checkpoint: Pat
     n_params = sum(p.numel() for p in model.parameters())
     _say(accelerator, f"model: {n_params / 1e6:.2f} M parameters, {len(data.train_docs)} training documents "
                       f"({sum(map(len, data.train_docs))} tokens), device {accelerator.device}")
-    evaluate = lambda m: evaluate_lm(m, data.val_rows, data.byte_lengths, cfg.eval.batch_size, accelerator.device,
-                                     torch.bfloat16 if use_bf16 else None)
+
+    def evaluate(m):
+        return evaluate_lm(m, data.val_rows, data.byte_lengths, cfg.eval.batch_size, accelerator.device,
+                           torch.bfloat16 if use_bf16 else None)
 
     summary = {"seconds": 0.0, "finished": False}
     if checkpoint is None and accelerator.is_main_process:

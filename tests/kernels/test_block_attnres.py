@@ -1,9 +1,10 @@
 """block_attnres (Triton) against two references: the Block AttnRes formula (arXiv:2603.15031) written out in
 float64 and differentiated by torch.autograd (no rounding at all), and ``kdamoe.model.attnres_torch`` in the same dtype
 (the model's torch path; in float32 only for the gradients, as in half precision that op's roundings of the
-keys, softmax weights and products put it farther from float64 than the kernel). Output and the gradients of every source, the query and the key-norm weight; S = 1..9
-sources, odd widths and row counts, several row blocks per backward program, parameters in float32 on
-low-precision sources, sources of mixed dtypes (autocast), strided sources, sources without gradient, argument errors, the dispatch.
+keys, softmax weights and products put it farther from float64 than the kernel). Output and the gradients of every
+source, the query and the key-norm weight; S = 1..9 sources, odd widths and row counts, several row blocks per backward
+program, parameters in float32 on low-precision sources, sources of mixed dtypes (autocast), strided sources, sources
+without gradient, argument errors, the dispatch.
 
 Runs on the CPU interpreter (tests/conftest.py) in float32 and float16; with KDAMOE_TEST_ON_GPU=1 on a CUDA
 machine the same tests run on the GPU, with bfloat16 added (the interpreter mishandles it).
@@ -14,9 +15,9 @@ import os
 import pytest
 import torch
 
+from kdamoe.kernels import block_attnres
 from kdamoe.model import kernel_dispatch
 from kdamoe.model.attnres_torch import block_attnres_torch
-from kdamoe.kernels import block_attnres
 
 ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -45,7 +46,10 @@ def make_inputs(S, lead, d, dtype, param_dtype, seed):
     query = 0.5 * torch.randn(d, generator=gen)
     gamma = 1 + 0.3 * torch.randn(d, generator=gen)
     dh = torch.randn(*lead, d, generator=gen)
-    leaf = lambda t, dt: t.to(DEVICE, dt).requires_grad_()  # noqa: E731
+
+    def leaf(t, dt):
+        return t.to(DEVICE, dt).requires_grad_()
+
     return [leaf(v, dtype) for v in sources], leaf(query, param_dtype), leaf(gamma, param_dtype), dh.to(DEVICE)
 
 
@@ -77,7 +81,7 @@ def test_mix_matches_float64_autograd_and_torch_op(S, lead, d, dtype):
     assert rel(out, out64) < TOL[dtype]
     assert rel(out, same_out) < 2 * TOL[dtype]
     names = [f"source {i}" for i in range(S)] + ["query", "key_weight"]
-    for name, g, g_same, g64 in zip(names, grads, same_grads, grads64):
+    for name, g, g_same, g64 in zip(names, grads, same_grads, grads64, strict=True):
         if S == 1 and name in ("query", "key_weight"):
             # One source: softmax weight 1 whatever the logit, the query and the key norm get exactly no gradient.
             assert torch.equal(g, torch.zeros_like(g)) and float(g64.abs().max()) == 0, name
@@ -96,7 +100,7 @@ def test_float32_parameters_on_half_sources():
     out, grads = run(block_attnres, sources, query, gamma, dh)
     _, grads64 = float64_reference(sources, query, gamma, dh)
     assert out.dtype == torch.float16 and grads[-2].dtype == grads[-1].dtype == torch.float32
-    for g, g64 in zip(grads, grads64):
+    for g, g64 in zip(grads, grads64, strict=True):
         assert rel(g, g64) < TOL[torch.float16]
 
 
@@ -111,7 +115,7 @@ def test_sources_of_mixed_dtypes_are_promoted():
     assert out.dtype == same_out.dtype == torch.float32
     assert [g.dtype for g in grads] == [torch.float32, torch.float16, torch.float16, torch.float32, torch.float32]
     assert rel(out, out64) < TOL[torch.float32] and rel(out, same_out) < TOL[torch.float32]
-    for g, g64 in zip(grads, grads64):
+    for g, g64 in zip(grads, grads64, strict=True):
         assert rel(g, g64) < TOL[g.dtype]
 
 
@@ -120,7 +124,7 @@ def test_many_rows_sum_the_parameter_gradients_over_all_programs():
     sources, query, gamma, dh = make_inputs(3, (151,), 100, torch.float32, torch.float32, seed=5)
     _, grads = run(block_attnres, sources, query, gamma, dh)
     _, grads64 = float64_reference(sources, query, gamma, dh)
-    for g, g64 in zip(grads, grads64):
+    for g, g64 in zip(grads, grads64, strict=True):
         assert rel(g, g64) < TOL[torch.float32]
 
 
@@ -135,7 +139,7 @@ def test_strided_sources_and_sources_without_gradient():
     grads = torch.autograd.grad(out, [strided, sources[2], query, gamma], dh)
     out64, grads64 = float64_reference([frozen, strided, sources[2]], query, gamma, dh)
     assert rel(out, out64) < TOL[torch.float32]
-    for g, g64 in zip(grads, grads64[1:]):
+    for g, g64 in zip(grads, grads64[1:], strict=True):
         assert rel(g, g64) < TOL[torch.float32]
 
 
@@ -146,7 +150,8 @@ def test_empty_input():
     out = block_attnres(sources, query, gamma, EPS)
     grads = torch.autograd.grad(out.sum(), [*sources, query, gamma])
     assert out.shape == (0, 3, 8) and grads[0].shape == (0, 3, 8)
-    assert torch.equal(grads[-2], torch.zeros(8, device=DEVICE)) and torch.equal(grads[-1], torch.zeros(8, device=DEVICE))
+    zero = torch.zeros(8, device=DEVICE)
+    assert torch.equal(grads[-2], zero) and torch.equal(grads[-1], zero)
 
 
 def test_bad_arguments_raise_value_errors_naming_them(monkeypatch):

@@ -15,6 +15,7 @@ import torch
 
 import kdamoe.model.kernel_dispatch as dispatch
 from kdamoe.kernels import glu
+from kdamoe.kernels.moe.glu import _rows
 from kdamoe.model.modeling_kdamoe import KDAMoEMLP
 from tests.helpers import tiny_config
 
@@ -51,7 +52,7 @@ def kernel_and_reference(gate, up, dout, activation, beta1, beta2):
 
 
 def assert_matches(got, want, dtype):
-    for name, a, b in zip(("out", "d_gate", "d_up"), got, want):
+    for name, a, b in zip(("out", "d_gate", "d_up"), got, want, strict=True):
         assert a.dtype == dtype and a.shape == b.shape, name
         a = a.detach().double().cpu()
         assert torch.isfinite(a).all(), name
@@ -157,10 +158,10 @@ def test_mlp_runs_the_kernel_for_the_backend_read_at_call_time(hidden_act, monke
         (out * x).sum().backward()
         results[backend] = [out.detach(), xg.grad] + [p.grad for p in mlp.parameters()]
     assert kernels.calls == (2 if ON_GPU else 1)  # "auto" picks the kernel on CUDA only
-    for got, want in zip(results["triton"], results["torch"]):
+    for got, want in zip(results["triton"], results["torch"], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if not ON_GPU:
-        for got, want in zip(results["auto"], results["torch"]):
+        for got, want in zip(results["auto"], results["torch"], strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -179,5 +180,4 @@ def test_column_slices_of_one_gemm_output_are_read_in_place(activation):
     ref_gate, ref_up = (t.detach().double().requires_grad_() for t in (gate, up))
     reference(ref_gate, ref_up, activation, 4.0, 25.0).backward(grad_out.double())
     torch.testing.assert_close(both.grad, torch.cat([ref_gate.grad, ref_up.grad], -1).float(), rtol=1e-5, atol=1e-5)
-    from kdamoe.kernels.moe.glu import _rows
     assert _rows(gate, 37).data_ptr() == gate.data_ptr() and _rows(gate, 37).stride(0) == 2 * 37

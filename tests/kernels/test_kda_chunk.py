@@ -8,9 +8,11 @@ hence the looser tolerance).
 
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import triton.runtime.interpreter as interp
 
 from kdamoe.kernels import chunk_kda
 from kdamoe.kernels.kda.naive import naive_kda_lowerbound_gate, naive_l2norm, naive_recurrent_kda
@@ -25,7 +27,10 @@ H, K, V = 2, 16, 32
 def make_inputs(B, T, seed, N=None, dtype=torch.float32, gate_in=False, normalize_k=True, dims=None):
     H, K, V = dims if dims is not None else (globals()["H"], globals()["K"], globals()["V"])
     gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen)
+
     q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V)
     if normalize_k:
         k = F.normalize(k, dim=-1)
@@ -39,7 +44,10 @@ def make_inputs(B, T, seed, N=None, dtype=torch.float32, gate_in=False, normaliz
     h0 = r(N if N is not None else B, H, K, V)
     A_log = r(H) * 0.5
     dt_bias = r(H * K)
-    to = lambda x: x.to(DEVICE)
+
+    def to(x):
+        return x.to(DEVICE)
+
     return dict(q=to(q.to(dtype)), k=to(k.to(dtype)), v=to(v.to(dtype)), g=to(g), beta=to(beta), h0=to(h0),
                 A_log=to(A_log), dt_bias=to(dt_bias), gen=gen)
 
@@ -85,7 +93,7 @@ def _tol(name, tol):
 
 
 def assert_close(out, ref, names, tol):
-    errs = {n: relative_error(a, b) for n, a, b in zip(names, out, ref)}
+    errs = {n: relative_error(a, b) for n, a, b in zip(names, out, ref, strict=True)}
     bad = {n: e for n, e in errs.items() if not e <= _tol(n, tol)}
     assert not bad, f"relative errors above {tol}: {bad} (all: {errs})"
 
@@ -208,7 +216,6 @@ def test_chunk_argument_errors():
 
 def _round_to_tf32(x):
     """Round a float32 numpy array to tf32 (10 explicit mantissa bits), round-to-nearest-even."""
-    import numpy as np
     u = x.view(np.uint32).astype(np.uint64)
     lsb = (u >> np.uint64(13)) & np.uint64(1)
     u = (u + np.uint64(0xFFF) + lsb) & ~np.uint64(0x1FFF)
@@ -222,9 +229,6 @@ def test_chunk_gate_gradient_survives_tf32_products(monkeypatch):
     (9e-3 / 5e-2 against 4e-4), because the row and column copies of each pair's term stopped cancelling
     inside the reverse cumsum. Emulate tf32 in the interpreter's dot (dots asking for tf32x3 or ieee stay
     exact) and require every gradient near the same level."""
-    import numpy as np
-    import triton.runtime.interpreter as interp
-
     orig = interp.InterpreterBuilder.create_dot
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
@@ -239,6 +243,6 @@ def test_chunk_gate_gradient_survives_tf32_products(monkeypatch):
     monkeypatch.setattr(interp.InterpreterBuilder, "create_dot", create_dot)
     x = make_inputs(1, 128, 71, gate_in=True, normalize_k=False)
     out, ref, names = run_both(x, gate_in=True, l2=True, A_log=False)
-    errs = {n: relative_error(a, b) for n, a, b in zip(names, out, ref)}
+    errs = {n: relative_error(a, b) for n, a, b in zip(names, out, ref, strict=True)}
     assert max(errs.values()) > 1e-5, f"tf32 emulation did not engage: {errs}"
     assert max(errs.values()) <= 2e-3, errs

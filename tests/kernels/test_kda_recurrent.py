@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kdamoe.kernels import chunk_kda, fused_recurrent_kda
 from kdamoe.kernels.kda.naive import naive_kda_lowerbound_gate, naive_l2norm, naive_recurrent_kda
@@ -38,7 +37,10 @@ def test_prefill_then_decode_matches_one_pass():
     """chunk_kda over a prompt, then fused_recurrent_kda token by token, equals the reference over all."""
     B, T, steps = 2, 37, 3
     x = make_inputs(B, T + steps, 121)
-    sl = lambda n, a, b: x[n][:, a:b]
+
+    def sl(n, a, b):
+        return x[n][:, a:b]
+
     o1, s = chunk_kda(*(sl(n, 0, T) for n in ("q", "k", "v", "g", "beta")), initial_state=x["h0"],
                       output_final_state=True)
     outs = [o1]

@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 
 from kdamoe.kernels import launch
+from kdamoe.kernels.conv import forward as conv_forward
+from kdamoe.kernels.conv.conv import causal_conv1d
 from kdamoe.kernels.launch import FastLaunch, fast_launch
 from kdamoe.kernels.moe import grouped_gemm
 from kdamoe.kernels.norm import kernels as norm_kernels
@@ -37,9 +39,6 @@ def test_interpreter_kernels_are_not_wrapped():
 def test_short_path_matches_tritons_path():
     """A plain kernel (the RMSNorm forward) and an autotuned one (the causal conv forward) give the same bits through
     both paths; after the first call (compile, tune) every call takes the short path."""
-    from kdamoe.kernels.conv import forward as conv_forward
-    from kdamoe.kernels.conv.conv import causal_conv1d
-
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(37, 1000, generator=gen).cuda().bfloat16()
     w = torch.randn(1000, generator=gen).cuda().bfloat16()

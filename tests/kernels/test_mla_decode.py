@@ -131,8 +131,10 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs KDAMOE_TEST_ON_GPU=1 and
 
 
 @gpu_only
-@pytest.mark.parametrize("B,T,seq_len,S_cap,pads", [(1, 1, 100_000, 131_072, None), (2, 1, 4097, 65_536, (0, 1000)),
-                                                    (1, 64, 30_000, 32_768, None), (2, 3, 77_777, 100_000, (3, 50_000))])
+@pytest.mark.parametrize("B,T,seq_len,S_cap,pads", [(1, 1, 100_000, 131_072, None),
+                                                    (2, 1, 4097, 65_536, (0, 1000)),
+                                                    (1, 64, 30_000, 32_768, None),
+                                                    (2, 3, 77_777, 100_000, (3, 50_000))])
 def test_bf16_production_shape_matches_float32_torch_op(B, T, seq_len, S_cap, pads):
     H, R = 8, 256
     q, latent = make_inputs(B, T, H, R, S_cap, seq_len, 20 + T, torch.bfloat16)

@@ -8,9 +8,16 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from moe_reference import moe_experts_ref
 
+import kdamoe.kernels.moe.experts as experts
 from kdamoe.kernels import moe_experts
+from kdamoe.kernels.launch import autotune
+from kdamoe.kernels.moe import grouped_gemm as gg
+from kdamoe.kernels.moe.activation import ACT_SITU
+from kdamoe.kernels.moe.experts import _Plan
 from kdamoe.kernels.moe.permute import expert_permutation
 from kdamoe.kernels.utils import relative_error
 
@@ -55,7 +62,7 @@ def check(n, hid, inter, e, k, seed, activation="situ", tol=2e-5, **kw):
     assert out.dtype == x.dtype and out.shape == (n, hid)
     assert ref.norm() > 0
     errs = {"out": relative_error(out, ref)}
-    for name, p, q in zip(["d_hidden", "d_weights", "d_gate_up", "d_down"], ps, qs):
+    for name, p, q in zip(["d_hidden", "d_weights", "d_gate_up", "d_down"], ps, qs, strict=True):
         assert p.grad is not None and p.grad.dtype == p.dtype and q.grad.norm() > 0
         errs[name] = relative_error(p.grad, q.grad)
     assert all(v < tol for v in errs.values()), errs
@@ -90,8 +97,6 @@ def test_experts_several_blocks_along_every_dimension():
 def test_experts_gpu_launch_under_the_interpreter(monkeypatch):
     """The GPU's launch (``ceil(M/BM) + E`` tiles, every expert in the weight gradients, uninitialised
     gradient buffers) gives the interpreter's results; empty experts get exactly zero gradients."""
-    import kdamoe.kernels.moe.experts as experts
-
     (x, w, w1, w2), idx = make_case(30, 16, 16, 7, 2, seed=12, absent=(1, 4))
     results = []
     for trimmed in (True, False):
@@ -102,7 +107,7 @@ def test_experts_gpu_launch_under_the_interpreter(monkeypatch):
         out = moe_experts(ps[0], idx, ps[1], ps[2], ps[3])
         out.backward(torch.ones_like(out))
         results.append([out.detach()] + [p.grad for p in ps])
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
     assert results[1][3][[1, 4]].abs().max() == 0 and results[1][4][[1, 4]].abs().max() == 0
 
@@ -135,8 +140,6 @@ def test_experts_grouped_path_writes_every_element_it_reads(monkeypatch):
     float64 reference, so every element of every output is written and no element left unwritten (rows of skipped
     slots in g, h, ∂g', ∂h; the tail past M of the last row tile) is read. Both launches: the interpreter's trimmed
     one and the GPU's (``ceil(M/BM) + E`` tiles, every expert in the weight gradients); on a GPU both are the GPU's."""
-    import kdamoe.kernels.moe.experts as experts
-
     # M = 37·3 = 111 rows: the GLU backward's 16-row blocks end in a tail; ℓ = 80 and I = 72 fill no block exactly
     (x, w, w1, w2), idx = make_case(37, 80, 72, 6, 3, seed=13, drop=0.2, absent=(4,))
     assert (idx == 6).any() and not (idx == 4).any()
@@ -158,7 +161,7 @@ def test_experts_grouped_path_writes_every_element_it_reads(monkeypatch):
         names = ["out", "d_hidden", "d_weights", "d_gate_up", "d_down"]
         got = [out.detach()] + [p.grad for p in ps]
         want = [ref.detach()] + [q.grad for q in qs]
-        for name, a, b in zip(names, got, want):
+        for name, a, b in zip(names, got, want, strict=True):
             assert torch.isfinite(a).all(), (gpu_launch, name)
             assert relative_error(a, b) < 2e-5, (gpu_launch, name)
         assert (ps[1].grad.cpu()[idx == 6] == 0).all()
@@ -196,7 +199,7 @@ def test_experts_float16():
     ref.sum().backward()
     assert out.dtype == torch.float16
     assert relative_error(out, ref) < 5e-3
-    for p, q in zip(ps, qs):
+    for p, q in zip(ps, qs, strict=True):
         assert relative_error(p.grad, q.grad) < 1e-2
 
 
@@ -267,8 +270,6 @@ def test_experts_errors():
 def test_experts_bfloat16_under_the_interpreter_is_refused(monkeypatch):
     """Triton's CPU interpreter gets tl.dot wrong in bfloat16 (errors of order 1e9): the grouped path must refuse it,
     also when bf16 comes from torch.autocast('cpu'), rather than return garbage."""
-    import kdamoe.kernels.moe.experts as experts
-
     monkeypatch.setattr(experts, "GEMV_MAX_ROWS", 0)
     (x, w, w1, w2), idx = make_case(6, 16, 8, 3, 2, seed=21)
     with pytest.raises(ValueError, match="bfloat16"):
@@ -296,10 +297,6 @@ def test_expert_permutation_groups_slots_stably():
 
 @interpreter_only
 def test_interpreter_runs_the_first_autotune_config():
-    import triton
-    import triton.language as tl
-
-    from kdamoe.kernels.launch import autotune
 
     @autotune(configs=[triton.Config({"BLOCK": 4}), triton.Config({"BLOCK": 8})], key=["n"])
     @triton.jit
@@ -330,8 +327,6 @@ def test_relative_error_refuses_meaningless_comparisons():
 def _grouped_case():
     """bf16 inputs on the GPU, 256 tokens top-4 over 8 experts (about 128 rows each, BM = 64), ℓ = 256, I = 192
     (gate/up halves of BN = 128 and the 256-row tiles of ∂W1 (384 x 256) end in masked tails)."""
-    from kdamoe.kernels.moe.experts import _Plan
-
     (x, w, w1, w2), idx = make_case(256, 256, 192, 8, 4, seed=31)
     x, w, w1, w2, idx = (t.cuda() for t in (x, w, w1, w2, idx))
     plan = _Plan(idx, 8)
@@ -347,9 +342,6 @@ def _launch(kernel, config, grid, *args, **kwargs):
 
 @gpu_only
 def test_every_gate_up_config_matches_torch():
-    from kdamoe.kernels.moe import grouped_gemm as gg
-    from kdamoe.kernels.moe.activation import ACT_SITU
-
     (x, w1, w2, w), idx, plan, order, tok, expert = _grouped_case()
     m, inter = plan.m, w1.shape[1] // 2
     h_ref = torch.einsum("rl,rnl->rn", x[tok].float(), w1[expert].float())  # [M, 2I]
@@ -368,8 +360,6 @@ def test_every_gate_up_config_matches_torch():
 
 @gpu_only
 def test_every_rows_gemm_config_matches_torch():
-    from kdamoe.kernels.moe import grouped_gemm as gg
-
     (x, w1, w2, _), idx, plan, order, tok, expert = _grouped_case()
     m, (hid, inter) = plan.m, w2.shape[1:]
     gen = torch.Generator(device="cuda").manual_seed(32)
@@ -388,8 +378,6 @@ def test_every_rows_gemm_config_matches_torch():
 
 @gpu_only
 def test_every_wgrad_config_matches_torch():
-    from kdamoe.kernels.moe import grouped_gemm as gg
-
     (x, w1, w2, _), idx, plan, order, tok, expert = _grouped_case()
     m, two_i, hid = plan.m, w1.shape[1], w1.shape[2]
     gen = torch.Generator(device="cuda").manual_seed(33)
@@ -427,8 +415,6 @@ def _refused_gemv(*args):
 def run_path(path, monkeypatch, x, idx, w, w1, w2, **kw):
     """``moe_experts`` under ``torch.no_grad`` with the other path made to fail (so the caller knows which ran):
     ``"gemv"`` as dispatched, ``"grouped"`` forced by ``GEMV_MAX_ROWS = 0``."""
-    import kdamoe.kernels.moe.experts as experts
-
     with monkeypatch.context() as m:
         if path == "gemv":
             m.setattr(experts, "MoEExpertsFunction", _RefusedGrouped)
@@ -509,8 +495,6 @@ def test_gemv_path_never_reads_skipped_slots(monkeypatch):
 
 
 def test_dispatch_takes_gemv_path_only_without_grad_and_few_rows(monkeypatch):
-    import kdamoe.kernels.moe.experts as experts
-
     class Grouped:
         @staticmethod
         def apply(*args):

@@ -9,11 +9,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from moe_reference import margins_ref
 
 from kdamoe.kernels import moe_route
-from moe_reference import margins_ref
-from kdamoe.model.quantile_balancing import (all_reduce_sum, histogram_range, quantile_balancing_update,
-                                       quantile_from_histogram)
+from kdamoe.model.quantile_balancing import (
+    all_reduce_sum,
+    histogram_range,
+    quantile_balancing_update,
+    quantile_from_histogram,
+)
 
 N, E, K, WORLD = 300, 12, 2, 2
 

@@ -16,8 +16,8 @@ from kdamoe.model.moe_torch import moe_route_torch
 from kdamoe.model.quantile_balancing import histogram_range, qb_histogram, quantile_from_histogram, selection_margins
 from tests.helpers import tiny_config
 
-# These run the routing kernel on CPU tensors through the Triton interpreter; on a GPU machine (KDAMOE_TEST_ON_GPU=1) the same code
-# paths are checked on CUDA by tests/test_gpu_backends.py and the benchmarks' agreement columns.
+# These run the routing kernel on CPU tensors through the Triton interpreter; on a GPU machine (KDAMOE_TEST_ON_GPU=1)
+# the same code paths are checked on CUDA by tests/test_gpu_backends.py and the benchmarks' agreement columns.
 pytestmark = pytest.mark.skipif(bool(os.environ.get("KDAMOE_TEST_ON_GPU")), reason="CPU-interpreter test")
 
 

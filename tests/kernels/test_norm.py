@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from kdamoe.model import kernel_dispatch
 from kdamoe.kernels import add_rms_norm, gated_rms_norm, rms_norm
+from kdamoe.model import kernel_dispatch
 from kdamoe.model.modeling_kdamoe import KDAMoERMSNorm
 from kdamoe.model.norm_torch import add_rms_norm_torch, gated_rms_norm_torch, rms_norm_torch
 
@@ -45,7 +45,10 @@ def make_inputs(x_dtype, w_dtype, shape, seed, gated):
     w = 1 + 0.5 * torch.randn(shape[-1], generator=gen)
     gate = 2 * torch.randn(shape, generator=gen) if gated else None
     dout = torch.randn(shape, generator=gen)
-    cast = lambda t, dt: None if t is None else t.to(DEVICE, dt).requires_grad_()  # noqa: E731
+
+    def cast(t, dt):
+        return None if t is None else t.to(DEVICE, dt).requires_grad_()
+
     return cast(x, x_dtype), cast(w, w_dtype), cast(gate, x_dtype), dout.to(DEVICE)
 
 
@@ -83,7 +86,7 @@ def test_norm_matches_float64_autograd_and_torch_op(x_dtype, w_dtype, shape, gat
     assert rel(out, out64) < tol
     # grads64 is ordered (x, w, gate); args is (x, gate, w) for the gated op.
     order = (0, 2, 1) if gated else (0, 1)
-    for name, g, g_same, i in zip(("x", "gate", "w") if gated else ("x", "w"), grads, same_grads, order):
+    for name, g, g_same, i in zip(("x", "gate", "w") if gated else ("x", "w"), grads, same_grads, order, strict=True):
         assert rel(g, grads64[i]) < tol, name
         assert rel(g, g_same) < tol, name
 
@@ -103,7 +106,7 @@ def test_strided_inputs_give_the_contiguous_result(gated):
         args = [a.detach().requires_grad_() for a in (args if gated else (args[0], args[2]))]
         out = (gated_rms_norm if gated else rms_norm)(*args, EPS)
         results.append([out, *torch.autograd.grad(out, args, dout.contiguous() if results else dout)])
-    for strided, contiguous in zip(*results):
+    for strided, contiguous in zip(*results, strict=True):
         assert torch.equal(strided, contiguous)
 
 
@@ -135,8 +138,9 @@ ADD_CASES += [(torch.float32, torch.float32, torch.float32, (300, 16))]
 def test_add_rms_norm_matches_float64_autograd_and_the_unfused_ops(x_dtype, r_dtype, w_dtype, shape):
     """``(h, out) = add_rms_norm(x, residual, w)`` with gradients flowing into both outputs (h continues the residual
     stream). Forward: h equals the torch add to the bit, out ``rms_norm_torch(h)`` as the plain kernel does (the same
-    rounding points), and both match float64. Gradients of x, residual and w: against float64 autograd of ``h = x + r, out = norm(h)``, and
-    against the unfused ops within one rounding of the dtype (the kernel adds h's gradient before rounding)."""
+    rounding points), and both match float64. Gradients of x, residual and w: against float64 autograd of
+    ``h = x + r, out = norm(h)``, and against the unfused ops within one rounding of the dtype (the kernel adds h's
+    gradient before rounding)."""
     gen = torch.Generator().manual_seed(sum(shape) + 11)
     x = 2 * torch.randn(shape, generator=gen)
     r = torch.randn(shape, generator=gen)
@@ -164,14 +168,14 @@ def test_add_rms_norm_matches_float64_autograd_and_the_unfused_ops(x_dtype, r_dt
     g64 = torch.autograd.grad((h64, out64), leaves, (dh.double(), dout.double()))
     tol = max(TOL[x_dtype], TOL[r_dtype], TOL[w_dtype])
     assert rel(out, out64) < tol
-    for name, got, same, want in zip(("x", "residual", "weight"), g, g_same, g64):
+    for name, got, same, want in zip(("x", "residual", "weight"), g, g_same, g64, strict=True):
         assert rel(got, want) < tol, name
         assert rel(got, same) < tol, name
 
 
 def test_add_rms_norm_with_an_unused_output_and_in_the_module():
-    """Only ``out`` takes a gradient: the norm's gradient alone; only ``h``: the add's, and the weight none. ``KDAMoERMSNorm`` with
-    a ``residual`` runs the fused op and returns ``(h, out)``; without one, the plain norm."""
+    """Only ``out`` takes a gradient: the norm's gradient alone; only ``h``: the add's, and the weight none.
+    ``KDAMoERMSNorm`` with a ``residual`` runs the fused op and returns ``(h, out)``; without one, the plain norm."""
     gen = torch.Generator().manual_seed(3)
     x, r = torch.randn(4, 32, generator=gen).to(DEVICE), torch.randn(4, 32, generator=gen).to(DEVICE)
     w = (1 + 0.5 * torch.randn(32, generator=gen)).to(DEVICE)
@@ -181,7 +185,7 @@ def test_add_rms_norm_with_an_unused_output_and_in_the_module():
     got = torch.autograd.grad(out, args, dout)
     ref = [t.clone().requires_grad_() for t in (x, r, w)]
     want = torch.autograd.grad(rms_norm_torch(ref[0] + ref[1], ref[2], EPS), ref, dout)
-    for name, a, b in zip(("x", "residual", "weight"), got, want):
+    for name, a, b in zip(("x", "residual", "weight"), got, want, strict=True):
         assert rel(a, b) < 1e-5, name
     # only h used: the add's gradient alone, and no weight gradient (as the unfused ops give: the norm is unused)
     args = [t.clone().requires_grad_() for t in (x, r, w)]

@@ -24,7 +24,11 @@ def cache(monkeypatch):
 
 def test_built_once_and_reused(cache):
     calls = []
-    build = lambda: calls.append(1) or torch.arange(5)  # noqa: E731
+
+    def build():
+        calls.append(1)
+        return torch.arange(5)
+
     first, again = utils.cached_constant("a", build), utils.cached_constant("a", build)
     assert again is first and len(calls) == 1 and torch.equal(first, torch.arange(5))
 

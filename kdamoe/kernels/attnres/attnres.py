@@ -1,7 +1,7 @@
 """Block AttnRes mix in Triton: the public function and its autograd Function.
 
-Semantics are those of ``kdamoe.model.attnres_torch.block_attnres_torch`` (the reference) computed in float32 without its
-intermediate roundings; the launches are in ``kernels.py``. The sources are passed to the kernels as they are (a
+Semantics are those of ``kdamoe.model.attnres_torch.block_attnres_torch`` (the reference) computed in float32 without
+its intermediate roundings; the launches are in ``kernels.py``. The sources are passed to the kernels as they are (a
 tuple of views), never stacked: the mix reads ``S`` tensors in place and, in the backward, returns one gradient per
 source.
 """
@@ -124,5 +124,6 @@ def block_attnres(sources: Sequence[torch.Tensor], query: torch.Tensor, key_weig
     if d > MAX_D:
         raise ValueError(f"the sources' last dim d = {d} exceeds the kernels' maximum {MAX_D}")
     if device.type != "cuda" and not (device.type == "cpu" and is_interpreter()):
-        raise ValueError(f"sources are on {device}: the Triton kernels need CUDA tensors (or CPU with TRITON_INTERPRET=1)")
+        raise ValueError(f"sources are on {device}: the Triton kernels need CUDA tensors "
+                         "(or CPU with TRITON_INTERPRET=1)")
     return BlockAttnResFunction.apply(query, key_weight, float(eps), *sources)

@@ -18,11 +18,11 @@ the normalised keys and the softmax weights to it; the kernel is the more exact 
 against float64).
 
 Layout: the sources arrive as a tuple of ``[N, d]`` tensors (unit strides, each in its own dtype; Triton tuple
-arguments), so no stacked copy is ever made; ``S`` is a constexpr and the source loop is unrolled. A program holds ``BLOCK_M`` rows × the
-whole last dim (``BLOCK_D = next_pow2(d)``, d ≤ 8192). The forward reads each source once with an online softmax
-(running max and denominator, as in flash attention's forward) and saves only the per-row log-sum-exp ``[N]``. The
-backward reads each source twice (pass 1: ``δ``; pass 2: ``dv_i`` and ``u``), runs ``P`` programs over the row
-blocks ``pid, pid + P, …`` and writes each program's ``u`` into one float32 row of a ``[P, d]`` buffer that the
+arguments), so no stacked copy is ever made; ``S`` is a constexpr and the source loop is unrolled. A program holds
+``BLOCK_M`` rows × the whole last dim (``BLOCK_D = next_pow2(d)``, d ≤ 8192). The forward reads each source once with an
+online softmax (running max and denominator, as in flash attention's forward) and saves only the per-row log-sum-exp
+``[N]``. The backward reads each source twice (pass 1: ``δ``; pass 2: ``dv_i`` and ``u``), runs ``P`` programs over the
+row blocks ``pid, pid + P, …`` and writes each program's ``u`` into one float32 row of a ``[P, d]`` buffer that the
 caller sums (no atomics: deterministic). Nothing reads a device value on the host (CUDA-graph capturable).
 """
 
@@ -55,7 +55,8 @@ def _forward_kernel(V, Q, G, O, LSE, n_rows, D, eps,
     row_ok = rows < n_rows
     mask = row_ok[:, None] & col_ok[None, :]
     offsets = rows[:, None].to(tl.int64) * D + cols[None, :]
-    w = tl.load(Q + cols, mask=col_ok, other=0.).to(tl.float32) * tl.load(G + cols, mask=col_ok, other=0.).to(tl.float32)
+    w = (tl.load(Q + cols, mask=col_ok, other=0.).to(tl.float32)
+         * tl.load(G + cols, mask=col_ok, other=0.).to(tl.float32))
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -79,7 +80,8 @@ def _backward_kernel(V, Q, G, DH, LSE, DV, U, n_rows, D, eps, n_blocks, P,
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
-    w = tl.load(Q + cols, mask=col_ok, other=0.).to(tl.float32) * tl.load(G + cols, mask=col_ok, other=0.).to(tl.float32)
+    w = (tl.load(Q + cols, mask=col_ok, other=0.).to(tl.float32)
+         * tl.load(G + cols, mask=col_ok, other=0.).to(tl.float32))
     u = tl.zeros([BLOCK_D], dtype=tl.float32)
     for blk in range(pid, n_blocks, P):
         rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)

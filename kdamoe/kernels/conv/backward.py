@@ -5,7 +5,8 @@ With ``dpre[t] = dy[t] · σ(pre[t]) · (1 + pre[t] · (1 − σ(pre[t])))`` (Si
 convention) are::
 
     dx[s]            = Σ_i dpre[s+i] · w[W−1−i] · [s+i < T] · [id(s+i) = id(s)]
-    dw[c, W−1−i]     = Σ_s dpre[s+i] · x[s] · [s+i < T] · [id(s+i) = id(s)]  +  Σ_{t<i} dpre[t] · state[W+t−i] · [id(t) = first id]
+    dw[c, W−1−i]     = Σ_s dpre[s+i] · x[s] · [s+i < T] · [id(s+i) = id(s)]
+                       + Σ_{t<i} dpre[t] · state[W+t−i] · [id(t) = first id]
     dstate[b, c, m]  = Σ_{r<m} dpre[r] · w[m−1−r] · [id(r) = first id]      (slot m holds position m − W)
 
 Two kernels, each over (BT rows, BC channels, batch row) tiles:
@@ -43,15 +44,15 @@ import triton.language as tl
 
 from ..launch import autotune
 from ..utils import cdiv
-from .forward import TILE_CONFIGS, MAX_PARTS, conv_rows, part_cols, part_ptr
+from .forward import MAX_PARTS, TILE_CONFIGS, conv_rows, part_cols, part_ptr
 
 BT_DX = 64  # fixed: it sets the number of dweight partials (one per BT_DX rows of each batch row)
 
 # The dpre kernel holds the forward's tiles plus dy's, so it takes the forward's configs. The dx kernel holds three
 # [BT_DX, BC] float32 tiles (dx's accumulator, x, one shifted dpre); all spill-free for sm_90a at C = 3072, W = 4,
-# bf16, triton 3.7 (``benchmarks/tuning/kernel_resources.py --family conv``), where BC = 128 on 4 warps spills. The compiler
-# keeps the W shifted tiles live (193 registers at BC = 64 on 4 warps), yet 32-row tiles, spill-free at 64 to 200
-# registers, were slower on the H200: 0.71 against 0.60 ms a call at the KDA layer's C = 3072, T = 32K.
+# bf16, triton 3.7 (``benchmarks/tuning/kernel_resources.py --family conv``), where BC = 128 on 4 warps spills.
+# The compiler keeps the W shifted tiles live (193 registers at BC = 64 on 4 warps), yet 32-row tiles, spill-free at
+# 64 to 200 registers, were slower on the H200: 0.71 against 0.60 ms a call at the KDA layer's C = 3072, T = 32K.
 _DX_CONFIGS = [triton.Config({"BC": 64}, num_warps=4), triton.Config({"BC": 32}, num_warps=4),
                triton.Config({"BC": 64}, num_warps=8), triton.Config({"BC": 128}, num_warps=8)]
 

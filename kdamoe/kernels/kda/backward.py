@@ -31,12 +31,13 @@ import triton
 import triton.language as tl
 
 from ..launch import autotune
-from .prepare import BT, BS, chunk_bounds
-from .intra import _exp_where, _tile, _row, _store_tile
+from .intra import _exp_where, _row, _store_tile, _tile
+from .prepare import BS, BT, chunk_bounds
 
 # Shared memory of the wy stage is dominated by staging dot operands (about 80 KB for the value loop and
 # 100 KB in all on triton 3.7 with input-dtype operands below); no loads are pipelined (num_stages=1).
-_WY_CONFIGS = [triton.Config({'BV': 64}, num_warps=8, num_stages=1), triton.Config({'BV': 32}, num_warps=4, num_stages=1),
+_WY_CONFIGS = [triton.Config({'BV': 64}, num_warps=8, num_stages=1),
+               triton.Config({'BV': 32}, num_warps=4, num_stages=1),
                triton.Config({'BV': 64}, num_warps=4, num_stages=1)]
 # the intra gradient stage spills ~0.9 KB per thread with 4 warps, ~0.1 KB with 8 (ptxas, sm_90); capped
 # registers trade spills for resident CTAs. The autotuner picks by time; the CPU interpreter runs the first

@@ -11,14 +11,16 @@ tensor cores with the lower-bounded-gate anchor trick, WY solve, w/u/kg/qg) run 
 ``backward`` (chunk-parallel gradients).
 """
 
+from itertools import pairwise
+
 import torch
 
 from ..utils import cached_constant, is_interpreter
-from .prepare import chunk_table
+from .backward import bwd_intra, bwd_wy
 from .intra import intra_fwd
-from .state import state_fwd, state_bwd
-from .output import output_fwd, dv_local
-from .backward import bwd_wy, bwd_intra
+from .output import dv_local, output_fwd
+from .prepare import chunk_table
+from .state import state_bwd, state_fwd
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -118,7 +120,7 @@ def validate_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_
             raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor [N+1]")
         _check_device("cu_seqlens", cu_seqlens, device)
         cl = cu_seqlens.tolist()
-        if cl[0] != 0 or cl[-1] != T or any(b < a for a, b in zip(cl[:-1], cl[1:])):
+        if cl[0] != 0 or cl[-1] != T or any(b < a for a, b in pairwise(cl)):
             raise ValueError(f"cu_seqlens must rise from 0 to T={T} without decreasing, got {cl}")
         N = len(cl) - 1
     else:
@@ -205,8 +207,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     Raises:
         ValueError: wrong shapes, dtypes, devices, head dims, lower_bound, or cu_seqlens with B > 1.
     """
-    N = validate_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias,
-                            lower_bound)
+    validate_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias,
+                        lower_bound)
     B, T, H, K = q.shape
     V = v.shape[-1]
     if scale is None:

@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from ..launch import fast_launch
-
 from .chunk import _uniform_cu, validate_kda_inputs
 
 

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ..launch import autotune
-from .prepare import BT, BS, chunk_bounds, prepare_buffers, prepare_chunk
+from .prepare import BS, BT, chunk_bounds, prepare_buffers, prepare_chunk
 
 # Registers / stack bytes per thread on sm_90 (triton 3.7.1, K = V = 128, ptxas resource usage):
 # 4 warps 255 / 360 (2 CTAs per SM), 8 warps 254 / 0 (1 CTA), 8 warps capped at 128 registers 128 / 264

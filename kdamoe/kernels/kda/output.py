@@ -36,8 +36,8 @@ def _output_fwd_kernel(qg, h, vnew, Aqk, o, chunk_idx, cu_seqlens,
     b_qg = tl.load(qg + tok[:, None] * K + ck[None, :], mask=mrow[:, None], other=0.)
     hoff = (i_c * H + i_h).to(tl.int64) * K * V + ck[:, None] * V + cv[None, :]
     b_h = tl.load(h + hoff, mask=mv[None, :], other=0.)
-    b_A = tl.load(Aqk + tok[:, None] * BT + ct[None, :], mask=mrow[:, None] & (ct[None, :] <= tl.arange(0, BT)[:, None]),
-                  other=0.)
+    b_A = tl.load(Aqk + tok[:, None] * BT + ct[None, :],
+                  mask=mrow[:, None] & (ct[None, :] <= tl.arange(0, BT)[:, None]), other=0.)
     b_d = tl.load(vnew + tok[:, None] * V + cv[None, :], mask=mrow[:, None] & mv[None, :], other=0.)
     b_o = tl.dot(b_qg, b_h) + tl.dot(b_A.to(dt), b_d)
     tl.store(o + tok[:, None] * V + cv[None, :], b_o.to(o.dtype.element_ty), mask=mrow[:, None] & mv[None, :])
@@ -65,8 +65,8 @@ def _dv_local_kernel(Aqk, do, dvl, chunk_idx, cu_seqlens,
     tok = (rows * H + i_h).to(tl.int64)
     cv = i_v * BV + tl.arange(0, BV)
     ct = tl.arange(0, BT)
-    b_A = tl.load(Aqk + tok[:, None] * BT + ct[None, :], mask=mrow[:, None] & (ct[None, :] <= tl.arange(0, BT)[:, None]),
-                  other=0.)
+    b_A = tl.load(Aqk + tok[:, None] * BT + ct[None, :],
+                  mask=mrow[:, None] & (ct[None, :] <= tl.arange(0, BT)[:, None]), other=0.)
     b_do = tl.load(do + tok[:, None] * V + cv[None, :], mask=mrow[:, None], other=0.)
     b_dv = tl.dot(tl.trans(b_A.to(b_do.dtype)), b_do)
     tl.store(dvl + tok[:, None] * V + cv[None, :], b_dv, mask=mrow[:, None])

@@ -23,8 +23,9 @@ from .prepare import BT
 
 # Value-block width, warps and pipeline depth of the sequential passes (cdiv(V, BV) · N · H programs run at
 # once; each step's loads do not depend on the state, so deeper pipelines hide their latency). The CPU
-# interpreter runs the first config (kdamoe.kernels.utils.autotune); the GPU times them all. The backward pass loads six tiles per step: with 3 stages it needed 240 KB of shared
-# memory on triton 3.6 (the H200 has 227 KB); the autotuner skips configs that do not fit.
+# interpreter runs the first config (kdamoe.kernels.utils.autotune); the GPU times them all. The backward pass loads six
+# tiles per step: with 3 stages it needed 240 KB of shared memory on triton 3.6 (the H200 has 227 KB); the autotuner
+# skips configs that do not fit.
 _FWD_CONFIGS = [triton.Config({'BV': bv}, num_warps=w, num_stages=s)
                 for bv, w, s in ((32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 3), (32, 2, 3), (16, 4, 3), (16, 2, 4))]
 _BWD_CONFIGS = [triton.Config({'BV': bv}, num_warps=w, num_stages=s)

@@ -47,7 +47,7 @@ from ..launch import fast_launch
 from ..utils import cdiv, is_interpreter, next_power_of_2, sm_count
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-_MASK_DTYPES = (torch.bool, torch.int8, torch.int32, torch.int64)
+_MASK_DTYPES = (torch.bool, torch.int8, torch.int32, torch.int64)  # key_mask dtypes the kernel loads
 
 
 # The op's own argument checks (the same rules as the PyTorch reference in kdamoe/model/, which keeps its own
@@ -186,8 +186,9 @@ def block_sizes(M: int, R: int) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps)`` of the split kernel for ``M = T·H`` query rows of width ``R``.
 
     Fixed, not autotuned: the autotuner would time the first call, whose ``seq_len`` (a device value it cannot
-    see) is often tiny. Chosen by the H200 sweep of the module docstring. ``BLOCK_M`` grows with ``M`` (more rows per loaded key block) while the fp32
-    accumulator ``[BLOCK_M, R]`` stays ≤ 64 registers per thread; the key tile ``[BLOCK_N, R]`` is 32 KiB.
+    see) is often tiny. Chosen by the H200 sweep of the module docstring. ``BLOCK_M`` grows with ``M`` (more rows per
+    loaded key block) while the fp32 accumulator ``[BLOCK_M, R]`` stays ≤ 64 registers per thread; the key tile
+    ``[BLOCK_N, R]`` is 32 KiB.
     """
     block_m = 16 if M <= 16 else 32 if (M <= 32 or R >= 512) else 64
     block_n = max(16, min(128, 16384 // R))

@@ -63,7 +63,8 @@ def _validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj
     if tuple(top_k_weights.shape) != (n, k):
         raise ValueError(f"moe_experts: top_k_weights must be [N, k] = {(n, k)}, got {tuple(top_k_weights.shape)}")
     if top_k_weights.dtype not in _FLOATS:
-        raise ValueError(f"moe_experts: top_k_weights dtype must be float16/bfloat16/float32, got {top_k_weights.dtype}")
+        raise ValueError("moe_experts: top_k_weights dtype must be float16/bfloat16/float32, "
+                         f"got {top_k_weights.dtype}")
     if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != hid or gate_up_proj.shape[1] % 2:
         raise ValueError(f"moe_experts: gate_up_proj must be [E, 2I, hidden={hid}], got {tuple(gate_up_proj.shape)}")
     e, two_i, _ = gate_up_proj.shape
@@ -132,7 +133,7 @@ def _interpreter_launch(plan: _Plan, counts: torch.Tensor) -> None:
 
 
 def _rows_gemm(plan, a, b, out, n_out, k_dim, stride_am, stride_be, stride_bk, stride_bn, gather_a, sorted_out, prec):
-    grid = lambda meta: (plan.max_tiles * cdiv(n_out, meta["BN"]),)  # noqa: E731
+    grid = lambda meta: (plan.max_tiles * cdiv(n_out, meta["BN"]),)
     _rows_gemm_kernel[grid](
         a, b, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, out,
         plan.e, n_out, k_dim, plan.k, stride_am, stride_be, stride_bk, stride_bn,
@@ -154,7 +155,7 @@ def _glu_rows_bwd(plan, dg, h, w, dh, dw, act, betas):
 
 def _wgrad(plan, a, b, out, p, q, stride_am, stride_bm, gather_a, gather_b, prec):
     n_exp = plan.wgrad_experts.numel()
-    grid = lambda meta: (n_exp * cdiv(p, meta["BP"]) * cdiv(q, meta["BQ"]),)  # noqa: E731
+    grid = lambda meta: (n_exp * cdiv(p, meta["BP"]) * cdiv(q, meta["BQ"]),)
     _wgrad_kernel[grid](
         a, b, plan.order, plan.row_offs, plan.wgrad_experts, out, plan.e, p, q, stride_am, stride_bm,
         TOPK=plan.k, GATHER_A=gather_a, GATHER_B=gather_b, PREC=prec,
@@ -193,7 +194,7 @@ class MoEExpertsFunction(torch.autograd.Function):
         # the weighted slot output, and ∂W2 = Σ ∂out[tok]ᵀ g_w a plain GEMM
         g = torch.empty(plan.m, inter, device=x.device, dtype=dt)
         h = torch.empty(plan.m if save_h else 1, two_i, device=x.device, dtype=dt)
-        grid = lambda meta: (plan.max_tiles * cdiv(inter, meta["BN"]),)  # noqa: E731
+        grid = lambda meta: (plan.max_tiles * cdiv(inter, meta["BN"]),)
         _gate_up_fwd_kernel[grid](
             x, w1, plan.order, plan.tile_expert, plan.tile_offs, plan.row_offs, w, g, h, e, inter, hid, beta1, beta2,
             TOPK=plan.k, ACT=act, SAVE_H=save_h, PREC=prec, BM=plan.bm,
@@ -306,8 +307,8 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
         # Triton's CPU interpreter (3.7) computes tl.dot on bfloat16 operands wrongly (errors of order 1e9, no
         # warning); the grouped GEMMs would return garbage
         raise ValueError("moe_experts: bfloat16 inputs need a CUDA device; under TRITON_INTERPRET=1 the grouped "
-                         "path's tl.dot is wrong in bfloat16 — use float32 or float16 on the CPU (torch.autocast('cpu') "
-                         "defaults to bfloat16)")
+                         "path's tl.dot is wrong in bfloat16 — use float32 or float16 on the CPU "
+                         "(torch.autocast('cpu') defaults to bfloat16)")
     if hidden_states.shape[0] == 0:  # no tokens: an empty output that still connects every input to the graph
         zero = (top_k_weights.sum() * 0).to(hidden_states.dtype) + gate_up_proj.sum() * 0 + down_proj.sum() * 0
         return hidden_states * 0 + zero

@@ -147,9 +147,9 @@ def moe_experts_gemv(hidden_states, top_k_index, top_k_weights, gate_up_proj, do
     e, two_i, _ = w1.shape
     inter = two_i // 2
     h = torch.empty(n * k, inter, device=x.device, dtype=x.dtype)
-    grid_a = lambda meta: (n * k, cdiv(inter, meta["BLOCK_I"]))  # noqa: E731
+    grid_a = lambda meta: (n * k, cdiv(inter, meta["BLOCK_I"]))
     _gate_up_glu_gemv_kernel[grid_a](x, idx, w1, h, e, inter, hid, k, beta1, beta2, ACT=act)
     out = torch.empty(n, hid, device=x.device, dtype=x.dtype)
-    grid_b = lambda meta: (n, cdiv(hid, meta["BLOCK_N"]))  # noqa: E731
+    grid_b = lambda meta: (n, cdiv(hid, meta["BLOCK_N"]))
     _down_combine_gemv_kernel[grid_b](h, idx, w, w2, out, e, inter, hid, k)
     return out

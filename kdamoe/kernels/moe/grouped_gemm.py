@@ -41,7 +41,8 @@ def _cfgs(gpu):
 # same registers but issued two streams of narrower MMAs, and ran at 402-409 TFLOP/s on the H200 at the e2e shape
 # (128 x 2·128 x 64, 8 warps; benchmarks/results/moe_rows_tune_h200.md) against 515-610 for the plain row GEMMs.
 # With one accumulator (128 registers per thread at BN = 64 and 8 warps, against 255) the 15 calls of a 32K step took
-# 20.0 ms against 21.4 (about 410 TFLOP/s; e2e runs at 80d5d19 and ee44576, in git history), still short of the row GEMMs.
+# 20.0 ms against 21.4 (about 410 TFLOP/s; e2e runs at 80d5d19 and ee44576, in git history), still short of the
+# row GEMMs.
 @autotune(
     configs=_cfgs([({"BN": 64, "BK": 64}, 8, 3), ({"BN": 64, "BK": 64}, 8, 4), ({"BN": 128, "BK": 64}, 8, 3),
                    ({"BN": 64, "BK": 64}, 4, 4)]),

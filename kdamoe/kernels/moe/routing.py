@@ -246,7 +246,7 @@ def moe_route(router_logits, e_score_correction_bias, top_k, routed_scaling_fact
     counts = torch.zeros(e, device=dev, dtype=torch.int32) if count_tokens else None
     histogram = torch.zeros(e, num_bins, device=dev, dtype=torch.int32) if num_bins is not None else None
     if token_mask is not None:
-        token_mask = token_mask.to(torch.int32).contiguous() if token_mask.dtype == torch.bool else token_mask.contiguous()
+        token_mask = (token_mask.to(torch.int32) if token_mask.dtype == torch.bool else token_mask).contiguous()
     idx, w = _RouteFunction.apply(router_logits, e_score_correction_bias.detach().contiguous(), top_k,
                                   float(routed_scaling_factor), token_mask, counts, histogram, num_bins)
     return MoERouting(idx, w, counts.double() if counts is not None else None,

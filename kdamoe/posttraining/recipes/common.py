@@ -207,7 +207,7 @@ def lora_config(section: dict[str, Any]):
     Raises:
         ValueError: naming the section when LoraConfig rejects a key or a value.
     """
-    from peft import LoraConfig
+    from peft import LoraConfig  # noqa: PLC0415 (peft is absent from the PPO venv, requirements-ppo.txt, whose recipe imports this module)
 
     try:
         return LoraConfig(**{"task_type": "CAUSAL_LM", **section})

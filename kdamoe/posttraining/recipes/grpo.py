@@ -4,8 +4,8 @@
   ``ArithmeticEnvironment``): one environment per rollout, reset from
   the row's ``task`` column; its public methods are the tools and its ``get_reward()`` (computed from what the
   tools saw, not from the text) is the reward.
-* ``tools`` — ``tools=[add, multiply, submit]`` (arithmetic tasks only): stateless calculator functions (the same signatures and
-  docstrings as the environment's, so the prompt is the one SFT trained on); reward
+* ``tools`` — ``tools=[add, multiply, submit]`` (arithmetic tasks only): stateless calculator functions (the
+  same signatures and docstrings as the environment's, so the prompt is the one SFT trained on); reward
   :func:`submitted_answer_reward`: 1.0 when the last ``submit`` call of the completion passes the row's
   ``answer``.
 * ``single_turn`` — no tools; reward :func:`stated_answer_reward`: 1.0 when the last integer in the
@@ -30,8 +30,7 @@ import re
 
 from trl import GRPOConfig, GRPOTrainer
 
-from ..data import prompt_dataset
-from ..data import ENVIRONMENTS
+from ..data import ENVIRONMENTS, prompt_dataset
 from ..environment import _as_int
 from ..long_update import LongContextGRPOTrainer
 from ..rollout import CachedRolloutGRPOTrainer
@@ -106,7 +105,7 @@ def submitted_answer_reward(completions: list[list[dict]], answer: list[int], **
     """Mode ``tools``: 1.0 when the completion's last ``submit`` call passes the row's ``answer`` (an int, or
     text of one), else 0.0. ``completions``: TRL's conversational completions (assistant and tool messages)."""
     out = []
-    for completion, want in zip(completions, answer):
+    for completion, want in zip(completions, answer, strict=True):
         value = _submitted_value(completion)
         try:
             out.append(float(value is not None and _as_int(value, "answer") == want))
@@ -127,7 +126,7 @@ def stated_answer_reward(completions, answer: list[int], **kwargs) -> list[float
     ``completions``: conversational (a list of messages; their ``content`` is read) or plain text.
     """
     out = []
-    for completion, want in zip(completions, answer):
+    for completion, want in zip(completions, answer, strict=True):
         numbers = _INTEGER.findall(_text(completion))
         out.append(float(bool(numbers) and int(numbers[-1]) == want))
     return out

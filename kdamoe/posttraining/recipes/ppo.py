@@ -45,13 +45,14 @@ import time
 from pathlib import Path
 
 import torch
+from datasets import Dataset
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import TrainOutput
 from trl import RewardConfig, RewardTrainer
 from trl.experimental.ppo import PPOConfig, PPOTrainer
 
-from kdamoe.model import KDAMoEForSequenceClassification
 from kdamoe.callbacks import add_router_bias_callback
+from kdamoe.model import KDAMoEForSequenceClassification
 from kdamoe.posttraining.data import episode_messages, preference_dataset, task_tool_schemas, user_message
 from kdamoe.posttraining.recipes.common import trainer_args, training_tasks
 
@@ -137,7 +138,8 @@ def _check_no_aux_loss(model) -> None:
     config = model.config
     if config.router_aux_loss_coef != 0 and config.router_bias_update != "none":
         raise ValueError(
-            f"router_aux_loss_coef={config.router_aux_loss_coef} with router_bias_update={config.router_bias_update!r}: "
+            f"router_aux_loss_coef={config.router_aux_loss_coef} with "
+            f"router_bias_update={config.router_bias_update!r}: "
             "the router-bias update balances the experts; set router_aux_loss_coef to 0"
         )
 
@@ -192,8 +194,6 @@ def _encode(tokenizer, messages, tools, **kwargs) -> list[int]:
 def prompt_token_dataset(tasks, tokenizer):
     """PPO's training set: one row per task, ``input_ids`` = the chat-templated user turn with the tool
     preamble and the assistant generation prompt (TRL's PPO takes tokenized prompts, no text)."""
-    from datasets import Dataset
-
     tools = task_tool_schemas(tasks)
     return Dataset.from_dict({"input_ids": [_encode(tokenizer, [user_message(t)], tools, add_generation_prompt=True)
                                             for t in tasks]})
@@ -282,11 +282,12 @@ def build_trainer(cfg, model, tokenizer) -> KDAMoEPPOTrainer:
     """The PPO trainer for ``model`` (a ``KDAMoEForCausalLM``) on the prompts of ``cfg.data``'s tasks.
 
     ``cfg`` is a post-training config (recipe ``ppo``): ``output_dir``, ``seed``, ``model`` (the base folder,
-    also the start of a reward model trained here), ``data`` (the generated tasks), ``trainer`` (``PPOConfig`` keyword arguments), ``ppo``
-    (:class:`PPOSection` or its mapping) and ``router_biases``. Recipe defaults: ``stop_token="eos"`` (a
-    response ends at the end of the assistant turn), ``missing_eos_penalty=1.0``, ``num_sample_generations=0``
-    (no eval set), ``response_length`` = longest careful episode + :data:`RESPONSE_MARGIN`, and, since TRL's
-    PPO ignores ``max_steps``, ``total_episodes`` = ``max_steps`` × the rollout batch when ``max_steps`` is set.
+    also the start of a reward model trained here), ``data`` (the generated tasks), ``trainer`` (``PPOConfig`` keyword
+    arguments), ``ppo`` (:class:`PPOSection` or its mapping) and ``router_biases``. Recipe defaults:
+    ``stop_token="eos"`` (a response ends at the end of the assistant turn), ``missing_eos_penalty=1.0``,
+    ``num_sample_generations=0`` (no eval set), ``response_length`` = longest careful episode + :data:`RESPONSE_MARGIN`,
+    and, since TRL's PPO ignores ``max_steps``, ``total_episodes`` = ``max_steps`` × the rollout batch when
+    ``max_steps`` is set.
 
     The returned trainer has no router-bias callback yet: run.py attaches it first
     (``kdamoe.callbacks.add_router_bias_callback``), and it reaches policy and value model.
