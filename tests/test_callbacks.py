@@ -1,5 +1,7 @@
 """The Trainer callback updates router biases once per optimizer step (gradient accumulation included)."""
 
+import logging
+
 import pytest
 import torch
 from datasets import Dataset
@@ -146,3 +148,25 @@ def test_metrics_reach_a_log_history_row_that_holds_a_nan():
     callback.on_step_end(None, state, TrainerControl(), model=model)
     callback.on_log(None, state, TrainerControl(), logs=logs, model=model)
     assert state.log_history[-1]["expert_load/max_over_mean"] == logs["expert_load/max_over_mean"]
+
+
+@pytest.mark.parametrize("with_callback", [False, True])
+def test_a_trainer_without_the_callback_is_warned_once(tmp_path, caplog, with_callback):
+    """A plain transformers.Trainer (as a TRL script without add_router_bias_callback) trained with frozen biases and
+    no expert-load metrics, silently; now the model warns once, saying how to add the callback."""
+    torch.manual_seed(0)
+    model = KDAMoEForCausalLM(tiny_config())
+    ids = torch.randint(3, 97, (8, 16), generator=torch.Generator().manual_seed(0))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3,
+                             report_to=[], save_strategy="no", use_cpu=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    if with_callback:
+        add_router_bias_callback(trainer)
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    warned = [r.getMessage() for r in caplog.records if "router biases are not being updated" in r.getMessage()]
+    if with_callback:
+        assert warned == []
+    else:
+        assert len(warned) == 1 and "kdamoe.callbacks.add_router_bias_callback(trainer)" in warned[0]

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.dynamic_module_utils import custom_object_save
@@ -494,6 +495,40 @@ def _prefix_then_causal(q, k, v, scaling: float) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------
 # Stable LatentMoE: sigmoid router with a balancing bias, latent experts, shared experts
 # ----------------------------------------------------------------------------------------------------
+# Optimizer steps taken in this process (torch's global post-step hook, registered by the first router that counts):
+# a router that still holds statistics counted before a later optimizer step was not updated after that step.
+_optimizer_steps = 0
+_optimizer_step_hook = None
+_warned_models: set[int] = set()  # id() of the configs warned about (configs are unhashable)
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def _watch_optimizer_steps() -> None:
+    global _optimizer_step_hook
+    if _optimizer_step_hook is None:
+        _optimizer_step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+def _warn_biases_not_updated(config) -> None:
+    """One warning per model when its routers counted tokens before an optimizer step and ``update_router_biases()``
+    did not run after it: a plain ``transformers.Trainer`` / TRL trainer without the router-bias callback, or a
+    hand-written loop that never calls the update, trains with frozen biases and no expert-load metrics."""
+    if id(config) in _warned_models:
+        return
+    _warned_models.add(id(config))
+    logger.warning(
+        "KDAMoE router biases are not being updated: an optimizer step ran, but update_router_biases() was not "
+        "called after it. With transformers' Trainer or a TRL trainer call "
+        "kdamoe.callbacks.add_router_bias_callback(trainer) before train(); in a hand-written loop call "
+        "model.update_router_biases() after each optimizer.step(). (config.router_bias_update='none' turns the "
+        "updates off on purpose.)"
+    )
+
+
 def _inside_backward() -> bool:
     """True while autograd runs a backward pass (activation-checkpoint recomputation happens there)."""
     return torch._C._current_graph_task_id() != -1
@@ -523,6 +558,7 @@ class KDAMoETopkRouter(nn.Module):
     def reset_statistics(self):
         """Forget the tokens counted since the last bias update. Once allocated, the statistics are zeroed in place, so
         a captured training step (``train_graph.TrainStepGraph``) keeps counting into the tensors Python reads."""
+        self._counting_since = None  # the optimizer step count when counting began (see _check_updated)
         if getattr(self, "tokens_per_expert", None) is not None:
             self.tokens_per_expert.zero_()
             self.qb_counts.zero_()
@@ -550,7 +586,20 @@ class KDAMoETopkRouter(nn.Module):
         )
         if record:
             self._accumulate(tokens_per_expert, qb_counts)
+            self._check_updated()
         return router_logits, top_k_index, top_k_weights
+
+    def _check_updated(self) -> None:
+        """Note the optimizer step at which counting began; warn (once per model) when a later step has run without
+        an update (:func:`_warn_biases_not_updated`). Only for biases that training would move: a router weight that
+        requires grad and ``router_bias_update != "none"``."""
+        if self.config.router_bias_update == "none" or not self.weight.requires_grad:
+            return
+        _watch_optimizer_steps()
+        if self._counting_since is None:
+            self._counting_since = _optimizer_steps
+        elif _optimizer_steps > self._counting_since:
+            _warn_biases_not_updated(self.config)
 
     @torch.no_grad()
     def _accumulate(self, tokens_per_expert, qb_counts):
