@@ -267,12 +267,14 @@ def enable_fsdp2_on_cpu(trainer) -> None:
         raise RuntimeError(f"trainer.fsdp is set but accelerate set up {accelerator.distributed_type}")
 
 
-def run_recipe(cfg, resume: bool = True) -> dict:
+def run_recipe(cfg, resume: bool = True, callbacks=()) -> dict:
     """Train ``cfg.recipe`` from ``cfg.model`` and save it (module docstring).
 
     Args:
         cfg: a validated :class:`~kdamoe.posttraining.config.PostTrainConfig`.
         resume: continue from the newest complete ``checkpoint-N`` in ``cfg.output_dir`` when there is one.
+        callbacks: extra ``TrainerCallback`` instances, placed right after the router-bias callback and before the
+            ``report_to`` integrations, so metrics they add in ``on_log`` reach TensorBoard too.
     Returns:
         ``{"final": str, "adapter": str | None, "summary": str, "log_history": list[dict], "train_runtime":
         float (seconds), "global_step": int, "reward_curve": [(step, mean reward)], "resumed_from": str | None,
@@ -302,6 +304,8 @@ def run_recipe(cfg, resume: bool = True) -> dict:
     check_world_size(trainer)
     enable_fsdp2_on_cpu(trainer)
     add_router_bias_callback(trainer, RouterBiasUpdateCallback(freeze_biases=cfg.router_biases == "freeze"))
+    for position, callback in enumerate(callbacks, start=1):
+        trainer.callback_handler.callbacks.insert(position, callback)
     if checkpoint:
         logger.warning(f"resuming from {checkpoint}")
     result = trainer.train(resume_from_checkpoint=checkpoint)
