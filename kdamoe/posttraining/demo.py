@@ -25,7 +25,8 @@ The comparison is paired: both models play the same held-out tasks.
 A seed ``s`` sets the trainers' seed and shifts both recipes' data seeds by ``s``; the held-out tasks are
 drawn with one fixed seed but skip that seed's training tasks, so two seeds share most of them, not all.
 Results: tables on stdout, ``<output_dir>/results.json``, ``reward_curve.png`` (GRPO's mean training reward per
-logged step) and ``heldout_curve.png`` (held-out success during GRPO) next to it.
+logged step) and ``heldout_curve.png`` (held-out success during GRPO, on the first :data:`CURVE_TASKS` held-out
+tasks) next to it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ STAGES = ("pretrained", "sft", "grpo", "sft_more")
 MARGIN = 0.05  # the verdict's least lower bound of the success difference (5 points)
 Z_95_ONE_SIDED = 1.6448536269514722  # the standard normal's 95 % quantile
 CURVE_POINTS = 3  # held-out evaluations during GRPO (plus the SFT model at step 0 and the final model)
+CURVE_TASKS = 100  # the curve's evaluations play the first 100 held-out tasks: half the time, +-5 points
 
 
 def _stage_config(name: str, model: str, output_dir: Path, seed: int, overrides: list[str]):
@@ -177,13 +179,19 @@ def run_seed(base: str, output_dir: Path, seed: int, n_held_out: int, sft_overri
         return result
 
     train("sft", sft_cfg)
-    curve_cb = HeldOutSuccessCallback(tokenizer, tasks, _curve_steps(int(grpo_cfg.trainer["max_steps"]), CURVE_POINTS),
-                                      seed=seed, batch_size=batch_size, max_new_tokens=TURN_TOKENS)
+    curve_steps = _curve_steps(int(grpo_cfg.trainer["max_steps"]), CURVE_POINTS)
+    curve_cb = HeldOutSuccessCallback(tokenizer, tasks[:CURVE_TASKS], curve_steps, seed=seed, batch_size=batch_size,
+                                      max_new_tokens=TURN_TOKENS)
     grpo = train("grpo", grpo_cfg, [curve_cb])
     seconds["grpo_heldout_evals"] = round(curve_cb.seconds, 1)
     grpo_seconds = seconds["grpo_train"] - curve_cb.seconds  # GRPO's own wall time, load and save included
-    curve = [(0, rows["sft"]["success"])] + [(s, m["success"]) for s, m in curve_cb.points]
-    curve.append((grpo["global_step"], rows["grpo"]["success"]))
+    # the ends from the stages' own episodes on the same first tasks (every held-out task counts: all need >= 2)
+    def head_success(name):
+        head = rows[name]["successes"][:CURVE_TASKS]
+        return sum(head) / len(head)
+
+    curve = [(0, head_success("sft"))] + [(s, m["success"]) for s, m in curve_cb.points]
+    curve.append((grpo["global_step"], head_success("grpo")))
 
     compare = {"grpo_vs_sft": paired_lower_bound(rows["grpo"]["successes"], rows["sft"]["successes"])}
     if control:
@@ -241,7 +249,8 @@ def print_tables(summary: dict) -> None:
         for name, c in r["compare"].items():
             print(f"{r['seed']:>4}  {name:<18} {100 * c['difference']:6.1f} {100 * c['lower']:6.1f} "
                   f"{str(c['lower'] >= MARGIN):>5}")
-    print("\nheld-out success during GRPO (step 0: the SFT model; last: the final GRPO model)")
+    print(f"\nheld-out success during GRPO, first {CURVE_TASKS} held-out tasks (step 0: the SFT model; last: the final "
+          "GRPO model)")
     for r in results:
         print(f"  seed {r['seed']}: " + "  ".join(f"{s}: {v:.1%}" for s, v in r["heldout_curve"]))
 
