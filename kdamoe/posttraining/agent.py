@@ -216,7 +216,7 @@ class HeldOutSuccessCallback(TrainerCallback):
                  batch_size: int = 64, max_new_tokens: int = 64, min_calls: int = 2):
         if not tasks:
             raise ValueError("HeldOutSuccessCallback needs at least one held-out task")
-        steps = sorted(set(int(s) for s in steps))
+        steps = sorted({int(s) for s in steps})
         if steps and steps[0] < 1:
             raise ValueError(f"steps must be >= 1, got {steps[0]}")
         self.tokenizer, self.tasks, self.steps = tokenizer, list(tasks), steps

@@ -185,6 +185,7 @@ def run_seed(base: str, output_dir: Path, seed: int, n_held_out: int, sft_overri
     grpo = train("grpo", grpo_cfg, [curve_cb])
     seconds["grpo_heldout_evals"] = round(curve_cb.seconds, 1)
     grpo_seconds = seconds["grpo_train"] - curve_cb.seconds  # GRPO's own wall time, load and save included
+
     # the ends from the stages' own episodes on the same first tasks (every held-out task counts: all need >= 2)
     def head_success(name):
         head = rows[name]["successes"][:CURVE_TASKS]
@@ -248,7 +249,7 @@ def print_tables(summary: dict) -> None:
     for r in results:
         for name, c in r["compare"].items():
             print(f"{r['seed']:>4}  {name:<18} {100 * c['difference']:6.1f} {100 * c['lower']:6.1f} "
-                  f"{str(c['lower'] >= MARGIN):>5}")
+                  f"{c['lower'] >= MARGIN!s:>5}")
     print(f"\nheld-out success during GRPO, first {CURVE_TASKS} held-out tasks (step 0: the SFT model; last: the final "
           "GRPO model)")
     for r in results:
