@@ -305,7 +305,7 @@ def test_run_demo_end_to_end(tokenizer, tmp_path, capsys):
     code = posttrain_demo_main(argv)
     written = json.loads((out / "results.json").read_text())
     assert code == (0 if written["verdict"] else 1)
-    assert written["seeds"] == [0] and written["held_out"] == 4 and written["base"] == str(base)
+    assert written["seeds"] == [0] and written["held_out"] == 4 and written["base"] == str(base) and written["complete"]
     (result,) = written["results"]
     assert result["seed"] == 0 and result["held_out"] == 4 and set(result["rows"]) == set(STAGES)
     for name, row in result["rows"].items():

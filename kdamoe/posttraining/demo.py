@@ -261,7 +261,8 @@ def run_demo(base: str = "outputs/cpu_default/final", output_dir: str = "outputs
     """The whole demo; prints the tables, writes ``output_dir/results.json`` and the two curve images.
 
     Returns:
-        The summary written to ``results.json``; ``"verdict"`` is true when the paired bound held on every seed.
+        The summary written to ``results.json`` (rewritten after every seed, ``"complete"`` false until the last);
+        ``"verdict"`` is true when the paired bound held on every seed.
     Raises:
         ValueError: ``base`` is not a model folder (run ``make train`` first), no seeds, ``n_held_out < 1``.
     """
@@ -280,13 +281,15 @@ def run_demo(base: str = "outputs/cpu_default/final", output_dir: str = "outputs
         seed_start = time.perf_counter()
         results.append(run_seed(base, out, seed, n_held_out, sft_overrides, grpo_overrides, control=control))
         results[-1]["seconds"]["seed_total"] = round(time.perf_counter() - seed_start, 1)
-    summary = {"base": base, "seeds": list(seeds), "held_out": n_held_out, "margin": MARGIN, "results": results,
-               "verdict": all(r["verdict"] for r in results), "wall_seconds": round(time.perf_counter() - start, 1)}
+        # after every seed, so a long multi-seed run that is stopped keeps the seeds it finished
+        summary = {"base": base, "seeds": list(seeds), "held_out": n_held_out, "margin": MARGIN,
+                   "results": results, "complete": len(results) == len(seeds),
+                   "verdict": all(r["verdict"] for r in results), "wall_seconds": round(time.perf_counter() - start, 1)}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     print_tables(summary)
     print(f"verdict (GRPO beats SFT{' and the SFT control' if control else ''} by a paired 95% lower bound >= "
           f"{MARGIN:.0%} on every seed): {summary['verdict']}; {summary['wall_seconds']:.0f} s in all")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     _plot({f"seed {r['seed']}": r["reward_curve"] for r in results}, out / "reward_curve.png", "mean training reward")
     _plot({f"seed {r['seed']}": r["heldout_curve"] for r in results}, out / "heldout_curve.png", "held-out success")
     return summary
