@@ -26,7 +26,7 @@ A seed ``s`` sets the trainers' seed and shifts both recipes' data seeds by ``s`
 drawn with one fixed seed but skip that seed's training tasks, so two seeds share most of them, not all.
 Results: tables on stdout, ``<output_dir>/results.json``, ``reward_curve.png`` (GRPO's mean training reward per
 logged step) and ``heldout_curve.png`` (held-out success during GRPO, on the first :data:`CURVE_TASKS` held-out
-tasks) next to it.
+tasks, the control's as a dashed line) next to it.
 """
 
 from __future__ import annotations
@@ -135,6 +135,12 @@ def _count(values) -> dict:
     return out
 
 
+def _head(successes: list) -> float:
+    """Success on the first :data:`CURVE_TASKS` held-out tasks (the tasks the held-out curve plays)."""
+    head = successes[:CURVE_TASKS]
+    return sum(head) / len(head)
+
+
 def _curve_steps(max_steps: int, points: int) -> list[int]:
     """``points`` optimizer steps spread evenly inside ``(0, max_steps)`` (the ends are scored anyway)."""
     return sorted({round(max_steps * (i + 1) / (points + 1)) for i in range(points)} - {0, max_steps})
@@ -187,12 +193,8 @@ def run_seed(base: str, output_dir: Path, seed: int, n_held_out: int, sft_overri
     grpo_seconds = seconds["grpo_train"] - curve_cb.seconds  # GRPO's own wall time, load and save included
 
     # the ends from the stages' own episodes on the same first tasks (every held-out task counts: all need >= 2)
-    def head_success(name):
-        head = rows[name]["successes"][:CURVE_TASKS]
-        return sum(head) / len(head)
-
-    curve = [(0, head_success("sft"))] + [(s, m["success"]) for s, m in curve_cb.points]
-    curve.append((grpo["global_step"], head_success("grpo")))
+    curve = [(0, _head(rows["sft"]["successes"]))] + [(s, m["success"]) for s, m in curve_cb.points]
+    curve.append((grpo["global_step"], _head(rows["grpo"]["successes"])))
 
     compare = {"grpo_vs_sft": paired_lower_bound(rows["grpo"]["successes"], rows["sft"]["successes"])}
     if control:
@@ -213,7 +215,9 @@ def _line(name: str, row: dict) -> str:
             f"≥2 tool calls {row['multi_call_share']:6.1%}  ({row['eval_seconds']:.0f} s)")
 
 
-def _plot(curves: dict, path: Path, ylabel: str) -> None:
+def _plot(curves: dict, path: Path, ylabel: str, levels: dict | None = None) -> None:
+    """One line per entry of ``curves`` (``label -> [(step, value)]``); ``levels`` (``label -> value``) as dashed
+    horizontal lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -222,6 +226,9 @@ def _plot(curves: dict, path: Path, ylabel: str) -> None:
     fig, ax = plt.subplots(figsize=(5, 3))
     for label, points in curves.items():
         ax.plot([s for s, _ in points], [v for _, v in points], marker="o", label=label)
+    for label, value in (levels or {}).items():
+        ax.axhline(value, linestyle="--", linewidth=1, color="gray")
+        ax.annotate(label, (0, value), textcoords="offset points", xytext=(2, 3), fontsize=7, color="gray")
     ax.set_xlabel("GRPO optimizer step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
@@ -291,5 +298,7 @@ def run_demo(base: str = "outputs/cpu_default/final", output_dir: str = "outputs
     print(f"verdict (GRPO beats SFT{' and the SFT control' if control else ''} by a paired 95% lower bound >= "
           f"{MARGIN:.0%} on every seed): {summary['verdict']}; {summary['wall_seconds']:.0f} s in all")
     _plot({f"seed {r['seed']}": r["reward_curve"] for r in results}, out / "reward_curve.png", "mean training reward")
-    _plot({f"seed {r['seed']}": r["heldout_curve"] for r in results}, out / "heldout_curve.png", "held-out success")
+    _plot({f"seed {r['seed']}": r["heldout_curve"] for r in results}, out / "heldout_curve.png", "held-out success",
+          {f"SFT control, seed {r['seed']}": _head(r["rows"]["sft_more"]["successes"])
+           for r in results if "sft_more" in r["rows"]})
     return summary
