@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.cli import posttrain_demo_main
 from kdamoe.posttraining.agent import run_episodes, summarize_episodes
-from kdamoe.posttraining.demo import STAGES, run_demo
+from kdamoe.posttraining.demo import STAGES, paired_lower_bound
 from kdamoe.posttraining.keyhunt import KeyHuntEnvironment, KeyHuntTask
 from tests.helpers import tiny_config
 from tests.test_posttrain_keyhunt import _keyhunt_tokenizer, _reply_ids, expected_reward
@@ -267,7 +267,21 @@ DEMO_FAST = ["trainer.max_steps=1", "trainer.warmup_steps=0", "trainer.per_devic
              "trainer.save_strategy='no'", "data.num_tasks=8"]
 
 
-def test_run_demo_end_to_end(tokenizer, tmp_path):
+def test_paired_lower_bound_restated():
+    better, worse = [1, 1, 1, 0, 1, 0], [0, 1, 0, 0, 1, 1]  # differences 1, 0, 1, 0, 0, -1
+    got = paired_lower_bound(better, worse)
+    # by hand: mean 1/6; squared deviations (25+1+25+1+1+49)/36 = 102/36 over n-1 = 5 -> var 0.5667
+    se = (102 / 36 / 5 / 6) ** 0.5
+    assert got["n"] == 6 and got["difference"] == pytest.approx(1 / 6)
+    assert got["std_error"] == pytest.approx(se) and got["lower"] == pytest.approx(1 / 6 - 1.6448536 * se)
+    assert paired_lower_bound([1, 1], [0, 0])["lower"] == 1.0  # no spread: the bound is the difference
+    with pytest.raises(ValueError, match="one length"):
+        paired_lower_bound([1], [1, 0])
+
+
+def test_run_demo_end_to_end(tokenizer, tmp_path, capsys):
+    """Plumbing of the whole demo on a tiny random model (seconds): stages, control, curves, files, exit code;
+    not its verdict (a random model learns nothing in two steps)."""
     base = tmp_path / "base"
     torch.manual_seed(0)
     config = tiny_config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
@@ -276,18 +290,40 @@ def test_run_demo_end_to_end(tokenizer, tmp_path):
     KDAMoEForCausalLM(config).save_pretrained(base)
     tokenizer.save_pretrained(base)
     out = tmp_path / "demo"
-    summary = run_demo(str(base), str(out), seeds=(0,), n_held_out=4, sft_overrides=DEMO_FAST,
-                       grpo_overrides=DEMO_FAST + ["trainer.num_generations=2", "trainer.max_completion_length=16"])
+    argv = ["--base", str(base), "--output-dir", str(out), "--held-out", "4"]
+    argv += [f"--sft-set={o}" for o in DEMO_FAST]
+    argv += [f"--grpo-set={o}" for o in DEMO_FAST + ["trainer.max_steps=2", "trainer.num_generations=2",
+                                                       "trainer.max_completion_length=16"]]
+    code = posttrain_demo_main(argv)
     written = json.loads((out / "results.json").read_text())
-    assert written["seeds"] == [0] and written["held_out"] == 4 and written["base"] == str(base)
-    assert written["grpo_beats_sft_every_seed"] == summary["grpo_beats_sft_every_seed"]
+    assert code == (0 if written["verdict"] else 1)
+    assert written["seeds"] == [0] and written["held_out"] == 4 and written["base"] == str(base) and written["complete"]
     (result,) = written["results"]
     assert result["seed"] == 0 and result["held_out"] == 4 and set(result["rows"]) == set(STAGES)
     for name, row in result["rows"].items():
-        assert row["n"] == 4, name  # every held-out task needs >= 2 doors
+        assert row["n"] == 4 and len(row["successes"]) == 4, name  # every held-out task needs >= 2 doors
+        assert row["success"] == sum(row["successes"]) / 4, name
         for metric in ("success", "mean_reward", "multi_call_share"):
             assert 0.0 <= row[metric] <= 1.0, (name, metric)
-    for name in ("sft", "grpo"):
+    assert result["rows"]["grpo"]["steps"] == 2 and result["rows"]["sft"]["steps"] == 1
+    assert result["rows"]["sft_more"]["steps"] >= 1
+    for name, better, worse in (("grpo_vs_sft", "grpo", "sft"), ("grpo_vs_sft_more", "grpo", "sft_more")):
+        diff = (sum(result["rows"][better]["successes"]) - sum(result["rows"][worse]["successes"])) / 4
+        assert result["compare"][name]["difference"] == pytest.approx(diff), name
+    assert result["verdict"] == all(c["lower"] >= 0.05 for c in result["compare"].values())
+    # held-out curve: step 0 = the SFT model, step 1 = the callback's evaluation inside GRPO, step 2 = the final model
+    assert [s for s, _ in result["heldout_curve"]] == [0, 1, 2]
+    assert result["heldout_curve"][0][1] == result["rows"]["sft"]["success"]
+    assert result["heldout_curve"][-1][1] == result["rows"]["grpo"]["success"]
+    grpo_summary = json.loads((out / "seed0" / "grpo" / "summary.json").read_text())
+    logged = [row for row in grpo_summary["log_history"] if "heldout/success" in row]
+    assert [row["step"] for row in logged] == [1] and logged[0]["heldout/success"] == result["heldout_curve"][1][1]
+    assert list((out / "seed0" / "grpo").rglob("events.out.tfevents.*"))  # TensorBoard got the run
+    for image in ("reward_curve.png", "heldout_curve.png"):
+        assert (out / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", image
+    printed = capsys.readouterr().out
+    assert "grpo_vs_sft_more" in printed and "verdict" in printed
+    for name in ("sft", "grpo", "sft_more"):
         final = result["rows"][name]["final"]
         assert final == str(out / "seed0" / name / "final")
         reloaded = AutoModelForCausalLM.from_pretrained(final, trust_remote_code=True)

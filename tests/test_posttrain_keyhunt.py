@@ -25,11 +25,11 @@ from tests.test_posttrain import record_rewards
 
 def expected_reward(n_rooms: int, opened: int | None) -> float:
     """The key-hunt rule (keyhunt module docstring) restated: ``opened`` doors before ``take_key`` (``None``: the
-    key was never taken). 1.0 when at least ``n_rooms`` doors were opened first, else 0.2 plus 0.3 times the
-    share of rooms entered; 0.0 without ``take_key``."""
+    key was never taken). 1.0 when at least ``n_rooms`` doors were opened first (the task solved), else 0.0: no
+    partial credit for a key taken too early."""
     if opened is None:
         return 0.0
-    return 1.0 if opened >= n_rooms else 0.2 + 0.3 * opened / n_rooms
+    return 1.0 if opened >= n_rooms else 0.0
 
 
 def _play(env, task, opened, take=True):
@@ -76,7 +76,7 @@ def test_hasty_agent_at_every_early_stop(n_rooms):
         assert results[-1] == "there is no key here", opened
         assert all("Another door leads on." in r for r in results[:-1]), opened
         assert env.get_reward() == pytest.approx(expected_reward(n_rooms, opened)), opened
-        assert env.get_reward() < 0.5 and env.tool_calls_before_submit == opened
+        assert env.get_reward() == 0.0 and env.tool_calls_before_submit == opened
 
 
 def test_never_taking_the_key_earns_nothing():
@@ -108,7 +108,7 @@ def test_calls_after_take_key_and_bad_resets_are_refused():
     for tool in (env.open_door, env.take_key):
         with pytest.raises(ValueError, match="already taken"):
             tool()
-    assert env.get_reward() == pytest.approx(0.35) and len(env.calls) == 2  # refused calls change nothing
+    assert env.get_reward() == 0.0 and env.entered == 1 and len(env.calls) == 2  # refused calls change nothing
     with pytest.raises(ValueError, match="task"):
         env.reset()
     for bad in ("not json", '{"place": "castle"}', '["castle", ["hall"]]', "null",

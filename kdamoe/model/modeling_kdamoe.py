@@ -976,9 +976,22 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         Uses everything counted since the previous call (so gradient accumulation is handled), sums the
         statistics across data-parallel ranks, updates every router's ``e_score_correction_bias`` and
         resets the counts. Eval / inference forwards never count, so they never move the biases.
+
+        Frozen routers (no router weight requires grad: a PEFT adapter on this model, a frozen reference model)
+        keep their biases: the counts are reset and nothing moves, with one ``logger.warning`` per model — the
+        rule :class:`kdamoe.callbacks.RouterBiasUpdateCallback` applies. A PEFT adapter saves no buffers, so
+        moved biases would make the saved adapter rebuild another model on the published base
+        (docs/pretraining.md, "Router biases under PEFT"). Every data-parallel rank holds the same
+        ``requires_grad`` flags, so all of them skip the all-reduce together.
         """
         routers = self._routers()
-        if not routers or self.config.router_bias_update == "none":
+        frozen = bool(routers) and not any(router.weight.requires_grad for router in routers)
+        if frozen and self.config.router_bias_update != "none" and not getattr(self, "_frozen_bias_warned", False):
+            self._frozen_bias_warned = True
+            logger.warning(f"update_router_biases() on {type(self).__name__} leaves its router biases frozen: no "
+                           "router weight requires grad (PEFT adapter or frozen model), and a PEFT adapter saves no "
+                           "buffers; statistics are still reset on every call.")
+        if not routers or self.config.router_bias_update == "none" or frozen:
             for router in routers:
                 router.reset_statistics()
             return

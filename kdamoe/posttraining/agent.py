@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 
 import torch
+from transformers import TrainerCallback
 from trl.chat_template_utils import parse_response
 
 from .data import environment_class, environment_tools
@@ -181,3 +182,72 @@ def evaluate_agent(model, tokenizer, tasks: list, *, min_calls: int = 2, **kwarg
     start = time.perf_counter()
     episodes = run_episodes(model, tokenizer, tasks, **kwargs)
     return {**summarize_episodes(episodes, min_calls=min_calls), "seconds": round(time.perf_counter() - start, 1)}
+
+
+class HeldOutSuccessCallback(TrainerCallback):
+    """A ``transformers.TrainerCallback`` that scores the policy on held-out tasks at chosen optimizer steps and
+    logs the result through the Trainer: into ``state.log_history`` and the ``logs`` every ``report_to``
+    integration (TensorBoard) receives.
+
+    At each step of ``steps`` (``on_step_end``) it plays :func:`run_episodes` on ``tasks`` with the policy being
+    trained (sampled at ``temperature`` from ``seed``, under ``torch.random.fork_rng`` so the training's own random
+    stream is the same as without the callback) and asks the Trainer to log that step; ``on_log`` adds
+    ``heldout/success``, ``heldout/mean_reward`` and ``heldout/multi_call_share`` (the :func:`summarize_episodes`
+    metrics, fractions in ``[0, 1]``) to that step's ``logs`` and to its ``log_history`` row. Integrations see
+    them only if this callback comes before them in the Trainer's callback list
+    (:func:`kdamoe.posttraining.run.run_recipe`'s ``callbacks`` puts it there).
+
+    Args:
+        tokenizer: the policy's tokenizer (with ``response_template``).
+        tasks: held-out tasks; at least one needs ``>= min_calls`` tool calls.
+        steps: optimizer steps (``>= 1``) after which to evaluate.
+        seed, temperature, batch_size, max_new_tokens, min_calls: as in :func:`run_episodes` /
+            :func:`summarize_episodes` (sampled episodes; ``do_sample=True``).
+    Attributes:
+        points: ``[(step, metrics dict)]`` in step order; ``metrics`` also holds ``successes`` (one 0/1 per task
+            that needs ``>= min_calls`` calls, in task order) and ``seconds`` (wall time of that evaluation).
+        seconds: total wall time spent evaluating (seconds), to subtract from the training's own.
+    Raises:
+        ValueError: no tasks, a step below 1.
+    """
+
+    def __init__(self, tokenizer, tasks: list, steps, *, seed: int = 0, temperature: float = 1.0,
+                 batch_size: int = 64, max_new_tokens: int = 64, min_calls: int = 2):
+        if not tasks:
+            raise ValueError("HeldOutSuccessCallback needs at least one held-out task")
+        steps = sorted({int(s) for s in steps})
+        if steps and steps[0] < 1:
+            raise ValueError(f"steps must be >= 1, got {steps[0]}")
+        self.tokenizer, self.tasks, self.steps = tokenizer, list(tasks), steps
+        self.seed, self.temperature, self.batch_size = seed, temperature, batch_size
+        self.max_new_tokens, self.min_calls = max_new_tokens, min_calls
+        self.points: list[tuple[int, dict]] = []
+        self.seconds = 0.0
+        self._pending: dict[str, float] = {}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step not in self.steps:
+            return control
+        start = time.perf_counter()
+        with torch.random.fork_rng(devices=[]):
+            episodes = run_episodes(model, self.tokenizer, self.tasks, batch_size=self.batch_size,
+                                    max_new_tokens=self.max_new_tokens, do_sample=True,
+                                    temperature=self.temperature, seed=self.seed)
+        metrics = summarize_episodes(episodes, min_calls=self.min_calls)
+        elapsed = time.perf_counter() - start
+        self.seconds += elapsed
+        successes = [int(e["reward"] == 1.0) for e in episodes if e["task"].calls_needed >= self.min_calls]
+        self.points.append((state.global_step, {**metrics, "successes": successes, "seconds": round(elapsed, 1)}))
+        self._pending = {f"heldout/{k}": float(metrics[k]) for k in ("success", "mean_reward", "multi_call_share")}
+        control.should_log = True
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or not self._pending:
+            return control
+        row = state.log_history[-1] if state.log_history else None
+        if row is not None and row.get("step") == state.global_step:
+            row.update(self._pending)  # the row Trainer.log stored for these logs
+        logs.update(self._pending)
+        self._pending = {}
+        return control

@@ -18,10 +18,15 @@ The same contract as :class:`~kdamoe.posttraining.environment.ArithmeticEnvironm
 ``environment_factory``: ``reset(task=json)``, tools as public methods with type hints and Google-style
 docstrings, ``get_reward()``).
 
-Reward (``[0, 1]``): ``1.0`` when ``take_key`` came after the key was found; ``0.2 + 0.3 × rooms entered / n``
-(:data:`EARLY_BASE`, :data:`EARLY_CREDIT`) when it came too early (finishing beats not finishing, and every
-room entered before giving up is worth something); ``0.0`` when the agent never called it. An unfinished task earns
-nothing — measured: with partial credit for rooms entered alone, GRPO learned to open every door and never take the key.
+Reward: ``1.0`` when ``take_key`` came after the key was found, else ``0.0`` — the task's success, nothing
+else, so a policy cannot raise its reward without solving more tasks. Partial credit was tried and gamed,
+twice. With credit for rooms entered alone, GRPO learned to open every door and never take the key. With
+``0.2 + 0.3 × rooms entered / n`` for a key taken too early, GRPO learned to take it at once: measured on the
+demo's seed 0 (200 held-out hunts of 2–3 rooms, episodes sampled at temperature 1), immediate ``take_key``
+went from 51 episodes (SFT) to 104 (GRPO) and episodes that never called ``take_key`` (reward 0, mostly a
+malformed call) from 99 to 40, so the mean reward rose from 0.175 to 0.221 while success fell from 6.0 % to
+3.5 %. A zero for every failure needs a starting policy that succeeds often enough for a group of rollouts to
+disagree: the demo's SFT stage is trained until it does (docs/post-training.md).
 """
 
 from __future__ import annotations
@@ -32,12 +37,6 @@ from dataclasses import dataclass
 
 PLACES = ("old mill", "castle", "tower", "manor", "abbey", "farmhouse", "palace", "inn", "chapel", "fort",
           "library", "harbour house")
-# Taking the key too early earns EARLY_BASE plus EARLY_CREDIT per share of rooms entered (< 0.5 in all): a
-# finished task beats an unfinished one (0.0), so a policy gradient that pushes a too-early `take_key` down
-# does not push the policy into writing no tool call at all — measured: with 0.0 for an immediate take, the
-# same as for no call, GRPO at learning rate 6e-4 stopped calling tools within 10 steps.
-EARLY_BASE = 0.2
-EARLY_CREDIT = 0.3
 ROOMS = ("hall", "cellar", "kitchen", "study", "gallery", "pantry", "stable", "attic", "parlour", "armoury",
          "chamber", "vault")
 
@@ -210,15 +209,9 @@ class KeyHuntEnvironment:
         return _take_result(self.found_when_taken)
 
     def get_reward(self) -> float:
-        """1.0 when the key was taken after it was found; ``EARLY_BASE + EARLY_CREDIT × rooms entered / rooms``
-        when it was taken too early; 0.0 when it was never taken (or before a reset)."""
-        if self.task is None:
-            return 0.0
-        if not self.done:
-            return 0.0
-        if self.found_when_taken:
-            return 1.0
-        return EARLY_BASE + EARLY_CREDIT * self.entered / self.task.calls_needed
+        """1.0 when the key was taken after it was found (the task solved), else 0.0: taken too early, never
+        taken, or before a reset (module docstring: why no partial credit)."""
+        return float(self.task is not None and self.done and self.found_when_taken)
 
     @property
     def tool_calls_before_submit(self) -> int:

@@ -268,7 +268,7 @@ def run_identity(cfg) -> dict:
     return {"model": model, "recipe": cfg.recipe, "data": posttrain_config_to_dict(cfg)["data"]}
 
 
-def run_recipe(cfg, resume: bool = True, overwrite: bool = False) -> dict:
+def run_recipe(cfg, resume: bool = True, overwrite: bool = False, callbacks=()) -> dict:
     """Train ``cfg.recipe`` from ``cfg.model`` and save it (module docstring).
 
     The run owns ``cfg.output_dir`` while it runs (:func:`kdamoe.common.run_folder.owned_run_folder`): a second run
@@ -280,6 +280,8 @@ def run_recipe(cfg, resume: bool = True, overwrite: bool = False) -> dict:
         cfg: a validated :class:`~kdamoe.posttraining.config.PostTrainConfig`.
         resume: continue from the newest intact ``checkpoint-N`` in ``cfg.output_dir`` when there is one.
         overwrite: on a fresh start, remove what an earlier post-training run wrote there (only that).
+        callbacks: extra ``TrainerCallback`` instances, placed right after the router-bias callback and before the
+            ``report_to`` integrations, so metrics they add in ``on_log`` reach TensorBoard too.
     Returns:
         ``{"final": str, "adapter": str | None, "summary": str, "log_history": list[dict], "train_runtime":
         float (seconds), "global_step": int, "reward_curve": [(step, mean reward)], "resumed_from": str | None,
@@ -314,6 +316,8 @@ def run_recipe(cfg, resume: bool = True, overwrite: bool = False) -> dict:
     enable_fsdp2_on_cpu(trainer)
     add_router_bias_callback(trainer, RouterBiasUpdateCallback(freeze_biases=cfg.router_biases == "freeze"))
     trainer.add_callback(CheckpointManifestCallback())
+    for position, callback in enumerate(callbacks, start=1):
+        trainer.callback_handler.callbacks.insert(position, callback)
     # The folder is claimed once the Trainer has set up the processes (accelerate's state then knows the main one);
     # nothing was written to it before.
     with owned_run_folder(cfg.output_dir, "posttraining", lambda: newest_checkpoint(cfg.output_dir) if resume else None,
