@@ -31,7 +31,7 @@ PPO_VENV_SCRIPT = """
 import sys
 for name in ("peft", "tensorboard", "torch.utils.tensorboard", "triton"):
     sys.modules[name] = None  # as in the PPO venv, which does not install them
-import kdamoe.posttraining, kdamoe.posttraining.data, kdamoe.posttraining.environment, kdamoe.training.tokenizer
+import kdamoe.posttraining, kdamoe.posttraining.data, kdamoe.posttraining.environments, kdamoe.training.tokenizer
 import kdamoe.callbacks, kdamoe.model, kdamoe.posttraining.recipes.common, kdamoe.posttraining.run
 print("ok")
 """

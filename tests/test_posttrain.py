@@ -27,8 +27,8 @@ from kdamoe.cli import posttrain_main
 from kdamoe.common.cards import render_model_card
 from kdamoe.common.run_folder import RunFolderError
 from kdamoe.posttraining import load_posttrain_config, run_recipe
-from kdamoe.posttraining.data import tool_schemas
-from kdamoe.posttraining.environment import ArithmeticEnvironment, ArithmeticTask, make_tasks
+from kdamoe.posttraining.environments import tool_schemas
+from kdamoe.posttraining.environments.arithmetic import ArithmeticEnvironment, ArithmeticTask, make_tasks
 from kdamoe.posttraining.long_update import real_token_span
 from kdamoe.posttraining.recipes import build_trainer
 from kdamoe.posttraining.recipes import grpo as grpo_recipe

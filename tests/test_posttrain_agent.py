@@ -19,7 +19,7 @@ from kdamoe import KDAMoEForCausalLM
 from kdamoe.cli import posttrain_demo_main
 from kdamoe.posttraining.agent import run_episodes, summarize_episodes
 from kdamoe.posttraining.demo import STAGES, paired_lower_bound
-from kdamoe.posttraining.keyhunt import KeyHuntEnvironment, KeyHuntTask
+from kdamoe.posttraining.environments.keyhunt import KeyHuntEnvironment, KeyHuntTask
 from tests.helpers import tiny_config
 from tests.test_posttrain_keyhunt import _keyhunt_tokenizer, _reply_ids, expected_reward
 

@@ -14,8 +14,9 @@ from trl.chat_template_utils import (
     supports_tool_calling,
 )
 
-from kdamoe.posttraining.data import episode_messages, preference_dataset, prompt_dataset, sft_dataset, tool_schemas
-from kdamoe.posttraining.environment import OPERATIONS, ArithmeticEnvironment, ArithmeticTask, make_tasks
+from kdamoe.posttraining.data import episode_messages, preference_dataset, prompt_dataset, sft_dataset
+from kdamoe.posttraining.environments import tool_schemas
+from kdamoe.posttraining.environments.arithmetic import OPERATIONS, ArithmeticEnvironment, ArithmeticTask, make_tasks
 from kdamoe.training.tokenizer import train_tokenizer
 
 FOLD = {"add": operator.add, "multiply": operator.mul}

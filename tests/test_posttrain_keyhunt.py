@@ -15,8 +15,9 @@ from trl.chat_template_utils import is_chat_template_prefix_preserving, supports
 
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.posttraining import load_posttrain_config
-from kdamoe.posttraining.data import make_family_tasks, sft_dataset, tool_schemas
-from kdamoe.posttraining.keyhunt import PLACES, ROOMS, KeyHuntEnvironment, KeyHuntTask, make_keyhunt_tasks
+from kdamoe.posttraining.data import sft_dataset
+from kdamoe.posttraining.environments import make_family_tasks, tool_schemas
+from kdamoe.posttraining.environments.keyhunt import PLACES, ROOMS, KeyHuntEnvironment, KeyHuntTask, make_keyhunt_tasks
 from kdamoe.posttraining.recipes import build_trainer
 from kdamoe.training.tokenizer import train_tokenizer
 from tests.helpers import tiny_config

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402 (imported after the 
 from kdamoe import KDAMoEForCausalLM, KDAMoEForSequenceClassification  # noqa: E402 (imported after the importorskip above: outside the PPO venv the module is skipped)
 from kdamoe.posttraining import load_posttrain_config, run_recipe  # noqa: E402 (imported after the importorskip above: outside the PPO venv the module is skipped)
 from kdamoe.posttraining.data import episode_messages, user_message  # noqa: E402 (imported after the importorskip above: outside the PPO venv the module is skipped)
-from kdamoe.posttraining.environment import make_tasks  # noqa: E402 (imported after the importorskip above: outside the PPO venv the module is skipped)
+from kdamoe.posttraining.environments.arithmetic import make_tasks  # noqa: E402 (imported after the importorskip above: outside the PPO venv the module is skipped)
 from kdamoe.training.tokenizer import train_tokenizer  # noqa: E402 (imported after the importorskip above: outside the PPO venv the module is skipped)
 from tests.helpers import tiny_config  # noqa: E402 (imported after the importorskip above: outside the PPO venv the module is skipped)
 

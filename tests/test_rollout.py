@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.posttraining import load_posttrain_config
-from kdamoe.posttraining.environment import ArithmeticTask
+from kdamoe.posttraining.environments.arithmetic import ArithmeticTask
 from kdamoe.posttraining.recipes import build_trainer
 from kdamoe.posttraining.rollout import CachedRolloutGRPOTrainer
 from tests.test_posttrain import base  # noqa: F401  (the tiny base folder fixture)

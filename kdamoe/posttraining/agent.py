@@ -27,7 +27,7 @@ import torch
 from transformers import TrainerCallback
 from trl.chat_template_utils import parse_response
 
-from .data import environment_class, environment_tools
+from .environments import environment_class, environment_tools
 
 
 def _tool_suffix_ids(tokenizer, tool_messages: list[dict]) -> list[int]:

@@ -32,7 +32,7 @@ from typing import Any
 
 from ..common.config import apply_override, build_dataclass, read_yaml
 from ..common.parallel import check_distributed_config, check_distributed_launch, check_trainer_fsdp, launched_processes
-from .data import ENVIRONMENTS
+from .environments import ENVIRONMENTS
 from .recipes import RECIPES, config_class
 from .recipes.common import lora_config
 
@@ -48,8 +48,9 @@ RESERVED_TRAINER_KEYS = ("output_dir", "seed")
 class TaskDataConfig:
     """The generated tasks a recipe trains on (:func:`kdamoe.posttraining.data.make_family_tasks`).
 
-    ``environment``: ``keyhunt`` (:mod:`kdamoe.posttraining.keyhunt`) or ``arithmetic``
-    (:mod:`kdamoe.posttraining.environment`). ``min_calls`` / ``max_calls``: tool calls a task needs before its
+    ``environment``: ``keyhunt`` (:mod:`kdamoe.posttraining.environments.keyhunt`) or ``arithmetic``
+    (:mod:`kdamoe.posttraining.environments.arithmetic`). ``min_calls`` / ``max_calls``: tool calls a task needs
+    before its
     final call (key hunt: doors to open before ``take_key``; arithmetic: operations before ``submit``). ``max_operand``:
     arithmetic operands lie in ``[2, max_operand]``. ``hasty_fraction``: share of SFT demonstrations by the hasty agent
     (:func:`~kdamoe.posttraining.data.sft_dataset`). ``seed`` fixes the tasks.

@@ -1,9 +1,11 @@
 """Generated post-training data for the task families: SFT conversations, RL prompts, preference pairs.
 
-Everything here is produced from generated tasks (:func:`kdamoe.posttraining.keyhunt.make_keyhunt_tasks`,
-:func:`kdamoe.posttraining.environment.make_tasks`) with a seed; nothing is downloaded. A task family is a
-task class with ``prompt()``, ``to_json()``, ``answer``, ``calls_needed`` and ``episode_messages(steps)`` and
-its environment class (:func:`environment_class`). Columns follow TRL's dataset formats (https://huggingface.co/docs/trl/dataset_formats):
+Everything here is produced from generated tasks
+(:func:`kdamoe.posttraining.environments.keyhunt.make_keyhunt_tasks`,
+:func:`kdamoe.posttraining.environments.arithmetic.make_tasks`) with a seed; nothing is downloaded. A task family is
+a task class with ``prompt()``, ``to_json()``, ``answer``, ``calls_needed`` and ``episode_messages(steps)`` and its
+environment class (:func:`kdamoe.posttraining.environments.environment_class`). Columns follow TRL's dataset formats
+(https://huggingface.co/docs/trl/dataset_formats):
 
 * SFT (conversational, with tools): ``messages`` (a full episode: user task, assistant tool calls, tool
   results, final assistant turn) and ``tools`` (JSON text of the tool schemas, as ``SFTTrainer`` reads it).
@@ -12,90 +14,21 @@ its environment class (:func:`environment_class`). Columns follow TRL's dataset 
 * DPO (preference, conversational): ``prompt``, ``chosen``, ``rejected`` (assistant / tool turns only) and
   ``tools``.
 
-The demonstrations come from two scripted agents. The *careful* agent makes every tool call the task
-needs, feeding each result into the next call, then submits. The *hasty* agent stops after a random number
-of calls (possibly none) and submits the value it has so far — always a wrong answer. An SFT set mixes them
-(``hasty_fraction``): imitation learns both behaviours in proportion, the environment's reward tells them
-apart — which is what the post-training demo shows GRPO learning (docs/post-training.md).
+The demonstrations come from two scripted agents. The *careful* agent makes every tool call the task needs, feeding
+each result into the next call, then submits. The *hasty* agent stops after a random number of calls (possibly none)
+and submits the value it has so far — always a wrong answer. An SFT set mixes them (``hasty_fraction``): imitation
+learns both behaviours in proportion, the environment's reward tells them apart — which is what the post-training
+demo shows GRPO learning (docs/post-training.md).
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import random
 
 from datasets import Dataset
-from transformers.utils import get_json_schema
 
-from .environment import ArithmeticEnvironment, ArithmeticTask, make_tasks
-from .keyhunt import KeyHuntEnvironment, KeyHuntTask, make_keyhunt_tasks
-
-ENVIRONMENTS = {"keyhunt": (KeyHuntTask, KeyHuntEnvironment), "arithmetic": (ArithmeticTask, ArithmeticEnvironment)}
-
-
-def make_family_tasks(environment: str, n: int, seed: int, *, min_calls: int = 1, max_calls: int = 3,
-                      max_operand: int = 9, exclude: set | None = None) -> list:
-    """``n`` distinct tasks of one family that need ``min_calls``–``max_calls`` tool calls before ``submit``.
-
-    ``environment="keyhunt"``: :func:`~kdamoe.posttraining.keyhunt.make_keyhunt_tasks` with rooms = calls;
-    ``"arithmetic"``: :func:`~kdamoe.posttraining.environment.make_tasks` with operations = calls and operands in
-    ``[2, max_operand]``.
-
-    Raises:
-        ValueError: an unknown ``environment`` or a range the family's generator refuses.
-    """
-    if environment == "keyhunt":
-        return make_keyhunt_tasks(n, seed, min_rooms=min_calls, max_rooms=max_calls, exclude=exclude)
-    if environment == "arithmetic":
-        return make_tasks(n, seed, min_ops=min_calls, max_ops=max_calls, max_operand=max_operand, exclude=exclude)
-    raise ValueError(f"environment={environment!r} is not one of {list(ENVIRONMENTS)}")
-
-
-def environment_class(task) -> type:
-    """The environment class of a task (by its type). Raises ``ValueError`` for an unknown task type."""
-    for task_cls, env_cls in ENVIRONMENTS.values():
-        if isinstance(task, task_cls):
-            return env_cls
-    raise ValueError(f"no environment for task type {type(task).__name__}; known: {list(ENVIRONMENTS)}")
-
-
-def environment_tools(env) -> list:
-    """The bound tool methods of an environment instance, in TRL's order: public functions of its class
-    other than ``reset`` / ``get_reward``, as ``inspect.getmembers`` lists them (alphabetical)."""
-    return [getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
-            if name not in ("reset", "get_reward") and not name.startswith("_")]
-
-
-def tool_schemas(env_cls: type) -> list[dict]:
-    """JSON schemas of an environment's tools, exactly as TRL renders them for ``environment_factory``
-    (:func:`environment_tools` through transformers' ``get_json_schema``)."""
-    return [get_json_schema(tool) for tool in environment_tools(env_cls())]
-
-
-def task_tool_schemas(tasks: list) -> list[dict]:
-    """:func:`tool_schemas` of the one environment the ``tasks`` belong to.
-
-    Raises:
-        ValueError: the tasks belong to two environments.
-    """
-    classes = {environment_class(t) for t in tasks}
-    if len(classes) != 1:
-        raise ValueError(f"tasks mix environments {sorted(c.__name__ for c in classes)}; use one family per dataset")
-    return tool_schemas(classes.pop())
-
-
-def tool_call_message(name: str, arguments: dict) -> dict:
-    """An assistant turn with one tool call. The arguments are JSON text: the chat template writes a string
-    as-is, so the rendered call is byte-identical to a dict rendered by ``tojson`` (``json.dumps`` defaults)
-    — what the model sees at training time equals what TRL renders from a parsed call — and Arrow needs no
-    union schema across tools with different arguments."""
-    return {"role": "assistant", "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
-
-
-def tool_result_message(name: str, value) -> dict:
-    return {"role": "tool", "name": name, "content": str(value)}
+from .environments import task_tool_schemas
 
 
 def user_message(task) -> dict:

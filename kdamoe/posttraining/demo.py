@@ -5,7 +5,8 @@ For each seed:
 1. ``sft``: the shipped ``sft`` recipe (scripted demonstrations, a share of them by the hasty agent) from the
    pretrained model;
 2. ``grpo``: the shipped ``grpo`` recipe (mode ``environment``: TRL's ``environment_factory`` with
-   :class:`~kdamoe.posttraining.keyhunt.KeyHuntEnvironment`, reward from its state) from the SFT model, with a
+   :class:`~kdamoe.posttraining.environments.keyhunt.KeyHuntEnvironment`, reward from its state) from the SFT
+   model, with a
    :class:`~kdamoe.posttraining.agent.HeldOutSuccessCallback` that scores the policy on the held-out tasks at a
    few steps (the held-out curve, in the Trainer's ``log_history`` and TensorBoard);
 3. ``sft_more``, the control: the ``sft`` recipe again from the SFT model, for as long as GRPO trained (its wall
@@ -43,7 +44,7 @@ from transformers import AutoTokenizer, TrainerCallback
 from ..model import KDAMoEForCausalLM
 from .agent import HeldOutSuccessCallback, run_episodes, summarize_episodes
 from .config import load_posttrain_config
-from .data import make_family_tasks
+from .environments import make_family_tasks
 from .recipes.common import training_tasks
 from .run import run_recipe
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from ..data import episode_messages, make_family_tasks, task_tool_schemas, user_message
+from ..data import episode_messages, user_message
+from ..environments import make_family_tasks, task_tool_schemas
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,9 @@ import re
 
 from trl import GRPOConfig, GRPOTrainer
 
-from ..data import ENVIRONMENTS, prompt_dataset
-from ..environment import _as_int
+from ..data import prompt_dataset
+from ..environments import ENVIRONMENTS
+from ..environments.arithmetic import _as_int
 from ..long_update import LongContextGRPOTrainer
 from ..rollout import CachedRolloutGRPOTrainer
 from .common import completion_budget, peft_config, trainer_args, training_tasks

@@ -53,7 +53,8 @@ from trl.experimental.ppo import PPOConfig, PPOTrainer
 
 from kdamoe.callbacks import add_router_bias_callback
 from kdamoe.model import KDAMoEForSequenceClassification
-from kdamoe.posttraining.data import episode_messages, preference_dataset, task_tool_schemas, user_message
+from kdamoe.posttraining.data import episode_messages, preference_dataset, user_message
+from kdamoe.posttraining.environments import task_tool_schemas
 from kdamoe.posttraining.recipes.common import trainer_args, training_tasks
 
 logger = logging.getLogger(__name__)

@@ -11,10 +11,10 @@ This is the environment of the post-training demo (``make posttrain``, docs/post
 take no arguments on purpose: the CPU demo's model (0.7 M parameters, a few minutes of SFT) does not learn
 to copy numbers from a tool result into the next call — measured: after 120 SFT steps on numbered rooms
 it wrote the same room number whatever the tool had said — while the decision this task is about, open the
-next door or stop, is read off the last tool result. :mod:`kdamoe.posttraining.environment` (chained
+next door or stop, is read off the last tool result. :mod:`kdamoe.posttraining.environments.arithmetic` (chained
 arithmetic) is the environment whose tools take arguments.
 
-The same contract as :class:`~kdamoe.posttraining.environment.ArithmeticEnvironment` (TRL's
+The same contract as :class:`~kdamoe.posttraining.environments.arithmetic.ArithmeticEnvironment` (TRL's
 ``environment_factory``: ``reset(task=json)``, tools as public methods with type hints and Google-style
 docstrings, ``get_reward()``).
 
@@ -34,6 +34,8 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
+
+from .messages import tool_call_message, tool_result_message
 
 PLACES = ("old mill", "castle", "tower", "manor", "abbey", "farmhouse", "palace", "inn", "chapel", "fort",
           "library", "harbour house")
@@ -98,8 +100,6 @@ class KeyHuntTask:
     def episode_messages(self, steps: int | None = None) -> list[dict]:
         """Assistant / tool turns of an agent that opens ``steps`` doors (default: all; fewer is the hasty
         agent, who then takes a key that is not there) and calls ``take_key``, then says ``Done.``"""
-        from .data import tool_call_message, tool_result_message  # noqa: PLC0415 (cycle: kdamoe.posttraining.data imports this module at its top)
-
         steps = self.calls_needed if steps is None else steps
         if not 0 <= steps <= self.calls_needed:
             raise ValueError(f"steps={steps} outside [0, {self.calls_needed}]")

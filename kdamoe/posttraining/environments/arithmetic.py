@@ -28,6 +28,8 @@ import json
 import random
 from dataclasses import dataclass
 
+from .messages import tool_call_message, tool_result_message
+
 OPERATIONS = ("add", "multiply")
 _PHRASES = {"add": "add {}", "multiply": "multiply by {}"}
 
@@ -88,8 +90,6 @@ class ArithmeticTask:
     def episode_messages(self, steps: int | None = None) -> list[dict]:
         """Assistant / tool turns of an agent that carries out the first ``steps`` operations (default: all)
         and then submits the value reached (``steps < n_ops``: the hasty agent, a wrong answer)."""
-        from .data import tool_call_message, tool_result_message  # noqa: PLC0415 (cycle: kdamoe.posttraining.data imports this module at its top)
-
         steps = self.n_ops if steps is None else steps
         if not 0 <= steps <= self.n_ops:
             raise ValueError(f"steps={steps} outside [0, {self.n_ops}]")
