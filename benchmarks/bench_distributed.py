@@ -538,7 +538,8 @@ def main():
             row["skipped"] = "no base model: pretrain/1 did not write final/"
             write_results(out, {**result, "elapsed_s": time.monotonic() - start})
             continue
-        tokenizer = refs["pretrain"]["_tokenizer"] if job == "pretrain" and mode and "pretrain" in refs else None
+        # the one-process run's tokenizer, when it wrote final/ (otherwise each run trains its own)
+        tokenizer = refs.get("pretrain", {}).get("_tokenizer") if job == "pretrain" and mode else None
         args = (pretrain_args(s, run_dir, processes, mode, tokenizer) if job == "pretrain"
                 else sft_args(s, run_dir, processes, mode, base))
         kind = "train" if job == "pretrain" else "posttrain"  # the recorder's entry point
