@@ -32,8 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-# E402 below: the benchmarks folder is not a package (its path is added above) and harness puts the repository on
-# sys.path for kdamoe
+# the benchmarks folder is not a package (its path is added above); harness puts the repository on sys.path
 from harness import commit, device_name, sources_digest, time_ms, write_results  # noqa: E402  (sys.path above)
 from moe_peers import grouped_mm_moe  # noqa: E402  (the same)
 

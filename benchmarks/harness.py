@@ -302,7 +302,7 @@ def stack_versions(cuda: bool) -> dict:
            "triton": triton.__version__, "transformers": transformers.__version__, "fla": fla,
            "cuda": torch.version.cuda}
     try:
-        from transformers.models.kimi_linear import modeling_kimi_linear as kl  # noqa: PLC0415  (may be absent)
+        from transformers.models.kimi_linear import modeling_kimi_linear as kl  # noqa: PLC0415  (absent from older transformers)
 
         out["native_kda_from"] = implementation_module(kl.chunk_kimi_delta_attention)
         out["native_conv_from"] = implementation_module(kl.causal_conv1d_fn)
