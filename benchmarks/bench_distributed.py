@@ -61,9 +61,19 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import transformers
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from harness import scalars, stream_job, write_json, write_text  # noqa: E402  (the benchmarks folder is not a package)
+# E402: the benchmarks folder is not a package; harness also puts the repository on sys.path for kdamoe
+from harness import scalars, stream_job, write_json, write_text  # noqa: E402  (needs benchmarks/ on sys.path)
+
+from kdamoe.cli import posttrain_main, train_main  # noqa: E402  (needs the repository on sys.path: harness)
+from kdamoe.model.modeling_kdamoe import KDAMoEPreTrainedModel, KDAMoETopkRouter  # noqa: E402  (the same)
 
 JOBS_LOG = "distributed_jobs.log"
 EXIT_AT = "KDAMOE_BENCH_EXIT_AT"
@@ -81,11 +91,6 @@ def job_main(kind: str, dump: Path, argv: list[str]) -> int:
     after every router-bias update the time (``time.perf_counter``, s) and every router's bias (float32
     ``[num_experts]`` each, as Python floats: exact), then write ``dump/rank<RANK>.json``: ``{"names": router module
     names, "times": [updates], "biases": [updates][routers][experts]}``."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    from kdamoe.model.modeling_kdamoe import KDAMoEPreTrainedModel, KDAMoETopkRouter
-
     record = {"names": [], "times": [], "biases": []}
     update = KDAMoEPreTrainedModel.update_router_biases
     exit_at = int(os.environ.get(EXIT_AT, "0"))
@@ -111,8 +116,6 @@ def job_main(kind: str, dump: Path, argv: list[str]) -> int:
             os._exit(0)  # both processes stop at the same update: no collective is left waiting
 
     KDAMoEPreTrainedModel.update_router_biases = recording_update
-    from kdamoe.cli import posttrain_main, train_main
-
     status = (train_main if kind == "train" else posttrain_main)(argv)
     save()
     return status
@@ -153,8 +156,12 @@ class Launcher:
             log.write(f"===== {name}: {' '.join(launcher[1:] + script)} (limit {limit:.0f} s)\n")
             log.flush()
             resumed = []  # the job's "resuming from <checkpoint>" line
-            run = stream_job(launcher + script, log, limit, env=full_env,
-                             on_line=lambda line: resumed.append(line.strip()[-300:]) if "resuming from" in line else None)
+
+            def note_resume(line: str) -> None:
+                if "resuming from" in line:
+                    resumed.append(line.strip()[-300:])
+
+            run = stream_job(launcher + script, log, limit, env=full_env, on_line=note_resume)
         code = run["exit"]
         resumed = resumed[0] if resumed else None
         row = {"exit": code, "wall_s": run["wall_s"], "resumed_line": resumed}
@@ -222,8 +229,6 @@ def stitched(launches: list[dict], first_steps: list[int]) -> tuple[list[str], l
 
 def max_abs_diff(a: list, b: list) -> float | None:
     """Largest ``|a - b|`` over nested lists of equal shape (the common leading length); None if empty."""
-    import torch
-
     n = min(len(a), len(b))
     if n == 0:
         return None
@@ -232,8 +237,6 @@ def max_abs_diff(a: list, b: list) -> float | None:
 
 def exported_biases(final: Path, names: list[str]) -> list | None:
     """The router biases stored in ``final/model.safetensors`` in the order of ``names`` (None if absent)."""
-    from safetensors import safe_open
-
     files = sorted(final.glob("*.safetensors"))
     found = {}
     for f in files:
@@ -250,9 +253,6 @@ def reload_check(final: Path, passage: str, tokens: int, device: str) -> dict:
     """Load ``final`` as a user would (``AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)``) onto
     ``device`` in this process; its loss on the first ``tokens`` tokens of ``passage`` (bf16 autocast on CUDA) and its
     router biases by module name."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(str(final), trust_remote_code=True, dtype=torch.float32)
     model = model.to(device).eval()
@@ -328,7 +328,7 @@ def files_of(folder: Path, limit: int = 12) -> list[str]:
 
 def rel_diffs(a: list[float], b: list[float], n: int) -> list[float]:
     """``|a_i - b_i| / |b_i|`` over the first ``n`` common entries."""
-    return [abs(x - y) / abs(y) for x, y in zip(a[:n], b[:n])]
+    return [abs(x - y) / abs(y) for x, y in zip(a[:n], b[:n], strict=False)]  # either run may have fewer steps
 
 
 def measure(row: dict, job: str, run_dir: Path, dumps: list[Path], first_steps: list[int], processes: int,
@@ -392,7 +392,7 @@ def plan(only: set[str] | None) -> list[tuple[str, str | None]]:
     if only is None:
         return runs
     chosen = {(j, None if m == "1" else m) for j, _, m in (name.partition("/") for name in only)}
-    for job, mode in list(chosen):
+    for job, _mode in list(chosen):
         chosen.add((job, None))
         if job == "sft":
             chosen.add(("pretrain", None))
@@ -448,16 +448,17 @@ def markdown(result: dict) -> str:
         b, e = r.get("biases", {}), r.get("export", {})
         launches = r.get("launches", [])
         resumed = r.get("resume", {}).get("resumed")
-        note = "; ".join(x for x in [r.get("skipped"), *[_error_line(l["error"]) for l in launches if l.get("error")],
-                                     e.get("reload_error", "")[:160] or None, r.get("resume", {}).get("note")] if x)
+        errors = [_error_line(launch["error"]) for launch in launches if launch.get("error")]
+        note = "; ".join(x for x in [r.get("skipped"), *errors, e.get("reload_error", "")[:160] or None,
+                                     r.get("resume", {}).get("note")] if x)
         lines.append("| " + " | ".join([
-            r["name"], ",".join(str(l.get("exit")) for l in launches), _fmt(r.get("steps")),
+            r["name"], ",".join(str(launch.get("exit")) for launch in launches), _fmt(r.get("steps")),
             _fmt(r.get("tokens_per_s")), _fmt(r.get("speedup_vs_1"), ".3f"),
             _fmt(r.get("first_losses_max_rel_diff"), ".2e"), _fmt(r.get("all_losses_max_rel_diff"), ".2e"),
             _fmt(b.get("ranks_bitwise_equal")), _fmt(b.get("max_abs_diff_vs_1"), ".2e"),
             _fmt(e.get("biases_equal_last_update")), _fmt(resumed),
             _fmt(e.get("reload_loss"), ".4f"), _fmt(e.get("reload_loss_rel_diff_vs_1"), ".2e"),
-            _fmt(round(sum(l.get("wall_s", 0) for l in launches), 1)), note.replace("|", "/")]) + " |")
+            _fmt(round(sum(launch.get("wall_s", 0) for launch in launches), 1)), note.replace("|", "/")]) + " |")
     lines += ["", "Goals (issue #17):", ""]
     by = {r["name"]: r for r in result["runs"]}
     for job in ("pretrain", "sft"):
@@ -471,7 +472,7 @@ def markdown(result: dict) -> str:
         within = [r.get("first_losses_max_rel_diff") for r in (ddp, f2, ep)]
         lines.append(f"- {job}: first {FIRST_STEPS} losses within {LOSS_RTOL:.0%} of one process: "
                      + ", ".join(f"{m} {_fmt(w <= LOSS_RTOL) if w is not None else 'not measured'}"
-                                 for m, w in zip(MODES, within)))
+                                 for m, w in zip(MODES, within, strict=True)))
     lines += ["", f"Budget: {result['budget_s']} s; used {result.get('elapsed_s', 0):.0f} s. "
               f"Each job's output (timestamped) is in `{JOBS_LOG}`."]
     return "\n".join(lines) + "\n"
@@ -479,9 +480,6 @@ def markdown(result: dict) -> str:
 
 def stack() -> str:
     """torch, transformers and the devices, in words."""
-    import torch
-    import transformers
-
     gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
             if torch.cuda.is_available() else [])
     return (f"torch {torch.__version__}, transformers {transformers.__version__}, "
@@ -518,7 +516,6 @@ def main():
             raise SystemExit(f"--{key.replace('_', '-')} ({s[key]}) must be in [1, steps)")
     if s["batch"] % 2 or s["sft_batch"] % 2:
         raise SystemExit("--batch-size and --sft-batch-size must be even (two processes split them)")
-    import torch
 
     start = time.monotonic()
     out = Path(a.out)
@@ -541,7 +538,8 @@ def main():
             row["skipped"] = "no base model: pretrain/1 did not write final/"
             write_results(out, {**result, "elapsed_s": time.monotonic() - start})
             continue
-        tokenizer = refs["pretrain"]["_tokenizer"] if job == "pretrain" and mode and "pretrain" in refs else None
+        # the one-process run's tokenizer, when it wrote final/ (otherwise each run trains its own)
+        tokenizer = refs.get("pretrain", {}).get("_tokenizer") if job == "pretrain" and mode else None
         args = (pretrain_args(s, run_dir, processes, mode, tokenizer) if job == "pretrain"
                 else sft_args(s, run_dir, processes, mode, base))
         kind = "train" if job == "pretrain" else "posttrain"  # the recorder's entry point

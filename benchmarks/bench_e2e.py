@@ -31,12 +31,12 @@ Parts (``--only``, comma list; default all, in this order):
     run in a 512-wide latent, Block Attention Residuals over 4 blocks), at ``--recipe-t`` (32K, then 8K);
     compared with kdamoe's plain shape at the same length.
 ``graph``
-    kdamoe's plain shape, then the recipe shape, through ``kdamoe.training.train_graph.TrainStepGraph`` (the step captured as
-    a CUDA graph and replayed) at ``--graph-t`` (8K, 32K): one eager step first (its loss is recorded next to the
-    graphed steps'), then a first call that warms up and captures (timed apart), ``--warmup`` untimed and ``--steps``
-    timed calls, each timed between synchronisations like the eager step. Rows: plain graphed vs native + fla, recipe
-    graphed vs plain graphed. Peak memory: from before the capturing call (its eager warm-up steps and the graph's
-    memory pool) through the last timed call. CUDA only (elsewhere recorded as skipped).
+    kdamoe's plain shape, then the recipe shape, through ``kdamoe.training.train_graph.TrainStepGraph`` (the step
+    captured as a CUDA graph and replayed) at ``--graph-t`` (8K, 32K): one eager step first (its loss is recorded next
+    to the graphed steps'), then a first call that warms up and captures (timed apart), ``--warmup`` untimed and
+    ``--steps`` timed calls, each timed between synchronisations like the eager step. Rows: plain graphed vs native +
+    fla, recipe graphed vs plain graphed. Peak memory: from before the capturing call (its eager warm-up steps and the
+    graph's memory pool) through the last timed call. CUDA only (elsewhere recorded as skipped).
 ``native_graph``
     The peer's step captured the same way, so that both sides of a graphed row skip the host's launches: native
     KimiLinear (+ fla) at ``--graph-t``, its whole step (``zero_grad(set_to_none=True)``, forward, loss, backward)
@@ -70,19 +70,40 @@ Writes ``e2e.json`` (``rows``: ``{name, ours_ms, peer, peer_ms, ratio}`` with ra
 """
 
 import argparse
+import cProfile
 import math
 import os
+import pstats
 import statistics
 import sys
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402  (the benchmarks folder is not a package)
-    GIB, NATIVE, Bench, K, Recorder, add_run_args, build_kdamoe, build_native, check_at_least,
-    compare_row, finish_run_args, fmt, ints, kernel_summary, label, run_parts, start_run, value_of,
+    GIB,
+    NATIVE,
+    Bench,
+    K,
+    Recorder,
+    add_run_args,
+    build_kdamoe,
+    build_native,
+    check_at_least,
+    compare_row,
+    finish_run_args,
+    fmt,
+    ints,
+    kernel_summary,
+    label,
+    run_parts,
+    start_run,
+    value_of,
 )
+
+from kdamoe.training.train_graph import TrainStepGraph  # noqa: E402  (needs the repository on sys.path: harness)
 
 PARTS = ("kdamoe", "native", "recipe", "graph", "native_graph", "profile", "host")
 RECIPE = {"moe_latent_size": 512, "attnres_num_blocks": 4}
@@ -109,7 +130,10 @@ def _side(prefix: str, entry) -> dict:
 def make_rows(raw: dict) -> list[dict]:
     """Comparison rows from ``raw``: kdamoe vs native per length, then the recipe shape vs kdamoe's plain shape."""
     ours, native, recipe = raw.get("kdamoe", {}), raw.get("native", {}), raw.get("recipe", {})
-    lengths = lambda *groups: sorted({int(k[len("train_T"):]) for g in groups for k in g if k.startswith("train_T")})
+
+    def lengths(*groups: dict) -> list[int]:
+        return sorted({int(k[len("train_T"):]) for g in groups for k in g if k.startswith("train_T")})
+
     rows = []
     for T in lengths(ours, native):
         o, p = ours.get(f"train_T{T}"), native.get(f"train_T{T}")
@@ -148,8 +172,9 @@ def render_markdown(doc: dict) -> str:
     lines = ["# End-to-end training step on one GPU: kdamoe vs transformers' native KimiLinear (+ fla)", ""]
     if st:
         lines += [f"Stack: {st.get('gpu')}, torch {st.get('torch')}, triton {st.get('triton')}, transformers "
-                  f"{st.get('transformers')}, fla {st.get('fla')} (native's chunk_kda from {st.get('native_kda_from')}, "
-                  f"causal conv from {st.get('native_conv_from')}), CUDA {st.get('cuda')}.", ""]
+                  f"{st.get('transformers')}, fla {st.get('fla')} (native's chunk_kda from "
+                  f"{st.get('native_kda_from')}, causal conv from {st.get('native_conv_from')}), "
+                  f"CUDA {st.get('cuda')}.", ""]
     lines += [f"Step: {s.get('step')}. B=1, {s.get('dtype')} weights, median of {s.get('steps')} steps after "
               f"{s.get('warmup')} warm-up steps. MFU = 6 · active parameters · tokens/s / {s.get('peak_tflops')} "
               f"TFLOP/s ({s.get('active_params')}). Recipe shape: {s.get('recipe')}. Triton cache restored: "
@@ -165,7 +190,8 @@ def render_markdown(doc: dict) -> str:
     models = [(name, raw[name]["model"]) for name in ("kdamoe", "native", "recipe")
               if isinstance(raw.get(name, {}).get("model"), dict)]
     if models:
-        lines += ["", "| model | parameters | active | routed experts | attention | experts |", "|---|---|---|---|---|---|"]
+        lines += ["", "| model | parameters | active | routed experts | attention | experts |",
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {name} | {m['params_total'] / 1e9:.4g}B | {m['params_active'] / 1e9:.4g}B | "
                   f"{m['params_routed'] / 1e9:.4g}B | {m.get('attn_implementation')} | {m.get('experts')} |"
                   for name, m in models]
@@ -186,7 +212,7 @@ def render_markdown(doc: dict) -> str:
             lines += ["", f"Host side at {label(prof['T'])} (self CPU time per step under the profiler):", "",
                       "| operator or runtime call | calls/step | self µs/step |", "|---|---|---|"]
             lines += [f"| `{r['name']}` | {fmt(r['calls'])} | {fmt(r['self_us'])} |" for r in prof["host_table"]]
-    for key, host in (raw.get("host") or {}).items():
+    for host in (raw.get("host") or {}).values():
         if not isinstance(host, dict) or "step_ms_median" not in host:
             continue
         lines += ["", f"## Host: where a kdamoe step at {label(host['T'])} spends the host's time", "",
@@ -198,7 +224,8 @@ def render_markdown(doc: dict) -> str:
                   f"pace. Under cProfile: {fmt(host['cprofile_wall_ms'], 4)} ms per step, own time of all functions "
                   f"{fmt(host['own_total_ms'], 4)} ms."]
         for order, rows in (("own time", host["by_own"]), ("cumulative time", host["by_cumulative"])):
-            lines += ["", f"| function (by {order}) | calls/step | own ms/step | cumulative ms/step |", "|---|---|---|---|"]
+            lines += ["", f"| function (by {order}) | calls/step | own ms/step | cumulative ms/step |",
+                      "|---|---|---|---|"]
             lines += [f"| `{r['function']}` | {fmt(r['calls'])} | {fmt(r['own_ms'])} | {fmt(r['cum_ms'])} |"
                       for r in rows[:30]]
     problems = [(f"{group}/{key}", _why(v)) for group, entries in raw.items() if isinstance(entries, dict)
@@ -234,7 +261,8 @@ def parameter_counts(model, top_k: int, num_experts: int) -> dict:
     routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     if routed == 0:
         raise ValueError("no parameter name contains '.experts.': the routed experts cannot be told apart")
-    return {"params_total": total, "params_routed": routed, "params_active": total - routed + routed * top_k / num_experts}
+    return {"params_total": total, "params_routed": routed,
+            "params_active": total - routed + routed * top_k / num_experts}
 
 
 def token_ids(bench: Bench, T: int) -> torch.Tensor:
@@ -279,7 +307,8 @@ def time_steps(bench: Bench, model, T: int, warmup: int, steps: int) -> dict:
     if not all(math.isfinite(x) for x in losses):
         raise FloatingPointError(f"non-finite loss at T={T}: {losses}")
     median = statistics.median(times[warmup:])
-    return {"T": T, "median_ms": median, "steps_ms": times[warmup:], "warmup_ms": times[:warmup], "tok_s": T / median * 1e3,
+    return {"T": T, "median_ms": median, "steps_ms": times[warmup:], "warmup_ms": times[:warmup],
+            "tok_s": T / median * 1e3,
             "peak_gib": torch.cuda.max_memory_allocated() / GIB if bench.cuda else None,
             "allocated_before_gib": before, "loss_first": losses[0], "loss_last": losses[-1]}
 
@@ -297,7 +326,8 @@ def build(bench: Bench, part: str):
             "experts": getattr(model.config, "_experts_implementation", None) or "kdamoe experts op"}
     if part != "native":
         info["kernel_backend"] = model.config.kernel_backend
-        info["moe_latent_size"], info["attnres_num_blocks"] = model.config.moe_latent_size, model.config.attnres_num_blocks
+        info["moe_latent_size"] = model.config.moe_latent_size
+        info["attnres_num_blocks"] = model.config.attnres_num_blocks
     return model.train(), info
 
 
@@ -369,8 +399,6 @@ def graphed_stats(bench: Bench, info: dict, T: int, times: list[float], losses: 
 def graph_kdamoe(bench: Bench, model, info: dict, ids: torch.Tensor, eager: float) -> dict:
     """kdamoe's step through ``TrainStepGraph``: the first call warms up and captures (timed apart), then
     ``--warmup`` untimed and ``--steps`` timed calls."""
-    from kdamoe.training.train_graph import TrainStepGraph
-
     a, T = bench.args, ids.shape[1]
     step = TrainStepGraph(model)
     times, losses = time_graphed_calls(bench, lambda: step(ids), 1 + a.warmup + a.steps, T)
@@ -471,8 +499,6 @@ def host_summary(prof, steps: int, top: int = 25) -> list[dict]:
 def profile_one(bench: Bench, model, T: int, part: str = "kdamoe"):
     """The profile of ``part`` (``kdamoe`` or ``recipe``) at ``T`` tokens with ``model`` (built here when None);
     returns the model for the next length."""
-    from torch.profiler import ProfilerActivity, profile
-
     a, rec = bench.args, bench.rec
     key = f"{part}_T{T}"
     if not rec.need("profile", key, bench.est(30) + step_estimate(bench, T, 3 + 2 * a.profile_steps)):
@@ -513,9 +539,6 @@ def _func_name(func: tuple) -> str:
 def run_host(bench: Bench) -> None:
     """The host part (module docstring, ``host``): step times with the short launch path and with Triton's, then a
     cProfile table."""
-    import cProfile
-    import pstats
-
     a, rec = bench.args, bench.rec
     T = a.host_t
     if not rec.need("host", f"kdamoe_T{T}", bench.est(30) + step_estimate(bench, T, 2 + a.host_steps + 2)):
@@ -608,7 +631,8 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     settings = {"recipe": TINY_RECIPE if a.tiny else RECIPE,
                 "warmup": a.warmup, "steps": a.steps, "peak_tflops": a.peak_tflops,
-                "step": "zero_grad(set_to_none=True), forward with labels=input_ids, loss.backward(); no optimizer step",
+                "step": "zero_grad(set_to_none=True), forward with labels=input_ids, loss.backward(); "
+                        "no optimizer step",
                 "active_params": "all parameters, embeddings and lm_head included, routed experts at top_k/num_experts",
                 "tcache_restored": os.environ.get("E2E_TCACHE_RESTORED") == "1"}
     bench = start_run(a, E2ERecorder, settings)

@@ -44,7 +44,8 @@ def run_job(mode: str, out_dir: str, a) -> dict:
         run = stream_job(cmd, log, a.timeout_s)
     row = {"mode": mode, "command": " ".join(cmd[1:]), "exit": run["exit"], "wall_s": run["wall_s"]}
     if run["killed"]:
-        row["error"] = f"killed after {a.timeout_s} s (--timeout-s); the job's output is in {os.path.basename(log_path)}"
+        row["error"] = (f"killed after {a.timeout_s} s (--timeout-s); the job's output is in "
+                        f"{os.path.basename(log_path)}")
     elif run["exit"] != 0:
         row["error"] = "".join(run["tail"])[-1500:]
     tps = scalars(out_dir, "train/tokens_per_s")  # also what a killed run wrote before the kill

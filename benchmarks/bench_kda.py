@@ -30,9 +30,18 @@ import time
 import traceback
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import device_name, kernels_only, time_ms, write_json, write_text  # noqa: E402
+from harness import device_name, kernels_only, time_ms, write_json, write_text  # noqa: E402  (benchmarks/ on the path)
+
+# the kernels need torch and triton only, not kdamoe/__init__'s transformers (a GPU image's may be older)
+kernels_only()
+
+from tuning.kda_intra_phases import phase_times  # noqa: E402  (imports kdamoe.kernels: after kernels_only())
+
+from kdamoe.kernels import chunk_kda, fused_recurrent_kda  # noqa: E402  (after kernels_only())
+from kdamoe.kernels.kda import backward, intra, output, prepare, state  # noqa: E402  (after kernels_only())
 
 PEAK_TFLOPS = 757.0
 PEAK_TBPS = 4.27
@@ -55,7 +64,10 @@ def reference_kda(q, k, v, f, beta, dt_bias, C=16):
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     g = LB * torch.sigmoid(f + dt_bias.view(H, K))
     NT = T // C
-    r = lambda x: x[0].reshape(NT, C, H, -1).permute(2, 0, 1, 3)  # [H, NT, C, D]
+
+    def r(x):
+        return x[0].reshape(NT, C, H, -1).permute(2, 0, 1, 3)  # [H, NT, C, D]
+
     q, k, v, g = r(q), r(k), r(v), r(g)
     b = beta[0].reshape(NT, C, H).permute(2, 0, 1)
     G = g.cumsum(2)
@@ -88,7 +100,10 @@ def rel(a, b):
 
 def correctness(T, H, D, ours, fla, dev):
     torch.manual_seed(T)
-    mk = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16)
+
+    def mk(*s):
+        return torch.randn(*s, device=dev, dtype=torch.bfloat16)
+
     q, k, v, f = mk(1, T, H, D), mk(1, T, H, D), mk(1, T, H, D), mk(1, T, H, D)
     beta = torch.rand(1, T, H, device=dev, dtype=torch.bfloat16)
     dt_bias = torch.randn(H * D, device=dev) * 0.5
@@ -116,7 +131,7 @@ def correctness(T, H, D, ours, fla, dev):
             continue
         try:
             got = run(fn)
-            errs = {n: rel(a, b) for n, a, b in zip(["o"] + ["d" + n for n in names], got, ref)}
+            errs = {n: rel(a, b) for n, a, b in zip(["o"] + ["d" + n for n in names], got, ref, strict=True)}
             errs["max"] = max(errs.values())
             res[tag] = errs
         except Exception as e:  # keep going: the report says what failed
@@ -144,17 +159,15 @@ def main():
     ap.add_argument("--stage-budget-s", type=float, default=420.0, help="skip --stages if more time has passed")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    kernels_only()
-    import triton
     dev = "cuda"
     print("torch", torch.__version__, "triton", triton.__version__, device_name(True), flush=True)
-    from kdamoe.kernels import chunk_kda, fused_recurrent_kda
     fla_chunk = fla_rec = None
     fla_ver = "fla"
     if not args.no_fla:
         try:
-            import fla
-            from fla.ops.kda import chunk_kda as fla_chunk, fused_recurrent_kda as fla_rec
+            import fla  # noqa: PLC0415  (the peer is optional: --no-fla, or an image without fla, times ours alone)
+            from fla.ops.kda import chunk_kda as fla_chunk  # noqa: PLC0415  (the same)
+            from fla.ops.kda import fused_recurrent_kda as fla_rec  # noqa: PLC0415  (the same)
             fla_ver = "fla " + getattr(fla, "__version__", "?")
         except Exception:
             traceback.print_exc()
@@ -178,68 +191,10 @@ def main():
     # ---- 2. timings ----
     H, D = 16, 128
     for T in [int(x) for x in args.lengths.split(",") if x]:
-        torch.manual_seed(0)
-        mk = lambda: torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        q, k, v, graw = mk(), mk(), mk(), mk()
-        beta = torch.rand(1, T, H, device=dev, dtype=torch.bfloat16).requires_grad_(True)
-        dt_bias = torch.zeros(H * D, device=dev, dtype=torch.float32)
-        do = torch.randn_like(v)
-        kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=None, dt_bias=dt_bias, safe_gate=True,
-                  lower_bound=LB)
-        res = {}
-        for tag, fn in (("ours", chunk_kda), ("peer", fla_chunk)):
-            if fn is None:
-                continue
-            try:
-                f = lambda fn=fn: fn(q, k, v, graw, beta, **kw)[0]
-                res[tag + "_fwd"] = bench(f)
-
-                def fb(f=f):
-                    f().backward(do)
-                res[tag + "_fwdbwd"] = bench(fb, rep=100)
-            except Exception:
-                traceback.print_exc()
-            torch.cuda.empty_cache()
-        if fla_chunk is not None:
-            with torch.no_grad():
-                diff = rel(chunk_kda(q, k, v, graw, beta, **kw)[0], fla_chunk(q, k, v, graw, beta, **kw)[0])
-            print(f"T={T}: ours vs fla output rel diff {diff:.2e}", flush=True)
-        for mode in ("fwd", "fwdbwd"):
-            o_ms, p_ms = res.get("ours_" + mode), res.get("peer_" + mode)
-            fl = flops_fwd(T, H, D, D) * (3 if mode == "fwdbwd" else 1)
-            by = T * H * ((10 * D + 2) if mode == "fwd" else (28 * D + 6))
-            rows.append({"name": f"chunk_kda_{mode}_T{T // 1024}K", "ours_ms": o_ms, "peer": fla_ver, "peer_ms": p_ms,
-                         "ratio": (o_ms / p_ms) if (o_ms and p_ms) else None,
-                         "flop": fl, "bytes": by})
-            print(rows[-1], flush=True)
-        del q, k, v, graw, beta, do
-        torch.cuda.empty_cache()
-
+        rows += chunk_rows(T, H, D, dev, fla_chunk, fla_ver)
+        torch.cuda.empty_cache()  # the inputs of this length are freed: chunk_rows returned
     for Bd in (1, 64):
-        q = torch.randn(Bd, 1, H, D, device=dev, dtype=torch.bfloat16)
-        k, v = torch.randn_like(q), torch.randn_like(q)
-        g = -torch.rand_like(q).float()
-        beta = torch.rand(Bd, 1, H, device=dev, dtype=torch.bfloat16)
-        h0 = torch.randn(Bd, H, D, D, device=dev, dtype=torch.float32)
-        res = {}
-        for tag, fn in (("ours", fused_recurrent_kda), ("peer", fla_rec)):
-            if fn is None:
-                continue
-            try:
-                res[tag] = bench(lambda fn=fn: fn(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                                  use_qk_l2norm_in_kernel=True))
-            except Exception:
-                traceback.print_exc()
-        if fla_rec is not None:
-            a = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                    use_qk_l2norm_in_kernel=True)
-            b = fla_rec(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-            print(f"decode B={Bd}: ours vs fla rel diff o {rel(a[0], b[0]):.2e} state {rel(a[1], b[1]):.2e}")
-        o_ms, p_ms = res.get("ours"), res.get("peer")
-        rows.append({"name": f"fused_recurrent_decode_B{Bd}", "ours_ms": o_ms, "peer": fla_ver, "peer_ms": p_ms,
-                     "ratio": (o_ms / p_ms) if (o_ms and p_ms) else None,
-                     "flop": 6 * Bd * H * D * D, "bytes": 2 * Bd * H * D * D * 4})
-        print(rows[-1], flush=True)
+        rows.append(decode_row(Bd, H, D, dev, fla_rec, fla_ver))
 
     write(args.out, rows, errors, {}, fla_ver)
     for T in check_lengths[1:]:
@@ -261,10 +216,88 @@ def main():
     write(args.out, rows, errors, stages, fla_ver)
 
 
-def stage_times(T, H, D, dev):
-    from kdamoe.kernels.kda import prepare, intra, state, output, backward
+def chunk_rows(T, H, D, dev, fla_chunk, fla_ver):
+    """The ``chunk_kda_fwd`` and ``chunk_kda_fwdbwd`` rows at ``T`` tokens: ours and ``fla_chunk`` (None: ours
+    alone) on the same bf16 inputs ``[1, T, H, D]``, the gate and L2 norm in the kernel."""
     torch.manual_seed(0)
-    mk = lambda: torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
+
+    def mk():
+        return torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+
+    q, k, v, graw = mk(), mk(), mk(), mk()
+    beta = torch.rand(1, T, H, device=dev, dtype=torch.bfloat16).requires_grad_(True)
+    dt_bias = torch.zeros(H * D, device=dev, dtype=torch.float32)
+    do = torch.randn_like(v)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=None, dt_bias=dt_bias, safe_gate=True,
+              lower_bound=LB)
+    res = {}
+    for tag, fn in (("ours", chunk_kda), ("peer", fla_chunk)):
+        if fn is None:
+            continue
+        try:
+            def fwd(fn=fn):
+                return fn(q, k, v, graw, beta, **kw)[0]
+
+            def fwd_bwd(fwd=fwd):
+                fwd().backward(do)
+
+            res[tag + "_fwd"] = bench(fwd)
+            res[tag + "_fwdbwd"] = bench(fwd_bwd, rep=100)
+        except Exception:
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+    if fla_chunk is not None:
+        with torch.no_grad():
+            diff = rel(chunk_kda(q, k, v, graw, beta, **kw)[0], fla_chunk(q, k, v, graw, beta, **kw)[0])
+        print(f"T={T}: ours vs fla output rel diff {diff:.2e}", flush=True)
+    rows = []
+    for mode in ("fwd", "fwdbwd"):
+        o_ms, p_ms = res.get("ours_" + mode), res.get("peer_" + mode)
+        fl = flops_fwd(T, H, D, D) * (3 if mode == "fwdbwd" else 1)
+        by = T * H * ((10 * D + 2) if mode == "fwd" else (28 * D + 6))
+        rows.append({"name": f"chunk_kda_{mode}_T{T // 1024}K", "ours_ms": o_ms, "peer": fla_ver, "peer_ms": p_ms,
+                     "ratio": (o_ms / p_ms) if (o_ms and p_ms) else None,
+                     "flop": fl, "bytes": by})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def decode_row(Bd, H, D, dev, fla_rec, fla_ver):
+    """The ``fused_recurrent_decode_B{Bd}`` row: one decode step of ours and ``fla_rec`` (None: ours alone) for
+    ``Bd`` sequences, precomputed gate, L2 norm in the kernel, float32 initial state, final state out."""
+    q = torch.randn(Bd, 1, H, D, device=dev, dtype=torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    g = -torch.rand_like(q).float()
+    beta = torch.rand(Bd, 1, H, device=dev, dtype=torch.bfloat16)
+    h0 = torch.randn(Bd, H, D, D, device=dev, dtype=torch.float32)
+    res = {}
+    for tag, fn in (("ours", fused_recurrent_kda), ("peer", fla_rec)):
+        if fn is None:
+            continue
+        try:
+            res[tag] = bench(lambda fn=fn: fn(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                              use_qk_l2norm_in_kernel=True))
+        except Exception:
+            traceback.print_exc()
+    if fla_rec is not None:
+        a = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True)
+        b = fla_rec(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        print(f"decode B={Bd}: ours vs fla rel diff o {rel(a[0], b[0]):.2e} state {rel(a[1], b[1]):.2e}")
+    o_ms, p_ms = res.get("ours"), res.get("peer")
+    row = {"name": f"fused_recurrent_decode_B{Bd}", "ours_ms": o_ms, "peer": fla_ver, "peer_ms": p_ms,
+           "ratio": (o_ms / p_ms) if (o_ms and p_ms) else None,
+           "flop": 6 * Bd * H * D * D, "bytes": 2 * Bd * H * D * D * 4}
+    print(row, flush=True)
+    return row
+
+
+def stage_times(T, H, D, dev):
+    torch.manual_seed(0)
+
+    def mk():
+        return torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
+
     q, k, v, f, do = mk(), mk(), mk(), mk(), mk()
     beta = torch.rand(1, T, H, device=dev, dtype=torch.bfloat16)
     dtb = torch.zeros(H * D, device=dev)
@@ -285,14 +318,13 @@ def stage_times(T, H, D, dev):
     dh, dvnew, _ = state.state_bwd(qg, G, w, kg, do, dvl, None, cu, co, NC, 1, False)
     out["bwd_wy"] = bench(lambda: backward.bwd_wy(qn, kn, v, G, beta, M, h, dh, vnew, dvnew, do, sc, ci, cu, NC))
     r = backward.bwd_wy(qn, kn, v, G, beta, M, h, dh, vnew, dvnew, do, sc, ci, cu, NC)
-    out["bwd_intra"] = bench(lambda: backward.bwd_intra(qn, kn, G, beta, *r[:7], rq, rk, f, None, dtb, sc, LB, ci, cu, NC,
-                                                        q.dtype, k.dtype, f.dtype, True, True))
+    out["bwd_intra"] = bench(lambda: backward.bwd_intra(qn, kn, G, beta, *r[:7], rq, rk, f, None, dtb, sc, LB, ci, cu,
+                                                        NC, q.dtype, k.dtype, f.dtype, True, True))
     return {k_: round(v_, 4) for k_, v_ in out.items()}
 
 
 def intra_phase_times(T, H, D, dev):
     """Time each phase of our intra kernel alone (benchmarks/tuning/kda_intra_phases.py), 4 and 8 warps."""
-    from tuning.kda_intra_phases import phase_times
     return phase_times(T, H, D, dev, bench, LB)
 
 
@@ -306,6 +338,10 @@ def write(out_dir, rows, errors, stages, fla_ver):
              f"benchmarks/bench_kda.py, against the ceilings {PEAK_TFLOPS:.0f} TFLOP/s and {PEAK_TBPS} TB/s.", "",
              "| case | ours ms | fla ms | ours/fla | ours TFLOP/s (% peak) | ours GB/s (% copy) |",
              "|---|---|---|---|---|---|"]
+
+    def fmt(x):
+        return f"{x:.4f}" if x else "-"
+
     for r in rows:
         o, p = r["ours_ms"], r["peer_ms"]
         if o:
@@ -314,7 +350,6 @@ def write(out_dir, rows, errors, stages, fla_ver):
             perf = f"{tf:.1f} ({100 * tf / PEAK_TFLOPS:.1f}%)", f"{gb:.0f} ({100 * gb / (PEAK_TBPS * 1e3):.1f}%)"
         else:
             perf = ("-", "-")
-        fmt = lambda x: f"{x:.4f}" if x else "-"
         lines.append(f"| {r['name']} | {fmt(o)} | {fmt(p)} | {fmt(r['ratio'])} | {perf[0]} | {perf[1]} |")
     if errors:
         lines += ["", "## bf16 error against a float32 reference (relative L2; B=1, H=2, K=V=128)", "",

@@ -28,15 +28,17 @@ import time
 if "--smoke" in sys.argv[1:]:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit definition
 
-import torch  # noqa: E402
+import torch  # noqa: E402  (after TRITON_INTERPRET is set for --smoke)
+import triton  # noqa: E402  (the same)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import device_name, ints, kernels_only, time_ms, write_json, write_text  # noqa: E402
+from harness import device_name, ints, kernels_only, time_ms, write_json, write_text  # noqa: E402  (sys.path above)
 
-kernels_only()  # kdamoe.kernels and kdamoe.model.kda_torch need torch and triton only, not kdamoe/__init__'s transformers
+# kdamoe.kernels and kdamoe.model.kda_torch need torch and triton only, not kdamoe/__init__'s transformers
+kernels_only()
 
-from kdamoe.model.kda_torch import causal_conv1d_torch, kda_gate  # noqa: E402
-from kdamoe.kernels import causal_conv1d, causal_conv1d_parts, chunk_kda  # noqa: E402
+from kdamoe.kernels import causal_conv1d, causal_conv1d_parts, chunk_kda  # noqa: E402  (after kernels_only())
+from kdamoe.model.kda_torch import causal_conv1d_torch, kda_gate  # noqa: E402  (after kernels_only())
 
 
 def parse_args(argv=None):
@@ -75,7 +77,7 @@ def rel(a, b):
 
 def fla_conv():
     try:
-        from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
+        from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d  # noqa: PLC0415  (fla is optional)
     except Exception as error:  # fla missing or not importable on this image
         return None, f"{type(error).__name__}: {error}"
     return fla_causal_conv1d, None
@@ -105,14 +107,15 @@ def bench_conv(T, C, W, dtype, device, measure, rows, notes):
         variants["fla"] = lambda: fla_fn(x, weight=w, activation="silu")[0]
     for name, fn in variants.items():
         if elapsed() > ARGS.budget_s:
-            rows.append(dict(op="conv", variant=name, T=T, fwd_ms=None, fwd_bwd_ms=None, err=None, note="skipped (time)"))
+            rows.append(dict(op="conv", variant=name, T=T, fwd_ms=None, fwd_bwd_ms=None, err=None,
+                             note="skipped (time)"))
             continue
         with torch.no_grad():
             out = fn()
             err = rel(torch.cat(out, -1) if isinstance(out, list) else out, ref)
             fwd = measure(fn)
 
-        def step():
+        def step(fn=fn):
             out = fn()
             if isinstance(out, list):
                 torch.autograd.backward(out, part_dys)
@@ -124,7 +127,10 @@ def bench_conv(T, C, W, dtype, device, measure, rows, notes):
 
 def bench_gate(T, H, K, dtype, device, measure, rows):
     gen = torch.Generator(device="cpu").manual_seed(1000 + T)
-    mk = lambda *s: torch.randn(*s, generator=gen).to(device, dtype).requires_grad_()
+
+    def mk(*s):
+        return torch.randn(*s, generator=gen).to(device, dtype).requires_grad_()
+
     q, k, v, f = mk(1, T, H, K), mk(1, T, H, K), mk(1, T, H, K), mk(1, T, H, K)
     beta = torch.rand(1, T, H, generator=gen).to(device).requires_grad_()  # float32, as the model passes it
     dt_bias = torch.randn(H * K, generator=gen).to(device).requires_grad_()
@@ -139,13 +145,14 @@ def bench_gate(T, H, K, dtype, device, measure, rows):
     outputs = {}
     for name, fn in variants.items():
         if elapsed() > ARGS.budget_s:
-            rows.append(dict(op="gate", variant=name, T=T, fwd_ms=None, fwd_bwd_ms=None, err=None, note="skipped (time)"))
+            rows.append(dict(op="gate", variant=name, T=T, fwd_ms=None, fwd_bwd_ms=None, err=None,
+                             note="skipped (time)"))
             continue
         with torch.no_grad():
             outputs[name] = fn()
             fwd = measure(fn)
 
-        def step():
+        def step(fn=fn):
             fn().backward(do)
 
         rows.append(dict(op="gate", variant=name, T=T, fwd_ms=fwd, fwd_bwd_ms=measure(step, leaves), err=None, note=""))
@@ -178,13 +185,8 @@ def main(argv=None):
         bench_gate(T, H, K, dtype, device, measure, rows)
 
     meta = dict(device=device_name(cuda, cpu="cpu (interpreter smoke)"), dtype=str(dtype),
-                H=H, K=K, V=K, C=C, W=W, torch=torch.__version__, seconds=round(elapsed(), 1), notes=sorted(notes))
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
+                H=H, K=K, V=K, C=C, W=W, torch=torch.__version__, seconds=round(elapsed(), 1), notes=sorted(notes),
+                triton=triton.__version__)
     os.makedirs(ARGS.out, exist_ok=True)
     write_json(os.path.join(ARGS.out, "layer_ops.json"), dict(meta=meta, rows=rows))
     header = "| op | variant | T | fwd ms | fwd+bwd ms | rel. L2 diff | note |\n|---|---|---|---|---|---|---|\n"

@@ -61,12 +61,36 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402  (the benchmarks folder is not a package)
-    GIB, NATIVE, Bench, K, M, Recorder, Shape, add_run_args, build_kdamoe, build_native, check_at_least,
-    compare_row, finish_run_args, fmt, ints, kernel_summary, label, run_parts, start_run, value_of,
+    GIB,
+    NATIVE,
+    Bench,
+    K,
+    M,
+    Recorder,
+    Shape,
+    add_run_args,
+    build_kdamoe,
+    build_native,
+    check_at_least,
+    compare_row,
+    finish_run_args,
+    fmt,
+    ints,
+    kernel_summary,
+    label,
+    run_parts,
+    start_run,
+    value_of,
 )
+
+from kdamoe.training import load_config  # noqa: E402  (needs the repository on sys.path: harness)
+from kdamoe.training.corpus import load_corpus  # noqa: E402  (the same)
 
 PARTS = ("kdamoe", "native", "floor", "profile", "greedy")
 
@@ -144,13 +168,15 @@ def make_rows(raw: dict) -> list[dict]:
 
 
 def render_markdown(doc: dict) -> str:
-    """``long_context.md``: the rows table, the stack line, decode details, the floor, the profiles, the greedy check."""
+    """``long_context.md``: the rows table, the stack line, decode details, the floor, the profiles, the greedy
+    check."""
     st, raw = doc["stack"], doc["raw"]
     lines = ["# Long context on one GPU: kdamoe vs transformers' native KimiLinear (+ fla)", ""]
     if st:
         lines += [f"Stack: {st.get('gpu')}, torch {st.get('torch')}, triton {st.get('triton')}, transformers "
-                  f"{st.get('transformers')}, fla {st.get('fla')} (native's chunk_kda from {st.get('native_kda_from')}, "
-                  f"causal conv from {st.get('native_conv_from')}), CUDA {st.get('cuda')}.", ""]
+                  f"{st.get('transformers')}, fla {st.get('fla')} (native's chunk_kda from "
+                  f"{st.get('native_kda_from')}, causal conv from {st.get('native_conv_from')}), "
+                  f"CUDA {st.get('cuda')}.", ""]
     s = doc["settings"]
     lines += [f"Shape: {s.get('shape')}. B=1 unless named; decode: median of {s.get('steps')} steps after "
               f"{s.get('warmup')} warm-up steps; kdamoe prefill chunk {s.get('kdamoe_prefill_chunk')}; Triton cache "
@@ -175,8 +201,9 @@ def render_markdown(doc: dict) -> str:
     floor = raw.get("floor", {}).get("sdpa")
     if isinstance(floor, dict):
         lines += ["", "## Floor: the MLA layers' causal attention alone", "",
-                  f"`scaled_dot_product_attention(q, k, v, is_causal=True)`, {floor['dtype']} [1, {floor['H']}, {floor['T']}, "
-                  f"{floor['d']}], {floor['layers']} layers; {floor['flops']:.3g} FLOP in all. Per backend, one call "
+                  f"`scaled_dot_product_attention(q, k, v, is_causal=True)`, {floor['dtype']} "
+                  f"[1, {floor['H']}, {floor['T']}, {floor['d']}], {floor['layers']} layers; "
+                  f"{floor['flops']:.3g} FLOP in all. Per backend, one call "
                   "(ms): " + ", ".join(f"{b} {fmt(t, 4)}" for b, t in floor["one_call_ms"].items()) +
                   f". Floor: {floor['best_backend']}, {fmt(floor['floor_ms'], 4)} ms for {floor['layers']} layers, "
                   f"{fmt(floor['tflops'])} TFLOP/s."]
@@ -184,8 +211,8 @@ def render_markdown(doc: dict) -> str:
         if not isinstance(prof, dict) or "table" not in prof:
             continue
         lines += ["", f"## Profile: one kdamoe decode step after {label(prof['T'])}, {kind}", "",
-                  f"Wall per step (unprofiled median of {prof['timed_steps']}): {fmt(prof['wall_ms'], 4)} ms; under the "
-                  f"profiler {fmt(prof['profiled_wall_ms'], 4)} ms. GPU kernel time per step (sum): "
+                  f"Wall per step (unprofiled median of {prof['timed_steps']}): {fmt(prof['wall_ms'], 4)} ms; "
+                  f"under the profiler {fmt(prof['profiled_wall_ms'], 4)} ms. GPU kernel time per step (sum): "
                   f"{fmt(prof['kernel_ms'], 4)} ms ({fmt(prof['busy_share'])} of the unprofiled wall). Kernels run "
                   f"per step: {fmt(prof['kernels_per_step'])}; host launch calls per step: "
                   + ", ".join(f"{n} {fmt(c)}" for n, c in prof["launch_calls_per_step"].items()) + ".", "",
@@ -309,7 +336,8 @@ def run_model(bench: Bench, name: str) -> None:
         rec.error(name, "build")
         return
     chunk = getattr(model.config, "prefill_chunk_size", None) or 0
-    per_token = 35.0 / M if name == "native" else 30.0 / M  # prefill seconds per token for the deadline (1M: 31 s / 22 s)
+    # prefill seconds per token for the deadline (1M: 31 s / 22 s)
+    per_token = 35.0 / M if name == "native" else 30.0 / M
     step_s = 0.25 if name == "native" else 0.05  # decode seconds per step, B=8 at 128K, generous
     try:
         warm_up(bench, model, a.warm_t if not chunk else chunk + a.warm_t, name)
@@ -417,7 +445,8 @@ def decode_set(bench: Bench, name: str, model, cache, tok, T: int, step_s: float
     try:
         method = expand_cache(cache, 1, B)
         stats, cache, tok = decode(bench, model, cache, tok.repeat_interleave(B, 0), a.warmup, a.steps)
-        rec.put(name, key, {**stats, "cache_expand": method, "graphs": getattr(model.config, "decode_cuda_graphs", None)})
+        rec.put(name, key, {**stats, "cache_expand": method,
+                            "graphs": getattr(model.config, "decode_cuda_graphs", None)})
         print(name, key, f"{stats['median_ms']:.3f} ms", method, flush=True)
     except Exception:
         rec.error(name, key)
@@ -426,8 +455,6 @@ def decode_set(bench: Bench, name: str, model, cache, tok, T: int, step_s: float
 
 def run_floor(bench: Bench) -> None:
     """The MLA layers' causal attention alone at the longest prefill length (module docstring, ``floor``)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     s, rec = bench.shape, bench.rec
     T, H, d = max(bench.args.prefill_t), s.num_attention_heads, s.head_dim
     layers = s.layer_types.count("full_attention")
@@ -476,8 +503,6 @@ def profile_steps(bench: Bench, model, cache, tok, steps: int):
     Returns ``(summary, cache, token)``: profiled wall per step, summed GPU kernel (and memcpy/memset) time per
     step, kernels run per step, host launch calls per step by API name, and the top kernels by time.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.cuda else [])
     with profile(activities=activities) as prof:
         bench.sync()
@@ -525,9 +550,6 @@ def run_profile(bench: Bench) -> None:
 
 def held_out_prompt(tokenizer, n_tokens: int) -> torch.Tensor:
     """``[1, n_tokens]``: bos + the start of the GPU preset's held-out plays (``data.val_documents``)."""
-    from kdamoe.training import load_config
-    from kdamoe.training.corpus import load_corpus
-
     _, val = load_corpus(load_config("gpu_h200.yaml").data)
     text = "\n\n".join(d.text for d in val)
     ids = tokenizer(text[: 40 * n_tokens], add_special_tokens=False)["input_ids"][: n_tokens - 1]
@@ -555,14 +577,15 @@ def greedy_pair(bench: Bench, model, ids: torch.Tensor, new_tokens: int, chunk: 
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, output_logits=True,
                              return_dict_in_generate=True)
-        runs[tag] = (out.sequences[0, ids.shape[1]:].tolist(), [l[0].float() for l in out.logits])
+        runs[tag] = (out.sequences[0, ids.shape[1]:].tolist(), [step[0].float() for step in out.logits])
     (ta, la), (tb, lb) = runs["a"], runs["b"]
-    first = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+    first = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y), None)
     margin = None
     if first is not None:
         top = la[first].topk(2).values
         margin = float(top[0] - top[1])
-    return {"a": "prefill_chunk_size=0, decode_cuda_graphs=False", "b": f"prefill_chunk_size={chunk}, decode_cuda_graphs=True",
+    return {"a": "prefill_chunk_size=0, decode_cuda_graphs=False",
+            "b": f"prefill_chunk_size={chunk}, decode_cuda_graphs=True",
             "prompt_tokens": ids.shape[1], "new_tokens": new_tokens, "equal": ta == tb and first is None,
             "first_diff": first, "margin_a": margin,
             "step0_logits_rel_diff": float((la[0] - lb[0]).norm() / la[0].norm()), "tokens_a": ta, "tokens_b": tb}
@@ -570,8 +593,6 @@ def greedy_pair(bench: Bench, model, ids: torch.Tensor, new_tokens: int, chunk: 
 
 def run_greedy(bench: Bench) -> None:
     """The greedy check on the trained model of ``--model-dir`` (module docstring, ``greedy``)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     a, rec = bench.args, bench.rec
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -621,19 +642,23 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=8, help="the batched decode's rows")
     p.add_argument("--warmup", type=int, default=None, help="decode warm-up steps (default 3)")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps (default 16)")
-    p.add_argument("--warm-t", type=int, default=None, help="untimed warm-up prefill length, past the chunk (default 8K)")
+    p.add_argument("--warm-t", type=int, default=None,
+                   help="untimed warm-up prefill length, past the chunk (default 8K)")
     p.add_argument("--profile-t", type=int, default=None, help="profiled decode after this many tokens (default 32K)")
     p.add_argument("--profile-steps", type=int, default=5)
-    p.add_argument("--model-dir", default=os.environ.get("LC_MODEL_DIR"), help="trained final/ folder for the greedy check")
+    p.add_argument("--model-dir", default=os.environ.get("LC_MODEL_DIR"),
+                   help="trained final/ folder for the greedy check")
     p.add_argument("--greedy-prompt", type=int, default=None, help="prompt tokens (default 4096)")
     p.add_argument("--greedy-new", type=int, default=None, help="new tokens (default 64)")
     p.add_argument("--greedy-chunk", type=int, default=None, help="run (b)'s prefill chunk (default 1000)")
     a = p.parse_args(argv)
     small = a.tiny
-    defaults = dict(prefill_t=[64, 256] if small else [128 * K, 512 * K, M], decode_t=[64, 256] if small else [4 * K, 128 * K, M],
+    defaults = dict(prefill_t=[64, 256] if small else [128 * K, 512 * K, M],
+                    decode_t=[64, 256] if small else [4 * K, 128 * K, M],
                     eager_t=[64, 256] if small else [4 * K, M], warmup=1 if small else 3, steps=3 if small else 16,
                     warm_t=32 if small else 8 * K, profile_t=64 if small else 32 * K,
-                    greedy_prompt=96 if small else 4 * K, greedy_new=6 if small else 64, greedy_chunk=37 if small else 1000)
+                    greedy_prompt=96 if small else 4 * K, greedy_new=6 if small else 64,
+                    greedy_chunk=37 if small else 1000)
     finish_run_args(p, a, PARTS, defaults)
     if small and not a.chunk2:
         a.chunk2 = [48]
@@ -662,7 +687,8 @@ def main(argv=None) -> int:
     rec.save()
     print("stack:", rec.stack, flush=True)
     runners = {"kdamoe": lambda: run_model(bench, "kdamoe"), "native": lambda: run_model(bench, "native"),
-               "floor": lambda: run_floor(bench), "profile": lambda: run_profile(bench), "greedy": lambda: run_greedy(bench)}
+               "floor": lambda: run_floor(bench), "profile": lambda: run_profile(bench),
+               "greedy": lambda: run_greedy(bench)}
     return run_parts(bench, runners)
 
 

@@ -44,16 +44,35 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
+from itertools import pairwise
 
 import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
+from trl import GRPOConfig, GRPOTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import (  # noqa: E402  (the benchmarks folder is not a package)
-    GIB, Bench, K, M, Recorder, add_run_args, build_kdamoe, check_at_least, finish_run_args, ints, label, run_parts,
+    GIB,
+    Bench,
+    K,
+    M,
+    Recorder,
+    add_run_args,
+    build_kdamoe,
+    check_at_least,
+    finish_run_args,
+    ints,
+    label,
+    run_parts,
     start_run,
 )
+
+from kdamoe.posttraining.long_update import LongContextGRPOTrainer  # noqa: E402  (harness puts the repo on sys.path)
 
 PARTS = ("turns", "trajectory", "update")
 
@@ -98,8 +117,9 @@ class RLRecorder(Recorder):
         if traj:
             lines += ["", "## One trajectory, cumulative seconds", "", "| turn | context after | cached | TRL loop |",
                       "|---|---|---|---|"]
+            # the TRL loop's column is padded with None: it may have stopped (time) before the cached one
             for i, (ctx, c, t) in enumerate(zip(traj.get("context", []), traj.get("cached_cum_s", []),
-                                                traj.get("trl_cum_s", []) + [None] * 99)):
+                                                traj.get("trl_cum_s", []) + [None] * 99, strict=False)):
                 lines.append(f"| {i + 1} | {label(ctx)} | {_f(c)} | {_f(t)} |")
             for k, v in traj.items():
                 if k not in ("context", "cached_cum_s", "trl_cum_s"):
@@ -115,7 +135,8 @@ class RLRecorder(Recorder):
                 elif key != "trl defaults longest":
                     lines.append(f"| {key} | | | | {e} |")
             if "trl defaults longest" in upd:
-                lines += ["", f"Longest trajectory TRL's defaults handled: {upd['trl defaults longest']} tokens per row."]
+                lines += ["", f"Longest trajectory TRL's defaults handled: {upd['trl defaults longest']} tokens "
+                          "per row."]
         if doc.get("notes"):
             lines += ["", "## Notes", ""] + [f"- {k}: {v}" for k, v in doc["notes"].items()]
         return "\n".join(lines) + "\n"
@@ -240,9 +261,6 @@ def run_trajectory(bench: Bench, model) -> None:
 def _tokenizer(vocab_size: int):
     """A word-level tokenizer over the model's ids (``t0`` ... ``t{V-1}``; pad 0, bos 1, eos 2): TRL's trainers need
     a processing class, the benchmark feeds token ids directly."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", bos_token="t1", eos_token="t2")
 
@@ -251,9 +269,6 @@ def _trainer(bench: Bench, cls, rows_per_micro_batch: int, group: int, out_dir: 
     """A fresh model of the benchmark's shape in a ``cls`` (``GRPOTrainer`` or ``LongContextGRPOTrainer``) with
     TRL's defaults except: the micro-batch, ``num_generations`` = the group, no KL (``beta`` 0: no reference model in
     memory; its pass is the no-grad pass timed apart), bf16 on CUDA, nothing saved or reported."""
-    from datasets import Dataset
-    from trl import GRPOConfig
-
     model = build_kdamoe(bench.shape, bench.device, bench.dtype).train()
     args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=rows_per_micro_batch,
                       gradient_accumulation_steps=group // rows_per_micro_batch, num_generations=group, beta=0.0,
@@ -347,12 +362,6 @@ def run_update(bench: Bench) -> None:
       group, padded to its longest row), the same group shape at ``--trl-t`` tokens per row (64K ... 1M) until a
       length runs out of memory; the longest that ran is recorded.
     """
-    import tempfile
-
-    from trl import GRPOTrainer
-
-    from kdamoe.posttraining.long_update import LongContextGRPOTrainer
-
     a, rec = bench.args, bench.rec  # each case builds its own model: TRL patches the one it is given
     rows, T = a.update_rows, a.update_t
     with tempfile.TemporaryDirectory() as tmp:
@@ -410,8 +419,8 @@ def parse_args(argv=None):
     p.add_argument("--traj-turns", type=int, default=None, help="trajectory turns (default 8)")
     p.add_argument("--traj-result", type=int, default=None, help="trajectory tool-result tokens per turn (default 32K)")
     p.add_argument("--update-rows", type=int, default=None, help="trajectories in the GRPO group (default 4)")
-    p.add_argument("--update-t", type=int, default=None, help="tokens per trajectory, ours (default 290K: a ragged group of 4 "
-                   "then holds >= 1M tokens)")
+    p.add_argument("--update-t", type=int, default=None,
+                   help="tokens per trajectory, ours (default 290K: a ragged group of 4 then holds >= 1M tokens)")
     p.add_argument("--update-prompt", type=int, default=None, help="prompt tokens per trajectory (default 4K)")
     p.add_argument("--trl-t", type=ints, default=None, help="TRL defaults' lengths per row (default 64K,...,1M)")
     a = p.parse_args(argv)
@@ -426,7 +435,7 @@ def parse_args(argv=None):
                           "update_rows", "update_prompt"))
     # each context extends the one before, which has grown by the turns played there
     played = a.repeats * (a.result_tokens + a.gen_tokens)
-    if min(a.contexts) < 2 or any(b < c + played for c, b in zip(a.contexts, a.contexts[1:])):
+    if min(a.contexts) < 2 or any(b < c + played for c, b in pairwise(a.contexts)):
         p.error(f"--contexts must be lengths >= 2, each at least --repeats x (--result-tokens + --gen-tokens) = "
                 f"{played} above the one before (the turns played there), got {a.contexts}")
     # row r of a group of t-token rows is r·t/16 shorter (``_group``): its completion must keep a token at every t

@@ -27,16 +27,19 @@ import time
 
 import torch
 import torch.nn.functional as F
+import triton
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import commit, device_name, sources_digest, time_ms, write_results  # noqa: E402
-from moe_peers import grouped_mm_moe  # noqa: E402
+# the benchmarks folder is not a package (its path is added above); harness puts the repository on sys.path
+from harness import commit, device_name, sources_digest, time_ms, write_results  # noqa: E402  (sys.path above)
+from moe_peers import grouped_mm_moe  # noqa: E402  (the same)
 
-from kdamoe.model.kernel_dispatch import moe_route_op  # noqa: E402
-from kdamoe.kernels import moe_experts, moe_route  # noqa: E402
-from kdamoe.kernels.utils import relative_error  # noqa: E402
-from kdamoe.model.moe_torch import GLUActivation, moe_experts_torch, moe_route_torch  # noqa: E402
+from kdamoe.kernels import moe_experts, moe_route  # noqa: E402  (needs the repository on sys.path: harness)
+from kdamoe.kernels.utils import relative_error  # noqa: E402  (the same)
+from kdamoe.model.kernel_dispatch import moe_route_op  # noqa: E402  (the same)
+from kdamoe.model.moe_torch import GLUActivation, moe_experts_torch, moe_route_torch  # noqa: E402  (the same)
 
 CEIL_TFLOPS = 757.0  # bf16 GEMM 8192³ measured on an H200 with this image (docs/kernels.md)
 QB_BINS = 1024
@@ -52,7 +55,6 @@ def bench(fn, dev, grads=None, rep=100):
 
 def stack(dev):
     """torch / triton / device / commit of this run, for the results files."""
-    import triton
     return {
         "torch": torch.__version__, "triton": triton.__version__,
         "device": device_name(dev.type == "cuda", cpu="cpu (TRITON_INTERPRET=1)"),
@@ -108,32 +110,39 @@ def router_case(n, d, e, k, dev, seed=0):
 def router_bench(cases, dev, rep):
     rows = []
     for n, d, e, k in cases:
-        x, w, bias = router_case(n, d, e, k, dev)
-        steps = {b: RouterStep(b, w, bias, k, dev) for b in ("torch", "triton")}
-        # agreement of the two paths on the same input (train mode, statistics on)
-        it, wt, lt, qt = steps["torch"](x, True)
-        ik, wk, lk, qk = steps["triton"](x, True)
-        agree = {"index_mismatch_frac": (it != ik).float().mean().item(),
-                 "weights_max_abs_diff": (wt - wk).abs().max().item(),
-                 "token_counts_l1_diff": (lt - lk).abs().sum().item(),
-                 "histogram_l1_diff_frac": ((qt - qk).abs().sum() / qt.sum()).item()}
-        dw = torch.randn(n, k, device=dev)
-        times = {}
-        for b, step in steps.items():
-            times[b, "train_fwd"] = bench(lambda: step(x, True), dev, rep=rep)
-            times[b, "train_fwdbwd"] = bench(lambda: (step(x, True)[1] * dw).sum().backward(), dev, [x, w], rep)
-            with torch.no_grad():
-                times[b, "eval_fwd"] = bench(lambda: step(x, False), dev, rep=rep)
-        for mode in ("train_fwd", "train_fwdbwd", "eval_fwd"):
-            t, tk = times["torch", mode], times["triton", mode]
-            rows.append({"case": f"N{n}_d{d}_E{e}_k{k}", "mode": mode, "torch_ms": round(t, 4),
-                         "triton_ms": round(tk, 4), "torch_over_triton": round(t / tk, 3)})
-            print(json.dumps(rows[-1]), flush=True)
-        rows[-3]["agreement"] = agree
-        print("agreement", json.dumps(agree), flush=True)
-        del x, w, steps
+        rows += router_rows(n, d, e, k, dev, rep)
         if dev.type == "cuda":
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the case's tensors are freed: router_rows returned
+    return rows
+
+
+def router_rows(n, d, e, k, dev, rep):
+    """One router case (``n`` tokens of width ``d``, ``e`` experts, top ``k``): the rows of its three modes, the
+    first carrying the two paths' agreement."""
+    x, w, bias = router_case(n, d, e, k, dev)
+    steps = {b: RouterStep(b, w, bias, k, dev) for b in ("torch", "triton")}
+    # agreement of the two paths on the same input (train mode, statistics on)
+    it, wt, lt, qt = steps["torch"](x, True)
+    ik, wk, lk, qk = steps["triton"](x, True)
+    agree = {"index_mismatch_frac": (it != ik).float().mean().item(),
+             "weights_max_abs_diff": (wt - wk).abs().max().item(),
+             "token_counts_l1_diff": (lt - lk).abs().sum().item(),
+             "histogram_l1_diff_frac": ((qt - qk).abs().sum() / qt.sum()).item()}
+    dw = torch.randn(n, k, device=dev)
+    times = {}
+    for b, step in steps.items():
+        times[b, "train_fwd"] = bench(lambda step=step: step(x, True), dev, rep=rep)
+        times[b, "train_fwdbwd"] = bench(lambda step=step: (step(x, True)[1] * dw).sum().backward(), dev, [x, w], rep)
+        with torch.no_grad():
+            times[b, "eval_fwd"] = bench(lambda step=step: step(x, False), dev, rep=rep)
+    rows = []
+    for mode in ("train_fwd", "train_fwdbwd", "eval_fwd"):
+        t, tk = times["torch", mode], times["triton", mode]
+        rows.append({"case": f"N{n}_d{d}_E{e}_k{k}", "mode": mode, "torch_ms": round(t, 4),
+                     "triton_ms": round(tk, 4), "torch_over_triton": round(t / tk, 3)})
+        print(json.dumps(rows[-1]), flush=True)
+    rows[0]["agreement"] = agree
+    print("agreement", json.dumps(agree), flush=True)
     return rows
 
 
@@ -195,7 +204,7 @@ def experts_correctness(n, hid, inter, e, k, dev, seed, drop):
     ref = moe_experts_torch(qs[0], idx, qs[1], qs[2], qs[3], SITU)
     ref.backward(dout.float())
     errs = {"out": relative_error(out, ref)}
-    for name, p, q in zip(["d_hidden", "d_weights", "d_gate_up", "d_down"], ps, qs):
+    for name, p, q in zip(["d_hidden", "d_weights", "d_gate_up", "d_down"], ps, qs, strict=True):
         errs[name] = relative_error(p.grad, q.grad)
     return errs
 
@@ -233,7 +242,6 @@ def experts_timing(name, n, hid, inter, e, k, skew, dev, with_loop, rep):
 
 def experts_profile(name, n, hid, inter, e, k, dev):
     """Per-kernel CUDA time of one forward+backward of ours (torch.profiler), printed."""
-    from torch.profiler import ProfilerActivity, profile
     x, w1, w2, logits, bias = make(n, hid, inter, e, dev, 1234)
     ps = [t.clone().requires_grad_() for t in (x, w1, w2, logits)]
     dout = torch.randn(n, hid, device=dev, dtype=torch.bfloat16)
@@ -280,7 +288,10 @@ def experts_bench(args, dev, info):
         f"against a {CEIL_TFLOPS:.0f} TFLOP/s bf16 GEMM ceiling.", "",
         "| case | ours ms | grouped_mm ms | loop ms | ours/peer | ours TFLOP/s | % of ceiling |",
         "|---|---|---|---|---|---|---|"]
-    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+
+    def fmt(v):
+        return "-" if v is None else f"{v:.3f}"
+
     for r in rows:
         lines.append(f"| {r['name']} | {r['ours_ms']:.3f} | {fmt(r.get('peer_ms'))} | {fmt(r.get('loop_ms'))} | "
                      f"{fmt(r.get('ours_over_peer'))} | {r['ours_tflops']} | "

@@ -210,8 +210,9 @@ def time_ms(fn, cuda: bool, *, warmup: int = 25, rep: int = 100, grads=None, mod
 
 def scalars(run_dir: str, tag: str) -> list[tuple[int, float]]:
     """``(step, value)`` of one TensorBoard scalar written by the job under ``run_dir/tensorboard``."""
-    # only the jobs' readers need TensorBoard
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: PLC0415
+    # deferred: only the job benchmarks read TensorBoard events; harness itself needs torch alone, so that the
+    # kernel benchmarks import it on an image with torch and triton only
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: PLC0415  (see above)
 
     if not os.path.isdir(os.path.join(run_dir, "tensorboard")):  # a job that died before its first log
         return []
@@ -301,7 +302,7 @@ def stack_versions(cuda: bool) -> dict:
            "triton": triton.__version__, "transformers": transformers.__version__, "fla": fla,
            "cuda": torch.version.cuda}
     try:
-        from transformers.models.kimi_linear import modeling_kimi_linear as kl  # noqa: PLC0415  (may be absent)
+        from transformers.models.kimi_linear import modeling_kimi_linear as kl  # noqa: PLC0415  (absent from older transformers)
 
         out["native_kda_from"] = implementation_module(kl.chunk_kimi_delta_attention)
         out["native_conv_from"] = implementation_module(kl.causal_conv1d_fn)
@@ -317,7 +318,7 @@ def implementation_module(fn) -> str:
     swaps, with ``use_kernels``) its type's name."""
     if not hasattr(fn, "__code__"):
         return f"unknown ({type(fn).__qualname__} object, not a 5.24-style wrapper)"
-    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True))  # one cell per free variable
     if "implementation" not in cells:
         return "unknown (no implementation in the wrapper's closure)"
     target = cells["implementation"].cell_contents

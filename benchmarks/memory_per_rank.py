@@ -27,7 +27,7 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import GIB, REPO  # noqa: E402  (the benchmarks folder is not a package)
 
-from kdamoe import KDAMoEConfig, KDAMoEForCausalLM  # noqa: E402
+from kdamoe import KDAMoEConfig, KDAMoEForCausalLM  # noqa: E402  (needs the repository on sys.path: harness)
 
 BYTES_PER_PARAM = 16  # fp32 master + fp32 grad + AdamW m and v
 
@@ -67,6 +67,11 @@ def traffic_gib(config: KDAMoEConfig, experts: int, tokens: int) -> tuple[float,
     return gather, exchange
 
 
+def gib_per_rank(parameters: int, ranks: int) -> float:
+    """GiB of weights, gradients and AdamW state per rank when ``ranks`` ranks shard ``parameters`` evenly."""
+    return BYTES_PER_PARAM * parameters / ranks / GIB
+
+
 def main() -> None:
     shapes = {"cpu_default.yaml": preset("cpu_default.yaml"), "gpu_h200.yaml": preset("gpu_h200.yaml"),
               "K3-scale (assumed, see K3_SCALE)": K3_SCALE}
@@ -77,9 +82,9 @@ def main() -> None:
         experts, rest, config = count(fields)
         total = experts + rest
         gather, exchange = traffic_gib(config, experts, 8192)
-        per = lambda n: BYTES_PER_PARAM * total / n / GIB  # noqa: E731
-        print(f"| {name} | {total / 1e9:.3g} B ({experts / 1e9:.3g} B) | {per(1):.3g} GiB | {per(8):.3g} GiB "
-              f"| {per(64):.3g} GiB | {gather:.3g} GiB | {exchange:.3g} GiB |")
+        print(f"| {name} | {total / 1e9:.3g} B ({experts / 1e9:.3g} B) | {gib_per_rank(total, 1):.3g} GiB "
+              f"| {gib_per_rank(total, 8):.3g} GiB | {gib_per_rank(total, 64):.3g} GiB | {gather:.3g} GiB "
+              f"| {exchange:.3g} GiB |")
 
 
 if __name__ == "__main__":

@@ -22,17 +22,21 @@ and the bf16 torch op's relative L2 error against that float32 result, call by c
 """
 
 import argparse
+import copy
 import os
 import sys
 import time
+from itertools import pairwise
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import write_json  # noqa: E402  (the benchmarks folder is not a package; it puts the repo on the path)
 
-from kdamoe import KDAMoEConfig, KDAMoEForCausalLM  # noqa: E402
-from kdamoe.kernels.utils import relative_error as relative_l2  # noqa: E402
+import kdamoe.model.kernel_dispatch as dispatch  # noqa: E402  (needs the repository on sys.path: harness)
+import kdamoe.model.modeling_kdamoe as modeling  # noqa: E402  (the same)
+from kdamoe import KDAMoEConfig, KDAMoEForCausalLM  # noqa: E402  (the same)
+from kdamoe.kernels.utils import relative_error as relative_l2  # noqa: E402  (the same)
 
 
 def _route_hook(record=None, replay=None):
@@ -95,7 +99,7 @@ def compare(model, ids, position_ids):
     result = {
         "free_routing_tokens_with_other_experts_per_layer": [
             round((a.sort(-1).values != b.sort(-1).values).any(-1).float().mean().item(), 4)
-            for a, b in zip(routes_ref, routes)],
+            for a, b in zip(routes_ref, routes, strict=True)],  # one index per router call on both runs
         "free_routing_logits_rel_l2": relative_l2(logits_free, logits_ref),
         "loss_torch": loss_ref, "loss_triton": loss,
         **_errors(logits, grads, logits_ref, grads_ref),
@@ -108,8 +112,6 @@ def compare(model, ids, position_ids):
 def against_fp32(model, ids, position_ids):
     """Both bf16 backends against a float32 copy of the same weights on the torch path (tf32 off), every run
     replaying the float32 run's expert choices: is the Triton path as close to float32 as the torch path?"""
-    import copy
-
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     routes = []
@@ -139,10 +141,12 @@ def time_step(model, ids, position_ids, backend, repeats=5):
 def _compare(record, tag, torch_run, kernel_run, args, kw):
     """Run the torch op (returned), and record the kernel's and the bf16 torch op's error against the torch op
     run in float32 on the same inputs."""
+    def up(x):
+        return x.float() if torch.is_tensor(x) and x.is_floating_point() else x
+
     ref = torch_run(*args, **kw)
     with torch.no_grad():
         got = kernel_run(*args, **kw)
-        up = lambda x: x.float() if torch.is_tensor(x) and x.is_floating_point() else x
         f32 = torch_run(*[up(x) for x in args], **{k: up(v) for k, v in kw.items()})
     pick = (lambda r: r[0]) if isinstance(ref, tuple) else (lambda r: r)
     record.append({"op": tag, "kernel_vs_fp32": relative_l2(pick(got), pick(f32)),
@@ -153,19 +157,20 @@ def _compare(record, tag, torch_run, kernel_run, args, kw):
 
 def _dual_kda(record):
     """Stands in for ``kernel_dispatch.chunk_kda`` (the model's KDA op, ``backend=`` keyword)."""
-    import kdamoe.model.kernel_dispatch as dispatch
+
+    def torch_run(*a, **k):
+        return dispatch.chunk_kda(*a, backend="torch", **k)
+
+    def kernel_run(*a, **k):
+        return dispatch.chunk_kda(*a, backend="triton", **k)
 
     def run(*args, backend="auto", **kw):
-        torch_run = lambda *a, **k: dispatch.chunk_kda(*a, backend="torch", **k)
-        kernel_run = lambda *a, **k: dispatch.chunk_kda(*a, backend="triton", **k)
         return _compare(record, "chunk_kda", torch_run, kernel_run, args, kw)
     return run
 
 
 def _dual_experts(record):
     """Stands in for ``kernel_dispatch.moe_experts_op`` (a factory of the experts op)."""
-    import kdamoe.model.kernel_dispatch as dispatch
-
     def factory(backend, device):
         torch_op, kernel_op = dispatch.moe_experts_op("torch", device), dispatch.moe_experts_op("triton", device)
         return lambda *args, **kw: _compare(record, "moe_experts", torch_op, kernel_op, args, kw)
@@ -174,8 +179,6 @@ def _dual_experts(record):
 
 def op_parity(model, ids, position_ids):
     """Per-call kernel errors on the model's own activations (see the module docstring)."""
-    import kdamoe.model.modeling_kdamoe as modeling
-
     record = []
     saved = modeling.chunk_kda, modeling.moe_experts_op
     modeling.chunk_kda = _dual_kda(record)
@@ -210,13 +213,14 @@ def main():
     ids = torch.randint(0, config.vocab_size, (1, args.seq_len), device="cuda")
     # Packed documents: position_ids restart, exercising cu_seqlens in KDA and the block mask in MLA.
     bounds = sorted(torch.randperm(args.seq_len - 2)[: args.docs - 1].add(1).tolist())
-    lengths = [b - a for a, b in zip([0] + bounds, bounds + [args.seq_len])]
+    lengths = [b - a for a, b in pairwise([0, *bounds, args.seq_len])]
     position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).cuda()
 
     def save():  # after every stage: a run cut short by a deadline keeps what it measured
         write_json(args.out, result, indent=2)
 
-    result = {"seq_len": args.seq_len, "doc_lengths": lengths, "total_params": sum(p.numel() for p in model.parameters())}
+    result = {"seq_len": args.seq_len, "doc_lengths": lengths,
+              "total_params": sum(p.numel() for p in model.parameters())}
     result["bf16"] = compare(model, ids, position_ids)
     save()
     result["step_ms_torch"] = 1e3 * time_step(model, ids, position_ids, "torch")

@@ -28,7 +28,8 @@ def _scores(q, k, G, beta, Aqk, Mb, chunk_idx, cu_seqlens, scale, H: tl.constexp
 
 @triton.jit
 def _block_products(q, k, G, R, Ga, ga0, ga1, ga2, ga3, akk, aqk, t0, eos, i_h, cols,
-                    I: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
+                    I: tl.constexpr,  # noqa: E741  (the row block I of the docstring's math)
+                    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
     """One key slice's contribution to row block I: left rows k_i, q_i ⊙ exp(G_i − G_cI), right columns
     R_j ⊙ exp(G_cI − G_c(j)), the last factor a [BK] vector per column block (no [64, BK] exponentials)."""
     rI = t0 + I * BS + tl.arange(0, BS)
@@ -117,14 +118,20 @@ def phase_times(T, H, D, dev, bench, lower_bound):
     8 warps, then the phase-1 candidate ``_scores_sliced`` (its relative difference to the library's phase 1,
     and its time). bf16, B=1, K=V=D."""
     torch.manual_seed(0)
-    mk = lambda: torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
+
+    def mk():
+        return torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16)
+
     q, k, v, f = mk(), mk(), mk(), mk()
     beta = torch.rand(1, T, H, device=dev, dtype=torch.bfloat16)
     cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
     ci, co, NC = prepare.chunk_table(cu, T, T)
     dtb = torch.zeros(H * D, device=dev)
     sc = D ** -0.5
-    run = lambda: intra.intra_fwd(q, k, f, v, beta, None, dtb, lower_bound, sc, True, True, ci, cu, NC)
+
+    def run():
+        return intra.intra_fwd(q, k, f, v, beta, None, dtb, lower_bound, sc, True, True, ci, cu, NC)
+
     qn, kn, rq, rk, G, Aqk, M, w, u, kg, qg = run()
     out = {"whole": bench(run),
            "prepare": bench(lambda: prepare.prepare_fwd(q, k, f, None, dtb, lower_bound, ci, cu, NC, True, True))}
@@ -132,12 +139,12 @@ def phase_times(T, H, D, dev, bench, lower_bound):
     _scores[(NC, H)](qn, kn, G, beta, Aqk, Ab, ci, cu, sc, H=H, K=D, BT=BT, BS=BS)
     A0 = Ab.clone()
     for nw in (4, 8):
-        out[f"scores_w{nw}"] = bench(lambda: _scores[(NC, H)](qn, kn, G, beta, Aqk, Ab, ci, cu, sc, H=H, K=D, BT=BT,
-                                                              BS=BS, num_warps=nw))
-        out[f"copy+solve_w{nw}"] = bench(lambda: (Ab.copy_(A0), _solve[(NC, H)](Ab, ci, cu, H=H, BT=BT, BS=BS,
-                                                                                num_warps=nw)))
-        out[f"wu_w{nw}"] = bench(lambda: _wu[(NC, H)](qn, kn, v, G, beta, M, w, u, kg, qg, ci, cu, sc, H=H, K=D, V=D,
-                                                     BT=BT, num_warps=nw))
+        out[f"scores_w{nw}"] = bench(lambda nw=nw: _scores[(NC, H)](qn, kn, G, beta, Aqk, Ab, ci, cu, sc, H=H, K=D,
+                                                                    BT=BT, BS=BS, num_warps=nw))
+        out[f"copy+solve_w{nw}"] = bench(lambda nw=nw: (Ab.copy_(A0), _solve[(NC, H)](Ab, ci, cu, H=H, BT=BT, BS=BS,
+                                                                                      num_warps=nw)))
+        out[f"wu_w{nw}"] = bench(lambda nw=nw: _wu[(NC, H)](qn, kn, v, G, beta, M, w, u, kg, qg, ci, cu, sc, H=H, K=D,
+                                                           V=D, BT=BT, num_warps=nw))
     out["copy"] = bench(lambda: Ab.copy_(A0))
     # the phase-1 candidate: same outputs (lower triangle; the library leaves some upper entries unwritten)?
     Aqk2, Ab2 = torch.zeros_like(Aqk), torch.zeros_like(Ab)
@@ -146,12 +153,17 @@ def phase_times(T, H, D, dev, bench, lower_bound):
     low = torch.ones(BT, BT, device=dev).tril().bool()
     rows = torch.arange(T, device=dev) % BT
     lq, lk = low[rows][:, None, :], low[rows][:, None, :] & ~torch.eye(BT, device=dev).bool()[rows][:, None, :]
-    z = lambda x, m: torch.where(m, x.float(), 0.)
-    d = lambda a, b, m: (z(a, m) - z(b, m)).norm().item() / max(z(b, m).norm().item(), 1e-30)
+
+    def z(x, m):
+        return torch.where(m, x.float(), 0.)
+
+    def d(a, b, m):
+        return (z(a, m) - z(b, m)).norm().item() / max(z(b, m).norm().item(), 1e-30)
+
     out["sliced_vs_library_rel_Aqk"] = d(Aqk2, Aqk, lq)
     out["sliced_vs_library_rel_Akk"] = d(Ab2, Ab, lk)
     for nw, reg in ((4, None), (4, 128), (8, None)):
         out[f"scores_sliced_w{nw}" + (f"_r{reg}" if reg else "")] = bench(
-            lambda: _scores_sliced[(NC, H)](qn, kn, G, beta, Aqk2, Ab2, ci, cu, sc, H=H, K=D, BT=BT, BS=BS,
-                                            num_warps=nw, maxnreg=reg))
+            lambda nw=nw, reg=reg: _scores_sliced[(NC, H)](qn, kn, G, beta, Aqk2, Ab2, ci, cu, sc, H=H, K=D, BT=BT,
+                                                           BS=BS, num_warps=nw, maxnreg=reg))
     return {k_: (round(v_, 4) if v_ > 1e-3 else v_) for k_, v_ in out.items()}

@@ -30,22 +30,22 @@ import subprocess
 import sys
 import tempfile
 
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime import JITFunction
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     raise SystemExit("kernel_resources.py compiles for the GPU: unset TRITON_INTERPRET")
-
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime import JITFunction  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
 from harness import add_moe_shape_args, write_json, write_text  # noqa: E402  (it puts the repo on the path)
 
-from kdamoe.kernels.launch import FastLaunch  # noqa: E402
-from kdamoe.kernels.conv import backward as conv_backward  # noqa: E402
-from kdamoe.kernels.conv import forward as conv_forward  # noqa: E402
-from kdamoe.kernels.moe import grouped_gemm as gg  # noqa: E402
-from kdamoe.kernels.moe.experts import GLU_COLS, GLU_ROWS  # noqa: E402
+from kdamoe.kernels.conv import backward as conv_backward  # noqa: E402  (needs the repository on sys.path: harness)
+from kdamoe.kernels.conv import forward as conv_forward  # noqa: E402  (the same)
+from kdamoe.kernels.launch import FastLaunch  # noqa: E402  (the same)
+from kdamoe.kernels.moe import grouped_gemm as gg  # noqa: E402  (the same)
+from kdamoe.kernels.moe.experts import GLU_COLS, GLU_ROWS  # noqa: E402  (the same)
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -127,7 +127,10 @@ def conv_calls(n: int, cp: int, sx: int, W: int) -> list[tuple]:
     C = 3 * cp
     flags = {"W": W, "PARTS": 3, "HAS_STATE": False, "HAS_SEQ": True, "state": None}
     nt = -(-n // conv_backward.BT_DX)
-    parts = lambda name: {f"{name}{i}": "*bf16" for i in range(3)}  # noqa: E731
+
+    def parts(name: str) -> dict:
+        return {f"{name}{i}": "*bf16" for i in range(3)}
+
     dx_types = {"dpre": "*bf16", "x": "*bf16", "weight": "*bf16", "seq_idx": "*i64", "dx": "*bf16", "dw_part": "*fp32"}
     dx_ints = {"T": n, "C": C, "SX": sx, "NT": nt}
     return [

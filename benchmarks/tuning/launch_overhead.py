@@ -44,9 +44,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
 from harness import write_json  # noqa: E402  (it puts the repo on the path)
 
-from kdamoe.kernels import launch  # noqa: E402
-from kdamoe.kernels.conv.conv import causal_conv1d  # noqa: E402
-from kdamoe.kernels.norm.kernels import norm_forward  # noqa: E402
+from kdamoe.kernels import launch  # noqa: E402  (needs the repository on sys.path: harness)
+from kdamoe.kernels.conv.conv import causal_conv1d  # noqa: E402  (the same)
+from kdamoe.kernels.norm.kernels import norm_forward  # noqa: E402  (the same)
 
 
 def cases(device):
@@ -103,10 +103,12 @@ def main(argv=None) -> int:
                 launch.set_enabled(fast)
                 times[fast].append(per_call_us(fn, a.calls))
         launch.set_enabled(True)
-        row = {"case": name, "fast_us": statistics.median(times[True][1:]), "triton_us": statistics.median(times[False][1:]),
+        row = {"case": name, "fast_us": statistics.median(times[True][1:]),
+               "triton_us": statistics.median(times[False][1:]),
                "fast_rounds_us": times[True][1:], "triton_rounds_us": times[False][1:]}
         rows.append(row)
-        print(f"{name}: short path {row['fast_us']:.1f} µs/call, Triton's path {row['triton_us']:.1f} µs/call", flush=True)
+        print(f"{name}: short path {row['fast_us']:.1f} µs/call, Triton's path {row['triton_us']:.1f} µs/call",
+              flush=True)
     default_blas = torch.backends.cuda.preferred_blas_library()
     print(f"preferred BLAS library by default: {default_blas}", flush=True)
     blas_rows = []
@@ -120,7 +122,8 @@ def main(argv=None) -> int:
             row = {"case": name, **{f"{lib}_us": statistics.median(v[1:]) for lib, v in times.items()},
                    **{f"{lib}_rounds_us": v[1:] for lib, v in times.items()}}
             blas_rows.append(row)
-            print(f"{name}: cublas {row['cublas_us']:.1f} µs/call, cublaslt {row['cublaslt_us']:.1f} µs/call", flush=True)
+            print(f"{name}: cublas {row['cublas_us']:.1f} µs/call, cublaslt {row['cublaslt_us']:.1f} µs/call",
+                  flush=True)
     finally:
         torch.backends.cuda.preferred_blas_library(default_blas)
     os.makedirs(a.out, exist_ok=True)

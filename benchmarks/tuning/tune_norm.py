@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
 from harness import device_name, time_ms, write_json  # noqa: E402  (it puts the repo on the path)
 
-from kdamoe.kernels.norm import kernels as nk  # noqa: E402
+from kdamoe.kernels.norm import kernels as nk  # noqa: E402  (needs the repository on sys.path: harness)
 
 
 def main():
@@ -37,30 +37,44 @@ def main():
         raise SystemExit("tune_norm.py needs a GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for name, n, D, gated in (("hidden", a.tokens, a.hidden, False), ("gated head", a.tokens * a.heads, a.head_dim, True)):
-        x = torch.randn(n, D, device="cuda", generator=gen).bfloat16()
-        g = torch.randn(n, D, device="cuda", generator=gen).bfloat16() if gated else None
-        w = torch.rand(D, device="cuda", generator=gen).bfloat16() + 0.5
-        dout = torch.randn(n, D, device="cuda", generator=gen).bfloat16()
-        moved = (n * D * 2 * (5 if gated else 3), n * D * 2 * (3 if gated else 2))  # backward, forward (bytes)
-        for per_sm, elems in itertools.product((4, 8, 16), (2048, 4096, 8192)):
-            nk.BACKWARD_PROGRAMS_PER_SM, nk.BLOCK_ELEMS = per_sm, elems
-            nk._backward_kernel.autotuner.cache.clear()  # its key has no program count: tune again for this one
-            try:
-                # do_bench's defaults (25 ms warm-up, 100 ms of repetitions, the mean), as this sweep always used
-                bwd = time_ms(lambda: nk.norm_backward(x, g, w, dout, 1e-6, torch.bfloat16), True, mode="mean")
-                fwd = time_ms(lambda: nk.norm_forward(x, g, w, 1e-6, torch.bfloat16, torch.bfloat16), True, mode="mean")
-            except Exception as e:  # e.g. out of resources at a large tile
-                rows.append({"shape": name, "per_sm": per_sm, "block_elems": elems, "error": repr(e)[:200]})
-                continue
-            best = nk._backward_kernel.autotuner.best_config
-            row = {"shape": name, "rows": n, "D": D, "per_sm": per_sm, "block_elems": elems,
-                   "backward_config": {**best.kwargs, "num_warps": best.num_warps},
-                   "bwd_ms": bwd, "bwd_tb_s": moved[0] / bwd / 1e9, "fwd_ms": fwd, "fwd_tb_s": moved[1] / fwd / 1e9}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            _write(a.out, rows)
+    cases = (("hidden", a.tokens, a.hidden, False), ("gated head", a.tokens * a.heads, a.head_dim, True))
+    for name, n, D, gated in cases:
+        sweep(name, n, D, gated, gen, rows, a.out)
     _write(a.out, rows)
+
+
+def sweep(name: str, n: int, D: int, gated: bool, gen: torch.Generator, rows: list, out: str) -> None:
+    """Time the backward and forward at every pair of the two module constants on ``n`` bf16 rows of ``D``
+    (``gated``: with a gate), appending a row to ``rows`` (and writing them to ``out``) after each pair."""
+    x = torch.randn(n, D, device="cuda", generator=gen).bfloat16()
+    g = torch.randn(n, D, device="cuda", generator=gen).bfloat16() if gated else None
+    w = torch.rand(D, device="cuda", generator=gen).bfloat16() + 0.5
+    dout = torch.randn(n, D, device="cuda", generator=gen).bfloat16()
+    moved = (n * D * 2 * (5 if gated else 3), n * D * 2 * (3 if gated else 2))  # backward, forward (bytes)
+
+    def backward():
+        return nk.norm_backward(x, g, w, dout, 1e-6, torch.bfloat16)
+
+    def forward():
+        return nk.norm_forward(x, g, w, 1e-6, torch.bfloat16, torch.bfloat16)
+
+    for per_sm, elems in itertools.product((4, 8, 16), (2048, 4096, 8192)):
+        nk.BACKWARD_PROGRAMS_PER_SM, nk.BLOCK_ELEMS = per_sm, elems
+        nk._backward_kernel.autotuner.cache.clear()  # its key has no program count: tune again for this one
+        try:
+            # do_bench's defaults (25 ms warm-up, 100 ms of repetitions, the mean), as this sweep always used
+            bwd = time_ms(backward, True, mode="mean")
+            fwd = time_ms(forward, True, mode="mean")
+        except Exception as e:  # e.g. out of resources at a large tile
+            rows.append({"shape": name, "per_sm": per_sm, "block_elems": elems, "error": repr(e)[:200]})
+            continue
+        best = nk._backward_kernel.autotuner.best_config
+        row = {"shape": name, "rows": n, "D": D, "per_sm": per_sm, "block_elems": elems,
+               "backward_config": {**best.kwargs, "num_warps": best.num_warps},
+               "bwd_ms": bwd, "bwd_tb_s": moved[0] / bwd / 1e9, "fwd_ms": fwd, "fwd_tb_s": moved[1] / fwd / 1e9}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        _write(out, rows)
 
 
 def _write(out: str, rows: list) -> None:
