@@ -23,8 +23,8 @@ from harness import load_script  # noqa: E402  (the benchmarks folder is not a p
 def test_bench_e2e_tiny_writes_finite_rows(tmp_path):
     # every part but "graph" (TrainStepGraph needs CUDA; tests/test_train_graph.py covers it on a GPU)
     parts = "kdamoe,native,recipe,profile,host"
-    assert load_script("bench_e2e").main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--profile-recipe-t", "64",
-                               "--only", parts]) == 0
+    argv = ["--tiny", "--device", "cpu", "--out", str(tmp_path), "--profile-recipe-t", "64", "--only", parts]
+    assert load_script("bench_e2e").main(argv) == 0
     text = (tmp_path / "e2e.json").read_text()
     doc = json.loads(text)
 

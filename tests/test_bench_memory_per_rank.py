@@ -15,6 +15,8 @@ import sys
 
 import yaml
 
+from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from harness import load_script  # noqa: E402  (the benchmarks folder is not a package)
@@ -35,8 +37,6 @@ def test_memory_per_rank_table_follows_from_the_parameter_counts():
         # three significant digits per cell (each within 0.5 % of its value): two cells agree within 1 %
         assert math.isclose(ddp, 16 * total_b * 1e9 / 2**30, rel_tol=1.1e-2), row
         assert math.isclose(fsdp8, ddp / 8, rel_tol=1.1e-2) and math.isclose(fsdp64, ddp / 64, rel_tol=1.1e-2), row
-
-    from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
 
     with open(os.path.join(ROOT, "kdamoe", "configs", "cpu_default.yaml")) as f:
         fields = dict(yaml.safe_load(f)["model"])
