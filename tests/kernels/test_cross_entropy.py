@@ -17,7 +17,7 @@ import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from kdamoe.kernels import causal_lm_loss
-from kdamoe.kernels.loss.kernels import MAX_BLOCK_V
+from kdamoe.kernels.loss.forward import MAX_BLOCK_V
 from kdamoe.model import kernel_dispatch
 
 ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()

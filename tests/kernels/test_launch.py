@@ -17,7 +17,7 @@ from kdamoe.kernels.conv import forward as conv_forward
 from kdamoe.kernels.conv.conv import causal_conv1d
 from kdamoe.kernels.launch import FastLaunch, fast_launch
 from kdamoe.kernels.moe import grouped_gemm
-from kdamoe.kernels.norm import kernels as norm_kernels
+from kdamoe.kernels.norm import forward as norm_forward
 from kdamoe.kernels.utils import is_interpreter
 
 ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()
@@ -28,9 +28,9 @@ def test_interpreter_kernels_are_not_wrapped():
     Triton's launch path; wrapping twice is a no-op and a non-kernel is refused."""
     if not is_interpreter():
         pytest.skip("the CPU suite's interpreter setting")
-    assert not isinstance(norm_kernels._forward_kernel, FastLaunch)
+    assert not isinstance(norm_forward._forward_kernel, FastLaunch)
     assert not isinstance(grouped_gemm._rows_gemm_kernel, FastLaunch)
-    assert fast_launch(norm_kernels._forward_kernel) is norm_kernels._forward_kernel
+    assert fast_launch(norm_forward._forward_kernel) is norm_forward._forward_kernel
     with pytest.raises(TypeError, match="triton.jit"):
         FastLaunch(lambda: None)
 
@@ -44,8 +44,8 @@ def test_short_path_matches_tritons_path():
     w = torch.randn(1000, generator=gen).cuda().bfloat16()
     xc = torch.randn(2, 75, 96, generator=gen).cuda().bfloat16()
     wc = torch.randn(96, 4, generator=gen).cuda().bfloat16()
-    cases = [(norm_kernels._forward_kernel,
-              lambda: norm_kernels.norm_forward(x, None, w, 1e-6, torch.bfloat16, torch.bfloat16)),
+    cases = [(norm_forward._forward_kernel,
+              lambda: norm_forward.norm_forward(x, None, w, 1e-6, torch.bfloat16, torch.bfloat16)),
              (conv_forward._conv_fwd_kernel, lambda: causal_conv1d(xc, wc, output_final_state=False)[0])]
     for kernel, op in cases:
         assert isinstance(kernel, FastLaunch)

@@ -1,9 +1,9 @@
 """Block AttnRes mix in Triton: the public function and its autograd Function.
 
 Semantics are those of ``kdamoe.model.attnres_torch.block_attnres_torch`` (the reference) computed in float32 without
-its intermediate roundings; the launches are in ``kernels.py``. The sources are passed to the kernels as they are (a
-tuple of views), never stacked: the mix reads ``S`` tensors in place and, in the backward, returns one gradient per
-source.
+its intermediate roundings; the launches are in ``forward.py`` and ``backward.py``. The sources are passed to the
+kernels as they are (a tuple of views), never stacked: the mix reads ``S`` tensors in place and, in the backward,
+returns one gradient per source.
 """
 
 from collections.abc import Sequence
@@ -12,7 +12,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..utils import is_interpreter
-from .kernels import MAX_D, attnres_backward, attnres_forward
+from .backward import attnres_backward
+from .forward import MAX_D, attnres_forward
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -1,4 +1,5 @@
-"""The causal-LM cross-entropy on the Triton kernels of ``kernels.py``: public function and its autograd Function.
+"""The causal-LM cross-entropy on the Triton kernels of ``forward.py`` and ``backward.py``: public function and its
+autograd Function.
 
 Semantics are those of transformers' ``ForCausalLMLoss`` (``transformers/loss/loss_utils.py``, 5.x): labels shifted
 by one position (or ``shift_labels`` as given), ``ignore_index`` targets skipped, the sum of the per-token losses
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ..utils import is_interpreter
-from .kernels import cross_entropy_backward, cross_entropy_forward
+from .backward import cross_entropy_backward
+from .forward import cross_entropy_forward
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _TARGETS = (torch.int64, torch.int32)

@@ -1,15 +1,17 @@
 """RMSNorm, gated RMSNorm and residual add + RMSNorm in Triton: public functions and their autograd Functions.
 
 Semantics are those of ``kdamoe.model.norm_torch`` (``rms_norm_torch`` / ``gated_rms_norm_torch``, the references),
-including the dtypes and rounding points; the launches are in ``kernels.py``. Any leading dims are flattened
-to rows (a view where possible: a row stride is passed to the kernels, only the last dim must be unit-stride).
+including the dtypes and rounding points; the launches are in ``forward.py`` and ``backward.py``. Any leading dims
+are flattened to rows (a view where possible: a row stride is passed to the kernels, only the last dim must be
+unit-stride).
 """
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from ..utils import is_interpreter
-from .kernels import MAX_D, norm_backward, norm_forward
+from .backward import norm_backward
+from .forward import MAX_D, norm_forward
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
