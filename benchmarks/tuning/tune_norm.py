@@ -22,7 +22,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: the harness
 from harness import device_name, time_ms, write_json  # noqa: E402  (it puts the repo on the path)
 
-from kdamoe.kernels.norm import kernels as nk  # noqa: E402  (needs the repository on sys.path: harness)
+from kdamoe.kernels.norm import backward as nb  # noqa: E402  (needs the repository on sys.path: harness)
+from kdamoe.kernels.norm import forward as nf  # noqa: E402  (the same)
 
 
 def main():
@@ -53,14 +54,15 @@ def sweep(name: str, n: int, D: int, gated: bool, gen: torch.Generator, rows: li
     moved = (n * D * 2 * (5 if gated else 3), n * D * 2 * (3 if gated else 2))  # backward, forward (bytes)
 
     def backward():
-        return nk.norm_backward(x, g, w, dout, 1e-6, torch.bfloat16)
+        return nb.norm_backward(x, g, w, dout, 1e-6, torch.bfloat16)
 
     def forward():
-        return nk.norm_forward(x, g, w, 1e-6, torch.bfloat16, torch.bfloat16)
+        return nf.norm_forward(x, g, w, 1e-6, torch.bfloat16, torch.bfloat16)
 
     for per_sm, elems in itertools.product((4, 8, 16), (2048, 4096, 8192)):
-        nk.BACKWARD_PROGRAMS_PER_SM, nk.BLOCK_ELEMS = per_sm, elems
-        nk._backward_kernel.autotuner.cache.clear()  # its key has no program count: tune again for this one
+        # backward.py binds BLOCK_ELEMS from forward.py at import: set the tile size in both modules
+        nb.BACKWARD_PROGRAMS_PER_SM, nb.BLOCK_ELEMS, nf.BLOCK_ELEMS = per_sm, elems, elems
+        nb._backward_kernel.autotuner.cache.clear()  # its key has no program count: tune again for this one
         try:
             # do_bench's defaults (25 ms warm-up, 100 ms of repetitions, the mean), as this sweep always used
             bwd = time_ms(backward, True, mode="mean")
@@ -68,7 +70,7 @@ def sweep(name: str, n: int, D: int, gated: bool, gen: torch.Generator, rows: li
         except Exception as e:  # e.g. out of resources at a large tile
             rows.append({"shape": name, "per_sm": per_sm, "block_elems": elems, "error": repr(e)[:200]})
             continue
-        best = nk._backward_kernel.autotuner.best_config
+        best = nb._backward_kernel.autotuner.best_config
         row = {"shape": name, "rows": n, "D": D, "per_sm": per_sm, "block_elems": elems,
                "backward_config": {**best.kwargs, "num_warps": best.num_warps},
                "bwd_ms": bwd, "bwd_tb_s": moved[0] / bwd / 1e9, "fwd_ms": fwd, "fwd_tb_s": moved[1] / fwd / 1e9}
