@@ -12,6 +12,7 @@ import logging
 import re
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -379,6 +380,20 @@ def test_resume_takes_the_newest_intact_checkpoint_and_refuses_another_run(base,
                                         "trainer.max_steps=2"])
     with pytest.raises(RunFolderError, match=f"its run used model='{base}', this one has model='{other_base}'"):
         run_recipe(cfg)
+
+
+def test_an_adapter_names_its_base_by_an_absolute_path(base, tmp_path, monkeypatch):
+    """Before: adapter_config.json stored the base as given (a path relative to where the run started), so the
+    adapter loaded only from that folder."""
+    peft = json.dumps({"r": 2, "target_modules": ["q_proj"]})
+    monkeypatch.chdir(Path(base).parent)
+    cfg = load_posttrain_config("sft", [f"model={Path(base).name}", f"output_dir={tmp_path / 'run'}", *FAST,
+                                        f"peft={peft}"])
+    result = run_recipe(cfg)
+    stored = json.loads((Path(result["adapter"]) / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert stored == str(Path(base).resolve())
+    monkeypatch.chdir(tmp_path)  # anywhere else
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(stored), result["adapter"])
 
 
 def test_card_renders_the_reward_curve():

@@ -202,6 +202,9 @@ def _save(cfg, model, tokenizer, padding_side: str, curve) -> tuple[Path, Path |
     adapter_dir = None
     if cfg.peft is not None:
         adapter_dir = out / "adapter"
+        if _is_local(cfg.model):  # a relative base path would resolve only from the folder the run started in
+            for peft_config in model.peft_config.values():
+                peft_config.base_model_name_or_path = str(Path(cfg.model).expanduser().resolve())
         with _atomic_folder(adapter_dir) as tmp:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
