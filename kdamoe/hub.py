@@ -55,6 +55,7 @@ from .common.folders import (
     load_run_tokenizer,
     write_model_folder,
 )
+from .common.run_folder import detect_job
 
 # Files that are (or may be) pickles: never in a Hub folder, never read from a source.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -98,7 +99,8 @@ def detect_source(src: str | Path) -> Source:
             return Source("pretraining-final", path, run_dir=path.parent)
         return Source("model", path)
     if (path / "final" / "config.json").is_file():
-        raise ValueError(f"SRC {src}: a pretraining run folder; pass its model, {path / 'final'}")
+        kind = detect_job(path) or "training"  # a post-training run folder holds final/ too
+        raise ValueError(f"SRC {src}: a {kind} run folder; pass its model, {path / 'final'}")
     trainer_checkpoints = sorted((p for p in path.glob("checkpoint-*") if (p / "config.json").is_file()),
                                  key=lambda p: int(p.name.split("-")[-1]) if p.name.split("-")[-1].isdigit() else -1)
     if trainer_checkpoints:

@@ -413,3 +413,16 @@ def test_publishing_refuses_an_adapter_missing_a_lora_tensor(sources, tmp_path):
              lambda t: dropped.append(next(k for k in sorted(t) if "lora_B" in k)) or t.pop(dropped[0]))
     with pytest.raises(ValueError, match=f"does not match the adapter .*missing {re.escape(dropped[0])}"):
         hub.build_hub_folder(folder, tmp_path / "out", validate=False, base_model_path=sources["final"])
+
+
+def test_a_run_folder_is_named_by_its_job(sources, tmp_path):
+    """Before: kdamoe-push of a post-training run folder called it "a pretraining run folder"."""
+    post = tmp_path / "sft"
+    (post / "final").mkdir(parents=True)
+    (post / "final" / "config.json").write_text("{}")
+    (post / "kdamoe_run.json").write_text(json.dumps({"job": "posttraining"}))
+    final = re.escape(str(post / "final"))
+    with pytest.raises(ValueError, match=f"a posttraining run folder; pass its model, {final}"):
+        hub.detect_source(post)
+    with pytest.raises(ValueError, match="a pretraining run folder; pass its model"):
+        hub.detect_source(sources["run"])
