@@ -65,3 +65,12 @@ def test_posttrain_refuses_a_base_with_a_damaged_tensor(tmp_path, capsys):
     line = _usage_error(posttrain_main, ["--config", "sft", "--output-dir", str(tmp_path / "sft"),
                                          "--set", f"model={base}"], capsys)
     assert "model.norm.weight holds NaN or inf" in line
+
+
+@pytest.mark.parametrize("setting", ["trainer.per_device_train_batch_size=0", "trainer.learning_rate=-1",
+                                     "trainer.learning_rate=.nan"])
+def test_posttrain_trainer_values_torch_refuses_late_are_refused_when_the_config_loads(tmp_path, capsys, setting):
+    """Before: these passed TRL's config and failed with a traceback from torch's optimizer / data loader."""
+    line = _usage_error(posttrain_main, ["--config", "sft", "--output-dir", str(tmp_path / "sft"), "--set", setting],
+                        capsys)
+    assert f"config field {setting.split('=')[0]}: must be a finite number >=" in line

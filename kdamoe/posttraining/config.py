@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,11 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "posttrain"
 GRPO_MODES = ("single_turn", "tools", "environment")
 GRPO_ROLLOUTS = ("trl", "cached")
 ROUTER_BIASES = ("update", "freeze")
+# Bounds of trainer values that TRL's config classes accept but torch's optimizer or data loader refuses only once
+# training starts (with a traceback from inside them).
+TRAINER_MINIMA = {"per_device_train_batch_size": 1, "per_device_eval_batch_size": 1, "gradient_accumulation_steps": 1,
+                  "learning_rate": 0.0, "weight_decay": 0.0, "warmup_steps": 0, "num_train_epochs": 0.0,
+                  "max_grad_norm": 0.0, "adam_epsilon": 0.0, "num_generations": 2, "max_completion_length": 1}
 # Set from the top-level fields of the config; a value under `trainer:` would be a second source of truth.
 RESERVED_TRAINER_KEYS = ("output_dir", "seed")
 
@@ -239,6 +245,11 @@ class PostTrainConfig:
                 raise ValueError(f"config field trainer.{key}: expected an integer, got {value!r}")
             elif _is_plain(types[key], bool) and not isinstance(value, bool):
                 raise ValueError(f"config field trainer.{key}: expected true or false, got {value!r}")
+            low = TRAINER_MINIMA.get(key)
+            number = self.trainer[key]
+            if low is not None and isinstance(number, (int, float)) and not (math.isfinite(number) and number >= low):
+                raise ValueError(f"config field trainer.{key}: must be a finite number >= {low}, got {number!r} "
+                                 "(torch or TRL would refuse it only once training starts)")
 
 
 def _is_plain(tp, kind: type) -> bool:
