@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -128,15 +129,8 @@ def _score(model, tokenizer, tasks, seed: int, batch_size: int) -> dict:
     episodes = run_episodes(model, tokenizer, tasks, batch_size=batch_size, max_new_tokens=TURN_TOKENS,
                             do_sample=True, temperature=1.0, seed=seed)
     successes = [int(e["reward"] == 1.0) for e in episodes if e["task"].calls_needed >= 2]
-    return {**summarize_episodes(episodes), "successes": successes, "ended": _count(e["ended"] for e in episodes),
+    return {**summarize_episodes(episodes), "successes": successes, "ended": dict(Counter(e["ended"] for e in episodes)),
             "eval_seconds": round(time.perf_counter() - start, 1)}
-
-
-def _count(values) -> dict:
-    out = {}
-    for v in values:
-        out[v] = out.get(v, 0) + 1
-    return out
 
 
 def _head(successes: list) -> float:
