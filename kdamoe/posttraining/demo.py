@@ -129,7 +129,8 @@ def _score(model, tokenizer, tasks, seed: int, batch_size: int) -> dict:
     episodes = run_episodes(model, tokenizer, tasks, batch_size=batch_size, max_new_tokens=TURN_TOKENS,
                             do_sample=True, temperature=1.0, seed=seed)
     successes = [int(e["reward"] == 1.0) for e in episodes if e["task"].calls_needed >= 2]
-    return {**summarize_episodes(episodes), "successes": successes, "ended": dict(Counter(e["ended"] for e in episodes)),
+    ended = dict(Counter(e["ended"] for e in episodes))
+    return {**summarize_episodes(episodes), "successes": successes, "ended": ended,
             "eval_seconds": round(time.perf_counter() - start, 1)}
 
 
