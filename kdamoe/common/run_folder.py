@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
 RUN_MARKER = "kdamoe_run.json"
 LOCK_NAME = ".kdamoe.lock"
 JOBS = ("pretraining", "posttraining")
@@ -39,7 +41,7 @@ JOB_OUTPUTS = {
     "pretraining": ("config.yaml", "tokenizer", "checkpoints", "final", "initial", "summary.json", "baselines.json",
                     "tensorboard", "expert_load.png", ".tmp-*"),
     "posttraining": ("checkpoint-*", "final", "adapter", "summary.json", "runs", "reward_curve.png", "tensorboard",
-                     "reward_model",
+                     "reward_model", "reward_training",
                      ".tmp-*", "*.tmp", "results.json", "heldout_curve.png"),
 }
 
@@ -248,19 +250,28 @@ def claim_run_folder(folder: str | Path, job: str, *, resuming: bool, overwrite:
         (folder / RUN_MARKER).write_text(json.dumps(record, indent=1) + "\n")
 
 
-def _on_main_process(state, action: Callable[[], None] | None) -> None:
-    """Run ``action`` on the main process only; a :class:`RunFolderError` it raises is raised on every process
-    (broadcast), so no process is left waiting at a barrier the main process never reaches."""
+def _process_group() -> tuple[bool, bool]:
+    """``(is the main process, is there a process group to talk through)``: torch.distributed's rank when a process
+    group is up (the pretraining job's accelerator), else torchrun's ``RANK`` (a post-training launch before its
+    Trainer exists: if the main process then stops with an error, torchrun stops the other ranks within seconds)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0, torch.distributed.get_world_size() > 1
+    return int(os.environ.get("RANK", "0")) == 0, False
+
+
+def _on_main_process(is_main: bool, grouped: bool, action: Callable[[], None]) -> None:
+    """Run ``action`` on the main process only; with a process group, a :class:`RunFolderError` it raises is raised
+    on every process (broadcast), so no process is left waiting at a barrier the main process never reaches."""
     error = None
-    if action is not None:
+    if is_main:
         try:
             action()
         except RunFolderError as err:
             error = str(err)
-    if state.num_processes > 1:
-        from accelerate.utils import broadcast_object_list  # noqa: PLC0415 (only multi-process runs need it)
-
-        error = broadcast_object_list([error])[0]
+    if grouped:
+        box = [error]
+        torch.distributed.broadcast_object_list(box, src=0)
+        error = box[0]
     if error is not None:
         raise RunFolderError(error)
 
@@ -270,8 +281,8 @@ def owned_run_folder(folder: str | Path, job: str, find_resume: Callable[[], obj
                      overwrite: bool = False, identity: dict | None = None,
                      say: Callable[[str], None] = print) -> Iterator[object | None]:
     """The whole life of a run in ``folder``: lock it (the main process), find what to resume, claim the folder
-    (:func:`claim_run_folder`), yield the resume point, release the lock on exit (also on an exception). Works in
-    every process of a launch (accelerate's ``PartialState``); only the main process touches the folder.
+    (:func:`claim_run_folder`), yield the resume point, release the lock on exit (also on an exception). Call it on
+    every process of a launch, before anything is written to ``folder``; only the main process touches the folder.
 
     Args:
         find_resume: returns the checkpoint to resume from, or None for a fresh start; runs on every process with
@@ -279,22 +290,22 @@ def owned_run_folder(folder: str | Path, job: str, find_resume: Callable[[], obj
         overwrite, identity, say: as :func:`claim_run_folder`.
 
     Raises:
-        RunFolderError: on every process (see :class:`RunFolderLock`, :func:`claim_run_folder`).
+        RunFolderError: on the main process, and on every process when they share a process group (see
+            :class:`RunFolderLock`, :func:`claim_run_folder`).
     """
-    from accelerate import PartialState  # noqa: PLC0415 (accelerate initialises torch.distributed: deferred)
-
-    state = PartialState()
-    lock = RunFolderLock(folder, say) if state.is_main_process else None
-    _on_main_process(state, lock.acquire if lock is not None else None)
+    is_main, grouped = _process_group()
+    lock = RunFolderLock(folder, say) if is_main else None
+    _on_main_process(is_main, grouped, lock.acquire if lock is not None else (lambda: None))
     try:
         resume_from = find_resume()
+
         def claim() -> None:
             claim_run_folder(folder, job, resuming=resume_from is not None, overwrite=overwrite, identity=identity,
                              say=say)
 
-        _on_main_process(state, claim if state.is_main_process else None)
-        if state.num_processes > 1:
-            state.wait_for_everyone()
+        _on_main_process(is_main, grouped, claim)
+        if grouped:
+            torch.distributed.barrier()
         yield resume_from
     finally:
         if lock is not None:

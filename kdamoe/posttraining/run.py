@@ -309,22 +309,21 @@ def run_recipe(cfg, resume: bool = True, overwrite: bool = False, callbacks=()) 
                          "transformers' Trainer cannot resume a model sharded while it loads; pass --no-resume "
                          "--overwrite or another output_dir")
 
-    set_seed(cfg.seed)
-    model, tokenizer = load_base(cfg)
-    check_aux_loss(cfg, model.config)
-    padding_side = tokenizer.padding_side
-    trainer = build_trainer(cfg, model, tokenizer)
-    check_world_size(trainer.accelerator, "the Trainer", "on CPUs the recipes need use_cpu=True (their default "
-                     "without CUDA) for a gloo DDP run")  # else N lone processes would race on output_dir
-    enable_fsdp2_on_cpu(trainer)
-    add_router_bias_callback(trainer, RouterBiasUpdateCallback(freeze_biases=cfg.router_biases == "freeze"))
-    trainer.add_callback(CheckpointManifestCallback())
-    for position, callback in enumerate(callbacks, start=1):
-        trainer.callback_handler.callbacks.insert(position, callback)
-    # The folder is claimed once the Trainer has set up the processes (accelerate's state then knows the main one);
-    # nothing was written to it before.
+    # Claimed before anything is written to it (the PPO recipe trains its reward model into it while it builds).
     with owned_run_folder(cfg.output_dir, "posttraining", lambda: newest_checkpoint(cfg.output_dir) if resume else None,
                           overwrite=overwrite, identity=run_identity(cfg), say=logger.warning) as checkpoint:
+        set_seed(cfg.seed)
+        model, tokenizer = load_base(cfg)
+        check_aux_loss(cfg, model.config)
+        padding_side = tokenizer.padding_side
+        trainer = build_trainer(cfg, model, tokenizer)
+        check_world_size(trainer.accelerator, "the Trainer", "on CPUs the recipes need use_cpu=True (their default "
+                         "without CUDA) for a gloo DDP run")  # else N lone processes would race on output_dir
+        enable_fsdp2_on_cpu(trainer)
+        add_router_bias_callback(trainer, RouterBiasUpdateCallback(freeze_biases=cfg.router_biases == "freeze"))
+        trainer.add_callback(CheckpointManifestCallback())
+        for position, callback in enumerate(callbacks, start=1):
+            trainer.callback_handler.callbacks.insert(position, callback)
         return _train_and_save(cfg, trainer, tokenizer, padding_side, checkpoint)
 
 
