@@ -198,6 +198,10 @@ def _check_generate_args(parser: argparse.ArgumentParser, args: argparse.Namespa
         hint = (f"; the exported model is {folder / 'final'}" if (folder / "final" / "config.json").is_file()
                 else "; pass the final/ folder kdamoe-train wrote (checkpoints/ are training states) or a Hub id")
         parser.error(f"--model {args.model}: no config.json there{hint}")
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        if looks_local and not (folder / name).is_file():
+            parser.error(f"--model {args.model}: no {name} there; generation needs the model's tokenizer in its "
+                         "folder (tokenizer.save_pretrained(folder))")
 
 
 def push_main(argv: list[str] | None = None) -> int:

@@ -63,6 +63,7 @@ TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 VALIDATION_ATOL = 1e-4  # float32 logits; the same weights through the same PyTorch path agree far closer
 VALIDATION_RTOL = 1e-4
 PROMPT_LENGTH = 12
+_NETWORK_MODULES = ("huggingface_hub", "httpx", "httpx2", "httpcore", "requests", "urllib3")
 GENERATE_TOKENS = 4
 
 
@@ -176,7 +177,8 @@ def _prepare_out_dir(out_dir: str | Path, overwrite: bool) -> Path:
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         if not overwrite:
-            raise ValueError(f"out_dir {out_dir}: exists and is not empty (pass overwrite=True, or another --out-dir)")
+            raise ValueError(f"out_dir {out_dir}: exists and is not empty (pass another --out-dir, or empty it; "
+                             "the Python API takes overwrite=True)")
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     return out_dir
@@ -517,8 +519,17 @@ def push_to_hub(src: str | Path, repo_id: str, *, private: bool | None = None, r
                       + describe_hub_folder(folder))
             say(report)
             return report
-        return upload_hub_folder(folder, repo_id, private=private, revision=revision, create_pr=create_pr,
-                                 commit_message=commit_message, commit_description=commit_description, token=token)
+        try:
+            return upload_hub_folder(folder, repo_id, private=private, revision=revision, create_pr=create_pr,
+                                     commit_message=commit_message, commit_description=commit_description, token=token)
+        except Exception as err:
+            # The Hub's refusals (no token, no write access) and the network's (offline) come from huggingface_hub and
+            # its HTTP client: a one-line error for the user; anything else is ours and keeps its traceback.
+            if not (isinstance(err, OSError) or type(err).__module__.split(".")[0] in _NETWORK_MODULES):
+                raise
+            raise ValueError(f"upload to {repo_id} failed ({type(err).__name__}: {err}); check `hf auth login` (or "
+                             "HF_TOKEN), the repository's write access and the network; --dry-run builds without "
+                             "uploading") from err
 
 
 def push_model_to_hub(model, repo_id: str, *, tokenizer=None, max_shard_size: int | str | None = "50GB", **kwargs):

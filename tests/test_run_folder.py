@@ -78,6 +78,8 @@ def test_a_fresh_start_refuses_a_folder_with_files_and_overwrite_removes_only_th
     (tmp_path / "final" / "model.safetensors").write_text("old")
     (tmp_path / "summary.json").write_text("{}")
     (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text("{}")
+    (tmp_path / "tokenizer" / "mine.txt").write_text("a user's file inside a folder the run writes")
     (tmp_path / "my_notes.txt").write_text("keep me")
     with pytest.raises(RunFolderError, match="not empty and nothing to resume from .*final, my_notes.txt, "
                                              "summary.json, tokenizer.*--overwrite.*my_notes.txt would stay"):
@@ -85,8 +87,10 @@ def test_a_fresh_start_refuses_a_folder_with_files_and_overwrite_removes_only_th
     assert (tmp_path / "final" / "model.safetensors").read_text() == "old"
     said = []
     claim_run_folder(tmp_path, "pretraining", resuming=False, overwrite=True, say=said.append)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["my_notes.txt", RUN_MARKER])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["my_notes.txt", "tokenizer", RUN_MARKER])
     assert (tmp_path / "my_notes.txt").read_text() == "keep me"
+    # inside tokenizer/ only the files a run writes went; the user's file stayed (it once went with the folder)
+    assert [p.name for p in (tmp_path / "tokenizer").iterdir()] == ["mine.txt"]
     assert any("keeping my_notes.txt" in line for line in said)
 
 
@@ -113,6 +117,8 @@ def test_bad_markers_and_arguments_are_value_errors(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(RunFolderError, match="not a folder"):
         claim_run_folder(tmp_path / "file", "pretraining", resuming=False)
+    with pytest.raises(RunFolderError, match="not a folder"):  # a FileExistsError traceback before
+        RunFolderLock(tmp_path / "file").acquire()
 
 
 def test_stale_lock_timestamp_is_irrelevant_only_the_pid_counts(tmp_path):

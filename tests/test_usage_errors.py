@@ -1,13 +1,17 @@
 """User mistakes in the command-line tools: exit 2 with one line naming the field or path, nothing written."""
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from kdamoe import KDAMoEForCausalLM
-from kdamoe.cli import posttrain_main, train_main
+from kdamoe import KDAMoEForCausalLM, hub
+from kdamoe.cli import generate_main, posttrain_main, push_main, train_main
+from kdamoe.common.cards import render_model_card
+from kdamoe.common.folders import write_model_folder
 from tests.helpers import tiny_config
 
 
@@ -74,3 +78,41 @@ def test_posttrain_trainer_values_torch_refuses_late_are_refused_when_the_config
     line = _usage_error(posttrain_main, ["--config", "sft", "--output-dir", str(tmp_path / "sft"), "--set", setting],
                         capsys)
     assert f"config field {setting.split('=')[0]}: must be a finite number >=" in line
+
+
+def test_generate_refuses_a_folder_without_tokenizer_files(tmp_path, capsys):
+    """Before: a 30-line traceback from transformers ("install sentencepiece or tiktoken")."""
+    folder = tmp_path / "model"
+    KDAMoEForCausalLM(tiny_config()).save_pretrained(folder)
+    line = _usage_error(generate_main, ["--model", str(folder), "--prompt", "x", "--device", "cpu"], capsys)
+    assert f"--model {folder}: no tokenizer_config.json there" in line
+
+
+def test_a_failed_upload_is_one_line(tmp_path, capsys, monkeypatch):
+    """Before: kdamoe-push offline (or without a token) ended in the HTTP client's traceback."""
+    def offline(*args, **kwargs):
+        raise OSError("[Errno -2] Name or service not known")
+
+    base = tmp_path / "base"
+    KDAMoEForCausalLM(tiny_config()).save_pretrained(base)
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")),
+                            unk_token="<unk>").save_pretrained(base)
+    monkeypatch.setattr(hub, "upload_hub_folder", offline)
+    monkeypatch.setattr(hub, "validate_hub_folder", lambda *a, **k: None)  # the kdamoe-free reload: test_hub's
+    line = _usage_error(push_main, [str(base), "me/kdamoe-x"], capsys)
+    assert "upload to me/kdamoe-x failed (OSError: [Errno -2] Name or service not known); check `hf auth login`" in line
+
+
+def test_a_published_tokenizer_config_holds_no_loading_arguments(tmp_path):
+    """transformers 5.25 wrote is_local / local_files_only into a re-saved tokenizer's config (seen in a re-exported
+    final/)."""
+    source = tmp_path / "tok"
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")),
+                            unk_token="<unk>").save_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(source)  # loaded from disk, as kdamoe-train's export does
+    model = KDAMoEForCausalLM(tiny_config())
+    write_model_folder(model, tokenizer, tmp_path / "out", render_model_card(model.config, repo_id="me/x", total=1,
+                                                                            active=1))
+    saved = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert "is_local" not in saved and "local_files_only" not in saved
+    assert saved["model_max_length"] == model.config.max_position_embeddings

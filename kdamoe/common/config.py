@@ -98,8 +98,8 @@ def _parse(text: str, what: str):
         where = getattr(err, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ValueError(f"{what} is not valid YAML{at}: {problem} "
-                         "(quote a string that holds : [ ] { } or #)") from None
+        raise ValueError(f"{what} is not valid YAML{at}: {problem} (check the indentation; quote a string that "
+                         "holds : [ ] { } or #)") from None
 
 
 def read_yaml(path: str | Path) -> dict:

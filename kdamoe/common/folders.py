@@ -20,6 +20,8 @@ from transformers import AutoTokenizer
 from ..model import KDAMoEConfig, KDAMoEForCausalLM
 from .checkpoint import verify_checkpoint
 
+LOADING_ARGUMENTS = ("is_local", "local_files_only")
+
 
 def write_model_folder(model, tokenizer, out_dir: str | Path, card) -> Path:
     """``save_pretrained`` the model (``kernel_backend="auto"``, safetensors, ``auto_map`` for every head, the
@@ -41,6 +43,14 @@ def write_model_folder(model, tokenizer, out_dir: str | Path, card) -> Path:
         tokenizer.save_pretrained(out_dir)
     finally:
         tokenizer.model_max_length = saved_max
+    # transformers 5.25 writes two of from_pretrained's loading arguments into a re-saved tokenizer's config (a
+    # tokenizer loaded from disk); they describe how this copy was loaded, not the tokenizer, so the folder drops them.
+    tokenizer_config = out_dir / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        data = json.loads(tokenizer_config.read_text())
+        if any(key in data for key in LOADING_ARGUMENTS):
+            tokenizer_config.write_text(json.dumps({k: v for k, v in data.items() if k not in LOADING_ARGUMENTS},
+                                                   indent=2, ensure_ascii=False) + "\n")
     card.save(out_dir / "README.md")
     return out_dir
 

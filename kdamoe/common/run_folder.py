@@ -24,7 +24,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +43,31 @@ JOB_OUTPUTS = {
                      "reward_model", "reward_training",
                      ".tmp-*", "*.tmp", "results.json", "heldout_curve.png"),
 }
+
+
+# Inside a folder a run owns (``final/``, ``tokenizer/``, ``checkpoints/``, ...): the names of the files kdamoe and
+# the libraries it drives write there (weights, configs, remote code, tokenizer, card, trainer and accelerate states,
+# TensorBoard events, plots). ``--overwrite`` removes only these; anything else (a user's notes) stays.
+WRITTEN_FILES = ("*.safetensors", "*.json", "*.py", "README.md", "*.jinja", "merges.txt", "vocab.txt", "*.pt",
+                 "*.pth", "*.bin", "*.pkl", "events.out.tfevents.*", "*.png", "*.distcp", ".metadata", "*.tmp",
+                 "*.yaml")
+
+
+def _remove_written_files(folder: Path) -> list[Path]:
+    """Delete the files of ``folder`` (recursively) that match :data:`WRITTEN_FILES`, then the folders left empty;
+    return the files kept."""
+    kept = []
+    for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_dir() and not path.is_symlink():
+            if not any(path.iterdir()):
+                path.rmdir()
+        elif any(fnmatch.fnmatch(path.name, pattern) for pattern in WRITTEN_FILES):
+            path.unlink()
+        else:
+            kept.append(path)
+    if not any(folder.iterdir()):
+        folder.rmdir()
+    return sorted(kept)
 
 
 class RunFolderError(ValueError):
@@ -84,6 +108,8 @@ class RunFolderLock:
             return None
 
     def acquire(self) -> None:
+        if self.folder.exists() and not self.folder.is_dir():
+            raise RunFolderError(f"output folder {self.folder}: exists and is not a folder")
         self.folder.mkdir(parents=True, exist_ok=True)
         me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
         for _ in range(3):
@@ -197,7 +223,8 @@ def claim_run_folder(folder: str | Path, job: str, *, resuming: bool, overwrite:
         folder: the run's output folder (created if missing).
         job: one of :data:`JOBS`.
         resuming: the run continues a checkpoint found in ``folder`` (its earlier outputs are its own).
-        overwrite: on a fresh start, remove what ``job`` writes (:data:`JOB_OUTPUTS`) instead of refusing.
+        overwrite: on a fresh start, remove what ``job`` writes (:data:`JOB_OUTPUTS`; inside those folders only the
+            files :data:`WRITTEN_FILES` names) instead of refusing.
         identity: what a resumed run must share with the run that wrote ``folder`` (e.g. the base model, the recipe,
             the data), recorded in the marker by a fresh start and compared on a resume.
         say: prints a line per removed entry.
@@ -238,7 +265,9 @@ def claim_run_folder(folder: str | Path, job: str, *, resuming: bool, overwrite:
             path = folder / name
             say(f"--overwrite: removing {path}")
             if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
+                kept = _remove_written_files(path)
+                if kept:
+                    say(f"--overwrite: keeping {', '.join(str(p) for p in kept[:6])} (not files a {job} run writes)")
             else:
                 path.unlink()
         if foreign:

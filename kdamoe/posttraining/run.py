@@ -231,9 +231,10 @@ def check_base(cfg) -> None:
     folder = Path(cfg.model).expanduser()
     looks_local = folder.exists() or cfg.model.startswith(("/", ".", "~", "outputs")) or cfg.model.count("/") > 1
     if looks_local and not (folder / "config.json").is_file():
-        raise ValueError(f"model={cfg.model}: no model folder there (no config.json). The shipped grpo / dpo / rloo "
-                         "configs start from outputs/posttrain/sft/final: run `kdamoe-posttrain --config sft` first, "
-                         "or pass --set model=FOLDER")
+        hint = ("The shipped grpo / dpo / rloo configs start from outputs/posttrain/sft/final: run `kdamoe-posttrain "
+                "--config sft` first, or pass --set model=FOLDER" if cfg.recipe != "sft" else
+                "Pass --set model=FOLDER (make train writes outputs/cpu_default/final)")
+        raise ValueError(f"model={cfg.model}: no model folder there (no config.json). {hint}")
     if folder.is_dir():
         for name in ("tokenizer_config.json", "tokenizer.json"):
             if not (folder / name).is_file():
