@@ -40,7 +40,7 @@ JOB_OUTPUTS = {
     "pretraining": ("config.yaml", "tokenizer", "checkpoints", "final", "initial", "summary.json", "baselines.json",
                     "tensorboard", "expert_load.png", ".tmp-*"),
     "posttraining": ("checkpoint-*", "final", "adapter", "summary.json", "runs", "reward_curve.png", "tensorboard",
-                     "reward_model", "reward_training",
+                     "reward_model", "reward_training", "README.md", "training_args.bin",
                      ".tmp-*", "*.tmp", "results.json", "heldout_curve.png"),
 }
 
