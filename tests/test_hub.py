@@ -217,6 +217,15 @@ def test_pretraining_card_metadata(built):
     assert f"{total / 1e6:.2f} M total, {(total - routed / 2) / 1e6:.2f} M active" in text
 
 
+def test_cards_without_a_repo_id_load_their_own_folder(sources, tmp_path):
+    """Before: the run's own final/ card and a folder built without repo_id loaded a guessed ``kdamoe/<name>`` id."""
+    run_card = (sources["final"] / "README.md").read_text()
+    assert f'from_pretrained("{sources["final"].resolve()}", trust_remote_code=True)' in run_card
+    assert "No Hub id is known for this model yet" in run_card and 'from_pretrained("kdamoe/' not in run_card
+    built = hub.build_hub_folder(sources["final"], tmp_path / "hub", validate=False)
+    assert f'from_pretrained("{built.resolve()}", trust_remote_code=True)' in (built / "README.md").read_text()
+
+
 def test_checkpoint_and_trainer_cards(built):
     ckpt = ModelCard.load(built["checkpoint"] / "README.md")
     assert ckpt.data.eval_results is None and ckpt.data.datasets == ["shakespeare"]
