@@ -7,6 +7,7 @@ Validation compares the reloaded folder's logits with the source model's in this
 """
 
 import json
+import os
 import random
 import re
 import shutil
@@ -68,8 +69,12 @@ def _perturb(model, seed):
 
 def _shared_dir(tmp_path_factory, name, build):
     """``build(folder)`` once per test session, also across pytest-xdist workers (they share the parent of
-    their base temp folders); the other workers wait on a file lock and reuse the folder."""
-    root = tmp_path_factory.getbasetemp().parent
+    their base temp folders); the other workers wait on a file lock and reuse the folder. Without xdist the session's
+    own base temp folder: its parent outlives the session, and a folder built there by an earlier run (older code)
+    would be reused."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
     folder = root / name
     with FileLock(str(root / f"{name}.lock")):
         if not (folder / "done").exists():
