@@ -256,7 +256,11 @@ def build_hub_folder(src: str | Path, out_dir: str | Path, *, repo_id: str | Non
         check_stored_weights(get_peft_model_state_dict(model), source.path, "adapter_model.safetensors",
                              what="the adapter its adapter_config.json describes")
         peft_config = model.peft_config["default"]
-        meta.setdefault("training_description", _adapter_description(peft_config, model))
+        lora = _adapter_description(peft_config, model)
+        if training_description is None and meta.get("recipe") and meta.get("training_description"):
+            meta["training_description"] += " " + lora  # a post-training run's adapter/: its run's text, plus LoRA's
+        else:
+            meta.setdefault("training_description", lora)
         ids = _validation_ids(base.config.vocab_size)
         reference = _reference_logits(model, ids)
         total, active = count_parameters(base)
@@ -267,6 +271,8 @@ def build_hub_folder(src: str | Path, out_dir: str | Path, *, repo_id: str | Non
                 raise ValueError(f"adapter repo of {source.path}: its base {base_path} is a local folder; pass "
                                  "base_model (--base-model) with the base's Hub id (written into adapter_config.json)")
             adapter_base = base_path
+            if meta.get("recipe"):  # published as the adapter itself, not merged
+                meta["recipe"] = meta["recipe"].replace(" (merged into these weights)", "")
     else:
         if source.kind == "pretraining-checkpoint":
             model, tokenizer, _ = load_pretraining_checkpoint(source.path, source.run_dir)
@@ -322,11 +328,11 @@ def _source_metadata(source: Source) -> dict:
 
 
 def _posttraining_card_values(folder: Path) -> dict | None:
-    """The card values a post-training run recorded for its ``final/`` (``summary.json``'s ``card``, written by
-    :func:`kdamoe.posttraining.run.card_values`): recipe and mode, base, data, the logged curve, the usage example;
-    ``None`` when ``folder`` is not such a ``final/``."""
+    """The card values a post-training run recorded for its ``final/`` and ``adapter/`` (``summary.json``'s ``card``,
+    written by :func:`kdamoe.posttraining.run.card_values`): recipe and mode, base, data, the logged curve, the usage
+    example; ``None`` when ``folder`` is not such a folder."""
     summary_path = folder.parent / "summary.json"
-    if folder.name != "final" or not summary_path.is_file():
+    if folder.name not in ("final", "adapter") or not summary_path.is_file():
         return None
     summary = json.loads(summary_path.read_text())
     if not isinstance(summary, dict) or not isinstance(summary.get("card"), dict):

@@ -404,6 +404,12 @@ def test_an_adapter_names_its_base_by_an_absolute_path(base, tmp_path, monkeypat
     assert f"in the local folder `{stored}` (not on the Hub" in card.text
     assert f'AutoModelForCausalLM.from_pretrained("{stored}", trust_remote_code=True)' in card.text
     assert f'PeftModel.from_pretrained(base, "{Path(result["adapter"]).resolve()}")' in card.text
+    # kdamoe-push --adapter keeps the run's recipe and data, adds the LoRA settings, and names the base by its id
+    pushed = ModelCard.load(hub.build_hub_folder(result["adapter"], tmp_path / "hub", merge_adapter=False,
+                                                 base_model="me/base", validate=False) / "README.md")
+    assert pushed.data.base_model == "me/base"
+    assert "`sft` with TRL's `SFTTrainer` and a LoRA adapter, from" in pushed.text
+    assert "LoRA (PEFT) with rank 2" in pushed.text and "Data: 4 generated chained-arithmetic tasks" in pushed.text
 
 
 def test_card_renders_the_reward_curve():
