@@ -101,6 +101,13 @@ def _curve_rows(rows, name: str, what: str) -> list[dict] | None:
     return out
 
 
+def _tools_literal(usage: dict | None) -> str | None:
+    """The usage example's tool schemas as a Python / JSON list literal, one schema per line."""
+    if not usage or not usage.get("tools"):
+        return None
+    return "[\n    " + ",\n    ".join(json.dumps(tool) for tool in usage["tools"]) + ",\n]"
+
+
 def curve_is_constant(values) -> bool:
     """Whether a logged curve is constant up to float32 rounding (relative 1e-6): such a curve is reported as
     constant, and its plot is not scaled to magnify the rounding noise."""
@@ -165,8 +172,8 @@ def render_model_card(config, *, repo_id: str | None, total: int, active: int, a
     if relation is not None and relation not in BASE_MODEL_RELATIONS:
         raise ValueError(f"base_model_relation={relation!r}: expected one of {BASE_MODEL_RELATIONS}")
     name = repo_id.split("/")[-1] if repo_id else Path(local_path).name
-    if name == "final" and local_path is not None and repo_id is None:  # a run's final/: the run's name says more
-        name = Path(local_path).parent.name
+    if name in ("final", "adapter") and repo_id is None:  # a run's final/ or adapter/: the run's name says more
+        name = Path(local_path).parent.name + ("-adapter" if name == "adapter" else "")
     curves = []
     for rows, image, what, label in ((loss_curve, loss_curve_image, "training loss", "loss_curve"),
                                      (reward_curve, reward_curve_image, "mean reward", "reward_curve")):
@@ -206,7 +213,7 @@ def render_model_card(config, *, repo_id: str | None, total: int, active: int, a
         stages=stages, tokens=tokens, evaluation=None if rows is None else {**evaluation, "rows": rows},
         chat_template=chat_template, recipe=recipe, base_model_path=base_model_path, curves=curves,
         load_id=repo_id or str(local_path), local_only=repo_id is None, base_load_id=base_model or base_model_path,
-        usage=usage, usage_tools=None if not usage or not usage.get("tools") else json.dumps(usage["tools"], indent=4),
+        usage=usage, usage_tools=_tools_literal(usage),
         **values)
 
 

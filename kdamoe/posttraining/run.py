@@ -206,16 +206,18 @@ def card_values(cfg, history: list[dict]) -> dict:
         recipe += " and a LoRA adapter (merged into these weights)"
     biases = ("frozen" if cfg.peft is not None or cfg.router_biases == "freeze"
               else "updated by Quantile Balancing once per optimizer step")
+    span = str(d.min_calls) if d.min_calls == d.max_calls else f"{d.min_calls}-{d.max_calls}"
+    plural = "" if d.max_calls == 1 else "s"
     if d.environment == "keyhunt":
         family = "key-hunt tasks (walk through hidden rooms with `open_door` until the key, then `take_key`)"
-        calls = f", {d.min_calls}-{d.max_calls} doors before the key"
+        calls = f", {span} door{plural} before the key"
     elif tools:
         family = f"chained-arithmetic tasks (operands 2-{d.max_operand}, calculator tools)"
-        calls = f", {d.min_calls}-{d.max_calls} tool calls before `submit`"
+        calls = f", {span} tool call{plural} before `submit`"
     else:
         family = (f"chained-arithmetic tasks (operands 2-{d.max_operand}), answered in one turn without tools "
                   "(reward: the completion states the result)")
-        calls = f", {d.min_calls}-{d.max_calls} operations each"
+        calls = f", {span} operation{plural} each"
     description = (
         f"Data: {d.num_tasks} generated {family}, seed {d.seed}{calls}"
         + (f", {d.hasty_fraction:.0%} of the demonstrations by a hasty agent" if cfg.recipe == "sft" else "")
