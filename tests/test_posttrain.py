@@ -474,6 +474,8 @@ def test_card_values_say_what_each_mode_ran():
     assert card_values(load_posttrain_config("dpo"), history)["loss_curve"] == [(1, 2.0)]
     assert card_values(load_posttrain_config("dpo"), history)["reward_curve"] is None
     assert card_values(load_posttrain_config("rloo"), history)["reward_curve"] == [(1, 0.5)]
+    only_mean = card_values(load_posttrain_config("sft"), [{"step": 5, "train_loss": 1.25}])
+    assert not only_mean["loss_curve"] and "Mean training loss over the run 1.2500" in only_mean["training_description"]
 
 
 def test_a_constant_curve_is_drawn_flat_and_called_constant(tmp_path):

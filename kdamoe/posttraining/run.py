@@ -222,6 +222,11 @@ def card_values(cfg, history: list[dict]) -> dict:
         f"Data: {d.num_tasks} generated {family}, seed {d.seed}{calls}"
         + (f", {d.hasty_fraction:.0%} of the demonstrations by a hasty agent" if cfg.recipe == "sft" else "")
         + f"; nothing downloaded. Router biases {biases}.")
+    losses = loss_curve(history) if cfg.recipe in LOSS_RECIPES else None
+    mean = next((row["train_loss"] for row in reversed(history) if "train_loss" in row), None)
+    if cfg.recipe in LOSS_RECIPES and not losses and mean is not None:  # logging_steps past the run's last step
+        description += (f" Mean training loss over the run {float(mean):.4f} (no per-step loss was logged: "
+                        "trainer.logging_steps exceeds the steps).")
     local = _is_local(cfg.model)
     env_cls = ENVIRONMENTS[d.environment][1]
     example = make_family_tasks(d.environment, 1, d.seed, min_calls=d.min_calls, max_calls=d.max_calls,
@@ -231,7 +236,7 @@ def card_values(cfg, history: list[dict]) -> dict:
         base_model=None if local else cfg.model,
         base_model_path=str(Path(cfg.model).expanduser().resolve()) if local else None,
         reward_curve=reward_curve(history) if cfg.recipe in RL_RECIPES else None,
-        loss_curve=loss_curve(history) if cfg.recipe in LOSS_RECIPES else None,
+        loss_curve=losses,
         extra_tags=["trl", cfg.recipe], chat_template=True,
         usage={"prompt": example.prompt(), "tools": tool_schemas(env_cls) if tools else None})
 
