@@ -169,7 +169,8 @@ def plot_curve(curve: list[tuple[int, float]], path: Path, ylabel: str) -> tuple
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    return ax.get_ylim()
+    bottom, top = ax.get_ylim()
+    return float(bottom), float(top)
 
 
 def _is_local(path: str) -> bool:
