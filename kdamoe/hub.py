@@ -11,10 +11,11 @@ A **Hub folder** holds only what a user of the repository needs, and nothing tha
 Sources (:func:`detect_source`): a pretraining ``final/`` folder (its run's ``config.yaml`` and
 ``summary.json`` next to it give datasets, stages and validation numbers), a pretraining checkpoint
 ``checkpoints/stage<i>-step<n>/`` (an accelerate ``save_state`` folder, rebuilt with the run's
-``config.yaml`` and ``tokenizer/``; only its ``model.safetensors`` is read), any ``save_pretrained`` /
-transformers or TRL trainer ``output_dir`` (``training_args.bin``, optimizer states and ``checkpoint-*``
-folders are never copied; metadata of a trainer-written card is kept), and a PEFT adapter folder, merged
-into its base or published as an adapter.
+``config.yaml`` and ``tokenizer/``; only its ``model.safetensors`` is read), a post-training ``final/`` (its run's
+``summary.json`` records the card's values: recipe, base, data, logged curves, usage; its plots are copied), any
+``save_pretrained`` / transformers or TRL trainer ``output_dir`` (``training_args.bin``, optimizer states and
+``checkpoint-*`` folders are never copied; metadata of a trainer-written card is kept), and a PEFT adapter folder,
+merged into its base or published as an adapter.
 
 **Validation** (:func:`validate_hub_folder`) runs before every upload: the required files are present, no
 file is a pickle, and a fresh Python process in which ``import kdamoe`` fails loads the folder with
@@ -208,7 +209,8 @@ def build_hub_folder(src: str | Path, out_dir: str | Path, *, repo_id: str | Non
     Args:
         src: a folder kdamoe writes (:func:`detect_source`).
         out_dir: where to write; must be empty or absent unless ``overwrite``.
-        repo_id: the target Hub id, for the card's title and usage code (default: ``kdamoe/<src name>``).
+        repo_id: the target Hub id, for the card's title and usage code (default: none; the card's usage code then
+            loads ``out_dir`` and says to replace it with the repository id).
         merge_adapter: for a PEFT adapter: merge it into its base (a full model) or publish the adapter.
         base_model: Hub id of the model ``src`` was trained from (card ``base_model``; for an adapter repo also
             written into ``adapter_config.json``). Defaults: a trainer card's ``base_model``, an adapter's
@@ -232,8 +234,11 @@ def build_hub_folder(src: str | Path, out_dir: str | Path, *, repo_id: str | Non
                  evaluation=evaluation)
     meta.update({k: v for k, v in given.items() if v is not None})
     meta["extra_tags"] = [*meta.get("extra_tags", []), *(tags or [])]
-    repo_id = repo_id or f"kdamoe/{source.path.resolve().name}"
-    card_kwargs = dict(license=license, language=language)
+    # Without a repo id the card's usage code loads the built folder itself (with a note), never a guessed id.
+    card_kwargs = dict(license=license, language=language, local_path=str(Path(out_dir).resolve()))
+    images = [name for name in CURVE_IMAGES if (source.path / name).is_file()]
+    for name in images:
+        meta[f"{name.removesuffix('.png')}_image"] = name
 
     adapter_base = None
     if source.kind == "peft-adapter":
@@ -251,7 +256,11 @@ def build_hub_folder(src: str | Path, out_dir: str | Path, *, repo_id: str | Non
         check_stored_weights(get_peft_model_state_dict(model), source.path, "adapter_model.safetensors",
                              what="the adapter its adapter_config.json describes")
         peft_config = model.peft_config["default"]
-        meta.setdefault("training_description", _adapter_description(peft_config, model))
+        lora = _adapter_description(peft_config, model)
+        if training_description is None and meta.get("recipe") and meta.get("training_description"):
+            meta["training_description"] += " " + lora  # a post-training run's adapter/: its run's text, plus LoRA's
+        else:
+            meta.setdefault("training_description", lora)
         ids = _validation_ids(base.config.vocab_size)
         reference = _reference_logits(model, ids)
         total, active = count_parameters(base)
@@ -262,6 +271,8 @@ def build_hub_folder(src: str | Path, out_dir: str | Path, *, repo_id: str | Non
                 raise ValueError(f"adapter repo of {source.path}: its base {base_path} is a local folder; pass "
                                  "base_model (--base-model) with the base's Hub id (written into adapter_config.json)")
             adapter_base = base_path
+            if meta.get("recipe"):  # published as the adapter itself, not merged
+                meta["recipe"] = meta["recipe"].replace(" (merged into these weights)", "")
     else:
         if source.kind == "pretraining-checkpoint":
             model, tokenizer, _ = load_pretraining_checkpoint(source.path, source.run_dir)
@@ -277,6 +288,8 @@ def build_hub_folder(src: str | Path, out_dir: str | Path, *, repo_id: str | Non
         adapter=adapter_base is not None, chat_template=bool(getattr(tokenizer, "chat_template", None)),
         **card_kwargs, **{k: v for k, v in meta.items() if k in _CARD_KEYS})
     out_dir = _prepare_out_dir(out_dir, overwrite)
+    for name in images:  # the plots the card shows
+        shutil.copyfile(source.path / name, out_dir / name)
     if adapter_base is None:
         write_model_folder(model, tokenizer, out_dir, card)
     else:
@@ -292,7 +305,10 @@ def build_hub_folder(src: str | Path, out_dir: str | Path, *, repo_id: str | Non
 
 
 _CARD_KEYS = ("base_model", "base_model_relation", "datasets", "data_note", "training_description", "stages", "tokens",
-              "trained_context", "evaluation", "extra_tags")
+              "trained_context", "evaluation", "extra_tags", "recipe", "base_model_path", "reward_curve",
+              "reward_curve_image", "loss_curve", "loss_curve_image", "usage")
+# Plots a source's card shows next to it (a post-training final/): copied into the Hub folder with the card.
+CURVE_IMAGES = ("loss_curve.png", "reward_curve.png")
 
 
 def _source_metadata(source: Source) -> dict:
@@ -305,7 +321,23 @@ def _source_metadata(source: Source) -> dict:
         progress = (json.loads((source.path / "progress.json").read_text())
                     if source.kind == "pretraining-checkpoint" else None)
         return pretraining_card_metadata(run_cfg, summary, progress)
+    run_card = _posttraining_card_values(source.path)
+    if run_card is not None:
+        return run_card
     return _card_metadata(source.path)
+
+
+def _posttraining_card_values(folder: Path) -> dict | None:
+    """The card values a post-training run recorded for its ``final/`` and ``adapter/`` (``summary.json``'s ``card``,
+    written by :func:`kdamoe.posttraining.run.card_values`): recipe and mode, base, data, the logged curve, the usage
+    example; ``None`` when ``folder`` is not such a folder."""
+    summary_path = folder.parent / "summary.json"
+    if folder.name not in ("final", "adapter") or not summary_path.is_file():
+        return None
+    summary = json.loads(summary_path.read_text())
+    if not isinstance(summary, dict) or not isinstance(summary.get("card"), dict):
+        return None
+    return {k: v for k, v in summary["card"].items() if k in _CARD_KEYS and v is not None}
 
 
 def _adapter_description(peft_config, model) -> str:

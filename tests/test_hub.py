@@ -7,6 +7,7 @@ Validation compares the reloaded folder's logits with the source model's in this
 """
 
 import json
+import os
 import random
 import re
 import shutil
@@ -68,8 +69,12 @@ def _perturb(model, seed):
 
 def _shared_dir(tmp_path_factory, name, build):
     """``build(folder)`` once per test session, also across pytest-xdist workers (they share the parent of
-    their base temp folders); the other workers wait on a file lock and reuse the folder."""
-    root = tmp_path_factory.getbasetemp().parent
+    their base temp folders); the other workers wait on a file lock and reuse the folder. Without xdist the session's
+    own base temp folder: its parent outlives the session, and a folder built there by an earlier run (older code)
+    would be reused."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
     folder = root / name
     with FileLock(str(root / f"{name}.lock")):
         if not (folder / "done").exists():
@@ -215,6 +220,15 @@ def test_pretraining_card_metadata(built):
     total = sum(p.numel() for p in model.parameters())
     routed = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
     assert f"{total / 1e6:.2f} M total, {(total - routed / 2) / 1e6:.2f} M active" in text
+
+
+def test_cards_without_a_repo_id_load_their_own_folder(sources, tmp_path):
+    """Before: the run's own final/ card and a folder built without repo_id loaded a guessed ``kdamoe/<name>`` id."""
+    run_card = (sources["final"] / "README.md").read_text()
+    assert f'from_pretrained("{sources["final"].resolve()}", trust_remote_code=True)' in run_card
+    assert "No Hub id is known for this model yet" in run_card and 'from_pretrained("kdamoe/' not in run_card
+    built = hub.build_hub_folder(sources["final"], tmp_path / "hub", validate=False)
+    assert f'from_pretrained("{built.resolve()}", trust_remote_code=True)' in (built / "README.md").read_text()
 
 
 def test_checkpoint_and_trainer_cards(built):

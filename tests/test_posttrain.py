@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import get_json_schema
 from trl import SFTConfig
 
 import kdamoe.posttraining
-from kdamoe import KDAMoEForCausalLM
+from kdamoe import KDAMoEForCausalLM, hub
 from kdamoe.callbacks import RouterBiasUpdateCallback, add_router_bias_callback
 from kdamoe.cli import posttrain_main
 from kdamoe.common.cards import render_model_card
@@ -34,6 +35,7 @@ from kdamoe.posttraining.long_update import real_token_span
 from kdamoe.posttraining.recipes import build_trainer
 from kdamoe.posttraining.recipes import grpo as grpo_recipe
 from kdamoe.posttraining.recipes.common import trainer_args
+from kdamoe.posttraining.run import card_values, plot_curve
 from kdamoe.training.tokenizer import train_tokenizer
 from tests.helpers import tiny_config
 
@@ -394,6 +396,20 @@ def test_an_adapter_names_its_base_by_an_absolute_path(base, tmp_path, monkeypat
     assert stored == str(Path(base).resolve())
     monkeypatch.chdir(tmp_path)  # anywhere else
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(stored), result["adapter"])
+    # Before: the adapter's README.md was PEFT's empty template. Now a card: the base by its absolute path, with a
+    # note, the recipe, and usage code that loads this adapter onto that base.
+    card = ModelCard.load(Path(result["adapter"]) / "README.md")
+    assert card.data.library_name == "peft" and card.data.base_model_relation == "adapter"
+    assert "More Information Needed" not in card.text and "`sft`" in card.text
+    assert f"in the local folder `{stored}` (not on the Hub" in card.text
+    assert f'AutoModelForCausalLM.from_pretrained("{stored}", trust_remote_code=True)' in card.text
+    assert f'PeftModel.from_pretrained(base, "{Path(result["adapter"]).resolve()}")' in card.text
+    # kdamoe-push --adapter keeps the run's recipe and data, adds the LoRA settings, and names the base by its id
+    pushed = ModelCard.load(hub.build_hub_folder(result["adapter"], tmp_path / "hub", merge_adapter=False,
+                                                 base_model="me/base", validate=False) / "README.md")
+    assert pushed.data.base_model == "me/base"
+    assert "`sft` with TRL's `SFTTrainer` and a LoRA adapter, from" in pushed.text
+    assert "LoRA (PEFT) with rank 2" in pushed.text and "Data: 4 generated chained-arithmetic tasks" in pushed.text
 
 
 def test_card_renders_the_reward_curve():
@@ -405,6 +421,75 @@ def test_card_renders_the_reward_curve():
     assert "mean reward" not in str(render_model_card(tiny_config(), repo_id="kdamoe/x", total=10, active=5))
     with pytest.raises(ValueError, match="nan"):
         render_model_card(tiny_config(), repo_id="kdamoe/x", total=10, active=5, reward_curve=[(1, float("nan"))])
+
+
+def _section(card: str, title: str) -> str:
+    start = card.index(f"## {title}\n")
+    return card[start:card.index("\n## ", start + 1)]
+
+
+def test_sft_card_shows_the_loss_and_a_push_keeps_the_training_section(base, tmp_path, monkeypatch):
+    """Before: an SFT card had no metric, its usage code loaded a guessed ``kdamoe/<name>`` id with a "ROMEO." prompt,
+    and ``kdamoe-push`` of ``final/`` rebuilt a card whose Training section was empty (also with --base-model)."""
+    cfg = _cfg("sft", base, tmp_path, *FAST, "trainer.max_steps=3", "trainer.logging_steps=1")
+    result = run_recipe(cfg)
+    final = Path(result["final"])
+    logged = [(row["step"], row["loss"]) for row in result["log_history"] if "loss" in row]
+    assert [s for s, _ in logged] == [1, 2, 3]
+    card = (final / "README.md").read_text()
+    table = "| step | training loss |\n|---|---|\n" + "".join(f"| {s} | {v:.4f} |\n" for s, v in logged)
+    assert table in card and "](loss_curve.png)" in card and (final / "loss_curve.png").is_file()
+    assert "ROMEO" not in card and 'from_pretrained("kdamoe/' not in card
+    assert "tools = [" in card and '"name": "add"' in card  # an arithmetic agent: a chat with its calculator tools
+
+    # the card's usage code runs from another folder (it names final/ by its absolute path) and generates
+    code = card.split("```python\n")[1].split("```")[0].replace("max_new_tokens=60", "max_new_tokens=2")
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(code, "card-usage", "exec"), namespace)
+    assert namespace["out"].shape[1] == namespace["inputs"]["input_ids"].shape[1] + 2
+
+    for kwargs in ({}, {"base_model": "me/kdamoe-base", "repo_id": "me/kdamoe-sft"}):
+        pushed = hub.build_hub_folder(final, tmp_path / f"hub{len(kwargs)}", validate=False, **kwargs)
+        pushed_card = (pushed / "README.md").read_text()
+        assert _section(pushed_card, "Training") == _section(card, "Training")
+        assert (pushed / "loss_curve.png").read_bytes() == (final / "loss_curve.png").read_bytes()
+    assert ModelCard.load(pushed / "README.md").data.base_model == "me/kdamoe-base"
+    assert 'from_pretrained("me/kdamoe-sft", trust_remote_code=True)' in pushed_card
+
+
+def test_card_values_say_what_each_mode_ran():
+    """Before: the grpo_single_turn and rloo cards claimed "calculator tools, 1-2 tool calls" for modes without
+    tools, the grpo_long card did not name its cached rollouts and memory-bounded update, and every card's usage
+    prompted "ROMEO."."""
+    for name in ("grpo_single_turn", "rloo"):
+        values = card_values(load_posttrain_config(name), [])
+        text = values["recipe"] + " " + values["training_description"]
+        assert "calculator" not in text and "tool call" not in text and "without tools" in text
+        assert values["usage"]["tools"] is None and values["usage"]["prompt"].endswith("Submit the result.")
+    long = card_values(load_posttrain_config("grpo_long"), [])
+    assert "cached rollouts" in long["recipe"] and "memory-bounded update" in long["recipe"]
+    assert [t["function"]["name"] for t in long["usage"]["tools"]] == ["open_door", "take_key"]
+    history = [{"step": 1, "loss": 2.0}, {"step": 1, "reward": 0.5}, {"step": 1, "train_loss": 2.0}]
+    assert card_values(load_posttrain_config("dpo"), history)["loss_curve"] == [(1, 2.0)]
+    assert card_values(load_posttrain_config("dpo"), history)["reward_curve"] is None
+    assert card_values(load_posttrain_config("rloo"), history)["reward_curve"] == [(1, 0.5)]
+    only_mean = card_values(load_posttrain_config("sft"), [{"step": 5, "train_loss": 1.25}])
+    assert not only_mean["loss_curve"] and "Mean training loss over the run 1.2500" in only_mean["training_description"]
+
+
+def test_a_constant_curve_is_drawn_flat_and_called_constant(tmp_path):
+    """Before: a reward that stayed at 1.0 up to float32 rounding was autoscaled to a ~1e-7 range and drawn as a
+    falling curve."""
+    curve = [(1, 1.0), (2, 0.99999994), (3, 1.0)]
+    bottom, top = plot_curve(curve, tmp_path / "reward_curve.png", "mean reward")
+    assert bottom <= 0.5 and top >= 1.5
+    card = str(render_model_card(tiny_config(), repo_id="me/x", total=10, active=5, reward_curve=curve))
+    assert "constant at 1.0000 over 3 logged steps (1 to 3)" in card
+    bottom, top = plot_curve([(1, 0.25), (2, 0.5)], tmp_path / "moving.png", "mean reward")
+    assert top - bottom < 0.5  # a moving curve keeps matplotlib's own range
+    assert "constant" not in str(render_model_card(tiny_config(), repo_id="me/x", total=10, active=5,
+                                                   reward_curve=[(1, 0.25), (2, 0.5)]))
 
 
 def test_a_missing_base_folder_is_named(tmp_path):

@@ -8,6 +8,7 @@ validation results as ``model-index`` (Hub metadata spec: https://huggingface.co
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -79,7 +80,42 @@ def architecture_values(config, total: int, active: int, trained_context: int | 
                 small=total < 50_000_000)
 
 
-def render_model_card(config, *, repo_id: str, total: int, active: int, adapter: bool = False,
+def _curve_rows(rows, name: str, what: str) -> list[dict] | None:
+    """``rows`` of ``(step, value)`` as ``[{"step": int, "value": float}]``; ``None`` for ``None``.
+
+    Raises:
+        ValueError: a row that is not ``(int step, finite float)``, naming ``name`` and the row.
+    """
+    if rows is None:
+        return None
+    out = []
+    for row in rows:
+        try:
+            step, value = row
+            step, value = int(step), float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} row {row!r}: expected (step, {what})") from None
+        if not math.isfinite(value):
+            raise ValueError(f"{name} row {row!r}: the {what} is not finite")
+        out.append({"step": step, "value": value})
+    return out
+
+
+def _tools_literal(usage: dict | None) -> str | None:
+    """The usage example's tool schemas as a Python / JSON list literal, one schema per line."""
+    if not usage or not usage.get("tools"):
+        return None
+    return "[\n    " + ",\n    ".join(json.dumps(tool) for tool in usage["tools"]) + ",\n]"
+
+
+def curve_is_constant(values) -> bool:
+    """Whether a logged curve is constant up to float32 rounding (relative 1e-6): such a curve is reported as
+    constant, and its plot is not scaled to magnify the rounding noise."""
+    values = [float(v) for v in values]
+    return bool(values) and max(values) - min(values) <= 1e-6 * max(1.0, max(abs(v) for v in values))
+
+
+def render_model_card(config, *, repo_id: str | None, total: int, active: int, adapter: bool = False,
                       base_model: str | None = None, base_model_relation: str | None = None,
                       datasets: list[str] | None = None, data_note: str | None = None,
                       training_description: str | None = None, stages: list[dict] | None = None,
@@ -88,15 +124,18 @@ def render_model_card(config, *, repo_id: str, total: int, active: int, adapter:
                       license: str = "apache-2.0", language: str | list[str] | None = "en",
                       chat_template: bool = False, recipe: str | None = None, base_model_path: str | None = None,
                       reward_curve: list[tuple[int, float]] | None = None,
-                      reward_curve_image: str | None = None) -> ModelCard:
+                      reward_curve_image: str | None = None, loss_curve: list[tuple[int, float]] | None = None,
+                      loss_curve_image: str | None = None, local_path: str | None = None,
+                      usage: dict | None = None) -> ModelCard:
     """Render the card of a model (or, with ``adapter=True``, a PEFT adapter) repository.
 
     Args:
         config: the model's ``KDAMoEConfig`` (the base model's for an adapter).
-        repo_id: the Hub id the folder is meant for (the card's title and usage code).
+        repo_id: the Hub id the folder is meant for (the card's title and usage code); ``None`` when no id is known
+            yet: the usage code then loads ``local_path`` and the card says to replace it once pushed.
         total, active: parameter counts (:func:`count_parameters`).
         adapter: an adapter repository: ``library_name: peft``, ``base_model_relation: adapter``.
-        base_model: Hub id of the model this one was trained from (required with ``adapter``).
+        base_model: Hub id of the model this one was trained from (an adapter needs it or ``base_model_path``).
         base_model_relation: one of ``adapter``, ``finetune``, ``merge``, ``quantized``; defaults to
             ``adapter`` for adapters and ``finetune`` when ``base_model`` is given.
         datasets: dataset names for the ``datasets`` metadata; ``data_note`` describes them in the text.
@@ -105,36 +144,46 @@ def render_model_card(config, *, repo_id: str, total: int, active: int, adapter:
             ``steps``, ``lr``.
         tokens: training tokens in all; ``trained_context``: the longest training row.
         recipe: the post-training recipe, e.g. ``"grpo (environment) with TRL GRPOTrainer"``.
-        base_model_path: a base model given as a local folder (shown in the text; Hub metadata takes only ids).
+        base_model_path: a base model given as a local folder (shown in the text, and loaded by an adapter's usage
+            code when no ``base_model`` id is known; Hub metadata takes only ids).
         reward_curve: RL recipes: ``(optimizer step, mean reward over the step's rollouts)`` rows, a table;
             ``reward_curve_image``: the file name of its plot in the folder (e.g. ``reward_curve.png``).
+        loss_curve: SFT / DPO: ``(optimizer step, training loss the trainer logged)`` rows, a table;
+            ``loss_curve_image``: the file name of its plot (e.g. ``loss_curve.png``). A constant curve
+            (:func:`curve_is_constant`) is stated as constant.
+        local_path: the folder the card is written into (usage code without a ``repo_id``).
+        usage: ``{"prompt": str, "tools": [JSON schema, ...] | None}``: a chat model's usage example is a chat with
+            this user message (and these tools, for an agent); ``None``: a plain text prompt.
         evaluation: ``{"dataset": str, "dataset_type": str, "split": str, "ppl": float, "bpb": float,
             "baselines": [{"name", "ppl", "bpb"}, ...]}``: the validation perplexity and bits per byte of
             this model (written as ``model-index``) and the rows of comparison.
     Returns:
         A ``huggingface_hub.ModelCard`` (``.save(path)`` writes it).
     Raises:
-        ValueError: ``adapter`` without ``base_model``, an unknown ``base_model_relation``, or a reward curve row
-            that is not ``(int step, finite float)``.
+        ValueError: ``adapter`` without ``base_model`` or ``base_model_path``, neither ``repo_id`` nor ``local_path``,
+            an unknown ``base_model_relation``, or a curve row that is not ``(int step, finite float)``.
     """
-    if adapter and not base_model:
-        raise ValueError("an adapter card needs base_model (the Hub id of the model the adapter applies to)")
+    if adapter and not (base_model or base_model_path):
+        raise ValueError("an adapter card needs base_model (the Hub id of the model the adapter applies to) or "
+                         "base_model_path (its local folder)")
+    if repo_id is None and local_path is None:
+        raise ValueError("render_model_card needs repo_id (a Hub id) or local_path (the folder the card is in)")
     relation = base_model_relation or ("adapter" if adapter else "finetune" if base_model else None)
     if relation is not None and relation not in BASE_MODEL_RELATIONS:
         raise ValueError(f"base_model_relation={relation!r}: expected one of {BASE_MODEL_RELATIONS}")
-    name = repo_id.split("/")[-1]
-    curve = None
-    if reward_curve is not None:
-        curve = []
-        for row in reward_curve:
-            try:
-                step, reward = row
-                step, reward = int(step), float(reward)
-            except (TypeError, ValueError):
-                raise ValueError(f"reward_curve row {row!r}: expected (step, mean reward)") from None
-            if not math.isfinite(reward):
-                raise ValueError(f"reward_curve row {row!r}: the mean reward is not finite")
-            curve.append({"step": step, "reward": reward})
+    name = repo_id.split("/")[-1] if repo_id else Path(local_path).name
+    if name in ("final", "adapter") and repo_id is None:  # a run's final/ or adapter/: the run's name says more
+        name = Path(local_path).parent.name + ("-adapter" if name == "adapter" else "")
+    curves = []
+    for rows, image, what, label in ((loss_curve, loss_curve_image, "training loss", "loss_curve"),
+                                     (reward_curve, reward_curve_image, "mean reward", "reward_curve")):
+        checked = _curve_rows(rows, label, what)
+        if checked:
+            curves.append(dict(what=what, rows=checked, image=image,
+                               constant=curve_is_constant(r["value"] for r in checked),
+                               caption=("Training loss per logged optimizer step (as the trainer logged it)"
+                                        if label == "loss_curve" else
+                                        "Mean reward per optimizer step (over the step's rollouts)")))
     eval_results = None
     if evaluation is not None:
         common = dict(task_type="text-generation", task_name="Causal language modeling",
@@ -162,8 +211,10 @@ def render_model_card(config, *, repo_id: str, total: int, active: int, adapter:
         card_data, template_path=str(TEMPLATE), model_id=name, repo_id=repo_id, adapter=adapter,
         base_model=base_model, datasets=datasets, data_note=data_note, training_description=training_description,
         stages=stages, tokens=tokens, evaluation=None if rows is None else {**evaluation, "rows": rows},
-        chat_template=chat_template, recipe=recipe, base_model_path=base_model_path, reward_curve=curve,
-        reward_curve_image=reward_curve_image, **values)
+        chat_template=chat_template, recipe=recipe, base_model_path=base_model_path, curves=curves,
+        load_id=repo_id or str(local_path), local_only=repo_id is None, base_load_id=base_model or base_model_path,
+        usage=usage, usage_tools=_tools_literal(usage),
+        **values)
 
 
 def pretraining_card_metadata(run_cfg: dict, summary: dict | None = None, progress: dict | None = None) -> dict:

@@ -8,9 +8,11 @@
   Trainer cannot checkpoint the optimizer of a model sharded while it loads);
 * ``final/`` — the trained model, reloadable with ``AutoModelForCausalLM.from_pretrained(final,
   trust_remote_code=True)`` (:func:`kdamoe.common.folders.write_model_folder`), with a model card naming the recipe, the
-  base model, the data and, for RL recipes, the reward curve (a table and ``reward_curve.png``). Under PEFT
-  it is the merged model, and ``adapter/`` holds the LoRA adapter for the base;
-* ``summary.json`` — the config, the paths, the log history and the reward curve.
+  base model, the data and the curve the trainer logged: the training loss for SFT / DPO (a table and
+  ``loss_curve.png``), the mean reward for RL recipes (``reward_curve.png``). Under PEFT it is the merged model,
+  and ``adapter/`` holds the LoRA adapter for the base, with its own card;
+* ``summary.json`` — the config, the paths, the log history, the reward curve and ``card``: the card's values
+  (:func:`card_values`), from which ``kdamoe-push`` of ``final/`` renders the same Training section.
 
 ``final/``, ``adapter/`` and ``summary.json`` are written to a temporary name and renamed into place, so a
 crash leaves either the previous complete version or none — never a half-written folder.
@@ -33,13 +35,14 @@ from transformers import AutoTokenizer, TrainerCallback, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..callbacks import RouterBiasUpdateCallback, add_router_bias_callback
-from ..common.cards import count_parameters, render_model_card
+from ..common.cards import count_parameters, curve_is_constant, render_model_card
 from ..common.checkpoint import verify_checkpoint, write_manifest
 from ..common.folders import check_model_folder, write_model_folder
 from ..common.parallel import check_world_size, consolidated_model, enable_fsdp2_on_cpu, load_sharded
 from ..common.run_folder import check_no_other_job, owned_run_folder
 from ..model import KDAMoEForCausalLM
 from .config import posttrain_config_to_dict
+from .environments import ENVIRONMENTS, make_family_tasks, tool_schemas
 from .recipes import build_trainer
 from .recipes.common import check_aux_loss
 
@@ -141,44 +144,113 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def _plot_reward_curve(curve: list[tuple[int, float]], path: Path) -> None:
+# The training loss per logged step as SFTTrainer and DPOTrainer log it (the run's last row has `train_loss`, the mean).
+LOSS_RECIPES = ("sft", "dpo")
+
+
+def loss_curve(log_history: list[dict]) -> list[tuple[int, float]]:
+    """``(step, training loss)`` of every training log row with a ``loss`` metric, in step order."""
+    return [(int(row["step"]), float(row["loss"])) for row in log_history if "loss" in row and "step" in row]
+
+
+def plot_curve(curve: list[tuple[int, float]], path: Path, ylabel: str) -> tuple[float, float]:
+    """Draw ``(step, value)`` rows into ``path`` (PNG); return the plot's y-range ``(bottom, top)``. A constant curve
+    (:func:`kdamoe.common.cards.curve_is_constant`) gets a y-range of ±0.5 around its value, so float rounding noise
+    is not magnified into a slope (matplotlib's autoscale would span the noise)."""
     fig = Figure(figsize=(5, 3))  # a bare Figure draws on the Agg canvas; pyplot's global backend is left alone
     ax = fig.subplots()
-    ax.plot([s for s, _ in curve], [r for _, r in curve], marker="o")
+    values = [v for _, v in curve]
+    ax.plot([s for s, _ in curve], values, marker="o")
+    if curve_is_constant(values):
+        ax.set_ylim(values[0] - 0.5, values[0] + 0.5)
+        ax.set_title(f"constant at {values[0]:.4f}", fontsize=9)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("mean reward")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    bottom, top = ax.get_ylim()
+    return float(bottom), float(top)
 
 
 def _is_local(path: str) -> bool:
     return Path(path).expanduser().exists()
 
 
-def _card(cfg, model, curve, image: str | None):
+# Recipes and GRPO modes whose model works with tools (the data's tool schemas), as opposed to single-turn answers.
+def _uses_tools(cfg) -> bool:
+    if cfg.recipe == "grpo":
+        return cfg.grpo.mode in ("tools", "environment")
+    return cfg.recipe in ("sft", "dpo")
+
+
+def card_values(cfg, history: list[dict]) -> dict:
+    """What the card of a post-training run says, as plain JSON data (:func:`kdamoe.common.cards.render_model_card`
+    keywords): recipe and mode as they ran, base (a Hub id, or the absolute path of a local folder), data, the
+    curve the trainer logged (loss for SFT / DPO, mean reward for RL), tags and the usage example. ``final/``'s card
+    is rendered from it, and it is stored in ``summary.json`` under ``card`` so that ``kdamoe-push`` renders the same
+    Training section."""
     d = cfg.data
-    mode = f" ({cfg.grpo.mode})" if cfg.recipe == "grpo" else ""
+    tools = _uses_tools(cfg)
+    mode = ""
+    if cfg.recipe == "grpo":
+        mode = f" ({cfg.grpo.mode}"
+        if cfg.grpo.rollout == "cached":
+            mode += ", cached rollouts: each turn continues the rollout's cache and prefills only its new tokens"
+        if cfg.grpo.long_context:
+            mode += ", memory-bounded update: activation checkpointing per layer, chunked LM head"
+        mode += ")"
+    elif cfg.recipe in ("rloo", "ppo"):
+        mode = " (single turn, no tools)"
     recipe = f"`{cfg.recipe}`{mode} with TRL's `{TRL_TRAINERS[cfg.recipe]}`"
     if cfg.peft is not None:
         recipe += " and a LoRA adapter (merged into these weights)"
     biases = ("frozen" if cfg.peft is not None or cfg.router_biases == "freeze"
               else "updated by Quantile Balancing once per optimizer step")
-    family = ("key-hunt tasks (walk through hidden rooms with `open_door` until the key, then `take_key`)"
-              if d.environment == "keyhunt" else
-              f"chained-arithmetic tasks (operands 2-{d.max_operand}, calculator tools)")
+    span = str(d.min_calls) if d.min_calls == d.max_calls else f"{d.min_calls}-{d.max_calls}"
+    plural = "" if d.max_calls == 1 else "s"
+    if d.environment == "keyhunt":
+        family = "key-hunt tasks (walk through hidden rooms with `open_door` until the key, then `take_key`)"
+        calls = f", {span} door{plural} before the key"
+    elif tools:
+        family = f"chained-arithmetic tasks (operands 2-{d.max_operand}, calculator tools)"
+        calls = f", {span} tool call{plural} before `submit`"
+    else:
+        family = (f"chained-arithmetic tasks (operands 2-{d.max_operand}), answered in one turn without tools "
+                  "(reward: the completion states the result)")
+        calls = f", {span} operation{plural} each"
     description = (
-        f"Data: {d.num_tasks} generated {family}, seed {d.seed}, {d.min_calls}-{d.max_calls} tool calls before the "
-        "final one"
+        f"Data: {d.num_tasks} generated {family}, seed {d.seed}{calls}"
         + (f", {d.hasty_fraction:.0%} of the demonstrations by a hasty agent" if cfg.recipe == "sft" else "")
         + f"; nothing downloaded. Router biases {biases}.")
-    total, active = count_parameters(model)
+    losses = loss_curve(history) if cfg.recipe in LOSS_RECIPES else None
+    mean = next((row["train_loss"] for row in reversed(history) if "train_loss" in row), None)
+    if cfg.recipe in LOSS_RECIPES and not losses and mean is not None:  # logging_steps past the run's last step
+        description += (f" Mean training loss over the run {float(mean):.4f} (no per-step loss was logged: "
+                        "trainer.logging_steps exceeds the steps).")
     local = _is_local(cfg.model)
+    env_cls = ENVIRONMENTS[d.environment][1]
+    example = make_family_tasks(d.environment, 1, d.seed, min_calls=d.min_calls, max_calls=d.max_calls,
+                                max_operand=d.max_operand)[0]
+    return dict(
+        recipe=recipe, training_description=description,
+        base_model=None if local else cfg.model,
+        base_model_path=str(Path(cfg.model).expanduser().resolve()) if local else None,
+        reward_curve=reward_curve(history) if cfg.recipe in RL_RECIPES else None,
+        loss_curve=losses,
+        extra_tags=["trl", cfg.recipe], chat_template=True,
+        usage={"prompt": example.prompt(), "tools": tool_schemas(env_cls) if tools else None})
+
+
+def render_run_card(model_config, values: dict, *, total: int, active: int, repo_id: str | None = None,
+                    local_path: str | None = None, images: tuple[str, ...] = (), **overrides):
+    """The card of a post-trained model from :func:`card_values` (``final/``'s, or a pushed folder's with its
+    ``repo_id``); ``images``: the curve plots present next to it (``loss_curve.png``, ``reward_curve.png``)."""
+    values = {**values, **{k: v for k, v in overrides.items() if v is not None}}
     return render_model_card(
-        model.config, repo_id=f"kdamoe/{Path(cfg.output_dir).name}", total=total, active=active,
-        base_model=None if local else cfg.model, base_model_path=cfg.model if local else None,
-        training_description=description, recipe=recipe, reward_curve=curve or None, reward_curve_image=image,
-        extra_tags=["trl", cfg.recipe], chat_template=True)
+        model_config, repo_id=repo_id, local_path=local_path, total=total, active=active,
+        reward_curve_image="reward_curve.png" if "reward_curve.png" in images else None,
+        loss_curve_image="loss_curve.png" if "loss_curve.png" in images else None, **values)
 
 
 def trained_model(cfg, trainer):
@@ -194,9 +266,23 @@ def trained_model(cfg, trainer):
     return getattr(model, "policy", model)  # TRL's PPO trains a wrapper of policy and value model
 
 
-def _save(cfg, model, tokenizer, padding_side: str, curve) -> tuple[Path, Path | None, object]:
-    """Write ``final/`` (and ``adapter/`` under PEFT) of the whole trained ``model``; return their paths and the
-    saved model (merged under PEFT)."""
+def _adapter_card(cfg, model, values: dict, folder: Path):
+    """The adapter folder's card (replacing PEFT's empty template): the base by its Hub id, or its absolute local
+    path with a note."""
+    total, active = count_parameters(model.get_base_model())
+    peft_config = next(iter(model.peft_config.values()))
+    targets = sorted(set(peft_config.target_modules or [])) + sorted(set(getattr(peft_config, "target_parameters",
+                                                                                 None) or []))
+    adapter_values = {**values, "recipe": values["recipe"].replace(" (merged into these weights)", ""),
+                      "training_description": values["training_description"]
+                      + f" LoRA rank {peft_config.r}, alpha {peft_config.lora_alpha}, on {', '.join(targets)}."}
+    return render_model_card(model.get_base_model().config, repo_id=None, local_path=str(folder), total=total,
+                             active=active, adapter=True, **adapter_values)
+
+
+def _save(cfg, model, tokenizer, padding_side: str, values: dict) -> tuple[Path, Path | None, object]:
+    """Write ``final/`` (and ``adapter/`` under PEFT) of the whole trained ``model`` with their cards (from
+    :func:`card_values`); return their paths and the saved model (merged under PEFT)."""
     out = Path(cfg.output_dir)
     tokenizer.padding_side = padding_side  # GRPO / RLOO pad on the left; the shipped tokenizer keeps its own
     adapter_dir = None
@@ -208,14 +294,20 @@ def _save(cfg, model, tokenizer, padding_side: str, curve) -> tuple[Path, Path |
         with _atomic_folder(adapter_dir) as tmp:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            _adapter_card(cfg, model, values, adapter_dir.expanduser().resolve()).save(tmp / "README.md")
         model = model.merge_and_unload()
     final = out / "final"
     with _atomic_folder(final) as tmp:
-        image = None
-        if curve:
-            _plot_reward_curve(curve, tmp / "reward_curve.png")
-            image = "reward_curve.png"
-        write_model_folder(model, tokenizer, tmp, _card(cfg, model, curve, image))
+        images = []
+        for name, key, label in (("loss_curve.png", "loss_curve", "training loss"),
+                                 ("reward_curve.png", "reward_curve", "mean reward")):
+            if values.get(key):
+                plot_curve(values[key], tmp / name, label)
+                images.append(name)
+        total, active = count_parameters(model)
+        card = render_run_card(model.config, values, total=total, active=active,
+                               local_path=str(final.expanduser().resolve()), images=tuple(images))
+        write_model_folder(model, tokenizer, tmp, card)
     return final, adapter_dir, model
 
 
@@ -337,9 +429,10 @@ def _train_and_save(cfg, trainer, tokenizer, padding_side: str, checkpoint: str 
     result = trainer.train(resume_from_checkpoint=checkpoint)
     history = list(trainer.state.log_history)
     curve = reward_curve(history) if cfg.recipe in RL_RECIPES else []
+    card = card_values(cfg, history)
     trained = trained_model(cfg, trainer)  # on every process: under FSDP2 it gathers the shards
     if trainer.is_world_process_zero():  # one writer: every rank holds the same weights and biases
-        final, adapter, saved = _save(cfg, trained, tokenizer, padding_side, curve)
+        final, adapter, saved = _save(cfg, trained, tokenizer, padding_side, card)
     else:
         final = Path(cfg.output_dir) / "final"
         adapter = Path(cfg.output_dir) / "adapter" if cfg.peft is not None else None
@@ -348,7 +441,7 @@ def _train_and_save(cfg, trainer, tokenizer, padding_side: str, checkpoint: str 
         "recipe": cfg.recipe, "config": posttrain_config_to_dict(cfg), "final": str(final),
         "adapter": None if adapter is None else str(adapter), "resumed_from": checkpoint,
         "global_step": trainer.state.global_step, "train_runtime": float(result.metrics.get("train_runtime", 0.0)),
-        "reward_curve": curve, "log_history": history,
+        "reward_curve": curve, "card": card, "log_history": history,
     }
     summary_path = Path(cfg.output_dir) / "summary.json"
     if trainer.is_world_process_zero():

@@ -24,7 +24,7 @@ def export_model(model, tokenizer, cfg, summary: dict, folder: str | Path, repo_
     Args:
         summary: needs ``before``, ``after`` and ``bigram`` metric dicts (see
             :func:`kdamoe.training.evaluate.evaluate_lm`).
-        repo_id: the card's Hub id (default ``kdamoe/kdamoe-<output_dir name>``; ``kdamoe-push`` re-renders it).
+        repo_id: the card's Hub id (default: none, the usage code loads ``folder``; ``kdamoe-push`` re-renders it).
     Returns:
         The folder.
     """
@@ -34,7 +34,8 @@ def export_model(model, tokenizer, cfg, summary: dict, folder: str | Path, repo_
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         do_sample=g.do_sample, temperature=g.temperature, top_k=g.top_k, max_new_tokens=g.max_new_tokens)
     total, active = count_parameters(model)
-    card = render_model_card(model.config, repo_id=repo_id or f"kdamoe/kdamoe-{Path(cfg.output_dir).name}",
+    # Without a repo id the card's usage code loads this folder (with a note): no guessed Hub id.
+    card = render_model_card(model.config, repo_id=repo_id, local_path=str(folder.expanduser().resolve()),
                              total=total, active=active, chat_template=bool(tokenizer.chat_template),
                              **pretraining_card_metadata(config_to_dict(cfg), summary))
     return write_model_folder(model, tokenizer, folder, card)
