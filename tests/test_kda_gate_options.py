@@ -13,7 +13,7 @@ from transformers import DynamicCache, KimiLinearConfig
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention, KimiLinearForgetGate
 
 import kdamoe.model.kernel_dispatch as dispatch
-from kdamoe import KDAMoECache, KDAMoEConfig, KDAMoEForCausalLM
+from kdamoe import KDAMoECache, KDAMoEForCausalLM
 from kdamoe.model.kda_torch import kda_gate
 from kdamoe.model.modeling_kdamoe import KDAMoEDeltaAttention, check_pad_gate_exact
 from kdamoe.training.train_graph import TrainStepGraph
