@@ -50,9 +50,9 @@ def kda_gate(
         half precision).
 
     ``softplus`` is torch's (``x`` above 20, else ``log1p(exp(x))``; 40 for float64): the threshold of fla's kernel and
-    of transformers' ``KimiLinearForgetGate``; past it ``log1p(exp(x)) − x < e^−20`` is below half an ulp of ``x`` in float32, and below
-    it ``log1p`` never overflows and keeps the tiny values that ``log(1 + exp(x))`` rounds to 0 (a difference under
-    ``6·10⁻⁸·exp(A_log)`` in ``g``).
+    of transformers' ``KimiLinearForgetGate``; past it ``log1p(exp(x)) − x < e^−20`` is below half an ulp of ``x`` in
+    float32, and below it ``log1p`` never overflows and keeps the tiny values that ``log(1 + exp(x))`` rounds to 0 (a
+    difference under ``6·10⁻⁸·exp(A_log)`` in ``g``).
 
     Source: the lower-bounded sigmoid log-decay of the Kimi K3 recipe; the softplus gate of the Kimi Linear report §3
     (as fla's ``chunk_kda`` computes it with ``lower_bound=None``).
