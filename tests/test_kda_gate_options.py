@@ -285,3 +285,52 @@ def test_a_saved_folder_without_the_new_keys_loads_unchanged(tmp_path):
     attn = kimi.model.layers[0].self_attn
     assert attn.A_log.dtype == torch.float32 and attn.q_proj.weight.dtype == torch.bfloat16
     assert kimi.config.kda_lower_bound is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gradients
+# ---------------------------------------------------------------------------------------------------------------
+def test_unbounded_gate_gradients_equal_finite_differences():
+    gen = torch.Generator().manual_seed(11)
+    f = (torch.randn(1, 3, H, 4, generator=gen, dtype=torch.float64) * 8).requires_grad_()
+    dt_bias = torch.randn(H * 4, generator=gen, dtype=torch.float64).requires_grad_()
+    A_log = torch.randn(H, generator=gen, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(lambda *xs: kda_gate(xs[0], xs[1], None, xs[2]), (f, dt_bias, A_log))
+
+
+def test_bounded_gate_with_A_log_on_the_triton_kernels_equals_the_torch_path():
+    """One layer, ``kernel_backend="triton"`` (the kdamoe kernels, on the CPU interpreter) against ``"torch"``: the
+    output and the gradients of A_log, dt_bias and the input agree in float32."""
+    if dispatch.kdamoe_kernels() is None:
+        pytest.skip("kdamoe.kernels does not import here")
+    config = tiny_config(hidden_size=D, kda_num_heads=H, kda_head_dim=K, kda_lower_bound=-4.0, kda_use_A_log=True)
+    torch.manual_seed(12)
+    layer = KDAMoEDeltaAttention(config, layer_idx=0)
+    gen = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    x = torch.randn(2, 21, D, generator=gen)
+    dy = torch.randn(2, 21, D, generator=gen)
+    results = {}
+    for backend in ("torch", "triton"):
+        layer.zero_grad(set_to_none=True)
+        config.kernel_backend = backend
+        xg = x.clone().requires_grad_()
+        y = layer(xg)
+        y.backward(dy)
+        results[backend] = (y.detach(), xg.grad, layer.A_log.grad.clone(), layer.dt_bias.grad.clone())
+    assert results["torch"][2].abs().min() > 0  # A_log takes part
+    for got, want in zip(results["triton"], results["torch"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_training_step_with_the_unbounded_gate_reaches_every_gate_parameter():
+    model = _model(KIMI).train()
+    ids = _ids(14, 2, 20)
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if isinstance(attn, KDAMoEDeltaAttention):
+            for p in (attn.A_log, attn.dt_bias, attn.f_b_proj.weight):
+                assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().max() > 0
