@@ -19,9 +19,12 @@ mkdir -p "$OUT" "$SCRATCH/tcache"
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 HF_HOME=$SCRATCH/hf
 export TRITON_CACHE_DIR=$SCRATCH/tcache TRITON_CACHE_AUTOTUNING=1
 tcache_restore "$TRITON_CACHE_DIR" || true
+PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SCRATCH/site"
 if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SCRATCH/site" \
-        .whl/*.whl >> "$LOG" 2>&1
+    if ! $PIP .whl/*.whl >> "$LOG" 2>&1; then  # one wheel for another Python fails the whole command
+        echo "installing every carried wheel failed; trying fla_core, einops and transformers alone" >> "$LOG"
+        $PIP $(ls .whl/fla_core-*.whl .whl/einops-*.whl .whl/transformers-*.whl 2>/dev/null) >> "$LOG" 2>&1
+    fi
 else
     echo "no .whl/ wheels carried: the installed transformers (and fla, if any) are used" >> "$LOG"
 fi
