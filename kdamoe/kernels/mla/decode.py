@@ -55,7 +55,7 @@ _MASK_DTYPES = (torch.bool, torch.int8, torch.int32, torch.int64)  # key_mask dt
 
 # The op's own argument checks (the same rules as the PyTorch reference in kdamoe/model/, which keeps its own
 # copy: the model folder loads without kdamoe.kernels, and the kernels import nothing but torch and triton).
-def check_latent_attention_args(q, latent, seq_len, key_mask, floats=_FLOATS) -> None:
+def check_latent_attention_args(q, latent, seq_len, key_mask, floats=_FLOATS, value_dim=None) -> None:
     """Shape / dtype / device checks shared by the latent-attention ops (never a value check: no host sync).
 
     Raises:
@@ -71,6 +71,9 @@ def check_latent_attention_args(q, latent, seq_len, key_mask, floats=_FLOATS) ->
         raise ValueError(f"q must have T, H, R >= 1, got shape {tuple(q.shape)}")
     if latent.dim() != 3 or latent.shape[0] != B or latent.shape[2] != R:
         raise ValueError(f"latent must be [B, S_cap, R] = ({B}, S_cap, {R}) like q, got shape {tuple(latent.shape)}")
+    if value_dim is not None and (not isinstance(value_dim, int) or isinstance(value_dim, bool)
+                                  or not 1 <= value_dim <= R):
+        raise ValueError(f"value_dim must be None or an integer in [1, {R}] (q's last dim), got {value_dim!r}")
     if q.dtype not in floats:
         raise ValueError(f"q dtype must be one of {floats}, got {q.dtype}")
     if latent.dtype != q.dtype:
