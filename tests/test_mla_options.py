@@ -8,6 +8,8 @@ float64 brute-force softmax for the latent op; and, for the whole model, the sin
 design, so paths that sum the same terms in another order agree to ~1e-7).
 """
 
+import os
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -295,3 +297,18 @@ def test_config_defaults_keep_saved_folders_unchanged_and_round_trip():
 def test_bad_new_fields_are_refused_naming_them(overrides, match):
     with pytest.raises(ValueError, match=match):
         tiny_config(**overrides)
+
+
+@pytest.mark.skipif(bool(os.environ.get("KDAMOE_TEST_ON_GPU")), reason="CPU-interpreter test")
+def test_model_decode_with_the_triton_kernels_matches_the_torch_full_forward():
+    """The model's decode steps through the Triton latent kernel (CPU interpreter) with rows [c | k_shared]."""
+    torch.manual_seed(0)
+    model = KDAMoEForCausalLM(tiny_config(**{**MODEL, "kda_head_dim": 16})).eval()  # the kernels need K >= 16
+    ids = _ids(13, 2, 14)
+    with torch.no_grad():
+        model.config.kernel_backend = "torch"
+        full = model(ids, use_cache=False).logits
+        model.config.kernel_backend = "triton"
+        logits, cache = _decode(model, ids, 10, None)
+    assert cache.layers[0].latents.shape[-1] == 16 + 8
+    torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
