@@ -39,8 +39,8 @@ MLA = dict(num_attention_heads=2, kv_lora_rank=16, qk_head_dim=24, qk_rope_head_
 # ---------------------------------------------------------------------------------------------------------------
 def _layer_pair(q_lora_rank, seed=0):
     """Our layer (layer 0 of a one-MLA-layer config) and transformers' with the same perturbed weights, float32."""
-    config = tiny_config(num_hidden_layers=1, layer_types=["full_attention"], first_k_dense_replace=1, attnres_num_blocks=1,
-                         q_lora_rank=q_lora_rank, **MLA)
+    config = tiny_config(num_hidden_layers=1, layer_types=["full_attention"], first_k_dense_replace=1,
+                         attnres_num_blocks=1, q_lora_rank=q_lora_rank, **MLA)
     config._attn_implementation = "sdpa"  # what the model sets; a bare config has none
     torch.manual_seed(seed)
     ours = KDAMoEAttention(config, 0).eval()

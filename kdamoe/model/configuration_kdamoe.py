@@ -246,7 +246,7 @@ class KDAMoEConfig(PreTrainedConfig):
 
     @property
     def mla_norm_eps(self) -> float:
-        """The epsilon the MLA ``q_a_layernorm`` / ``kv_a_layernorm`` use: ``mla_rms_norm_eps``, else ``rms_norm_eps``."""
+        """Epsilon of the MLA ``q_a_layernorm`` / ``kv_a_layernorm``: ``mla_rms_norm_eps``, else ``rms_norm_eps``."""
         return self.rms_norm_eps if self.mla_rms_norm_eps is None else self.mla_rms_norm_eps
 
     @property
@@ -281,8 +281,8 @@ class KDAMoEConfig(PreTrainedConfig):
                 raise ValueError(f"`layer_types[{i}]` is {layer_type!r}; expected one of {LAYER_TYPES}")
         if not isinstance(self.qk_rope_head_dim, int) or isinstance(self.qk_rope_head_dim, bool) or not (
                 0 <= self.qk_rope_head_dim < self.qk_head_dim):
-            raise ValueError(f"`qk_rope_head_dim` must be an integer in [0, qk_head_dim={self.qk_head_dim}) (the shared "
-                             f"key part is inside the total head dim), got {self.qk_rope_head_dim!r}")
+            raise ValueError(f"`qk_rope_head_dim` must be an integer in [0, qk_head_dim={self.qk_head_dim}) (the "
+                             f"shared key part is inside the total head dim), got {self.qk_rope_head_dim!r}")
         if self.mla_rms_norm_eps is not None and (
                 not isinstance(self.mla_rms_norm_eps, (int, float)) or isinstance(self.mla_rms_norm_eps, bool)
                 or not math.isfinite(self.mla_rms_norm_eps) or self.mla_rms_norm_eps <= 0):

@@ -1,6 +1,6 @@
-"""latent_attention (Triton) with cache rows ``[c | k_shared]`` wider than the values (``value_dim``; Kimi Linear's shared
-key part ``qk_rope_head_dim``) against a float64 brute force written here: scores over whole rows, values = the first
-``value_dim`` columns. Shared widths that are and are not powers of two (the kernel pads that tile to one), causal
+"""latent_attention (Triton) with cache rows ``[c | k_shared]`` wider than the values (``value_dim``; Kimi Linear's
+shared key part ``qk_rope_head_dim``) against a float64 brute force written here: scores over whole rows, values = the
+first ``value_dim`` columns. Shared widths that are and are not powers of two (the kernel pads that tile to one), causal
 T > 1, left padding, NaN rows past ``seq_len`` and under the padding, two key splits. float32 on the CPU interpreter
 (tests/conftest.py); with KDAMOE_TEST_ON_GPU=1 on a CUDA machine the same cases run on the GPU.
 """
