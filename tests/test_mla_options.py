@@ -286,6 +286,13 @@ def test_config_defaults_keep_saved_folders_unchanged_and_round_trip():
     assert again.qk_nope_head_dim == 16 and again.mla_rms_norm_eps == 1e-6
 
 
+def test_a_qk_nope_head_dim_keyword_sets_the_total_head_dim_or_must_agree_with_it():
+    assert tiny_config(qk_nope_head_dim=16, qk_rope_head_dim=8).qk_head_dim == 24
+    assert tiny_config(qk_nope_head_dim=16, qk_rope_head_dim=8, qk_head_dim=24).qk_nope_head_dim == 16
+    with pytest.raises(ValueError, match="qk_nope_head_dim"):
+        tiny_config(qk_nope_head_dim=16, qk_rope_head_dim=8, qk_head_dim=16)
+
+
 @pytest.mark.parametrize("overrides,match", [
     (dict(mlp_layer_types=["sparse", "dense", "moe", "dense"]), r"mlp_layer_types\[2\]"),
     (dict(mlp_layer_types=["sparse", "dense"]), "mlp_layer_types"),
