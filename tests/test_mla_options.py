@@ -341,3 +341,14 @@ def test_model_decode_with_the_triton_kernels_matches_the_torch_full_forward():
         logits, cache = _decode(model, ids, 10, None)
     assert cache.layers[0].latents.shape[-1] == 16 + 8
     torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+
+
+def test_every_kimi_linear_option_together_decodes_as_the_full_forward():
+    """The MLA options with the KDA gate options (unbounded gate, A_log, no output-gate bias) in one model."""
+    model = _model(seed=5, kda_lower_bound=None, kda_use_A_log=True, kda_output_gate_bias=False)
+    assert model.model.layers[1].self_attn.A_log.shape == (2,)
+    ids = _ids(15, 2, 20)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        latent, _ = _decode(model, ids, 14, KDAMoECache(model.config))
+    torch.testing.assert_close(latent, full, **TOL)
