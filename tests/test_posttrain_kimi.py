@@ -1,0 +1,229 @@
+"""The shipped recipes on a base folder that carries Kimi's tokenizer and chat format (a converted Kimi Linear model):
+one SFT step and one GRPO step (environment mode, TRL's own tool loop) through :func:`run_recipe`, the function
+``kdamoe-posttrain`` runs.
+
+The tokenizer is :func:`tests.kimi_tokenizer.build_kimi_tokenizer` (Kimi's special tokens, ids and flags, its chat
+format; ``eos_token`` ``[EOS]`` while the model config's ``eos_token_id`` is ``<|im_end|>``, as released). A tiny
+random model never writes a tool call, so the GRPO test replaces ``generate`` with a scripted agent that writes Kimi
+tool calls (``<|tool_calls_section_begin|>...``) as the chat template renders them: in a group of two rollouts of one
+prompt, the first does the task's operation with the tool and submits the tool's result, the second submits the
+start value at once. Their environment rewards (1.0 and 0.0, the environment's rule) differ, so the step moves the
+weights. What is checked: the step ran (finite loss, weights moved), the tool calls were parsed and executed (the
+tool-result turn, with the value only the tool computed, sits in the completion where the tool mask is 0), and
+``final/`` carries the base folder's tokenizer files and chat template.
+
+Two base folders: a KDAMoE model saved with the Kimi tokenizer, and a tiny transformers ``KimiLinearForCausalLM``
+converted by ``kdamoe.conversion.convert_checkpoint(..., to="kda_moe")`` (skipped, naming it, while that module is
+absent: it comes with the conversion work).
+"""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from trl import GRPOTrainer
+
+from kdamoe import KDAMoEForCausalLM
+from kdamoe.posttraining import load_posttrain_config, run_recipe
+from kdamoe.posttraining.environments import tool_schemas
+from kdamoe.posttraining.environments.arithmetic import ArithmeticEnvironment, ArithmeticTask, make_tasks
+from tests.helpers import tiny_config
+from tests.kimi_tokenizer import SPECIAL, build_kimi_tokenizer, kimi_token_id
+
+FAST = ["trainer.max_steps=1", "trainer.warmup_steps=0", "trainer.per_device_train_batch_size=2",
+        "trainer.save_strategy='no'", "trainer.learning_rate=1e-2", "data.num_tasks=2", "data.environment=arithmetic",
+        "data.min_calls=1", "data.max_calls=1", "data.max_operand=5"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+IM_END = 2  # offset of <|im_end|> among the reserved ids
+
+
+def _texts():
+    """What the small BPE learns its merges from: task prompts, the tool schemas and Kimi's call / result text."""
+    tasks = make_tasks(30, seed=5, max_ops=2, max_operand=5)
+    return [t.prompt() + ' functions.add:0 {"a": 3, "b": 4} ## Return of functions.submit:1 submitted Done.'
+            for t in tasks] + [json.dumps(tool_schemas(ArithmeticEnvironment))] * 3
+
+
+@pytest.fixture(scope="module")
+def kimi_tokenizer():
+    return build_kimi_tokenizer(_texts(), base_vocab_size=400)
+
+
+def _ids(tokenizer) -> dict:
+    return dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=kimi_token_id(tokenizer, IM_END))
+
+
+@pytest.fixture(scope="module")
+def kdamoe_base(tmp_path_factory, kimi_tokenizer):
+    """A tiny KDAMoE folder saved with the Kimi tokenizer."""
+    folder = tmp_path_factory.mktemp("kimi_tok_base")
+    torch.manual_seed(0)
+    config = tiny_config(**_ids(kimi_tokenizer), max_position_embeddings=2048, kda_head_dim=16)
+    KDAMoEForCausalLM(config).save_pretrained(folder)
+    kimi_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def converted_base(tmp_path_factory, kimi_tokenizer):
+    """A tiny random transformers Kimi Linear folder with the Kimi tokenizer, converted to a kdamoe folder."""
+    conversion = pytest.importorskip(
+        "kdamoe.conversion", reason="kdamoe.conversion.convert_checkpoint (the Kimi Linear conversion) is not here yet")
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: PLC0415 (only this fixture needs it)
+
+    src, dst = tmp_path_factory.mktemp("kimi_linear_src"), tmp_path_factory.mktemp("kimi_linear_converted")
+    torch.manual_seed(0)
+    config = KimiLinearConfig(
+        **_ids(kimi_tokenizer), hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
+        linear_head_dim=16, linear_num_heads=2, linear_conv_kernel_dim=4, max_position_embeddings=2048,
+        hidden_act="silu", layer_types=["linear_attention"] * 3 + ["full_attention"],
+        mlp_layer_types=["dense"] + ["sparse"] * 3)
+    KimiLinearForCausalLM(config).save_pretrained(src)
+    kimi_tokenizer.save_pretrained(src)
+    conversion.convert_checkpoint(src, dst, to="kda_moe")
+    for name in TOKENIZER_FILES:  # the recipes read the tokenizer from the model folder
+        assert (Path(dst) / name).read_bytes() == (Path(src) / name).read_bytes(), name
+    return dst
+
+
+@pytest.fixture(params=["kdamoe_base", "converted_base"])
+def base(request):
+    return request.getfixturevalue(request.param)
+
+
+def _weights(folder) -> dict:
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
+def _moved(before: dict, after: dict) -> float:
+    return max((after[n].float() - before[n].float()).abs().max().item() for n in before if n in after)
+
+
+def _carries_tokenizer(base, final):
+    for name in TOKENIZER_FILES[1:]:
+        assert (Path(final) / name).is_file(), name
+    assert (Path(final) / "chat_template.jinja").read_text() == (Path(base) / "chat_template.jinja").read_text()
+    saved, own = (json.loads((Path(d) / "tokenizer_config.json").read_text()) for d in (final, base))
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token", "added_tokens_decoder"):
+        assert saved.get(key) == own.get(key), key
+    assert json.loads((Path(final) / "tokenizer.json").read_text())["added_tokens"] == \
+        json.loads((Path(base) / "tokenizer.json").read_text())["added_tokens"]
+
+
+def _stops_at_im_end(final, tokenizer):
+    """The saved generation config still ends a turn at <|im_end|> (transformers' Trainer adds the tokenizer's own
+    eos, [EOS], to it: ``align_special_tokens``)."""
+    eos = json.loads((Path(final) / "generation_config.json").read_text())["eos_token_id"]
+    assert kimi_token_id(tokenizer, IM_END) in (eos if isinstance(eos, list) else [eos])
+
+
+def test_sft_step_on_the_folders_own_kimi_tokenizer(base, tmp_path, kimi_tokenizer):
+    cfg = load_posttrain_config("sft", [f"model={base}", f"output_dir={tmp_path / 'sft'}", *FAST])
+    result = run_recipe(cfg)
+    assert result["global_step"] == 1
+    loss = result["log_history"][-1]["train_loss"]  # the run's mean: its only step
+    assert math.isfinite(loss) and loss > 0
+    assert _moved(_weights(base), _weights(result["final"])) > 0
+    _carries_tokenizer(base, result["final"])
+    _stops_at_im_end(result["final"], kimi_tokenizer)
+
+    # what it was trained on: the assistant turns in Kimi's format, each ending with <|im_end|>, and nothing else
+    trainer = result["trainer"]
+    batch = next(iter(trainer.get_train_dataloader()))
+    targets = batch["labels"][batch["labels"] != -100].tolist()
+    text = kimi_tokenizer.decode(targets, skip_special_tokens=False)
+    assert "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>" in text
+    assert "## Return of" not in text and "Start with" not in text  # tool results and the task are not targets
+    assert text.endswith("Done.<|im_end|>")
+
+
+_RESULT = re.compile(r"## Return of functions\.(\w+):\d+\n(.*?)<\|im_end\|>", re.S)
+
+
+def _scripted_generate(tokenizer):
+    """``generate`` of the scripted agent (module docstring), in Kimi's format; rows of a first turn alternate
+    careful / hasty, later turns follow from the tool results so far."""
+    header = "<|im_assistant|>assistant<|im_middle|>"
+
+    def reply(text, row):
+        task = _task_of(text)
+        results = _RESULT.findall(text)
+        if results and results[-1][0] == "submit":
+            return {"role": "assistant", "content": "Done."}
+        if not results and row % 2 == 0:
+            name, operand = task.ops[0]
+            call = {"name": name, "arguments": {"a": task.start, "b": operand}}
+        else:
+            call = {"name": "submit", "arguments": {"answer": int(results[-1][1]) if results else task.start}}
+        return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
+
+    def generate(self, input_ids=None, attention_mask=None, **kwargs):
+        rows = []
+        for row, (ids, mask) in enumerate(zip(input_ids, attention_mask, strict=True)):
+            text = tokenizer.decode(ids[mask.bool()], skip_special_tokens=False)
+            rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, reply(text, row)],
+                                                     tokenize=False)
+            rows.append(torch.tensor(tokenizer(rendered.rsplit(header, 1)[1], add_special_tokens=False)["input_ids"]))
+        new = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=tokenizer.pad_token_id)
+        return torch.cat([input_ids, new.to(input_ids)], dim=1)
+
+    return generate
+
+
+_TASKS = {}
+
+
+def _task_of(text) -> ArithmeticTask:
+    return next(task for prompt, task in _TASKS.items() if prompt in text)
+
+
+def test_grpo_step_parses_kimi_tool_calls(base, tmp_path, kimi_tokenizer, monkeypatch):
+    cfg = load_posttrain_config("grpo", [f"model={base}", f"output_dir={tmp_path / 'grpo'}", *FAST,
+                                         "data.num_tasks=1", "trainer.num_generations=2"])
+    task = make_tasks(1, cfg.data.seed, min_ops=1, max_ops=1, max_operand=cfg.data.max_operand)[0]
+    _TASKS.clear()
+    _TASKS[task.prompt()] = task
+    monkeypatch.setattr(KDAMoEForCausalLM, "generate", _scripted_generate(kimi_tokenizer))
+    played = []
+    generate = GRPOTrainer._generate
+
+    def recording(self, prompts):
+        out = generate(self, prompts)
+        played.append(out)
+        return out
+
+    monkeypatch.setattr(GRPOTrainer, "_generate", recording)
+    result = run_recipe(cfg)
+
+    row = next(r for r in result["log_history"] if "reward" in r)
+    assert row["tools/call_frequency"] > 0 and row["tools/failure_frequency"] == 0
+    assert row["reward"] == pytest.approx(0.5)  # careful 1.0, hasty 0.0 (the environment's rule)
+    assert math.isfinite(row["train_loss"])  # the one step logs in the run's last row
+    assert _moved(_weights(base), _weights(result["final"])) > 0
+    _carries_tokenizer(base, result["final"])
+    _stops_at_im_end(result["final"], kimi_tokenizer)
+
+    _, completion_ids, tool_mask, completions, *_ = played[0]
+    assert len(completion_ids) == 2
+    value = task.start + task.ops[0][1] if task.ops[0][0] == "add" else task.start * task.ops[0][1]
+    careful_ids, careful_mask = completion_ids[0], tool_mask[0]
+    tool_text = kimi_tokenizer.decode([t for t, m in zip(careful_ids, careful_mask, strict=True) if m == 0],
+                                      skip_special_tokens=False)
+    # the tool turns and the next assistant headers, written from the format: the result is the tool's own value.
+    # TRL renders a tool turn from a one-call dummy conversation (`_get_tool_suffix_ids`), so each result reads
+    # index 0, where a render of the whole conversation numbers the submit call 1.
+    assert tool_text == (f"<|im_system|>{task.ops[0][0]}<|im_middle|>## Return of functions.{task.ops[0][0]}:0\n"
+                         f"{value}<|im_end|><|im_assistant|>assistant<|im_middle|>"
+                         f"<|im_system|>submit<|im_middle|>## Return of functions.submit:0\nsubmitted<|im_end|>"
+                         f"<|im_assistant|>assistant<|im_middle|>")
+    calls = [c["function"] for m in completions[0] for c in m.get("tool_calls") or []]
+    assert calls == [{"name": task.ops[0][0], "arguments": {"a": task.start, "b": task.ops[0][1]}},
+                     {"name": "submit", "arguments": {"answer": value}}]
+    assert SPECIAL["eos_token"] == kimi_tokenizer.eos_token  # the turns ended at <|im_end|>, not the tokenizer's eos
