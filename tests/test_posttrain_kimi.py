@@ -25,10 +25,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
 from trl import GRPOTrainer
 
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.posttraining import load_posttrain_config, run_recipe
+from kdamoe.posttraining.agent import run_episodes
 from kdamoe.posttraining.environments import tool_schemas
 from kdamoe.posttraining.environments.arithmetic import ArithmeticEnvironment, ArithmeticTask, make_tasks
 from tests.helpers import tiny_config
@@ -227,3 +229,40 @@ def test_grpo_step_parses_kimi_tool_calls(base, tmp_path, kimi_tokenizer, monkey
     assert calls == [{"name": task.ops[0][0], "arguments": {"a": task.start, "b": task.ops[0][1]}},
                      {"name": "submit", "arguments": {"answer": value}}]
     assert SPECIAL["eos_token"] == kimi_tokenizer.eos_token  # the turns ended at <|im_end|>, not the tokenizer's eos
+
+
+def test_held_out_episodes_end_turns_at_im_end(kdamoe_base, kimi_tokenizer, monkeypatch):
+    """:func:`run_episodes` (the held-out evaluation) with the folder's Kimi tokenizer: it attaches Kimi's response
+    template itself and ends a turn at <|im_end|>, the model's eos, although the tokenizer's eos is [EOS]. The
+    scripted ``generate`` stops only at the eos ids it is given (as ``generate`` does), else runs on with filler."""
+    task = make_tasks(1, seed=4, min_ops=1, max_ops=1, max_operand=5)[0]
+    _TASKS.clear()
+    _TASKS[task.prompt()] = task
+    script = _scripted_generate(kimi_tokenizer)
+    im_end, filler = kimi_token_id(kimi_tokenizer, IM_END), kimi_tokenizer("x", add_special_tokens=False)["input_ids"]
+
+    def generate(self, input_ids=None, attention_mask=None, max_new_tokens=None, eos_token_id=None, **kwargs):
+        out = script(self, input_ids, attention_mask)[:, input_ids.shape[1]:]
+        if im_end not in (eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]):
+            out = torch.cat([out, torch.tensor(filler * max_new_tokens).expand(len(out), -1)], dim=1)
+        return torch.cat([input_ids, out[:, :max_new_tokens]], dim=1)
+
+    monkeypatch.setattr(KDAMoEForCausalLM, "generate", generate)
+    model = KDAMoEForCausalLM.from_pretrained(kdamoe_base, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(kdamoe_base)
+    assert tokenizer.response_template is None  # the saved Kimi tokenizer has none of its own
+    (episode,) = run_episodes(model, tokenizer, [task], max_new_tokens=64)
+    assert (episode["reward"], episode["ended"], episode["tool_calls"]) == (1.0, "done", 2)
+    name, operand = task.ops[0]
+    value = task.start + operand if name == "add" else task.start * operand
+    messages = [{"role": "user", "content": task.prompt()},
+                {"role": "assistant", "content": "",
+                 "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {"a": task.start,
+                                                                                                "b": operand}}}]},
+                {"role": "tool", "name": name, "content": str(value)},
+                {"role": "assistant", "content": "",
+                 "tool_calls": [{"type": "function", "function": {"name": "submit", "arguments": {"answer": value}}}]}]
+    # the episode's ids are its whole conversation and nothing more: no filler after any <|im_end|>
+    whole = tokenizer.apply_chat_template(messages, tools=tool_schemas(ArithmeticEnvironment), tokenize=True,
+                                          return_dict=False)
+    assert episode["tokens"] == len(whole)
