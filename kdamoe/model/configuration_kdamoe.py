@@ -38,10 +38,17 @@ class KDAMoEConfig(PreTrainedConfig):
         kda_num_heads (`int`, defaults to 4): KDA heads.
         kda_head_dim (`int`, *optional*): KDA key = value head dim; `None` → `hidden_size // kda_num_heads`.
         kda_short_conv_kernel_size (`int`, defaults to 4): width of the depthwise causal conv on q, k, v.
-        kda_lower_bound (`float`, defaults to -5.0): `g_min` of the gate `g = g_min·σ(·) ∈ [g_min, 0)`.
-            Must satisfy `-5 ≤ kda_lower_bound < 0`: the chunked kernels anchor 16-token sub-chunks, so
-            the largest gate exponent is `15·|g_min|` and has to stay well below `ln(FLT_MAX) ≈ 88.7`
-            (15·5 = 75); a non-negative bound would not decay at all.
+        kda_lower_bound (`float` or None, defaults to -5.0): the KDA forget gate (docs/architecture.md §1). A float
+            `g_min` gives the lower-bounded gate `g = g_min·σ(exp(A_log)·(f + dt_bias)) ∈ [g_min, 0)` and must satisfy
+            `-5 ≤ kda_lower_bound < 0`: the chunked kernels anchor 16-token sub-chunks, so the largest gate exponent
+            is `15·|g_min|` and has to stay well below `ln(FLT_MAX) ≈ 88.7` (15·5 = 75); a non-negative bound would
+            not decay at all. `None` gives Kimi Linear's unbounded gate `g = −exp(A_log)·softplus(f + dt_bias)`
+            (fla's `lower_bound=None`), which the Triton chunk kernel cannot take (`kernel_backend="triton"` is then
+            refused; `"auto"` runs fla's KDA ops on CUDA when fla imports, else PyTorch).
+        kda_use_A_log (`bool`, defaults to False): give every KDA layer a float32 parameter `A_log [kda_num_heads]`
+            (init `log(U[1, 16])`, fla's) whose `exp` scales the gate per head; False means scale 1.
+        kda_output_gate_bias (`bool`, defaults to True): whether `g_b_proj`, the second projection of the low-rank KDA
+            output gate, has a bias (Kimi Linear's has none).
         kda_chunk_size (`int`, defaults to 32): chunk length of the pure-PyTorch chunked KDA path (memory
             `O(T·chunk·K)` per head; 16 is faster on small CPU models). The Triton kernels use their own.
         num_experts (`int`, defaults to 16): routed experts per MoE layer.
@@ -86,7 +93,8 @@ class KDAMoEConfig(PreTrainedConfig):
             False runs every step eagerly.
 
     Raises:
-        ValueError: naming the field, for a bad `layer_types`, `num_experts_per_tok`, `kda_lower_bound`,
+        ValueError: naming the field, for a bad `layer_types`, `num_experts_per_tok`, `kda_lower_bound` (also
+            None with `kernel_backend="triton"`), non-boolean `kda_use_A_log` / `kda_output_gate_bias`,
             non-finite or non-positive SiTU betas / `rms_norm_eps` / scales, `attnres_num_blocks`, head sizes
             (a `kda_head_dim` the GPU kernels cannot take) or enum values.
     """
@@ -125,6 +133,8 @@ class KDAMoEConfig(PreTrainedConfig):
         kda_head_dim=None,
         kda_short_conv_kernel_size=4,
         kda_lower_bound=-5.0,
+        kda_use_A_log=False,
+        kda_output_gate_bias=True,
         kda_chunk_size=32,
         num_experts=16,
         num_experts_per_tok=2,
@@ -174,7 +184,11 @@ class KDAMoEConfig(PreTrainedConfig):
         self.kda_head_dim = (kda_head_dim if kda_head_dim is not None
                              else _divide(hidden_size, kda_num_heads, "kda_num_heads"))
         self.kda_short_conv_kernel_size = kda_short_conv_kernel_size
-        self.kda_lower_bound = float(kda_lower_bound)
+        # A float stays a float (an int -5 from a hand-written config.json too); anything else is checked below.
+        self.kda_lower_bound = (float(kda_lower_bound) if isinstance(kda_lower_bound, int)
+                                and not isinstance(kda_lower_bound, bool) else kda_lower_bound)
+        self.kda_use_A_log = kda_use_A_log
+        self.kda_output_gate_bias = kda_output_gate_bias
         self.kda_chunk_size = kda_chunk_size
         self.num_experts = num_experts
         self.num_experts_per_tok = num_experts_per_tok
@@ -259,11 +273,13 @@ class KDAMoEConfig(PreTrainedConfig):
                 f"`first_k_dense_replace` must be in [0, num_hidden_layers={self.num_hidden_layers}], "
                 f"got {self.first_k_dense_replace}"
             )
-        if not -5.0 <= self.kda_lower_bound < 0.0:
+        check_kda_lower_bound(self.kda_lower_bound)
+        if self.kda_lower_bound is None and self.kernel_backend == "triton":
             raise ValueError(
-                f"`kda_lower_bound` must satisfy -5 <= kda_lower_bound < 0, got {self.kda_lower_bound}: with "
-                "16-token sub-chunks the largest gate exponent is 15*|lower_bound|, which must stay well below "
-                "ln(FLT_MAX) ~= 88.7"
+                "`kda_lower_bound` is None (Kimi Linear's unbounded gate) but `kernel_backend` is 'triton': kdamoe's "
+                "Triton chunk kernel anchors 16-token sub-chunks and relies on the bounded gate (15*|g| <= 75 << "
+                "ln(FLT_MAX) ~= 88.7); use kernel_backend='auto' (fla's KDA ops on CUDA, else PyTorch), 'fla' or "
+                "'torch'"
             )
         for name in ("situ_beta", "situ_linear_beta", "rms_norm_eps", "routed_scaling_factor"):
             value = getattr(self, name)
@@ -274,7 +290,8 @@ class KDAMoEConfig(PreTrainedConfig):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}")
         check_prefill_chunk_size(self.prefill_chunk_size)
-        for name in ("tie_word_embeddings", "output_router_logits", "use_cache", "decode_cuda_graphs"):
+        for name in ("tie_word_embeddings", "output_router_logits", "use_cache", "decode_cuda_graphs", "kda_use_A_log",
+                     "kda_output_gate_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
         if self.kernel_backend != "torch" and self.kda_head_dim not in KERNEL_HEAD_DIMS:
@@ -300,6 +317,19 @@ def check_prefill_chunk_size(chunk) -> None:
     """``ValueError`` unless ``chunk`` is None or an integer >= 0 (the config field and the forward argument)."""
     if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0):
         raise ValueError(f"`prefill_chunk_size` must be None or an integer >= 0 (0 = no chunking), got {chunk!r}")
+
+
+def check_kda_lower_bound(lower_bound) -> None:
+    """``ValueError`` unless ``lower_bound`` is None (the unbounded gate) or a number in [-5, 0) (the bounded one):
+    with 16-token sub-chunks the largest gate exponent of the bounded gate is ``15·|lower_bound|``."""
+    if lower_bound is None:
+        return
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)) or not -5.0 <= lower_bound < 0.0:
+        raise ValueError(
+            f"`kda_lower_bound` must be None (unbounded gate) or satisfy -5 <= kda_lower_bound < 0, got "
+            f"{lower_bound!r}: with 16-token sub-chunks the largest gate exponent is 15*|lower_bound|, which must stay "
+            "well below ln(FLT_MAX) ~= 88.7"
+        )
 
 
 def _divide(total: int, parts: int, parts_name: str) -> int:

@@ -194,23 +194,30 @@ def packed_sequence_info(position_ids: torch.Tensor) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Token mixer 1: Kimi Delta Attention with the lower-bounded gate
+# Token mixer 1: Kimi Delta Attention (the lower-bounded gate, or Kimi Linear's unbounded one)
 # ----------------------------------------------------------------------------------------------------
 @use_kernelized_func([causal_conv1d, causal_conv1d_parts, chunk_kda, fused_recurrent_kda])
 class KDAMoEDeltaAttention(nn.Module):
     """KDA layer (Kimi Linear report §3; docs/architecture.md §1).
 
     ``q, k = L2Norm(SiLU(ShortConv(W x)))``, ``v = SiLU(ShortConv(W x))`` (one fused depthwise conv over
-    q|k|v), ``β = σ(W_β x)``, ``g = g_min·σ(exp(A_log)·(W_f2 W_f1 x + dt_bias))`` and output
-    ``W_o(RMSNorm_head(o) ⊙ σ(W_g2 W_g1 x))``. The ops come from ``kernel_dispatch`` (kdamoe kernels, fla or
-    PyTorch); the gate is always handed over raw (``use_gate_in_kernel``) and computed by the op, inside
-    the kernel where the backend can. Padded positions (``attention_mask == 0``) are zeroed before the conv
-    and get ``β = 0`` and a raw gate input of :attr:`PAD_GATE_INPUT`, for which ``σ`` is exactly 0 in
-    float32, so ``g = 0`` and they leave the recurrent state exactly unchanged on every backend.
+    q|k|v), ``β = σ(W_β x)``, the forget gate ``g = g_min·σ(exp(A_log)·(W_f2 W_f1 x + dt_bias))`` (or, with
+    ``kda_lower_bound=None``, Kimi Linear's ``g = −exp(A_log)·softplus(W_f2 W_f1 x + dt_bias)``; ``A_log`` ``[H]``
+    only with ``kda_use_A_log``, else scale 1) and output ``W_o(RMSNorm_head(o) ⊙ σ(W_g2 W_g1 x [+ b_g2]))``. The ops
+    come from ``kernel_dispatch`` (kdamoe kernels, fla or PyTorch); the gate is always handed over raw
+    (``use_gate_in_kernel``) and computed by the op, inside the kernel where the backend can. Padded positions
+    (``attention_mask == 0``) are zeroed before the conv and get ``β = 0`` and a raw gate input of
+    :attr:`PAD_GATE_INPUT`, for which the gate is exactly 0 in float32 (see there), so they leave the recurrent
+    state exactly unchanged on every backend.
     """
 
-    # σ(x) = 1 / (1 + exp(−x)) is exactly 0 once exp(−x) overflows float32 (x < −88.8): with f = −1e4 that
-    # holds for any |dt_bias| < 9900 (A_log is None here; a per-head scale exp(A_log) must stay above 0.009).
+    # Padded positions get the raw gate input f = −1e4, for which both gates are exactly 0 in float32:
+    # * bounded: σ(x) = 1 / (1 + exp(−x)) is exactly 0 once exp(−x) overflows float32 (x < −88.8), and here
+    #   x = exp(A_log)·(−1e4 + dt_bias): that holds while exp(A_log)·(1e4 − dt_bias) > 88.8, e.g. for any
+    #   dt_bias < 9900 with A_log ≥ 0 (no A_log, or its init log(U[1, 16]) ≥ 0); a trained per-head scale must stay
+    #   above ~0.009 (A_log > −4.7), which `check_pad_gate_exact` tests.
+    # * unbounded: softplus(x) = log1p(exp(x)) is exactly 0 once exp(x) underflows to 0 in float32 (x < −104), i.e.
+    #   for any dt_bias < 9896 whatever A_log, since −exp(A_log)·0 = 0 for every finite A_log.
     # A finite value, not −inf, keeps the gate's backward free of 0·inf.
     PAD_GATE_INPUT = -1.0e4
 
@@ -232,10 +239,12 @@ class KDAMoEDeltaAttention(nn.Module):
         self.f_a_proj = nn.Linear(d, self.head_dim, bias=False)
         self.f_b_proj = nn.Linear(self.head_dim, width, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(width))
-        self.A_log = None  # optional per-head scale of the gate (docs/architecture.md §1: None by default)
+        # Optional per-head log scale of the gate (docs/architecture.md §1), float32 like dt_bias
+        # (`_keep_in_fp32_modules_strict`); None means scale 1.
+        self.A_log = nn.Parameter(torch.empty(self.num_heads)) if config.kda_use_A_log else None
         self.b_proj = nn.Linear(d, self.num_heads, bias=False)
         self.g_a_proj = nn.Linear(d, self.head_dim, bias=False)
-        self.g_b_proj = nn.Linear(self.head_dim, width, bias=True)
+        self.g_b_proj = nn.Linear(self.head_dim, width, bias=config.kda_output_gate_bias)
         self.o_norm = KDAMoEGatedRMSNorm(self.head_dim, eps=config.rms_norm_eps, config=config)
         self.o_proj = nn.Linear(width, d, bias=False)
 
@@ -870,7 +879,7 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = False
     _is_stateful = True
-    _keep_in_fp32_modules_strict = ["e_score_correction_bias", "dt_bias"]
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias", "dt_bias", "A_log"]
     # transformers' output recorder: router logits (raw ``[B·T, E]`` float32, one per MoE layer) and, with the
     # eager attention implementation, the MLA layers' attention weights. Hidden states are collected by the
     # model itself (with Block AttnRes the residual stream is not a layer's output).
@@ -920,7 +929,9 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         std = self.config.initializer_range
         if isinstance(module, KDAMoEDeltaAttention):
-            init.copy_(module.dt_bias, _dt_bias_init(module.dt_bias, self.config.kda_lower_bound))
+            if module.A_log is not None:
+                init.copy_(module.A_log, _A_log_init(module.A_log))
+            init.copy_(module.dt_bias, _dt_bias_init(module.dt_bias, self.config.kda_lower_bound, module.A_log))
         elif isinstance(module, KDAMoEExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
@@ -1018,13 +1029,50 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
             router.update_bias(own.to(router.e_score_correction_bias.device))
 
 
-def _dt_bias_init(dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
-    """``dt_bias`` so that at zero input ``exp(g)`` is log-uniform over [0.9, 0.999] (docs/architecture.md §1).
+# Range of exp(A_log) at init, fla's for Kimi Linear: A_log = log(U[1, 16]).
+A_LOG_INIT_RANGE = (1.0, 16.0)
 
-    ``g = lower_bound · σ(dt_bias)`` ⇒ ``dt_bias = logit(g / lower_bound)`` with ``g ~ U[ln 0.9, ln 0.999]``.
+
+def _A_log_init(A_log: torch.Tensor) -> torch.Tensor:
+    """``A_log [H]`` drawn as ``log(U[1, 16])`` (fla's init for Kimi Linear), in A_log's dtype and device; checked
+    against :func:`check_pad_gate_exact` (``A_log ≥ 0`` always passes)."""
+    value = torch.empty(A_log.shape, dtype=torch.float32).uniform_(*A_LOG_INIT_RANGE).log()
+    check_pad_gate_exact(value)
+    return value.to(A_log.device, A_log.dtype)
+
+
+def check_pad_gate_exact(A_log: torch.Tensor, max_dt_bias: float = 100.0) -> None:
+    """``ValueError`` unless the bounded gate of a padded position (raw input ``PAD_GATE_INPUT``) is exactly 0 in
+    float32 for every head of ``A_log`` (CPU tensor ``[H]``) and every ``dt_bias ≤ max_dt_bias``:
+    ``exp(A_log)·(−PAD_GATE_INPUT − max_dt_bias) > 88.8``, where ``exp(−x)`` overflows and ``σ(x)`` is 0. The
+    unbounded gate needs no such condition (``KDAMoEDeltaAttention.PAD_GATE_INPUT`` says why)."""
+    margin = -KDAMoEDeltaAttention.PAD_GATE_INPUT - max_dt_bias
+    smallest = float(A_log.detach().float().min()) if A_log.numel() else 0.0
+    if math.exp(smallest) * margin <= 88.8:
+        raise ValueError(f"A_log has a value {smallest:.3g} for which a padded position's bounded gate "
+                         f"σ(exp(A_log)·({KDAMoEDeltaAttention.PAD_GATE_INPUT:g} + dt_bias)) is not exactly 0 in "
+                         f"float32 (needs exp(A_log)·{margin:g} > 88.8, i.e. A_log > {math.log(88.8 / margin):.3g})")
+
+
+def _dt_bias_init(dt_bias: torch.Tensor, lower_bound: float | None, A_log: torch.Tensor | None = None) -> torch.Tensor:
+    """``dt_bias [H·K]`` for the gate's form (docs/architecture.md §1), in dt_bias's dtype and device.
+
+    * bounded (``lower_bound`` a float): at zero input ``exp(g)`` is log-uniform over [0.9, 0.999]:
+      ``g = lower_bound · σ(exp(A_log_h) · dt_bias)`` ⇒ ``dt_bias = logit(g / lower_bound) / exp(A_log_h)`` with
+      ``g ~ U[ln 0.9, ln 0.999]`` (``exp(A_log_h) = 1`` without A_log);
+    * unbounded (None): Kimi Linear's (fla's) init, ``dt_bias = softplus⁻¹(dt)`` with ``dt`` log-uniform over
+      [1e-3, 0.1] (at least 1e-4), so that ``−softplus(dt_bias) = −dt`` at zero input before the A_log scale.
     """
+    if lower_bound is None:
+        dt = torch.empty(dt_bias.shape, dtype=torch.float32).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+        dt = dt.clamp_min(1e-4)
+        # softplus⁻¹(y) = y + log(1 − exp(−y)), written with expm1 to stay exact for small y.
+        return (dt + torch.log(-torch.expm1(-dt))).to(dt_bias.device, dt_bias.dtype)
     g = torch.empty(dt_bias.shape, dtype=torch.float32).uniform_(math.log(0.9), math.log(0.999))
-    return torch.logit(g / lower_bound).to(dt_bias.device, dt_bias.dtype)
+    value = torch.logit(g / lower_bound)
+    if A_log is not None and A_log.device.type != "meta":
+        value = (value.view(A_log.shape[0], -1) * torch.exp(-A_log.detach().float().cpu())[:, None]).flatten()
+    return value.to(dt_bias.device, dt_bias.dtype)
 
 
 def packed_causal_mask_function(doc_ids: torch.Tensor) -> Callable:
@@ -1470,7 +1518,8 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
             return None
         if torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
             return None
-        if not decode_graphs_supported(self.config.kernel_backend, input_ids.device):
+        if not decode_graphs_supported(self.config.kernel_backend, input_ids.device,
+                                       bounded_gate=self.config.kda_lower_bound is not None):
             return None
         if cache.decode_steps == 0:
             return "warm_up"
