@@ -10,6 +10,7 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+MLP_LAYER_TYPES = ("dense", "sparse")
 ROUTER_BIAS_UPDATES = ("quantile", "sign", "none")
 HIDDEN_ACTS = ("situ", "silu")
 KERNEL_BACKENDS = ("auto", "triton", "fla", "torch")
@@ -33,8 +34,16 @@ class KDAMoEConfig(PreTrainedConfig):
         num_attention_heads (`int`, defaults to 4): MLA heads.
         kv_lora_rank (`int`, defaults to 128): width of the MLA latent `c = RMSNorm(W_dkv x)`.
         q_lora_rank (`int`, *optional*): rank of the MLA query (`None`: `q = W_q x`).
-        qk_head_dim (`int`, *optional*): MLA query/key head dim; `None` → `hidden_size // num_attention_heads`.
+        qk_head_dim (`int`, *optional*): total MLA query/key head dim (per-head part plus the shared key part);
+            `None` → `hidden_size // num_attention_heads`. Scaling `qk_head_dim^-1/2`.
+        qk_rope_head_dim (`int`, defaults to 0): width `Dr` of the key part shared by every head (Kimi Linear /
+            DeepSeek-V2 name; with no positional encoding it is *not* rotated): `kv_a_proj` outputs
+            `kv_lora_rank + Dr` (latent first; only the latent is RMS-normed) and per head
+            `q = [q_nope | q_shared]`, `k = [W_uk c | k_shared]`. Must be smaller than `qk_head_dim`; the per-head part
+            `qk_nope_head_dim = qk_head_dim − qk_rope_head_dim` is what `kv_b_proj` produces.
         v_head_dim (`int`, *optional*): MLA value head dim; `None` → `qk_head_dim`.
+        mla_rms_norm_eps (`float`, *optional*): epsilon of the MLA `q_a_layernorm` / `kv_a_layernorm`; `None` →
+            `rms_norm_eps` (transformers' Kimi Linear uses 1e-6 there).
         kda_num_heads (`int`, defaults to 4): KDA heads.
         kda_head_dim (`int`, *optional*): KDA key = value head dim; `None` → `hidden_size // kda_num_heads`.
         kda_short_conv_kernel_size (`int`, defaults to 4): width of the depthwise causal conv on q, k, v.
@@ -58,7 +67,11 @@ class KDAMoEConfig(PreTrainedConfig):
         moe_intermediate_size (`int`, defaults to 256): intermediate width `I` of each expert.
         moe_latent_size (`int`, *optional*, defaults to 128): latent width `ℓ` the routed experts run in;
             `None` → plain MoE at full width (then `routed_scaling_factor` scales the routed sum).
-        first_k_dense_replace (`int`, defaults to 1): the first `k` layers use a dense MLP instead of MoE.
+        first_k_dense_replace (`int`, defaults to 1): the first `k` layers use a dense MLP instead of MoE (read only
+            when `mlp_layer_types` is None).
+        mlp_layer_types (`list[str]`, *optional*): per layer `"dense"` (MLP of width `intermediate_size`) or
+            `"sparse"` (Stable LatentMoE), in any order (transformers' Kimi Linear name); `None` → the first
+            `first_k_dense_replace` layers dense, the rest sparse. Stored as the resolved list.
         intermediate_size (`int`, defaults to 512): width of the dense MLP.
         routed_scaling_factor (`float`, defaults to 1.0): multiplies the gate weights (only without latent).
         router_bias_update (`str`, defaults to `"quantile"`): `"quantile"` (Quantile Balancing), `"sign"`
@@ -93,8 +106,9 @@ class KDAMoEConfig(PreTrainedConfig):
             False runs every step eagerly.
 
     Raises:
-        ValueError: naming the field, for a bad `layer_types`, `num_experts_per_tok`, `kda_lower_bound` (also
-            None with `kernel_backend="triton"`), non-boolean `kda_use_A_log` / `kda_output_gate_bias`,
+        ValueError: naming the field, for a bad `layer_types` / `mlp_layer_types` (naming the entry),
+            `qk_rope_head_dim`, `mla_rms_norm_eps`, `num_experts_per_tok`, `kda_lower_bound` (also None with
+            `kernel_backend="triton"`), non-boolean `kda_use_A_log` / `kda_output_gate_bias`,
             non-finite or non-positive SiTU betas / `rms_norm_eps` / scales, `attnres_num_blocks`, head sizes
             (a `kda_head_dim` the GPU kernels cannot take) or enum values.
     """
@@ -129,6 +143,8 @@ class KDAMoEConfig(PreTrainedConfig):
         q_lora_rank=None,
         qk_head_dim=None,
         v_head_dim=None,
+        qk_rope_head_dim=0,
+        mla_rms_norm_eps=None,
         kda_num_heads=4,
         kda_head_dim=None,
         kda_short_conv_kernel_size=4,
@@ -142,6 +158,7 @@ class KDAMoEConfig(PreTrainedConfig):
         moe_intermediate_size=256,
         moe_latent_size=128,
         first_k_dense_replace=1,
+        mlp_layer_types=None,
         intermediate_size=512,
         routed_scaling_factor=1.0,
         router_bias_update="quantile",
@@ -180,6 +197,8 @@ class KDAMoEConfig(PreTrainedConfig):
         self.qk_head_dim = (qk_head_dim if qk_head_dim is not None
                             else _divide(hidden_size, num_attention_heads, "num_attention_heads"))
         self.v_head_dim = v_head_dim if v_head_dim is not None else self.qk_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.mla_rms_norm_eps = mla_rms_norm_eps
         self.kda_num_heads = kda_num_heads
         self.kda_head_dim = (kda_head_dim if kda_head_dim is not None
                              else _divide(hidden_size, kda_num_heads, "kda_num_heads"))
@@ -196,6 +215,9 @@ class KDAMoEConfig(PreTrainedConfig):
         self.moe_intermediate_size = moe_intermediate_size
         self.moe_latent_size = moe_latent_size
         self.first_k_dense_replace = first_k_dense_replace
+        if mlp_layer_types is None and isinstance(first_k_dense_replace, int) and isinstance(num_hidden_layers, int):
+            mlp_layer_types = ["dense" if i < first_k_dense_replace else "sparse" for i in range(num_hidden_layers)]
+        self.mlp_layer_types = list(mlp_layer_types) if isinstance(mlp_layer_types, (list, tuple)) else mlp_layer_types
         self.intermediate_size = intermediate_size
         self.routed_scaling_factor = routed_scaling_factor
         self.router_bias_update = router_bias_update
@@ -228,8 +250,18 @@ class KDAMoEConfig(PreTrainedConfig):
 
     @property
     def num_sparse_layers(self) -> int:
-        """Number of decoder layers whose MLP is a routed MoE."""
-        return max(0, self.num_hidden_layers - self.first_k_dense_replace)
+        """Number of decoder layers whose MLP is a routed MoE (``"sparse"`` in :attr:`mlp_layer_types`)."""
+        return sum(t == "sparse" for t in self.mlp_layer_types)
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        """Per-head query/key part ``qk_head_dim − qk_rope_head_dim``: the key width ``kv_b_proj`` produces."""
+        return self.qk_head_dim - self.qk_rope_head_dim
+
+    @property
+    def mla_norm_eps(self) -> float:
+        """The epsilon the MLA ``q_a_layernorm`` / ``kv_a_layernorm`` use: ``mla_rms_norm_eps``, else ``rms_norm_eps``."""
+        return self.rms_norm_eps if self.mla_rms_norm_eps is None else self.mla_rms_norm_eps
 
     @property
     def attnres_block_size(self) -> int:
@@ -261,6 +293,15 @@ class KDAMoEConfig(PreTrainedConfig):
         for i, layer_type in enumerate(self.layer_types):
             if layer_type not in LAYER_TYPES:
                 raise ValueError(f"`layer_types[{i}]` is {layer_type!r}; expected one of {LAYER_TYPES}")
+        if not isinstance(self.qk_rope_head_dim, int) or isinstance(self.qk_rope_head_dim, bool) or not (
+                0 <= self.qk_rope_head_dim < self.qk_head_dim):
+            raise ValueError(f"`qk_rope_head_dim` must be an integer in [0, qk_head_dim={self.qk_head_dim}) (the shared "
+                             f"key part is inside the total head dim), got {self.qk_rope_head_dim!r}")
+        if self.mla_rms_norm_eps is not None and (
+                not isinstance(self.mla_rms_norm_eps, (int, float)) or isinstance(self.mla_rms_norm_eps, bool)
+                or not math.isfinite(self.mla_rms_norm_eps) or self.mla_rms_norm_eps <= 0):
+            raise ValueError(f"`mla_rms_norm_eps` must be None or a finite positive number, got "
+                             f"{self.mla_rms_norm_eps!r}")
         if self.num_experts_per_tok >= self.num_experts:
             raise ValueError(
                 f"`num_experts_per_tok` ({self.num_experts_per_tok}) must be smaller than `num_experts` "
@@ -273,6 +314,12 @@ class KDAMoEConfig(PreTrainedConfig):
                 f"`first_k_dense_replace` must be in [0, num_hidden_layers={self.num_hidden_layers}], "
                 f"got {self.first_k_dense_replace}"
             )
+        if not isinstance(self.mlp_layer_types, list) or len(self.mlp_layer_types) != self.num_hidden_layers:
+            raise ValueError(f"`mlp_layer_types` must be a list of {self.num_hidden_layers} entries (one per layer), "
+                             f"got {self.mlp_layer_types!r}")
+        for i, mlp_type in enumerate(self.mlp_layer_types):
+            if mlp_type not in MLP_LAYER_TYPES:
+                raise ValueError(f"`mlp_layer_types[{i}]` is {mlp_type!r}; expected one of {MLP_LAYER_TYPES}")
         check_kda_lower_bound(self.kda_lower_bound)
         if self.kda_lower_bound is None and self.kernel_backend == "triton":
             raise ValueError(

@@ -425,22 +425,22 @@ def block_attnres(sources, query, key_weight, eps, *, backend="auto"):
 # ----------------------------------------------------------------------------------------------------
 # MLA latent attention
 # ----------------------------------------------------------------------------------------------------
-def latent_attention(q, latent, seq_len, scale, key_mask=None, *, backend="auto"):
-    """Causal multi-query attention over the MLA latent cache (keys = values = ``latent``, absorbed
-    up-projections): ``o_lat [B, T, H, R]`` in q's dtype.
+def latent_attention(q, latent, seq_len, scale, key_mask=None, value_dim=None, *, backend="auto"):
+    """Causal multi-query attention over the MLA latent cache (keys = the cached rows, values = their first
+    ``value_dim`` columns, absorbed up-projections): ``o_lat [B, T, H, value_dim]`` in q's dtype.
 
-    Semantics, shapes and errors of :func:`mla_torch.latent_attention_torch`: q ``[B, T, H, R]``, latent
-    ``[B, S_cap, R]``, seq_len an int32/int64 device tensor ``[]`` / ``[1]`` (valid rows, the T new tokens
-    included), optional key_mask ``[B, S_mask]``. The kdamoe kernel (flash-decoding, Triton) runs on CUDA or
-    under the interpreter with ``backend="triton"``; fla has no such kernel, so ``"fla"`` runs the torch op.
-    Neither path synchronises with the host (CUDA-graph capturable). The kernel is forward only: a call that needs
-    a gradient (grad mode on and q or latent requiring one, e.g. a training forward continuing a cache) runs the
-    differentiable torch op.
+    Semantics, shapes and errors of :func:`mla_torch.latent_attention_torch`: q ``[B, T, H, Dk]``, latent
+    ``[B, S_cap, Dk]``, seq_len an int32/int64 device tensor ``[]`` / ``[1]`` (valid rows, the T new tokens
+    included), optional key_mask ``[B, S_mask]``, ``value_dim`` (None → ``Dk``). The kdamoe kernel (flash-decoding,
+    Triton) runs on CUDA or under the interpreter with ``backend="triton"``; fla has no such kernel, so ``"fla"`` runs
+    the torch op. Neither path synchronises with the host (CUDA-graph capturable). The kernel is forward only: a call
+    that needs a gradient (grad mode on and q or latent requiring one, e.g. a training forward continuing a cache) runs
+    the differentiable torch op.
     """
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or latent.requires_grad)
     if not needs_grad and resolve(backend, q.device, "latent_attention") == "kdamoe":
-        return kdamoe_kernels().latent_attention(q, latent, seq_len, scale, key_mask)
-    return latent_attention_torch(q, latent, seq_len, scale, key_mask)
+        return kdamoe_kernels().latent_attention(q, latent, seq_len, scale, key_mask, value_dim=value_dim)
+    return latent_attention_torch(q, latent, seq_len, scale, key_mask, value_dim=value_dim)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -349,10 +349,14 @@ class KDAMoEDeltaAttention(nn.Module):
 # Token mixer 2: multi-head latent attention with no positional encoding
 # ----------------------------------------------------------------------------------------------------
 class KDAMoEAttention(nn.Module):
-    """MLA with NoPE (DeepSeek-V2 §2.1 without the decoupled RoPE; Kimi Linear report).
+    """MLA with NoPE (DeepSeek-V2 §2.1 without rotating the decoupled key part; Kimi Linear report).
 
-    ``q = W_q x`` (or ``W_qb RMSNorm(W_qa x)``), latent ``c = RMSNorm(W_dkv x)`` of width ``kv_lora_rank``, per head
-    ``k = W_uk c``, ``v = W_uv c`` (fused as ``kv_b_proj``), causal softmax attention scaled by ``qk_head_dim^-1/2``.
+    ``q = W_q x`` (or ``W_qb RMSNorm(W_qa x)``), ``[c | k_shared] = W_dkv x`` with the latent ``c`` of width ``R =
+    kv_lora_rank`` RMS-normed and the shared key part ``k_shared`` of width ``Dr = qk_rope_head_dim`` (0 by default)
+    left as is; per head ``q = [q_nope | q_shared]`` (``Dn = qk_nope_head_dim`` then ``Dr`` columns),
+    ``k = [W_uk c | k_shared]``, ``v = W_uv c`` (``W_uk``, ``W_uv`` fused as ``kv_b_proj``), causal softmax attention
+    over ``qk_head_dim = Dn + Dr`` scaled by ``qk_head_dim^-1/2``. ``k_shared`` is the same for every head and, with
+    no positional encoding, not rotated (transformers' ``KimiLinearAttention`` computes the same).
 
     Two exact ways to attend (docs/long-context.md):
 
@@ -360,11 +364,12 @@ class KDAMoEAttention(nn.Module):
       per head and attended with SDPA — a causal kernel aligned to the last query when a cache precedes the chunk, the
       mask from transformers' utilities when there is padding, packing or ``attn_implementation="eager"``;
     * **latent** (decoding, short continuations of a :class:`KDAMoECache`): with no positional encoding
-      ``q·k_t = (W_uk^T q)·c_t`` and ``Σ p_t v_t = W_uv (Σ p_t c_t)`` (DeepSeek-V2 §2.1.2), so the query is absorbed
-      into the latent space and the attention reads only the cached latents (``kernel_dispatch.latent_attention``).
+      ``q·k_t = [W_uk^T q_nope | q_shared]·[c_t | k_shared,t]`` and ``Σ p_t v_t = W_uv (Σ p_t c_t)`` (DeepSeek-V2
+      §2.1.2), so the query is absorbed into the cache's space of width ``R + Dr`` and the attention reads only the
+      cached rows, its values being their first ``R`` columns (``kernel_dispatch.latent_attention``).
 
-    With a :class:`KDAMoECache` the layer caches latents only; with a plain ``DynamicCache`` it caches per-head
-    keys and values as any transformers model.
+    With a :class:`KDAMoECache` the layer caches ``[c | k_shared]`` per token only; with a plain ``DynamicCache`` it
+    caches per-head keys ``[B, H, S, qk_head_dim]`` and values as any transformers model.
     """
 
     def __init__(self, config: KDAMoEConfig, layer_idx: int):
@@ -373,6 +378,8 @@ class KDAMoEAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.qk_head_dim = config.qk_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.qk_nope_head_dim = config.qk_nope_head_dim
         self.v_head_dim = config.v_head_dim
         self.num_key_value_groups = 1
         self.scaling = self.qk_head_dim**-0.5
@@ -383,11 +390,11 @@ class KDAMoEAttention(nn.Module):
             self.q_proj = nn.Linear(d, self.num_heads * self.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
-            self.q_a_layernorm = KDAMoERMSNorm(config.q_lora_rank, eps=config.rms_norm_eps, config=config)
+            self.q_a_layernorm = KDAMoERMSNorm(config.q_lora_rank, eps=config.mla_norm_eps, config=config)
             self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
-        self.kv_a_proj = nn.Linear(d, config.kv_lora_rank, bias=False)
-        self.kv_a_layernorm = KDAMoERMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps, config=config)
-        self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.qk_head_dim + self.v_head_dim),
+        self.kv_a_proj = nn.Linear(d, config.kv_lora_rank + self.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = KDAMoERMSNorm(config.kv_lora_rank, eps=config.mla_norm_eps, config=config)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
                                    bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, d, bias=False)
 
@@ -400,23 +407,33 @@ class KDAMoEAttention(nn.Module):
         """
         masks = masks or {"full_attention": None, "latent": False, "key_mask": None}
         B, T, _ = hidden_states.shape
+        R, Dr = self.config.kv_lora_rank, self.qk_rope_head_dim
         if self.config.q_lora_rank is None:
-            q, latent = fused_linear(hidden_states, (self.q_proj, self.kv_a_proj))
+            q, compressed = fused_linear(hidden_states, (self.q_proj, self.kv_a_proj))
         else:
-            q, latent = fused_linear(hidden_states, (self.q_a_proj, self.kv_a_proj))
+            q, compressed = fused_linear(hidden_states, (self.q_a_proj, self.kv_a_proj))
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(B, T, self.num_heads, self.qk_head_dim)
-        latent = self.kv_a_layernorm(latent)  # [B, T, kv_lora_rank]
+        if Dr:
+            # per-token cache row [normed latent | k_shared] (only the latent is normed)
+            rows = torch.cat([self.kv_a_layernorm(compressed[..., :R]), compressed[..., R:]], dim=-1)
+        else:
+            rows = self.kv_a_layernorm(compressed)  # [B, T, kv_lora_rank]
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None
         if isinstance(layer_cache, KDAMoELatentCacheLayer):
-            latent, _ = layer_cache.update(latent)  # every visible latent, [B, past + T, R]
+            rows, _ = layer_cache.update(rows)  # every visible row, [B, past + T, R + Dr]
             if masks["latent"]:
                 return self._latent_attention(q, layer_cache, masks["key_mask"]), None
 
         # split before the head transpose: the split's backward then concatenates dk | dv straight into the
-        # projection's [B, T, H, Dk + Dv] layout (after the transpose it wrote [B, H, T, ·], copied once more back)
-        kv = self.kv_b_proj(latent).view(B, -1, self.num_heads, self.qk_head_dim + self.v_head_dim)
-        k, v = (t.transpose(1, 2) for t in kv.split([self.qk_head_dim, self.v_head_dim], dim=-1))
+        # projection's [B, T, H, Dn + Dv] layout (after the transpose it wrote [B, H, T, ·], copied once more back)
+        latent = rows[..., :R] if Dr else rows
+        kv = self.kv_b_proj(latent).view(B, -1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        k, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        if Dr:
+            k_shared = rows[..., None, R:].expand(-1, -1, self.num_heads, -1)  # one part for every head
+            k = torch.cat([k, k_shared.to(k.dtype)], dim=-1)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         if layer_cache is not None and not isinstance(layer_cache, KDAMoELatentCacheLayer):
             k, v = cache.update(k, v, self.layer_idx)  # a per-head DynamicCache passed by the user
         q = q.transpose(1, 2)
@@ -431,21 +448,31 @@ class KDAMoEAttention(nn.Module):
         return self.o_proj(out.reshape(B, T, self.num_heads * self.v_head_dim)), attn_weights
 
     def _absorbed_weights(self, like: torch.Tensor) -> torch.Tensor:
-        """``[R, H, qk_head_dim + v_head_dim]``: ``kv_b_proj`` applied to the identity, i.e. its effective weight —
-        also when PEFT wraps the projection (a LoRA delta is linear too)."""
+        """``[R, H, qk_nope_head_dim + v_head_dim]``: ``kv_b_proj`` applied to the identity, i.e. its effective weight
+        — also when PEFT wraps the projection (a LoRA delta is linear too)."""
         R = self.config.kv_lora_rank
         eye = torch.eye(R, dtype=like.dtype, device=like.device)
-        return self.kv_b_proj(eye).view(R, self.num_heads, self.qk_head_dim + self.v_head_dim)
+        return self.kv_b_proj(eye).view(R, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
 
     def _latent_attention(self, q, layer_cache, key_mask) -> torch.Tensor:
+        """Attention in the cache's space: ``q [B, T, H, qk_head_dim]`` → ``o_proj`` output ``[B, T, d]``.
+
+        Per head ``h`` and cached row ``[c_s | k_shared,s]``: the score is ``q_nope,h·W_uk,h c_s + q_shared,h·k_shared,s
+        = [W_uk,hᵀ q_nope,h | q_shared,h]·[c_s | k_shared,s]``, one dot product of width ``R + Dr`` with the absorbed
+        query, and the output ``Σ_s p_hs W_uv,h c_s = W_uv,h (Σ_s p_hs [c_s | k_shared,s])[:R]``: the op returns the
+        first ``R`` columns of the weighted row sum (``value_dim=R``)."""
         B, T = q.shape[:2]
+        R = self.config.kv_lora_rank
         w = self._absorbed_weights(q)
-        w_uk, w_uv = w[..., : self.qk_head_dim], w[..., self.qk_head_dim :]
-        q_latent = torch.einsum("bthd,rhd->bthr", q, w_uk)
+        w_uk, w_uv = w[..., : self.qk_nope_head_dim], w[..., self.qk_nope_head_dim :]
+        q_latent = torch.einsum("bthd,rhd->bthr", q[..., : self.qk_nope_head_dim], w_uk)
+        if self.qk_rope_head_dim:
+            q_latent = torch.cat([q_latent, q[..., self.qk_nope_head_dim :].to(q_latent.dtype)], dim=-1)
         seq_len = layer_cache.cache.past_length + T
         latents = layer_cache.latents  # under autocast the normed latent is float32 while q is not
         o_latent = latent_attention(
-            q_latent.to(latents.dtype), latents, seq_len, self.scaling, key_mask, backend=self.config.kernel_backend
+            q_latent.to(latents.dtype), latents, seq_len, self.scaling, key_mask, value_dim=R,
+            backend=self.config.kernel_backend,
         )
         out = torch.einsum("bthr,rhv->bthv", o_latent.to(w_uv.dtype), w_uv)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.v_head_dim))
@@ -477,15 +504,25 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: flo
 
 
 def _attention_with_lse(q, k, v, scaling: float, causal: bool):
-    """``(out [B, H, T, D] in q.dtype, logsumexp [B, H, T] float32)``: cuDNN's fused attention on CUDA (half
-    precision), the CPU's flash kernel elsewhere — the aten ops behind SDPA that also return the log-sum-exp."""
+    """``(out [B, H, T, Dv] in q.dtype, logsumexp [B, H, T] float32)``: cuDNN's fused attention on CUDA (half
+    precision), the CPU's flash kernel elsewhere — the aten ops behind SDPA that also return the log-sum-exp.
+
+    The CPU flash kernel refuses a value head dim other than the query/key one (``qk_rope_head_dim`` or
+    ``v_head_dim`` make them differ), and cuDNN's support of it depends on its version and GPU, so the narrower side is
+    zero-padded to the wider: zero value columns give zero output columns (sliced off), zero query/key columns add
+    nothing to a score (the scale is passed explicitly), so the result and the log-sum-exp are exact."""
+    Dk, Dv = q.shape[-1], v.shape[-1]
+    if Dv < Dk:
+        v = F.pad(v, (0, Dk - Dv))
+    elif Dk < Dv:
+        q, k = F.pad(q, (0, Dv - Dk)), F.pad(k, (0, Dv - Dk))
     if q.is_cuda:
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, causal, False, scale=scaling
         )[:2]
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scaling)[:2]
-    return out, lse.reshape(q.shape[:3]).float()
+    return out[..., :Dv], lse.reshape(q.shape[:3]).float()
 
 
 def _prefix_then_causal(q, k, v, scaling: float) -> torch.Tensor:
@@ -804,7 +841,7 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
             self.self_attn = KDAMoEDeltaAttention(config, layer_idx)
         else:
             self.self_attn = KDAMoEAttention(config, layer_idx)
-        self.is_sparse = layer_idx >= config.first_k_dense_replace
+        self.is_sparse = config.mlp_layer_types[layer_idx] == "sparse"
         if self.is_sparse:
             self.mlp = KDAMoESparseMoeBlock(config)
         else:
