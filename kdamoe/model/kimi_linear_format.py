@@ -402,6 +402,11 @@ def _kimi_source_names(config: KDAMoEConfig) -> dict[str, tuple]:
         if mlp_types[i] == "dense":
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 same(f"{p}mlp.{proj}.weight")
+            # The release names a dense MLP `mlp.`; transformers' save_pretrained writes `block_sparse_moe.` on every
+            # layer (the reverse of its load-time rename `.block_sparse_moe.` → `.mlp.`). Both are read; `mlp.` is
+            # written (the first name of a target is the one `kdamoe_to_kimi_linear_tensors` uses).
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                same(f"{p}block_sparse_moe.{proj}.weight", f"{p}mlp.{proj}.weight")
         else:
             same(p + "block_sparse_moe.gate.weight", p + "mlp.gate.weight")
             same(p + "block_sparse_moe.gate.e_score_correction_bias", p + "mlp.gate.e_score_correction_bias")
@@ -587,7 +592,7 @@ def kdamoe_to_kimi_linear_tensors(
     reverse = {}
     for kimi_name, rule in _kimi_source_names(config).items():
         if rule[0] in ("same", "A_log"):
-            reverse[rule[1]] = (rule[0], kimi_name)
+            reverse.setdefault(rule[1], (rule[0], kimi_name))
     H, K = config.kda_num_heads, config.kda_head_dim
     with_A_log = bool(getattr(config, "kda_use_A_log", False))
     sparse_layers = {i for i, kind in enumerate(_mlp_layer_types(config)) if kind == "sparse"}

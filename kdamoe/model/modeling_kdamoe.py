@@ -904,6 +904,16 @@ def _fsdp2_wrapped_class(model: nn.Module) -> type | None:
     return next(cls for cls in type(model).__bases__ if not issubclass(cls, FSDPModule))
 
 
+# The `auto_map` of a saved folder: every KDAMoE head, so a folder saved from the causal LM also loads as `AutoModel`
+# or `AutoModelForSequenceClassification` (reward / value models) with `trust_remote_code=True`.
+AUTO_MAP = {
+    "AutoConfig": "configuration_kdamoe.KDAMoEConfig",
+    "AutoModel": "modeling_kdamoe.KDAMoEModel",
+    "AutoModelForCausalLM": "modeling_kdamoe.KDAMoEForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_kdamoe.KDAMoEForSequenceClassification",
+}
+
+
 class KDAMoEPreTrainedModel(PreTrainedModel):
     """Weight init, Quantile Balancing lifecycle and transformers plumbing shared by all heads."""
 
@@ -992,16 +1002,7 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         is saved from every rank: rank 0 writes the gathered weights and this package's code, not torch's FSDP
         files that transformers would otherwise take for the model's code (docs/distributed.md).
         """
-        auto_map = dict(getattr(self.config, "auto_map", None) or {})
-        auto_map.update(
-            {
-                "AutoConfig": "configuration_kdamoe.KDAMoEConfig",
-                "AutoModel": "modeling_kdamoe.KDAMoEModel",
-                "AutoModelForCausalLM": "modeling_kdamoe.KDAMoEForCausalLM",
-                "AutoModelForSequenceClassification": "modeling_kdamoe.KDAMoEForSequenceClassification",
-            }
-        )
-        self.config.auto_map = auto_map
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
         own_class = _fsdp2_wrapped_class(self)
         if own_class is None:
             return super().save_pretrained(save_directory, *args, **kwargs)
