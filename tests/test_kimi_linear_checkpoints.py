@@ -111,7 +111,7 @@ def test_greedy_generation_left_padding_and_continued_cache(case):
         ref_out = reference(full[:, :9], use_cache=True)
         own_out = model(full[:, :9], use_cache=True)
         ref_next = reference(full[:, 9:], cache=ref_out.cache, use_cache=True).logits
-        own_next = model(full[:, 9:], past_key_values=own_out.past_key_values, use_cache=True).logits
+        own_next = model(full[:, 9:], cache=own_out.cache, use_cache=True).logits
         assert _relative(ref_next, own_next) <= TOLERANCE
         assert _relative(reference(full).logits[:, 9:], own_next) <= TOLERANCE
 
