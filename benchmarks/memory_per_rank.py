@@ -61,7 +61,7 @@ def traffic_gib(config: KDAMoEConfig, experts: int, tokens: int) -> tuple[float,
     """Per step and rank, bf16: (FSDP2 all-gather of every expert weight in forward and backward, EP all-to-all of
     ``tokens`` tokens' ``k`` routed rows: dispatch + combine, forward + backward)."""
     width = config.moe_latent_size or config.hidden_size
-    moe_layers = config.num_hidden_layers - config.first_k_dense_replace
+    moe_layers = config.num_sparse_layers
     gather = 2 * 2 * experts / GIB
     exchange = 4 * 2 * tokens * config.num_experts_per_tok * width * moe_layers / GIB
     return gather, exchange

@@ -132,9 +132,10 @@ class RouterBiasUpdateCallback(TrainerCallback):
                     self.history.append(imbalance)
                 prefix = "expert_load" if index == 0 else f"expert_load/{path}"
                 metrics[f"{prefix}/max_over_mean"] = max(imbalance)
-                first_sparse = getattr(kdamoe_model.config, "first_k_dense_replace", 0)
-                for i, value in enumerate(imbalance):
-                    metrics[f"{prefix}/max_over_mean/layer_{first_sparse + i}"] = value
+                # expert_load() has one row per sparse layer, in layer order; name each by its layer index
+                sparse_layers = [i for i, t in enumerate(kdamoe_model.config.mlp_layer_types) if t == "sparse"]
+                for layer, value in zip(sparse_layers, imbalance, strict=True):
+                    metrics[f"{prefix}/max_over_mean/layer_{layer}"] = value
                 if max(imbalance) > self.warn_threshold:
                     warnings.warn(f"expert load imbalance max/mean = {max(imbalance):.2f} > {self.warn_threshold} "
                                   f"at step {state.global_step}" + (f" in {path}" if path else ""),

@@ -189,4 +189,4 @@ def test_gate_inside_the_op_equals_the_precomputed_gate(op):
     torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(ht, ht_ref, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="lower_bound"):
-        op(q, k, v, f, beta, use_gate_in_kernel=True, dt_bias=dt_bias, lower_bound=None)
+        op(q, k, v, f, beta, use_gate_in_kernel=True, dt_bias=dt_bias, lower_bound=-6.0)

@@ -62,8 +62,8 @@ def architecture_values(config, total: int, active: int, trained_context: int | 
     """Template values of the architecture table, from a ``KDAMoEConfig`` and the parameter counts."""
     short = {"linear_attention": "KDA", "full_attention": "MLA"}
     pattern = ", ".join(
-        f"{short.get(t, t)}+{'MoE' if i >= config.first_k_dense_replace else 'MLP'}"
-        for i, t in enumerate(config.layer_types))
+        f"{short.get(t, t)}+{'MoE' if m == 'sparse' else 'MLP'}"
+        for t, m in zip(config.layer_types, config.mlp_layer_types, strict=True))
     experts = (f"{config.num_experts} routed (top-{config.num_experts_per_tok}, sigmoid router, "
                f"{config.router_bias_update} balancing), {config.num_shared_experts} shared; expert width "
                f"{config.moe_intermediate_size}, latent {config.moe_latent_size}; {config.hidden_act} GLU")

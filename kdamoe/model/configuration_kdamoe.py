@@ -10,6 +10,7 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+MLP_LAYER_TYPES = ("dense", "sparse")
 ROUTER_BIAS_UPDATES = ("quantile", "sign", "none")
 HIDDEN_ACTS = ("situ", "silu")
 KERNEL_BACKENDS = ("auto", "triton", "fla", "torch")
@@ -33,15 +34,30 @@ class KDAMoEConfig(PreTrainedConfig):
         num_attention_heads (`int`, defaults to 4): MLA heads.
         kv_lora_rank (`int`, defaults to 128): width of the MLA latent `c = RMSNorm(W_dkv x)`.
         q_lora_rank (`int`, *optional*): rank of the MLA query (`None`: `q = W_q x`).
-        qk_head_dim (`int`, *optional*): MLA query/key head dim; `None` → `hidden_size // num_attention_heads`.
+        qk_head_dim (`int`, *optional*): total MLA query/key head dim (per-head part plus the shared key part);
+            `None` → `hidden_size // num_attention_heads`. Scaling `qk_head_dim^-1/2`.
+        qk_rope_head_dim (`int`, defaults to 0): width `Dr` of the key part shared by every head (Kimi Linear /
+            DeepSeek-V2 name; with no positional encoding it is *not* rotated): `kv_a_proj` outputs
+            `kv_lora_rank + Dr` (latent first; only the latent is RMS-normed) and per head
+            `q = [q_nope | q_shared]`, `k = [W_uk c | k_shared]`. Must be smaller than `qk_head_dim`; the per-head part
+            `qk_nope_head_dim = qk_head_dim − qk_rope_head_dim` is what `kv_b_proj` produces.
         v_head_dim (`int`, *optional*): MLA value head dim; `None` → `qk_head_dim`.
+        mla_rms_norm_eps (`float`, *optional*): epsilon of the MLA `q_a_layernorm` / `kv_a_layernorm`; `None` →
+            `rms_norm_eps` (transformers' Kimi Linear uses 1e-6 there).
         kda_num_heads (`int`, defaults to 4): KDA heads.
         kda_head_dim (`int`, *optional*): KDA key = value head dim; `None` → `hidden_size // kda_num_heads`.
         kda_short_conv_kernel_size (`int`, defaults to 4): width of the depthwise causal conv on q, k, v.
-        kda_lower_bound (`float`, defaults to -5.0): `g_min` of the gate `g = g_min·σ(·) ∈ [g_min, 0)`.
-            Must satisfy `-5 ≤ kda_lower_bound < 0`: the chunked kernels anchor 16-token sub-chunks, so
-            the largest gate exponent is `15·|g_min|` and has to stay well below `ln(FLT_MAX) ≈ 88.7`
-            (15·5 = 75); a non-negative bound would not decay at all.
+        kda_lower_bound (`float` or None, defaults to -5.0): the KDA forget gate (docs/architecture.md §1). A float
+            `g_min` gives the lower-bounded gate `g = g_min·σ(exp(A_log)·(f + dt_bias)) ∈ [g_min, 0)` and must satisfy
+            `-5 ≤ kda_lower_bound < 0`: the chunked kernels anchor 16-token sub-chunks, so the largest gate exponent
+            is `15·|g_min|` and has to stay well below `ln(FLT_MAX) ≈ 88.7` (15·5 = 75); a non-negative bound would
+            not decay at all. `None` gives Kimi Linear's unbounded gate `g = −exp(A_log)·softplus(f + dt_bias)`
+            (fla's `lower_bound=None`), which the Triton chunk kernel cannot take (`kernel_backend="triton"` is then
+            refused; `"auto"` runs fla's KDA ops on CUDA when fla imports, else PyTorch).
+        kda_use_A_log (`bool`, defaults to False): give every KDA layer a float32 parameter `A_log [kda_num_heads]`
+            (init `log(U[1, 16])`, fla's) whose `exp` scales the gate per head; False means scale 1.
+        kda_output_gate_bias (`bool`, defaults to True): whether `g_b_proj`, the second projection of the low-rank KDA
+            output gate, has a bias (Kimi Linear's has none).
         kda_chunk_size (`int`, defaults to 32): chunk length of the pure-PyTorch chunked KDA path (memory
             `O(T·chunk·K)` per head; 16 is faster on small CPU models). The Triton kernels use their own.
         num_experts (`int`, defaults to 16): routed experts per MoE layer.
@@ -51,7 +67,11 @@ class KDAMoEConfig(PreTrainedConfig):
         moe_intermediate_size (`int`, defaults to 256): intermediate width `I` of each expert.
         moe_latent_size (`int`, *optional*, defaults to 128): latent width `ℓ` the routed experts run in;
             `None` → plain MoE at full width (then `routed_scaling_factor` scales the routed sum).
-        first_k_dense_replace (`int`, defaults to 1): the first `k` layers use a dense MLP instead of MoE.
+        first_k_dense_replace (`int`, defaults to 1): the first `k` layers use a dense MLP instead of MoE (read only
+            when `mlp_layer_types` is None).
+        mlp_layer_types (`list[str]`, *optional*): per layer `"dense"` (MLP of width `intermediate_size`) or
+            `"sparse"` (Stable LatentMoE), in any order (transformers' Kimi Linear name); `None` → the first
+            `first_k_dense_replace` layers dense, the rest sparse. Stored as the resolved list.
         intermediate_size (`int`, defaults to 512): width of the dense MLP.
         routed_scaling_factor (`float`, defaults to 1.0): multiplies the gate weights (only without latent).
         router_bias_update (`str`, defaults to `"quantile"`): `"quantile"` (Quantile Balancing), `"sign"`
@@ -86,7 +106,9 @@ class KDAMoEConfig(PreTrainedConfig):
             False runs every step eagerly.
 
     Raises:
-        ValueError: naming the field, for a bad `layer_types`, `num_experts_per_tok`, `kda_lower_bound`,
+        ValueError: naming the field, for a bad `layer_types` / `mlp_layer_types` (naming the entry),
+            `qk_rope_head_dim`, `mla_rms_norm_eps`, `num_experts_per_tok`, `kda_lower_bound` (also None with
+            `kernel_backend="triton"`), non-boolean `kda_use_A_log` / `kda_output_gate_bias`,
             non-finite or non-positive SiTU betas / `rms_norm_eps` / scales, `attnres_num_blocks`, head sizes
             (a `kda_head_dim` the GPU kernels cannot take) or enum values.
     """
@@ -121,10 +143,14 @@ class KDAMoEConfig(PreTrainedConfig):
         q_lora_rank=None,
         qk_head_dim=None,
         v_head_dim=None,
+        qk_rope_head_dim=0,
+        mla_rms_norm_eps=None,
         kda_num_heads=4,
         kda_head_dim=None,
         kda_short_conv_kernel_size=4,
         kda_lower_bound=-5.0,
+        kda_use_A_log=False,
+        kda_output_gate_bias=True,
         kda_chunk_size=32,
         num_experts=16,
         num_experts_per_tok=2,
@@ -132,6 +158,7 @@ class KDAMoEConfig(PreTrainedConfig):
         moe_intermediate_size=256,
         moe_latent_size=128,
         first_k_dense_replace=1,
+        mlp_layer_types=None,
         intermediate_size=512,
         routed_scaling_factor=1.0,
         router_bias_update="quantile",
@@ -170,11 +197,17 @@ class KDAMoEConfig(PreTrainedConfig):
         self.qk_head_dim = (qk_head_dim if qk_head_dim is not None
                             else _divide(hidden_size, num_attention_heads, "num_attention_heads"))
         self.v_head_dim = v_head_dim if v_head_dim is not None else self.qk_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.mla_rms_norm_eps = mla_rms_norm_eps
         self.kda_num_heads = kda_num_heads
         self.kda_head_dim = (kda_head_dim if kda_head_dim is not None
                              else _divide(hidden_size, kda_num_heads, "kda_num_heads"))
         self.kda_short_conv_kernel_size = kda_short_conv_kernel_size
-        self.kda_lower_bound = float(kda_lower_bound)
+        # A float stays a float (an int -5 from a hand-written config.json too); anything else is checked below.
+        self.kda_lower_bound = (float(kda_lower_bound) if isinstance(kda_lower_bound, int)
+                                and not isinstance(kda_lower_bound, bool) else kda_lower_bound)
+        self.kda_use_A_log = kda_use_A_log
+        self.kda_output_gate_bias = kda_output_gate_bias
         self.kda_chunk_size = kda_chunk_size
         self.num_experts = num_experts
         self.num_experts_per_tok = num_experts_per_tok
@@ -182,6 +215,9 @@ class KDAMoEConfig(PreTrainedConfig):
         self.moe_intermediate_size = moe_intermediate_size
         self.moe_latent_size = moe_latent_size
         self.first_k_dense_replace = first_k_dense_replace
+        if mlp_layer_types is None and isinstance(first_k_dense_replace, int) and isinstance(num_hidden_layers, int):
+            mlp_layer_types = ["dense" if i < first_k_dense_replace else "sparse" for i in range(num_hidden_layers)]
+        self.mlp_layer_types = list(mlp_layer_types) if isinstance(mlp_layer_types, (list, tuple)) else mlp_layer_types
         self.intermediate_size = intermediate_size
         self.routed_scaling_factor = routed_scaling_factor
         self.router_bias_update = router_bias_update
@@ -214,8 +250,18 @@ class KDAMoEConfig(PreTrainedConfig):
 
     @property
     def num_sparse_layers(self) -> int:
-        """Number of decoder layers whose MLP is a routed MoE."""
-        return max(0, self.num_hidden_layers - self.first_k_dense_replace)
+        """Number of decoder layers whose MLP is a routed MoE (``"sparse"`` in :attr:`mlp_layer_types`)."""
+        return sum(t == "sparse" for t in self.mlp_layer_types)
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        """Per-head query/key part ``qk_head_dim − qk_rope_head_dim``: the key width ``kv_b_proj`` produces."""
+        return self.qk_head_dim - self.qk_rope_head_dim
+
+    @property
+    def mla_norm_eps(self) -> float:
+        """The epsilon the MLA ``q_a_layernorm`` / ``kv_a_layernorm`` use: ``mla_rms_norm_eps``, else ``rms_norm_eps``."""
+        return self.rms_norm_eps if self.mla_rms_norm_eps is None else self.mla_rms_norm_eps
 
     @property
     def attnres_block_size(self) -> int:
@@ -247,6 +293,15 @@ class KDAMoEConfig(PreTrainedConfig):
         for i, layer_type in enumerate(self.layer_types):
             if layer_type not in LAYER_TYPES:
                 raise ValueError(f"`layer_types[{i}]` is {layer_type!r}; expected one of {LAYER_TYPES}")
+        if not isinstance(self.qk_rope_head_dim, int) or isinstance(self.qk_rope_head_dim, bool) or not (
+                0 <= self.qk_rope_head_dim < self.qk_head_dim):
+            raise ValueError(f"`qk_rope_head_dim` must be an integer in [0, qk_head_dim={self.qk_head_dim}) (the shared "
+                             f"key part is inside the total head dim), got {self.qk_rope_head_dim!r}")
+        if self.mla_rms_norm_eps is not None and (
+                not isinstance(self.mla_rms_norm_eps, (int, float)) or isinstance(self.mla_rms_norm_eps, bool)
+                or not math.isfinite(self.mla_rms_norm_eps) or self.mla_rms_norm_eps <= 0):
+            raise ValueError(f"`mla_rms_norm_eps` must be None or a finite positive number, got "
+                             f"{self.mla_rms_norm_eps!r}")
         if self.num_experts_per_tok >= self.num_experts:
             raise ValueError(
                 f"`num_experts_per_tok` ({self.num_experts_per_tok}) must be smaller than `num_experts` "
@@ -259,11 +314,19 @@ class KDAMoEConfig(PreTrainedConfig):
                 f"`first_k_dense_replace` must be in [0, num_hidden_layers={self.num_hidden_layers}], "
                 f"got {self.first_k_dense_replace}"
             )
-        if not -5.0 <= self.kda_lower_bound < 0.0:
+        if not isinstance(self.mlp_layer_types, list) or len(self.mlp_layer_types) != self.num_hidden_layers:
+            raise ValueError(f"`mlp_layer_types` must be a list of {self.num_hidden_layers} entries (one per layer), "
+                             f"got {self.mlp_layer_types!r}")
+        for i, mlp_type in enumerate(self.mlp_layer_types):
+            if mlp_type not in MLP_LAYER_TYPES:
+                raise ValueError(f"`mlp_layer_types[{i}]` is {mlp_type!r}; expected one of {MLP_LAYER_TYPES}")
+        check_kda_lower_bound(self.kda_lower_bound)
+        if self.kda_lower_bound is None and self.kernel_backend == "triton":
             raise ValueError(
-                f"`kda_lower_bound` must satisfy -5 <= kda_lower_bound < 0, got {self.kda_lower_bound}: with "
-                "16-token sub-chunks the largest gate exponent is 15*|lower_bound|, which must stay well below "
-                "ln(FLT_MAX) ~= 88.7"
+                "`kda_lower_bound` is None (Kimi Linear's unbounded gate) but `kernel_backend` is 'triton': kdamoe's "
+                "Triton chunk kernel anchors 16-token sub-chunks and relies on the bounded gate (15*|g| <= 75 << "
+                "ln(FLT_MAX) ~= 88.7); use kernel_backend='auto' (fla's KDA ops on CUDA, else PyTorch), 'fla' or "
+                "'torch'"
             )
         for name in ("situ_beta", "situ_linear_beta", "rms_norm_eps", "routed_scaling_factor"):
             value = getattr(self, name)
@@ -274,7 +337,8 @@ class KDAMoEConfig(PreTrainedConfig):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}")
         check_prefill_chunk_size(self.prefill_chunk_size)
-        for name in ("tie_word_embeddings", "output_router_logits", "use_cache", "decode_cuda_graphs"):
+        for name in ("tie_word_embeddings", "output_router_logits", "use_cache", "decode_cuda_graphs", "kda_use_A_log",
+                     "kda_output_gate_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
         if self.kernel_backend != "torch" and self.kda_head_dim not in KERNEL_HEAD_DIMS:
@@ -300,6 +364,19 @@ def check_prefill_chunk_size(chunk) -> None:
     """``ValueError`` unless ``chunk`` is None or an integer >= 0 (the config field and the forward argument)."""
     if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0):
         raise ValueError(f"`prefill_chunk_size` must be None or an integer >= 0 (0 = no chunking), got {chunk!r}")
+
+
+def check_kda_lower_bound(lower_bound) -> None:
+    """``ValueError`` unless ``lower_bound`` is None (the unbounded gate) or a number in [-5, 0) (the bounded one):
+    with 16-token sub-chunks the largest gate exponent of the bounded gate is ``15·|lower_bound|``."""
+    if lower_bound is None:
+        return
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)) or not -5.0 <= lower_bound < 0.0:
+        raise ValueError(
+            f"`kda_lower_bound` must be None (unbounded gate) or satisfy -5 <= kda_lower_bound < 0, got "
+            f"{lower_bound!r}: with 16-token sub-chunks the largest gate exponent is 15*|lower_bound|, which must stay "
+            "well below ln(FLT_MAX) ~= 88.7"
+        )
 
 
 def _divide(total: int, parts: int, parts_name: str) -> int:

@@ -1,4 +1,5 @@
-"""Pure-PyTorch Kimi Delta Attention: the lower-bounded gate, the chunked form and the recurrent step.
+"""Pure-PyTorch Kimi Delta Attention: the gate (lower-bounded, or Kimi Linear's unbounded one), the chunked form and
+the recurrent step.
 
 This is the reference path the modeling file runs on a CPU (and from a saved folder with nothing but
 torch + transformers), and the path the Triton kernels are checked against. Signatures follow fla's
@@ -29,29 +30,44 @@ import torch.nn.functional as F
 
 
 def kda_gate(
-    f: torch.Tensor, dt_bias: torch.Tensor | None, lower_bound: float, A_log: torch.Tensor | None = None
+    f: torch.Tensor, dt_bias: torch.Tensor | None, lower_bound: float | None, A_log: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Lower-bounded KDA log-decay ``g = lower_bound · σ(exp(A_log) · (f + dt_bias))`` ∈ [lower_bound, 0).
+    """KDA log-decay ``g`` from the raw gate input, in one of two forms (docs/architecture.md §1):
+
+    * ``lower_bound`` a float: the lower-bounded gate ``g = lower_bound · σ(exp(A_log) · (f + dt_bias))`` ∈
+      [lower_bound, 0);
+    * ``lower_bound`` None: Kimi Linear's unbounded gate ``g = −exp(A_log) · softplus(f + dt_bias)`` ∈ (−∞, 0].
 
     Args:
         f: raw gate input ``[..., H, K]`` (any float dtype).
         dt_bias: ``[H*K]`` bias, or None for none.
-        lower_bound: ``g_min`` (negative; docs/architecture.md §1 explains the −5 limit).
+        lower_bound: ``g_min`` (negative; docs/architecture.md §1 explains the −5 limit), or None for the unbounded
+            gate.
         A_log: optional ``[H]`` per-head log scale; ``None`` means scale 1.
 
     Returns:
         ``g`` with ``f``'s shape, float32 (float64 for float64 ``f``; gate exponentials are never taken in
         half precision).
 
-    Source: the lower-bounded sigmoid log-decay of the Kimi K3 recipe (docs/architecture.md §1).
+    ``softplus`` is torch's (``x`` above 20, else ``log1p(exp(x))``): the threshold of fla's kernel and of transformers'
+    ``KimiLinearForgetGate``; past it ``log1p(exp(x)) − x < e^−20`` is below half an ulp of ``x`` in float32, and below
+    it ``log1p`` never overflows and keeps the tiny values that ``log(1 + exp(x))`` rounds to 0 (a difference under
+    ``6·10⁻⁸·exp(A_log)`` in ``g``).
+
+    Source: the lower-bounded sigmoid log-decay of the Kimi K3 recipe; the softplus gate of the Kimi Linear report §3
+    (as fla's ``chunk_kda`` computes it with ``lower_bound=None``).
     """
     num_heads, head_dim = f.shape[-2], f.shape[-1]
     dtype = torch.float64 if f.dtype == torch.float64 else torch.float32
     x = f.to(dtype)
     if dt_bias is not None:
         x = x + dt_bias.to(dtype).view(num_heads, head_dim)
-    if A_log is not None:
-        x = x * A_log.to(dtype).exp().view(num_heads, 1)
+    scale = A_log.to(dtype).exp().view(num_heads, 1) if A_log is not None else None
+    if lower_bound is None:
+        g = F.softplus(x)
+        return -g if scale is None else -scale * g
+    if scale is not None:
+        x = x * scale
     return lower_bound * torch.sigmoid(x)
 
 
@@ -95,8 +111,10 @@ def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     use_gate_in_kernel, A_log, dt_bias, lower_bound = gate
     if use_gate_in_kernel:
-        if lower_bound is None or not -5.0 <= lower_bound < 0:
-            raise ValueError(f"use_gate_in_kernel needs lower_bound in [-5, 0); got {lower_bound}")
+        if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))
+                                        or not -5.0 <= lower_bound < 0):
+            raise ValueError(f"use_gate_in_kernel needs lower_bound in [-5, 0) or None (unbounded gate); got "
+                             f"{lower_bound!r}")
         g = kda_gate(g, dt_bias, lower_bound, A_log)
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -146,9 +164,10 @@ def chunk_kda_torch(
         cu_seqlens: ``[N+1]`` int cumulative lengths of packed sequences (B must be 1).
         chunk_size: tokens per chunk (memory ``O(T · chunk_size · K)`` per head).
         use_gate_in_kernel: ``g`` is the raw gate input f and the gate
-            ``g = lower_bound · σ(exp(A_log) · (f + dt_bias))`` is computed here (:func:`kda_gate`), as the
-            kernels do it in-kernel; A_log ``[H]`` / dt_bias ``[H*K]`` may be None (factor 1 / no bias).
-        lower_bound: ``g_min`` in [-5, 0) for ``use_gate_in_kernel``.
+            ``g = lower_bound · σ(exp(A_log) · (f + dt_bias))`` (or, for ``lower_bound=None``, the unbounded
+            ``g = −exp(A_log) · softplus(f + dt_bias)``) is computed here (:func:`kda_gate`), as the kernels do it
+            in-kernel; A_log ``[H]`` / dt_bias ``[H*K]`` may be None (factor 1 / no bias).
+        lower_bound: ``g_min`` in [-5, 0), or None for the unbounded gate, with ``use_gate_in_kernel``.
 
     Returns:
         ``(o [B, T, H, V] in v.dtype, final_state [N, H, K, V] float32 (float64 for float64 inputs) or None)``.

@@ -10,6 +10,10 @@ device of the inputs:
 * ``"torch"``: the pure-PyTorch reference ops of ``kda_torch`` / ``moe_torch`` / ``mla_torch`` / ``norm_torch`` /
   ``attnres_torch``.
 
+Kimi Linear's unbounded KDA gate (``lower_bound=None`` with ``use_gate_in_kernel``) is the one exception: the kdamoe
+KDA kernels rely on the bounded gate, so :func:`chunk_kda` / :func:`fused_recurrent_kda` then run fla's ops on CUDA
+under ``"auto"`` (PyTorch when fla does not import) and refuse ``"triton"``; the other ops keep the chain above.
+
 The choice is per call and per device, unlike transformers' ``use_kernel_func_from_hub_with_fallback``,
 which binds the package once at import time whatever the device. On top of that chain the layer ops
 (:func:`causal_conv1d`, :func:`causal_conv1d_parts`, :func:`chunk_kda`, :func:`fused_recurrent_kda`) carry transformers'
@@ -128,16 +132,31 @@ _DECODE_OPS = ("causal_conv1d", "fused_recurrent_kda", "moe_route", "moe_experts
                "gated_rms_norm", "block_attnres")
 
 
-def decode_graphs_supported(backend: str, device: torch.device) -> bool:
+def decode_graphs_supported(backend: str, device: torch.device, bounded_gate: bool = True) -> bool:
     """True when every op of a decode step runs a kdamoe kernel on ``device`` (CUDA only): the condition for
-    replaying decode steps from a CUDA graph."""
-    if device.type != "cuda":
+    replaying decode steps from a CUDA graph. ``bounded_gate=False`` (the KDA layers use Kimi Linear's unbounded gate,
+    ``kda_lower_bound=None``) is always False: their KDA op then runs fla's or PyTorch's, never a kdamoe kernel."""
+    if device.type != "cuda" or not bounded_gate:
         return False
     try:
         return all(resolve(backend, device, op) == "kdamoe" for op in _DECODE_OPS)
     except (RuntimeError, ValueError):
         return False
 
+
+def _unbounded_gate_backend(backend: str, device: torch.device, op: str) -> str:
+    """The KDA implementation for the unbounded gate where :func:`resolve` picked ``"kdamoe"``: fla's op when it
+    imports (``"auto"``), else PyTorch's.
+
+    Raises:
+        ValueError: ``backend="triton"``: the kdamoe chunk kernel anchors 16-token sub-chunks and needs the bounded
+            gate (``15·|g| ≤ 75 ≪ ln(FLT_MAX) ≈ 88.7``); an unbounded ``g`` would overflow its exponentials.
+    """
+    if backend == "triton":
+        raise ValueError("kernel_backend='triton' cannot run the unbounded KDA gate (lower_bound=None): kdamoe's "
+                         "Triton KDA kernels rely on the bounded gate (15*|g| <= 75 << ln(FLT_MAX) ~= 88.7); use "
+                         "'auto', 'fla' or 'torch'")
+    return "fla" if device.type == "cuda" and getattr(fla_kernels(), op, None) is not None else "torch"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -248,11 +267,23 @@ def _kda_call(impl, name, q, k, v, g, beta, common, gate):
         lower_bound = -5.0 if gate["lower_bound"] is None else gate["lower_bound"]
         return getattr(kdamoe_kernels(), name)(q, k, v, g, beta, **common, **dict(gate, lower_bound=lower_bound))
     # fla: float32 initial state (asserted by chunk_kda); safe_gate relies on g >= lower_bound, which the
-    # lower-bounded gate guarantees.
+    # lower-bounded gate guarantees (and fla refuses it without a lower bound).
     if common["initial_state"] is not None:
         common = dict(common, initial_state=common["initial_state"].float())
+    if gate["use_gate_in_kernel"] and gate["lower_bound"] is None and gate["A_log"] is None:
+        # fla's unbounded gate requires A_log; zeros give the scale exp(0) = 1 that A_log=None means here.
+        gate = dict(gate, A_log=torch.zeros(q.shape[-2], dtype=torch.float32, device=q.device))
     extra = dict(safe_gate=True) if name == "chunk_kda" and gate["lower_bound"] is not None else {}
     return getattr(fla_kernels(), name)(q, k, v, g, beta, **common, **gate, **extra)
+
+
+def _kda_impl(backend, device, op, gate) -> str:
+    """:func:`resolve` for a KDA op, moved off the kdamoe kernels for the unbounded gate
+    (:func:`_unbounded_gate_backend`)."""
+    impl = resolve(backend, device, op)
+    if impl == "kdamoe" and gate["use_gate_in_kernel"] and gate["lower_bound"] is None:
+        impl = _unbounded_gate_backend(backend, device, op)
+    return impl
 
 
 @use_kernel_forward_from_hub("chunk_kda")
@@ -262,13 +293,15 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     """Chunked KDA (training / prefill) with fla's ``chunk_kda`` arguments; returns ``(o, final_state)``.
 
     Shapes, dtypes and errors of :func:`kda_torch.chunk_kda_torch`. With ``use_gate_in_kernel`` ``g`` is the
-    raw gate input and ``g = lower_bound · σ(exp(A_log) · (g + dt_bias))`` is computed by the backend (inside
-    the kernel for kdamoe / fla). ``chunk_size`` applies to the PyTorch path only.
+    raw gate input and ``g = lower_bound · σ(exp(A_log) · (g + dt_bias))`` (``lower_bound=None``: Kimi Linear's
+    ``g = −exp(A_log) · softplus(g + dt_bias)``) is computed by the backend (inside the kernel for kdamoe / fla). The
+    unbounded gate never runs the kdamoe kernel: ``"auto"`` takes fla's op on CUDA when fla imports, else PyTorch's,
+    and ``backend="triton"`` raises ValueError. ``chunk_size`` applies to the PyTorch path only.
     """
-    impl = resolve(backend, q.device, "chunk_kda")
+    gate = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    impl = _kda_impl(backend, q.device, "chunk_kda", gate)
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
-    gate = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     if impl == "torch":
         return chunk_kda_torch(q, k, v, g, beta, **common, chunk_size=chunk_size, **gate)
     return _kda_call(impl, "chunk_kda", q, k, v, g, beta, common, gate)
@@ -279,11 +312,11 @@ def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
                         use_qk_l2norm_in_kernel=False, cu_seqlens=None, use_gate_in_kernel=False, A_log=None,
                         dt_bias=None, lower_bound=None, backend="auto"):
     """Recurrent KDA (decoding, forward only on the kernel backends) with fla's ``fused_recurrent_kda``
-    arguments; the same call and results as :func:`chunk_kda`."""
-    impl = resolve(backend, q.device, "fused_recurrent_kda")
+    arguments; the same call, backend choice and results as :func:`chunk_kda`."""
+    gate = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    impl = _kda_impl(backend, q.device, "fused_recurrent_kda", gate)
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
-    gate = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     if impl == "torch":
         return recurrent_kda_torch(q, k, v, g, beta, **common, **gate)
     return _kda_call(impl, "fused_recurrent_kda", q, k, v, g, beta, common, gate)
@@ -392,22 +425,22 @@ def block_attnres(sources, query, key_weight, eps, *, backend="auto"):
 # ----------------------------------------------------------------------------------------------------
 # MLA latent attention
 # ----------------------------------------------------------------------------------------------------
-def latent_attention(q, latent, seq_len, scale, key_mask=None, *, backend="auto"):
-    """Causal multi-query attention over the MLA latent cache (keys = values = ``latent``, absorbed
-    up-projections): ``o_lat [B, T, H, R]`` in q's dtype.
+def latent_attention(q, latent, seq_len, scale, key_mask=None, value_dim=None, *, backend="auto"):
+    """Causal multi-query attention over the MLA latent cache (keys = the cached rows, values = their first
+    ``value_dim`` columns, absorbed up-projections): ``o_lat [B, T, H, value_dim]`` in q's dtype.
 
-    Semantics, shapes and errors of :func:`mla_torch.latent_attention_torch`: q ``[B, T, H, R]``, latent
-    ``[B, S_cap, R]``, seq_len an int32/int64 device tensor ``[]`` / ``[1]`` (valid rows, the T new tokens
-    included), optional key_mask ``[B, S_mask]``. The kdamoe kernel (flash-decoding, Triton) runs on CUDA or
-    under the interpreter with ``backend="triton"``; fla has no such kernel, so ``"fla"`` runs the torch op.
-    Neither path synchronises with the host (CUDA-graph capturable). The kernel is forward only: a call that needs
-    a gradient (grad mode on and q or latent requiring one, e.g. a training forward continuing a cache) runs the
-    differentiable torch op.
+    Semantics, shapes and errors of :func:`mla_torch.latent_attention_torch`: q ``[B, T, H, Dk]``, latent
+    ``[B, S_cap, Dk]``, seq_len an int32/int64 device tensor ``[]`` / ``[1]`` (valid rows, the T new tokens
+    included), optional key_mask ``[B, S_mask]``, ``value_dim`` (None → ``Dk``). The kdamoe kernel (flash-decoding,
+    Triton) runs on CUDA or under the interpreter with ``backend="triton"``; fla has no such kernel, so ``"fla"`` runs
+    the torch op. Neither path synchronises with the host (CUDA-graph capturable). The kernel is forward only: a call
+    that needs a gradient (grad mode on and q or latent requiring one, e.g. a training forward continuing a cache) runs
+    the differentiable torch op.
     """
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or latent.requires_grad)
     if not needs_grad and resolve(backend, q.device, "latent_attention") == "kdamoe":
-        return kdamoe_kernels().latent_attention(q, latent, seq_len, scale, key_mask)
-    return latent_attention_torch(q, latent, seq_len, scale, key_mask)
+        return kdamoe_kernels().latent_attention(q, latent, seq_len, scale, key_mask, value_dim=value_dim)
+    return latent_attention_torch(q, latent, seq_len, scale, key_mask, value_dim=value_dim)
 
 
 # ----------------------------------------------------------------------------------------------------

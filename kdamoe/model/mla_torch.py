@@ -12,6 +12,10 @@ the output: per head ``h``, with the cached latent ``c_s = RMSNorm(W_dkv x_s)`` 
 
 Keys and values are the same latent tensor, shared by all heads: multi-query attention of width ``R``.
 
+With a shared key part of width ``Dr`` (``qk_rope_head_dim``; Kimi Linear) each cached row is ``[c_s | k_shared,s]``
+and the absorbed query ``[W_uk[h]ᵀ q_nope[h] | q_shared[h]]``: the scores are one dot product of width ``R + Dr`` and
+the values the first ``R`` columns of each row (``value_dim=R``), so the op returns ``o_lat[h]`` of width ``R``.
+
 Remote-code rule (docs/architecture.md §7): this file is copied next to saved weights; it imports only torch.
 """
 
@@ -21,7 +25,7 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MASK_DTYPES = (torch.bool, torch.int8, torch.int32, torch.int64)
 
 
-def check_latent_attention_args(q, latent, seq_len, key_mask, floats=_FLOATS) -> None:
+def check_latent_attention_args(q, latent, seq_len, key_mask, floats=_FLOATS, value_dim=None) -> None:
     """Shape / dtype / device checks shared by the latent-attention ops (never a value check: no host sync).
 
     Raises:
@@ -37,6 +41,9 @@ def check_latent_attention_args(q, latent, seq_len, key_mask, floats=_FLOATS) ->
         raise ValueError(f"q must have T, H, R >= 1, got shape {tuple(q.shape)}")
     if latent.dim() != 3 or latent.shape[0] != B or latent.shape[2] != R:
         raise ValueError(f"latent must be [B, S_cap, R] = ({B}, S_cap, {R}) like q, got shape {tuple(latent.shape)}")
+    if value_dim is not None and (not isinstance(value_dim, int) or isinstance(value_dim, bool)
+                                  or not 1 <= value_dim <= R):
+        raise ValueError(f"value_dim must be None or an integer in [1, {R}] (q's last dim), got {value_dim!r}")
     if q.dtype not in floats:
         raise ValueError(f"q dtype must be one of {floats}, got {q.dtype}")
     if latent.dtype != q.dtype:
@@ -59,13 +66,14 @@ def check_latent_attention_args(q, latent, seq_len, key_mask, floats=_FLOATS) ->
             raise ValueError(f"key_mask is on {key_mask.device}, expected {q.device} like q")
 
 
-def latent_attention_torch(q, latent, seq_len, scale, key_mask=None):
-    r"""Causal multi-query softmax attention over the latent cache, keys = values = ``latent``.
+def latent_attention_torch(q, latent, seq_len, scale, key_mask=None, value_dim=None):
+    r"""Causal multi-query softmax attention over the latent cache: keys = ``latent``, values = its first
+    ``V = value_dim`` columns (all of them by default).
 
     Query ``t`` of row ``b`` sits at absolute position ``p_t = seq_len − T + t`` and sees key ``s`` iff
     ``s ≤ p_t`` and (with a mask) ``key_mask[b, s] ≠ 0``; then, for head ``h``::
 
-        o[b, t, h] = Σ_{s visible} exp(scale · q[b,t,h]·latent[b,s]) latent[b,s] / Σ_{s visible} exp(...)
+        o[b, t, h] = Σ_{s visible} exp(scale · q[b,t,h]·latent[b,s]) latent[b,s,:V] / Σ_{s visible} exp(...)
 
     and ``o = 0`` where no key is visible. Rows of ``latent`` at or after ``seq_len`` or under the mask are never
     read into the result (a preallocated buffer may hold NaN there): they are zeroed before any product. Math in float32
@@ -74,7 +82,8 @@ def latent_attention_torch(q, latent, seq_len, scale, key_mask=None):
     length ``min(S_cap, S_mask)``.
 
     Args:
-        q: ``[B, T, H, R]`` float16 / bfloat16 / float32 / float64, the absorbed queries ``W_ukᵀ q``.
+        q: ``[B, T, H, R]`` float16 / bfloat16 / float32 / float64, the absorbed queries ``W_ukᵀ q`` (with a shared
+            key part, ``[W_ukᵀ q_nope | q_shared]``: ``R`` here is the whole row width ``kv_lora_rank + Dr``).
         latent: ``[B, S_cap, R]`` q's dtype, last dim contiguous: the latent cache, the T new tokens already
             written at rows ``seq_len − T … seq_len − 1``.
         seq_len: int32 / int64 tensor of shape ``[]`` or ``[1]`` on q's device: valid rows, the T new ones
@@ -82,15 +91,18 @@ def latent_attention_torch(q, latent, seq_len, scale, key_mask=None):
         scale: softmax scale (Python float), e.g. ``1 / sqrt(qk_head_dim)``.
         key_mask: optional ``[B, S_mask]`` bool / int8 / int32 / int64, nonzero = key may be attended
             (padding mask); entries at or after ``seq_len`` are ignored.
+        value_dim: the leading columns of ``latent`` that are values (``kv_lora_rank`` when the rows end with a
+            shared key part); None → all ``R``.
 
     Returns:
-        ``o_lat [B, T, H, R]`` in q's dtype.
+        ``o_lat [B, T, H, value_dim]`` in q's dtype.
 
     Raises:
-        ValueError: a wrong rank, shape, dtype or device, naming the argument.
+        ValueError: a wrong rank, shape, dtype or device, or a ``value_dim`` outside ``[1, R]``, naming the argument.
     """
-    check_latent_attention_args(q, latent, seq_len, key_mask)
+    check_latent_attention_args(q, latent, seq_len, key_mask, value_dim=value_dim)
     B, T, H, R = q.shape
+    V = R if value_dim is None else value_dim
     S = latent.shape[1] if key_mask is None else min(latent.shape[1], key_mask.shape[1])
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     keys = torch.arange(S, device=q.device)
@@ -107,5 +119,5 @@ def latent_attention_torch(q, latent, seq_len, scale, key_mask=None):
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # a row with no key: exp(-inf) = 0 everywhere
     p = torch.exp(scores - row_max)
     denom = p.sum(-1, keepdim=True)
-    o = torch.einsum("bths,bsr->bthr", p, lat) / torch.where(denom > 0, denom, 1.0)
+    o = torch.einsum("bths,bsr->bthr", p, lat[..., :V]) / torch.where(denom > 0, denom, 1.0)
     return o.to(q.dtype)

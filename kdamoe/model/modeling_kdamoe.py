@@ -57,6 +57,7 @@ from .kernel_dispatch import (
     moe_route_op,
     rms_norm,
 )
+from .kimi_linear_format import from_kimi_linear_pretrained, is_kimi_linear_config, read_config_dict
 from .moe_torch import GLUActivation, moe_experts_torch
 from .quantile_balancing import all_reduce_sum, histogram_range, quantile_balancing_update, sign_update
 from .validation import check_cache_matches, inputs_are_prevalidated, validate_model_inputs
@@ -193,23 +194,30 @@ def packed_sequence_info(position_ids: torch.Tensor) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Token mixer 1: Kimi Delta Attention with the lower-bounded gate
+# Token mixer 1: Kimi Delta Attention (the lower-bounded gate, or Kimi Linear's unbounded one)
 # ----------------------------------------------------------------------------------------------------
 @use_kernelized_func([causal_conv1d, causal_conv1d_parts, chunk_kda, fused_recurrent_kda])
 class KDAMoEDeltaAttention(nn.Module):
     """KDA layer (Kimi Linear report §3; docs/architecture.md §1).
 
     ``q, k = L2Norm(SiLU(ShortConv(W x)))``, ``v = SiLU(ShortConv(W x))`` (one fused depthwise conv over
-    q|k|v), ``β = σ(W_β x)``, ``g = g_min·σ(exp(A_log)·(W_f2 W_f1 x + dt_bias))`` and output
-    ``W_o(RMSNorm_head(o) ⊙ σ(W_g2 W_g1 x))``. The ops come from ``kernel_dispatch`` (kdamoe kernels, fla or
-    PyTorch); the gate is always handed over raw (``use_gate_in_kernel``) and computed by the op, inside
-    the kernel where the backend can. Padded positions (``attention_mask == 0``) are zeroed before the conv
-    and get ``β = 0`` and a raw gate input of :attr:`PAD_GATE_INPUT`, for which ``σ`` is exactly 0 in
-    float32, so ``g = 0`` and they leave the recurrent state exactly unchanged on every backend.
+    q|k|v), ``β = σ(W_β x)``, the forget gate ``g = g_min·σ(exp(A_log)·(W_f2 W_f1 x + dt_bias))`` (or, with
+    ``kda_lower_bound=None``, Kimi Linear's ``g = −exp(A_log)·softplus(W_f2 W_f1 x + dt_bias)``; ``A_log`` ``[H]``
+    only with ``kda_use_A_log``, else scale 1) and output ``W_o(RMSNorm_head(o) ⊙ σ(W_g2 W_g1 x [+ b_g2]))``. The ops
+    come from ``kernel_dispatch`` (kdamoe kernels, fla or PyTorch); the gate is always handed over raw
+    (``use_gate_in_kernel``) and computed by the op, inside the kernel where the backend can. Padded positions
+    (``attention_mask == 0``) are zeroed before the conv and get ``β = 0`` and a raw gate input of
+    :attr:`PAD_GATE_INPUT`, for which the gate is exactly 0 in float32 (see there), so they leave the recurrent
+    state exactly unchanged on every backend.
     """
 
-    # σ(x) = 1 / (1 + exp(−x)) is exactly 0 once exp(−x) overflows float32 (x < −88.8): with f = −1e4 that
-    # holds for any |dt_bias| < 9900 (A_log is None here; a per-head scale exp(A_log) must stay above 0.009).
+    # Padded positions get the raw gate input f = −1e4, for which both gates are exactly 0 in float32:
+    # * bounded: σ(x) = 1 / (1 + exp(−x)) is exactly 0 once exp(−x) overflows float32 (x < −88.8), and here
+    #   x = exp(A_log)·(−1e4 + dt_bias): that holds while exp(A_log)·(1e4 − dt_bias) > 88.8, e.g. for any
+    #   dt_bias < 9900 with A_log ≥ 0 (no A_log, or its init log(U[1, 16]) ≥ 0); a trained per-head scale must stay
+    #   above ~0.009 (A_log > −4.7), which `check_pad_gate_exact` tests.
+    # * unbounded: softplus(x) = log1p(exp(x)) is exactly 0 once exp(x) underflows to 0 in float32 (x < −104), i.e.
+    #   for any dt_bias < 9896 whatever A_log, since −exp(A_log)·0 = 0 for every finite A_log.
     # A finite value, not −inf, keeps the gate's backward free of 0·inf.
     PAD_GATE_INPUT = -1.0e4
 
@@ -231,10 +239,12 @@ class KDAMoEDeltaAttention(nn.Module):
         self.f_a_proj = nn.Linear(d, self.head_dim, bias=False)
         self.f_b_proj = nn.Linear(self.head_dim, width, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(width))
-        self.A_log = None  # optional per-head scale of the gate (docs/architecture.md §1: None by default)
+        # Optional per-head log scale of the gate (docs/architecture.md §1), float32 like dt_bias
+        # (`_keep_in_fp32_modules_strict`); None means scale 1.
+        self.A_log = nn.Parameter(torch.empty(self.num_heads)) if config.kda_use_A_log else None
         self.b_proj = nn.Linear(d, self.num_heads, bias=False)
         self.g_a_proj = nn.Linear(d, self.head_dim, bias=False)
-        self.g_b_proj = nn.Linear(self.head_dim, width, bias=True)
+        self.g_b_proj = nn.Linear(self.head_dim, width, bias=config.kda_output_gate_bias)
         self.o_norm = KDAMoEGatedRMSNorm(self.head_dim, eps=config.rms_norm_eps, config=config)
         self.o_proj = nn.Linear(width, d, bias=False)
 
@@ -339,10 +349,14 @@ class KDAMoEDeltaAttention(nn.Module):
 # Token mixer 2: multi-head latent attention with no positional encoding
 # ----------------------------------------------------------------------------------------------------
 class KDAMoEAttention(nn.Module):
-    """MLA with NoPE (DeepSeek-V2 §2.1 without the decoupled RoPE; Kimi Linear report).
+    """MLA with NoPE (DeepSeek-V2 §2.1 without rotating the decoupled key part; Kimi Linear report).
 
-    ``q = W_q x`` (or ``W_qb RMSNorm(W_qa x)``), latent ``c = RMSNorm(W_dkv x)`` of width ``kv_lora_rank``, per head
-    ``k = W_uk c``, ``v = W_uv c`` (fused as ``kv_b_proj``), causal softmax attention scaled by ``qk_head_dim^-1/2``.
+    ``q = W_q x`` (or ``W_qb RMSNorm(W_qa x)``), ``[c | k_shared] = W_dkv x`` with the latent ``c`` of width ``R =
+    kv_lora_rank`` RMS-normed and the shared key part ``k_shared`` of width ``Dr = qk_rope_head_dim`` (0 by default)
+    left as is; per head ``q = [q_nope | q_shared]`` (``Dn = qk_nope_head_dim`` then ``Dr`` columns),
+    ``k = [W_uk c | k_shared]``, ``v = W_uv c`` (``W_uk``, ``W_uv`` fused as ``kv_b_proj``), causal softmax attention
+    over ``qk_head_dim = Dn + Dr`` scaled by ``qk_head_dim^-1/2``. ``k_shared`` is the same for every head and, with
+    no positional encoding, not rotated (transformers' ``KimiLinearAttention`` computes the same).
 
     Two exact ways to attend (docs/long-context.md):
 
@@ -350,11 +364,12 @@ class KDAMoEAttention(nn.Module):
       per head and attended with SDPA — a causal kernel aligned to the last query when a cache precedes the chunk, the
       mask from transformers' utilities when there is padding, packing or ``attn_implementation="eager"``;
     * **latent** (decoding, short continuations of a :class:`KDAMoECache`): with no positional encoding
-      ``q·k_t = (W_uk^T q)·c_t`` and ``Σ p_t v_t = W_uv (Σ p_t c_t)`` (DeepSeek-V2 §2.1.2), so the query is absorbed
-      into the latent space and the attention reads only the cached latents (``kernel_dispatch.latent_attention``).
+      ``q·k_t = [W_uk^T q_nope | q_shared]·[c_t | k_shared,t]`` and ``Σ p_t v_t = W_uv (Σ p_t c_t)`` (DeepSeek-V2
+      §2.1.2), so the query is absorbed into the cache's space of width ``R + Dr`` and the attention reads only the
+      cached rows, its values being their first ``R`` columns (``kernel_dispatch.latent_attention``).
 
-    With a :class:`KDAMoECache` the layer caches latents only; with a plain ``DynamicCache`` it caches per-head
-    keys and values as any transformers model.
+    With a :class:`KDAMoECache` the layer caches ``[c | k_shared]`` per token only; with a plain ``DynamicCache`` it
+    caches per-head keys ``[B, H, S, qk_head_dim]`` and values as any transformers model.
     """
 
     def __init__(self, config: KDAMoEConfig, layer_idx: int):
@@ -363,6 +378,8 @@ class KDAMoEAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.qk_head_dim = config.qk_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.qk_nope_head_dim = config.qk_nope_head_dim
         self.v_head_dim = config.v_head_dim
         self.num_key_value_groups = 1
         self.scaling = self.qk_head_dim**-0.5
@@ -373,11 +390,11 @@ class KDAMoEAttention(nn.Module):
             self.q_proj = nn.Linear(d, self.num_heads * self.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
-            self.q_a_layernorm = KDAMoERMSNorm(config.q_lora_rank, eps=config.rms_norm_eps, config=config)
+            self.q_a_layernorm = KDAMoERMSNorm(config.q_lora_rank, eps=config.mla_norm_eps, config=config)
             self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
-        self.kv_a_proj = nn.Linear(d, config.kv_lora_rank, bias=False)
-        self.kv_a_layernorm = KDAMoERMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps, config=config)
-        self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.qk_head_dim + self.v_head_dim),
+        self.kv_a_proj = nn.Linear(d, config.kv_lora_rank + self.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = KDAMoERMSNorm(config.kv_lora_rank, eps=config.mla_norm_eps, config=config)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
                                    bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, d, bias=False)
 
@@ -390,23 +407,33 @@ class KDAMoEAttention(nn.Module):
         """
         masks = masks or {"full_attention": None, "latent": False, "key_mask": None}
         B, T, _ = hidden_states.shape
+        R, Dr = self.config.kv_lora_rank, self.qk_rope_head_dim
         if self.config.q_lora_rank is None:
-            q, latent = fused_linear(hidden_states, (self.q_proj, self.kv_a_proj))
+            q, compressed = fused_linear(hidden_states, (self.q_proj, self.kv_a_proj))
         else:
-            q, latent = fused_linear(hidden_states, (self.q_a_proj, self.kv_a_proj))
+            q, compressed = fused_linear(hidden_states, (self.q_a_proj, self.kv_a_proj))
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(B, T, self.num_heads, self.qk_head_dim)
-        latent = self.kv_a_layernorm(latent)  # [B, T, kv_lora_rank]
+        if Dr:
+            # per-token cache row [normed latent | k_shared] (only the latent is normed)
+            rows = torch.cat([self.kv_a_layernorm(compressed[..., :R]), compressed[..., R:]], dim=-1)
+        else:
+            rows = self.kv_a_layernorm(compressed)  # [B, T, kv_lora_rank]
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None
         if isinstance(layer_cache, KDAMoELatentCacheLayer):
-            latent, _ = layer_cache.update(latent)  # every visible latent, [B, past + T, R]
+            rows, _ = layer_cache.update(rows)  # every visible row, [B, past + T, R + Dr]
             if masks["latent"]:
                 return self._latent_attention(q, layer_cache, masks["key_mask"]), None
 
         # split before the head transpose: the split's backward then concatenates dk | dv straight into the
-        # projection's [B, T, H, Dk + Dv] layout (after the transpose it wrote [B, H, T, ·], copied once more back)
-        kv = self.kv_b_proj(latent).view(B, -1, self.num_heads, self.qk_head_dim + self.v_head_dim)
-        k, v = (t.transpose(1, 2) for t in kv.split([self.qk_head_dim, self.v_head_dim], dim=-1))
+        # projection's [B, T, H, Dn + Dv] layout (after the transpose it wrote [B, H, T, ·], copied once more back)
+        latent = rows[..., :R] if Dr else rows
+        kv = self.kv_b_proj(latent).view(B, -1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        k, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        if Dr:
+            k_shared = rows[..., None, R:].expand(-1, -1, self.num_heads, -1)  # one part for every head
+            k = torch.cat([k, k_shared.to(k.dtype)], dim=-1)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         if layer_cache is not None and not isinstance(layer_cache, KDAMoELatentCacheLayer):
             k, v = cache.update(k, v, self.layer_idx)  # a per-head DynamicCache passed by the user
         q = q.transpose(1, 2)
@@ -421,21 +448,31 @@ class KDAMoEAttention(nn.Module):
         return self.o_proj(out.reshape(B, T, self.num_heads * self.v_head_dim)), attn_weights
 
     def _absorbed_weights(self, like: torch.Tensor) -> torch.Tensor:
-        """``[R, H, qk_head_dim + v_head_dim]``: ``kv_b_proj`` applied to the identity, i.e. its effective weight —
-        also when PEFT wraps the projection (a LoRA delta is linear too)."""
+        """``[R, H, qk_nope_head_dim + v_head_dim]``: ``kv_b_proj`` applied to the identity, i.e. its effective weight
+        — also when PEFT wraps the projection (a LoRA delta is linear too)."""
         R = self.config.kv_lora_rank
         eye = torch.eye(R, dtype=like.dtype, device=like.device)
-        return self.kv_b_proj(eye).view(R, self.num_heads, self.qk_head_dim + self.v_head_dim)
+        return self.kv_b_proj(eye).view(R, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
 
     def _latent_attention(self, q, layer_cache, key_mask) -> torch.Tensor:
+        """Attention in the cache's space: ``q [B, T, H, qk_head_dim]`` → ``o_proj`` output ``[B, T, d]``.
+
+        Per head ``h`` and cached row ``[c_s | k_shared,s]``: the score is ``q_nope,h·W_uk,h c_s + q_shared,h·k_shared,s
+        = [W_uk,hᵀ q_nope,h | q_shared,h]·[c_s | k_shared,s]``, one dot product of width ``R + Dr`` with the absorbed
+        query, and the output ``Σ_s p_hs W_uv,h c_s = W_uv,h (Σ_s p_hs [c_s | k_shared,s])[:R]``: the op returns the
+        first ``R`` columns of the weighted row sum (``value_dim=R``)."""
         B, T = q.shape[:2]
+        R = self.config.kv_lora_rank
         w = self._absorbed_weights(q)
-        w_uk, w_uv = w[..., : self.qk_head_dim], w[..., self.qk_head_dim :]
-        q_latent = torch.einsum("bthd,rhd->bthr", q, w_uk)
+        w_uk, w_uv = w[..., : self.qk_nope_head_dim], w[..., self.qk_nope_head_dim :]
+        q_latent = torch.einsum("bthd,rhd->bthr", q[..., : self.qk_nope_head_dim], w_uk)
+        if self.qk_rope_head_dim:
+            q_latent = torch.cat([q_latent, q[..., self.qk_nope_head_dim :].to(q_latent.dtype)], dim=-1)
         seq_len = layer_cache.cache.past_length + T
         latents = layer_cache.latents  # under autocast the normed latent is float32 while q is not
         o_latent = latent_attention(
-            q_latent.to(latents.dtype), latents, seq_len, self.scaling, key_mask, backend=self.config.kernel_backend
+            q_latent.to(latents.dtype), latents, seq_len, self.scaling, key_mask, value_dim=R,
+            backend=self.config.kernel_backend,
         )
         out = torch.einsum("bthr,rhv->bthv", o_latent.to(w_uv.dtype), w_uv)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.v_head_dim))
@@ -467,15 +504,25 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: flo
 
 
 def _attention_with_lse(q, k, v, scaling: float, causal: bool):
-    """``(out [B, H, T, D] in q.dtype, logsumexp [B, H, T] float32)``: cuDNN's fused attention on CUDA (half
-    precision), the CPU's flash kernel elsewhere — the aten ops behind SDPA that also return the log-sum-exp."""
+    """``(out [B, H, T, Dv] in q.dtype, logsumexp [B, H, T] float32)``: cuDNN's fused attention on CUDA (half
+    precision), the CPU's flash kernel elsewhere — the aten ops behind SDPA that also return the log-sum-exp.
+
+    The CPU flash kernel refuses a value head dim other than the query/key one (``qk_rope_head_dim`` or
+    ``v_head_dim`` make them differ), and cuDNN's support of it depends on its version and GPU, so the narrower side is
+    zero-padded to the wider: zero value columns give zero output columns (sliced off), zero query/key columns add
+    nothing to a score (the scale is passed explicitly), so the result and the log-sum-exp are exact."""
+    Dk, Dv = q.shape[-1], v.shape[-1]
+    if Dv < Dk:
+        v = F.pad(v, (0, Dk - Dv))
+    elif Dk < Dv:
+        q, k = F.pad(q, (0, Dv - Dk)), F.pad(k, (0, Dv - Dk))
     if q.is_cuda:
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, causal, False, scale=scaling
         )[:2]
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scaling)[:2]
-    return out, lse.reshape(q.shape[:3]).float()
+    return out[..., :Dv], lse.reshape(q.shape[:3]).float()
 
 
 def _prefix_then_causal(q, k, v, scaling: float) -> torch.Tensor:
@@ -794,7 +841,7 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
             self.self_attn = KDAMoEDeltaAttention(config, layer_idx)
         else:
             self.self_attn = KDAMoEAttention(config, layer_idx)
-        self.is_sparse = layer_idx >= config.first_k_dense_replace
+        self.is_sparse = config.mlp_layer_types[layer_idx] == "sparse"
         if self.is_sparse:
             self.mlp = KDAMoESparseMoeBlock(config)
         else:
@@ -857,6 +904,16 @@ def _fsdp2_wrapped_class(model: nn.Module) -> type | None:
     return next(cls for cls in type(model).__bases__ if not issubclass(cls, FSDPModule))
 
 
+# The `auto_map` of a saved folder: every KDAMoE head, so a folder saved from the causal LM also loads as `AutoModel`
+# or `AutoModelForSequenceClassification` (reward / value models) with `trust_remote_code=True`.
+AUTO_MAP = {
+    "AutoConfig": "configuration_kdamoe.KDAMoEConfig",
+    "AutoModel": "modeling_kdamoe.KDAMoEModel",
+    "AutoModelForCausalLM": "modeling_kdamoe.KDAMoEForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_kdamoe.KDAMoEForSequenceClassification",
+}
+
+
 class KDAMoEPreTrainedModel(PreTrainedModel):
     """Weight init, Quantile Balancing lifecycle and transformers plumbing shared by all heads."""
 
@@ -869,7 +926,7 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = False
     _is_stateful = True
-    _keep_in_fp32_modules_strict = ["e_score_correction_bias", "dt_bias"]
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias", "dt_bias", "A_log"]
     # transformers' output recorder: router logits (raw ``[B·T, E]`` float32, one per MoE layer) and, with the
     # eager attention implementation, the MLA layers' attention weights. Hidden states are collected by the
     # model itself (with Block AttnRes the residual stream is not a layer's output).
@@ -887,8 +944,22 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """transformers' ``from_pretrained``, with Hub kernels left off unless the caller asks for them
-        (:func:`.kernel_dispatch.hub_kernels_off_by_default` says why)."""
-        return super().from_pretrained(*args, **hub_kernels_off_by_default(kwargs))
+        (:func:`.kernel_dispatch.hub_kernels_off_by_default` says why).
+
+        A folder or Hub id whose ``config.json`` says ``model_type: kimi_linear`` (Moonshot's Kimi Linear releases,
+        or transformers' ``KimiLinearForCausalLM.save_pretrained``) is loaded through the weight map of
+        :mod:`.kimi_linear_format` (:func:`~.kimi_linear_format.from_kimi_linear_pretrained`): strictly (a missing,
+        extra or wrongly shaped tensor is a ``ValueError`` naming it), with ``router_bias_update="none"`` unless the
+        caller passes another rule, taking ``dtype`` / ``torch_dtype``, ``device_map=None`` and the Hub arguments.
+        """
+        kwargs = hub_kernels_off_by_default(kwargs)
+        pretrained = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        if kwargs.get("config") is None and kwargs.get("state_dict") is None and len(args) <= 1:
+            kimi = read_config_dict(pretrained, kwargs)
+            if is_kimi_linear_config(kimi):
+                kwargs.pop("pretrained_model_name_or_path", None)
+                return from_kimi_linear_pretrained(cls, super().from_pretrained, pretrained, kimi, kwargs)
+        return super().from_pretrained(*args, **kwargs)
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
         """transformers' choice of experts implementation, defaulting to ``"kdamoe"``; refuses (``ValueError``)
@@ -905,7 +976,9 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         std = self.config.initializer_range
         if isinstance(module, KDAMoEDeltaAttention):
-            init.copy_(module.dt_bias, _dt_bias_init(module.dt_bias, self.config.kda_lower_bound))
+            if module.A_log is not None:
+                init.copy_(module.A_log, _A_log_init(module.A_log))
+            init.copy_(module.dt_bias, _dt_bias_init(module.dt_bias, self.config.kda_lower_bound, module.A_log))
         elif isinstance(module, KDAMoEExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
@@ -929,16 +1002,7 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         is saved from every rank: rank 0 writes the gathered weights and this package's code, not torch's FSDP
         files that transformers would otherwise take for the model's code (docs/distributed.md).
         """
-        auto_map = dict(getattr(self.config, "auto_map", None) or {})
-        auto_map.update(
-            {
-                "AutoConfig": "configuration_kdamoe.KDAMoEConfig",
-                "AutoModel": "modeling_kdamoe.KDAMoEModel",
-                "AutoModelForCausalLM": "modeling_kdamoe.KDAMoEForCausalLM",
-                "AutoModelForSequenceClassification": "modeling_kdamoe.KDAMoEForSequenceClassification",
-            }
-        )
-        self.config.auto_map = auto_map
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
         own_class = _fsdp2_wrapped_class(self)
         if own_class is None:
             return super().save_pretrained(save_directory, *args, **kwargs)
@@ -1003,13 +1067,50 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
             router.update_bias(own.to(router.e_score_correction_bias.device))
 
 
-def _dt_bias_init(dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
-    """``dt_bias`` so that at zero input ``exp(g)`` is log-uniform over [0.9, 0.999] (docs/architecture.md §1).
+# Range of exp(A_log) at init, fla's for Kimi Linear: A_log = log(U[1, 16]).
+A_LOG_INIT_RANGE = (1.0, 16.0)
 
-    ``g = lower_bound · σ(dt_bias)`` ⇒ ``dt_bias = logit(g / lower_bound)`` with ``g ~ U[ln 0.9, ln 0.999]``.
+
+def _A_log_init(A_log: torch.Tensor) -> torch.Tensor:
+    """``A_log [H]`` drawn as ``log(U[1, 16])`` (fla's init for Kimi Linear), in A_log's dtype and device; checked
+    against :func:`check_pad_gate_exact` (``A_log ≥ 0`` always passes)."""
+    value = torch.empty(A_log.shape, dtype=torch.float32).uniform_(*A_LOG_INIT_RANGE).log()
+    check_pad_gate_exact(value)
+    return value.to(A_log.device, A_log.dtype)
+
+
+def check_pad_gate_exact(A_log: torch.Tensor, max_dt_bias: float = 100.0) -> None:
+    """``ValueError`` unless the bounded gate of a padded position (raw input ``PAD_GATE_INPUT``) is exactly 0 in
+    float32 for every head of ``A_log`` (CPU tensor ``[H]``) and every ``dt_bias ≤ max_dt_bias``:
+    ``exp(A_log)·(−PAD_GATE_INPUT − max_dt_bias) > 88.8``, where ``exp(−x)`` overflows and ``σ(x)`` is 0. The
+    unbounded gate needs no such condition (``KDAMoEDeltaAttention.PAD_GATE_INPUT`` says why)."""
+    margin = -KDAMoEDeltaAttention.PAD_GATE_INPUT - max_dt_bias
+    smallest = float(A_log.detach().float().min()) if A_log.numel() else 0.0
+    if math.exp(smallest) * margin <= 88.8:
+        raise ValueError(f"A_log has a value {smallest:.3g} for which a padded position's bounded gate "
+                         f"σ(exp(A_log)·({KDAMoEDeltaAttention.PAD_GATE_INPUT:g} + dt_bias)) is not exactly 0 in "
+                         f"float32 (needs exp(A_log)·{margin:g} > 88.8, i.e. A_log > {math.log(88.8 / margin):.3g})")
+
+
+def _dt_bias_init(dt_bias: torch.Tensor, lower_bound: float | None, A_log: torch.Tensor | None = None) -> torch.Tensor:
+    """``dt_bias [H·K]`` for the gate's form (docs/architecture.md §1), in dt_bias's dtype and device.
+
+    * bounded (``lower_bound`` a float): at zero input ``exp(g)`` is log-uniform over [0.9, 0.999]:
+      ``g = lower_bound · σ(exp(A_log_h) · dt_bias)`` ⇒ ``dt_bias = logit(g / lower_bound) / exp(A_log_h)`` with
+      ``g ~ U[ln 0.9, ln 0.999]`` (``exp(A_log_h) = 1`` without A_log);
+    * unbounded (None): Kimi Linear's (fla's) init, ``dt_bias = softplus⁻¹(dt)`` with ``dt`` log-uniform over
+      [1e-3, 0.1] (at least 1e-4), so that ``−softplus(dt_bias) = −dt`` at zero input before the A_log scale.
     """
+    if lower_bound is None:
+        dt = torch.empty(dt_bias.shape, dtype=torch.float32).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+        dt = dt.clamp_min(1e-4)
+        # softplus⁻¹(y) = y + log(1 − exp(−y)), written with expm1 to stay exact for small y.
+        return (dt + torch.log(-torch.expm1(-dt))).to(dt_bias.device, dt_bias.dtype)
     g = torch.empty(dt_bias.shape, dtype=torch.float32).uniform_(math.log(0.9), math.log(0.999))
-    return torch.logit(g / lower_bound).to(dt_bias.device, dt_bias.dtype)
+    value = torch.logit(g / lower_bound)
+    if A_log is not None and A_log.device.type != "meta":
+        value = (value.view(A_log.shape[0], -1) * torch.exp(-A_log.detach().float().cpu())[:, None]).flatten()
+    return value.to(dt_bias.device, dt_bias.dtype)
 
 
 def packed_causal_mask_function(doc_ids: torch.Tensor) -> Callable:
@@ -1455,7 +1556,8 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
             return None
         if torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
             return None
-        if not decode_graphs_supported(self.config.kernel_backend, input_ids.device):
+        if not decode_graphs_supported(self.config.kernel_backend, input_ids.device,
+                                       bounded_gate=self.config.kda_lower_bound is not None):
             return None
         if cache.decode_steps == 0:
             return "warm_up"

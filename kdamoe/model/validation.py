@@ -134,9 +134,10 @@ def check_cache_matches(config, cache: Cache, rows: int) -> None:
             batch = next((t.shape[0] for t in (state, conv) if t is not None), None)
         elif isinstance(layer, KDAMoELatentCacheLayer):
             batch = None if layer.latents is None else layer.latents.shape[0]
-            if layer.latents is not None and layer.latents.shape[-1] != config.kv_lora_rank:
-                found = (f"latents of width {layer.latents.shape[-1]} "
-                         f"(the model's kv_lora_rank is {config.kv_lora_rank})")
+            width = config.kv_lora_rank + config.qk_rope_head_dim  # a row is [normed latent | shared key part]
+            if layer.latents is not None and layer.latents.shape[-1] != width:
+                found = (f"latents of width {layer.latents.shape[-1]} (the model's rows are kv_lora_rank + "
+                         f"qk_rope_head_dim = {config.kv_lora_rank} + {config.qk_rope_head_dim} = {width} wide)")
         else:
             keys = getattr(layer, "keys", None)
             batch = keys.shape[0] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else None

@@ -12,10 +12,11 @@ What makes the step capturable: no op of the model's training forward or backwar
 are compiled and autotuned by the eager warm-up steps before the capture; the router statistics accumulate in place into
 tensors that exist before the capture.
 
-What it does not cover (use the eager step): packed documents (``position_ids`` with restarts: the varlen kernels size
-their grids from the document lengths on the host), attention masks, gradient checkpointing, more than one batch
-shape at a time (a new shape captures again, dropping the old graph), gradient accumulation across calls (each
-replay writes the gradients, as ``zero_grad(set_to_none=True)`` then ``backward()`` would; nothing warns), loss
+What it does not cover (use the eager step): Kimi Linear's unbounded KDA gate (``kda_lower_bound=None``, refused:
+its KDA ops are fla's or PyTorch's, not checked for capture), packed documents (``position_ids`` with restarts: the
+varlen kernels size their grids from the document lengths on the host), attention masks, gradient checkpointing, more
+than one batch shape at a time (a new shape captures again, dropping the old graph), gradient accumulation across calls
+(each replay writes the gradients, as ``zero_grad(set_to_none=True)`` then ``backward()`` would; nothing warns), loss
 scaling (``GradScaler``: the backward runs on the unscaled loss inside the graph), DDP / FSDP wrappers, and changes
 it cannot see (the autocast dtype, config fields such as ``kernel_backend`` or ``router_bias_update``): build a new
 one after such a change.
@@ -45,15 +46,24 @@ class TrainStepGraph:
         warmup_steps: eager steps before a capture (≥ 1).
 
     Raises:
-        ValueError: a model without parameters or not on CUDA, a ``warmup_steps`` that is not an int >= 1; at a call,
-            inputs that the eager forward would refuse (see ``validate_model_inputs``), labels of another shape, inputs
-            off the model's device, grad mode / training mode off, or gradient checkpointing on.
+        ValueError: a model without parameters or not on CUDA, a model with the unbounded KDA gate
+            (``kda_lower_bound=None``: its KDA ops are not kdamoe's kernels), a ``warmup_steps`` that is not an
+            int >= 1; at a call, inputs that the eager forward would refuse (see ``validate_model_inputs``), labels of
+            another shape, inputs off the model's device, grad mode / training mode off, or gradient checkpointing on.
     """
 
     def __init__(self, model, warmup_steps: int = 2):
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"warmup_steps must be an int >= 1, got {warmup_steps!r}")
         self.model, self.warmup_steps = model, warmup_steps
+        config = getattr(model, "config", None)
+        layer_types = getattr(config, "layer_types", ())
+        if getattr(config, "kda_lower_bound", -5.0) is None and "linear_attention" in layer_types:
+            # The unbounded gate runs fla's or PyTorch's KDA ops, never kdamoe's (kernel_dispatch): neither is checked
+            # to read no device value on the host, which a capture needs.
+            raise ValueError("TrainStepGraph does not capture a model with Kimi Linear's unbounded KDA gate "
+                             "(kda_lower_bound=None): its KDA layers run fla's or PyTorch's ops, which are not checked "
+                             "for CUDA-graph capture (only kdamoe's kernels are); use the eager training step")
         self._device()  # raises for a model without parameters or off CUDA
         self.graph = self.loss = None
         self.grads, self.tensors, self.signature = [], [], None

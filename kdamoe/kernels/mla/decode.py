@@ -1,8 +1,9 @@
 """Flash-decoding of MLA attention in the latent space: keys = values = the cached latent, shared by all heads.
 
-Semantics are those of ``kdamoe.model.mla_torch.latent_attention_torch`` (its reference): ``q [B, T, H, R]`` absorbed
-queries, ``latent [B, S_cap, R]`` the cache buffer, ``seq_len`` a device tensor (valid rows, the T new tokens
-included), causal over ``p_t = seq_len − T + t``, an optional padding ``key_mask``.
+Semantics are those of ``kdamoe.model.mla_torch.latent_attention_torch`` (its reference): ``q [B, T, H, R + Dr]``
+absorbed queries, ``latent [B, S_cap, R + Dr]`` the cache buffer (keys: whole rows; values: their first ``R =
+value_dim`` columns; ``Dr`` is the shared key part, ``qk_rope_head_dim``, 0 by default), ``seq_len`` a device tensor
+(valid rows, the T new tokens included), causal over ``p_t = seq_len − T + t``, an optional padding ``key_mask``.
 
 Design (Dao et al., "Flash-Decoding for long-context inference", 2023; the online softmax of FlashAttention-2,
 Dao 2023, §3.1):
@@ -13,7 +14,9 @@ Dao 2023, §3.1):
 * Stage 1, ``_split_kernel``, grid ``(row blocks, P splits, B)``: split ``j`` takes the key blocks
   ``j, j + P, j + 2P, …`` of ``BLOCK_N`` keys (round robin), so any ``seq_len`` spreads over all splits: a
   short sequence in a long buffer still uses ``min(P, blocks)`` programs instead of one. For each block:
-  ``S = Q Kᵀ`` (fp32 accumulation), mask (causal, ``key_mask``, ``s < seq_len``) to ``−inf`` before the
+  ``S = Q Kᵀ`` (fp32 accumulation; with ``Dr > 0`` the score is split as ``Q_c K_cᵀ + Q_r K_rᵀ`` over the first ``R``
+  and the last ``Dr`` columns, the latter padded to a power of two ≥ 16 with masked loads, so ``R`` stays a power of
+  two whatever ``Dr`` is, and only ``K_c`` is the value tile), mask (causal, ``key_mask``, ``s < seq_len``) to ``−inf`` before the
   exponential, online softmax, ``acc += P K``. Keys at or after ``seq_len`` and masked keys are loaded as 0
   (never NaN · 0). It writes the unnormalised ``acc``, running max and sum to a float32 workspace
   ``[B, P, T·H, R]`` / ``[B, P, T·H]``; a split that starts at or after the block's last visible key exits.
@@ -94,6 +97,7 @@ COMBINE_BLOCK_R = 32  # R chunk of one combine program: 8 rows × (256 / 32) = 6
 COMBINE_CHUNK_P = 64  # splits merged per combine step ([64, 32] fp32 tile)
 PROGRAMS_PER_SM = 2  # split programs per SM at B = 1: enough loads in flight to saturate HBM
 NUM_STAGES = 3  # software-pipelined key tiles in flight per split program
+MAX_SHARED_DIM = 256  # widest shared key part Dr (its [BLOCK_N, Dr] tile rides next to the [BLOCK_N, R] one)
 
 
 @fast_launch
@@ -101,8 +105,8 @@ NUM_STAGES = 3  # software-pipelined key tiles in flight per split program
 def _split_kernel(q, latent, seq_len, key_mask, acc_ws, m_ws, l_ws,
                   T, H, M, P, S_lim, qk_scale,
                   stride_qb, stride_lb, stride_ls, stride_kb, stride_ks,
-                  R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
+                  R: tl.constexpr, DR: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
     i_m, i_p, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.minimum(tl.load(seq_len), S_lim).to(tl.int32)
     rows = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -113,8 +117,12 @@ def _split_kernel(q, latent, seq_len, key_mask, acc_ws, m_ws, l_ws,
     if i_p * BLOCK_N >= hi:
         return  # no block of this split is visible to these rows; the combine skips it too
     cols_r = tl.arange(0, R)
-    q_off = i_b.to(tl.int64) * stride_qb + rows[:, None].to(tl.int64) * R + cols_r[None, :]
-    q_tile = tl.load(q + q_off, mask=row_ok[:, None], other=0.)
+    q_row = i_b.to(tl.int64) * stride_qb + rows[:, None].to(tl.int64) * (R + DR)  # q is contiguous, rows R + DR wide
+    q_tile = tl.load(q + q_row + cols_r[None, :], mask=row_ok[:, None], other=0.)
+    if DR > 0:
+        cols_d = tl.arange(0, BLOCK_DR)
+        d_ok = cols_d < DR
+        qr_tile = tl.load(q + q_row + R + cols_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -132,6 +140,13 @@ def _split_kernel(q, latent, seq_len, key_mask, acc_ws, m_ws, l_ws,
             s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee")
         else:
             s = tl.dot(q_tile, tl.trans(k_tile))
+        if DR > 0:  # the shared key part: scores only, never a value
+            kr_tile = tl.load(lat_base + keys[:, None].to(tl.int64) * stride_ls + R + cols_d[None, :],
+                              mask=key_ok[:, None] & d_ok[None, :], other=0.)
+            if IEEE:
+                s += tl.dot(qr_tile, tl.trans(kr_tile), input_precision="ieee")
+            else:
+                s += tl.dot(qr_tile, tl.trans(kr_tile))
         visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
         s = tl.where(visible, s * qk_scale, float("-inf"))  # masked before the exponential
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -202,51 +217,60 @@ def num_splits(B: int, row_blocks: int, key_blocks: int, sms: int) -> int:
     return max(1, min(key_blocks, cdiv(PROGRAMS_PER_SM * sms, B * row_blocks)))
 
 
-def _validate(q, latent, seq_len, key_mask):
-    """The shape / dtype / device checks of the torch op, plus the kernel's limits (R, dtype, device)."""
-    check_latent_attention_args(q, latent, seq_len, key_mask, floats=_FLOATS)
-    R = q.shape[3]
+def _validate(q, latent, seq_len, key_mask, value_dim):
+    """The shape / dtype / device checks of the torch op, plus the kernel's limits (R, Dr, dtype, device)."""
+    check_latent_attention_args(q, latent, seq_len, key_mask, floats=_FLOATS, value_dim=value_dim)
+    R = q.shape[3] if value_dim is None else value_dim
     if R < 16 or R > 512 or R & (R - 1):
-        raise ValueError(f"q's R (kv_lora_rank) must be a power of two in [16, 512] for the kernel, got {R}")
+        raise ValueError(f"the value width R (kv_lora_rank; value_dim, else q's last dim) must be a power of two in "
+                         f"[16, 512] for the kernel, got {R}")
+    if q.shape[3] - R > MAX_SHARED_DIM:
+        raise ValueError(f"the shared key part (q's last dim {q.shape[3]} − value_dim {R}) must be at most "
+                         f"{MAX_SHARED_DIM} columns for the kernel, got {q.shape[3] - R}")
     if q.device.type != "cuda" and not (q.device.type == "cpu" and is_interpreter()):
         raise ValueError(f"q is on {q.device}: the Triton kernels need a CUDA tensor (or CPU with TRITON_INTERPRET=1)")
 
 
-def latent_attention(q, latent, seq_len, scale, key_mask=None):
-    r"""Causal multi-query attention over the latent cache (keys = values = ``latent``), flash-decoding in Triton.
+def latent_attention(q, latent, seq_len, scale, key_mask=None, value_dim=None):
+    r"""Causal multi-query attention over the latent cache (keys = ``latent``'s rows, values = their first
+    ``V = value_dim`` columns), flash-decoding in Triton.
 
     Query ``t`` sits at ``p_t = seq_len − T + t`` and sees key ``s`` iff ``s ≤ p_t`` and ``key_mask[b, s] ≠ 0``::
 
-        o[b, t, h] = Σ_{s visible} softmax_s(scale · q[b, t, h] · latent[b, s]) · latent[b, s]
+        o[b, t, h] = Σ_{s visible} softmax_s(scale · q[b, t, h] · latent[b, s]) · latent[b, s, :V]
 
     0 for a query with no visible key. float32 accumulation; rows of ``latent`` at or after ``seq_len`` are
     never read into the result. No host synchronisation (CUDA-graph capturable; the launch depends on shapes
     only). Forward only.
 
     Args:
-        q: ``[B, T, H, R]`` float16 / bfloat16 / float32 absorbed queries, R a power of two in [16, 512].
-        latent: ``[B, S_cap, R]`` q's dtype, last dim contiguous (the cache buffer; the T new tokens are
+        q: ``[B, T, H, V + Dr]`` float16 / bfloat16 / float32 absorbed queries (``[W_ukᵀ q_nope | q_shared]``).
+        latent: ``[B, S_cap, V + Dr]`` q's dtype (rows ``[c | k_shared]``), last dim contiguous (the cache buffer; the T new tokens are
             already written at rows ``seq_len − T … seq_len − 1``).
         seq_len: int32 / int64 tensor of shape ``[]`` or ``[1]`` on q's device; expected in
             ``[T, min(S_cap, S_mask)]`` and clamped to ``min(S_cap, S_mask)`` in the kernel.
         scale: softmax scale (Python float).
         key_mask: optional ``[B, S_mask]`` bool / int8 / int32 / int64 padding mask (nonzero = attend).
+        value_dim: ``V``, a power of two in [16, 512]; None → q's whole last dim (then ``Dr = 0``). The shared key
+            part ``Dr`` may be any width up to ``MAX_SHARED_DIM``.
 
     Returns:
-        ``o_lat [B, T, H, R]`` in q's dtype.
+        ``o_lat [B, T, H, V]`` in q's dtype.
 
     Raises:
-        ValueError: a wrong rank, shape, dtype or device, or R outside the kernel's sizes, naming the argument; q or
+        ValueError: a wrong rank, shape, dtype or device, or V / Dr outside the kernel's sizes, naming the argument; q or
             latent requiring grad while grad mode is on (there is no backward: the result would silently carry none).
     """
-    _validate(q, latent, seq_len, key_mask)
+    _validate(q, latent, seq_len, key_mask, value_dim)
     if torch.is_grad_enabled() and (q.requires_grad or latent.requires_grad):
         raise ValueError("latent_attention has no backward: q or latent requires grad; run it under torch.no_grad() "
                          "or use kdamoe.model.mla_torch.latent_attention_torch, which is differentiable")
-    B, T, H, R = q.shape
+    B, T, H, width = q.shape
+    R = width if value_dim is None else value_dim
+    DR = width - R
     M, S_cap = T * H, latent.shape[1]
     S_lim = S_cap if key_mask is None else min(S_cap, key_mask.shape[1])
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    o = q.new_empty(B, T, H, R)
     if S_lim == 0:
         return o.zero_()
     q = q.contiguous()
@@ -263,7 +287,7 @@ def latent_attention(q, latent, seq_len, scale, key_mask=None):
     _split_kernel[(row_blocks, P, B)](
         q, latent, seq_len, mask_arg, acc_ws, m_ws, l_ws, T, H, M, P, S_lim, scale * 1.4426950408889634,
         q.stride(0), latent.stride(0), latent.stride(1), mask_strides[0], mask_strides[1],
-        R=R, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=key_mask is not None, IEEE=q.dtype == torch.float32,
+        R=R, DR=DR, BLOCK_DR=max(16, next_power_of_2(DR)), BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=key_mask is not None, IEEE=q.dtype == torch.float32,
         num_warps=num_warps, num_stages=NUM_STAGES)
     block_r = min(R, COMBINE_BLOCK_R)
     _combine_kernel[(M, R // block_r, B)](
