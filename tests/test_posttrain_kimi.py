@@ -80,13 +80,15 @@ def converted_base(tmp_path_factory, kimi_tokenizer):
 
     src, dst = tmp_path_factory.mktemp("kimi_linear_src"), tmp_path_factory.mktemp("kimi_linear_converted")
     torch.manual_seed(0)
-    config = KimiLinearConfig(
-        **_ids(kimi_tokenizer), hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
-        qk_rope_head_dim=8, v_head_dim=8, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
-        linear_head_dim=16, linear_num_heads=2, linear_conv_kernel_dim=4, max_position_embeddings=2048,
-        hidden_act="silu", layer_types=["linear_attention"] * 3 + ["full_attention"],
-        mlp_layer_types=["dense"] + ["sparse"] * 3)
+    raw = dict(  # the key names of the released config.json
+        model_type="kimi_linear", **_ids(kimi_tokenizer), hidden_size=32, intermediate_size=32,
+        moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+        q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, num_experts=8,
+        num_experts_per_token=2, num_shared_experts=1, moe_renormalize=True, num_expert_group=1, topk_group=1,
+        mla_use_nope=True, model_max_length=2048, hidden_act="silu", first_k_dense_replace=1,
+        linear_attn_config=dict(full_attn_layers=[4], kda_layers=[1, 2, 3], num_heads=2, head_dim=16,
+                                short_conv_kernel_size=4))
+    config = KimiLinearConfig.from_dict(raw)
     KimiLinearForCausalLM(config).save_pretrained(src)
     kimi_tokenizer.save_pretrained(src)
     conversion.convert_checkpoint(src, dst, to="kda_moe")
