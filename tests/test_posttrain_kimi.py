@@ -13,8 +13,8 @@ tool-result turn, with the value only the tool computed, sits in the completion 
 ``final/`` carries the base folder's tokenizer files and chat template.
 
 Two base folders: a KDAMoE model saved with the Kimi tokenizer, and a tiny transformers ``KimiLinearForCausalLM``
-converted by ``kdamoe.conversion.convert_checkpoint(..., to="kda_moe")`` (skipped, naming it, while that module is
-absent: it comes with the conversion work).
+saved with it and converted by ``kdamoe.conversion.convert_checkpoint(..., to="kda_moe")``, which carries the
+tokenizer files over. The held-out evaluation (:func:`run_episodes`) is checked on the first.
 """
 
 import json
@@ -25,10 +25,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, KimiLinearConfig, KimiLinearForCausalLM
 from trl import GRPOTrainer
 
 from kdamoe import KDAMoEForCausalLM
+from kdamoe.conversion import convert_checkpoint
 from kdamoe.posttraining import load_posttrain_config, run_recipe
 from kdamoe.posttraining.agent import run_episodes
 from kdamoe.posttraining.environments import tool_schemas
@@ -74,10 +75,6 @@ def kdamoe_base(tmp_path_factory, kimi_tokenizer):
 @pytest.fixture(scope="module")
 def converted_base(tmp_path_factory, kimi_tokenizer):
     """A tiny random transformers Kimi Linear folder with the Kimi tokenizer, converted to a kdamoe folder."""
-    conversion = pytest.importorskip(
-        "kdamoe.conversion", reason="kdamoe.conversion.convert_checkpoint (the Kimi Linear conversion) is not here yet")
-    from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: PLC0415 (only this fixture needs it)
-
     src, dst = tmp_path_factory.mktemp("kimi_linear_src"), tmp_path_factory.mktemp("kimi_linear_converted")
     torch.manual_seed(0)
     raw = dict(  # the key names of the released config.json
@@ -91,7 +88,7 @@ def converted_base(tmp_path_factory, kimi_tokenizer):
     config = KimiLinearConfig.from_dict(raw)
     KimiLinearForCausalLM(config).save_pretrained(src)
     kimi_tokenizer.save_pretrained(src)
-    conversion.convert_checkpoint(src, dst, to="kda_moe")
+    convert_checkpoint(src, dst, to="kda_moe")
     for name in TOKENIZER_FILES:  # the recipes read the tokenizer from the model folder
         assert (Path(dst) / name).read_bytes() == (Path(src) / name).read_bytes(), name
     return dst
