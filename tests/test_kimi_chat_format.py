@@ -93,7 +93,8 @@ def _round_trip(tokenizer, message, history=(USER,), tools=None):
 @pytest.mark.parametrize("message", [
     {"role": "assistant", "content": "", "tool_calls": [_call("add", {"a": 3, "b": 4})]},
     {"role": "assistant", "content": "Two at once.",
-     "tool_calls": [_call("add", {"a": 3, "b": 4}), _call("multiply", {"a": 7, "b": 2}), _call("submit", {"answer": 1})]},
+     "tool_calls": [_call("add", {"a": 3, "b": 4}), _call("multiply", {"a": 7, "b": 2}),
+                    _call("submit", {"answer": 1})]},
     {"role": "assistant", "content": "", "tool_calls": [_call("submit", {"answer": -12})]},
     {"role": "assistant", "content": "Done."},
 ], ids=["one_call", "three_calls_with_text", "negative", "text_only"])

@@ -104,13 +104,15 @@ KIMI_TRAINING_CHAT_TEMPLATE = (
     "{%- endgeneration -%}"
     "{%- elif m.role == 'tool' -%}"
     "{%- if m.tool_call_id is defined and m.tool_call_id -%}{%- set rid = m.tool_call_id -%}"
-    "{%- elif s.answered < (s.last_calls | length) -%}{%- set rid = call_id(s.last_calls[s.answered], s.first + s.answered) -%}"
+    "{%- elif s.answered < (s.last_calls | length) -%}"
+    "{%- set rid = call_id(s.last_calls[s.answered], s.first + s.answered) -%}"
     "{%- else -%}{%- set rid = 'functions.' + name + ':' + ((s.first + s.answered) | string) -%}"
     "{%- endif -%}"
     "{%- set s.answered = s.answered + 1 -%}"
     "{{ '<|im_system|>' + name + '<|im_middle|>## Return of ' + rid + '\\n' + text_of(m) + '<|im_end|>' }}"
     "{%- else -%}"
-    "{{ ('<|im_user|>' if m.role == 'user' else '<|im_system|>') + name + '<|im_middle|>' + text_of(m) + '<|im_end|>' }}"
+    "{{ ('<|im_user|>' if m.role == 'user' else '<|im_system|>') + name + '<|im_middle|>' + text_of(m) }}"
+    "{{ '<|im_end|>' }}"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_assistant|>assistant<|im_middle|>' }}{%- endif -%}"
@@ -194,7 +196,7 @@ def attach_response_template(tokenizer, *, needs_tool_calls: bool) -> str:
 
 
 def _first_difference(a: str, b: str) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def training_chat_template(tokenizer) -> str | None:

@@ -5,7 +5,8 @@ text, which ``SFTTrainer`` parses and hands to the chat template). Loss on the a
 (``assistant_only_loss=True``): the shipped chat template marks them with ``{% generation %}``, end-of-turn
 token included, so the model learns to emit tool calls and to stop, not to predict tool results or the task. A base
 folder with Kimi's tokenizer (a converted Kimi Linear model) keeps its own template; its data is tokenized with a
-marked copy of Kimi's format that renders the same text (:func:`~kdamoe.posttraining.chat_formats.training_chat_template`).
+marked copy of Kimi's format that renders the same text
+(:func:`~kdamoe.posttraining.chat_formats.training_chat_template`).
 
 ``padding_free=True`` (one flattened row, ``position_ids`` restarting per example) and ``packing=True`` (BFD
 packing, which implies padding-free) are honoured exactly by the model: restarting ``position_ids`` start a
