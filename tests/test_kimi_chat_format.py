@@ -20,7 +20,8 @@ from kdamoe.posttraining.chat_formats import (
     is_kimi_format,
     training_chat_template,
 )
-from kdamoe.posttraining.environments import tool_schemas
+from kdamoe.posttraining.data import episode_messages, user_message
+from kdamoe.posttraining.environments import ENVIRONMENTS, make_family_tasks, task_tool_schemas, tool_schemas
 from kdamoe.posttraining.environments.arithmetic import ArithmeticEnvironment, make_tasks
 from kdamoe.training.tokenizer import train_tokenizer
 from tests.kimi_tokenizer import CHAT_TEMPLATE, SPECIAL, build_kimi_tokenizer, kimi_token_id
@@ -197,3 +198,20 @@ def test_the_swap_restores_the_folders_template_on_error(tokenizer):
         assert tokenizer.chat_template == "swapped"
         raise RuntimeError
     assert tokenizer.chat_template == own
+
+
+@pytest.mark.parametrize("environment", sorted(ENVIRONMENTS))
+def test_every_environments_episodes_parse_back_through_kimis_format(tokenizer, environment):
+    """The recipes' own conversations (each task family's scripted episodes, with its tools) rendered in Kimi's
+    format: every assistant turn parses back to the message the episode holds (its JSON-text arguments as a dict)."""
+    tasks = make_family_tasks(environment, 3, seed=2, min_calls=1, max_calls=2)
+    tools = task_tool_schemas(tasks)
+    for task in tasks:
+        messages = [user_message(task), *episode_messages(task)]
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            want = copy.deepcopy(message)
+            for call in want.get("tool_calls", []):
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+            assert _round_trip(tokenizer, message, history=messages[:k], tools=tools) == want, (task, k)
