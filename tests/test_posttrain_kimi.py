@@ -14,7 +14,8 @@ tool-result turn, with the value only the tool computed, sits in the completion 
 
 Two base folders: a KDAMoE model saved with the Kimi tokenizer, and a tiny transformers ``KimiLinearForCausalLM``
 saved with it and converted by ``kdamoe.conversion.convert_checkpoint(..., to="kda_moe")``, which carries the
-tokenizer files over. The held-out evaluation (:func:`run_episodes`) is checked on the first.
+tokenizer files over. On the first also: GRPO with cached rollouts (``grpo.rollout: cached``, a logits processor
+forcing the scripted turns on the model's own ``generate``) and the held-out evaluation (:func:`run_episodes`).
 """
 
 import json
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoTokenizer, KimiLinearConfig, KimiLinearForCausalLM
+from transformers import AutoTokenizer, KimiLinearConfig, KimiLinearForCausalLM, LogitsProcessor, LogitsProcessorList
 from trl import GRPOTrainer
 
 from kdamoe import KDAMoEForCausalLM
@@ -148,30 +149,38 @@ def test_sft_step_on_the_folders_own_kimi_tokenizer(base, tmp_path, kimi_tokeniz
 _RESULT = re.compile(r"## Return of functions\.(\w+):\d+\n(.*?)<\|im_end\|>", re.S)
 
 
+HEADER = "<|im_assistant|>assistant<|im_middle|>"
+
+
+def _reply(text, row):
+    """The scripted agent's next message given the conversation so far (module docstring)."""
+    task = _task_of(text)
+    results = _RESULT.findall(text)
+    if results and results[-1][0] == "submit":
+        return {"role": "assistant", "content": "Done."}
+    if not results and row % 2 == 0:
+        name, operand = task.ops[0]
+        call = {"name": name, "arguments": {"a": task.start, "b": operand}}
+    else:
+        call = {"name": "submit", "arguments": {"answer": int(results[-1][1]) if results else task.start}}
+    return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
+
+
+def _reply_ids(tokenizer, message) -> list[int]:
+    """An assistant message as the chat template renders it after the assistant header, <|im_end|> included."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, message], tokenize=False)
+    return tokenizer(rendered.rsplit(HEADER, 1)[1], add_special_tokens=False)["input_ids"]
+
+
 def _scripted_generate(tokenizer):
     """``generate`` of the scripted agent (module docstring), in Kimi's format; rows of a first turn alternate
     careful / hasty, later turns follow from the tool results so far."""
-    header = "<|im_assistant|>assistant<|im_middle|>"
-
-    def reply(text, row):
-        task = _task_of(text)
-        results = _RESULT.findall(text)
-        if results and results[-1][0] == "submit":
-            return {"role": "assistant", "content": "Done."}
-        if not results and row % 2 == 0:
-            name, operand = task.ops[0]
-            call = {"name": name, "arguments": {"a": task.start, "b": operand}}
-        else:
-            call = {"name": "submit", "arguments": {"answer": int(results[-1][1]) if results else task.start}}
-        return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
 
     def generate(self, input_ids=None, attention_mask=None, **kwargs):
         rows = []
         for row, (ids, mask) in enumerate(zip(input_ids, attention_mask, strict=True)):
             text = tokenizer.decode(ids[mask.bool()], skip_special_tokens=False)
-            rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, reply(text, row)],
-                                                     tokenize=False)
-            rows.append(torch.tensor(tokenizer(rendered.rsplit(header, 1)[1], add_special_tokens=False)["input_ids"]))
+            rows.append(torch.tensor(_reply_ids(tokenizer, _reply(text, row))))
         new = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=tokenizer.pad_token_id)
         return torch.cat([input_ids, new.to(input_ids)], dim=1)
 
@@ -185,6 +194,19 @@ def _task_of(text) -> ArithmeticTask:
     return next(task for prompt, task in _TASKS.items() if prompt in text)
 
 
+def _record_generate(monkeypatch) -> list:
+    """Wrap TRL's ``GRPOTrainer._generate``; the returned list fills with its outputs (prompt ids, completion ids,
+    tool mask, conversational completions, ...)."""
+    played, generate = [], GRPOTrainer._generate
+
+    def recording(self, prompts):
+        played.append(generate(self, prompts))
+        return played[-1]
+
+    monkeypatch.setattr(GRPOTrainer, "_generate", recording)
+    return played
+
+
 def test_grpo_step_parses_kimi_tool_calls(base, tmp_path, kimi_tokenizer, monkeypatch):
     cfg = load_posttrain_config("grpo", [f"model={base}", f"output_dir={tmp_path / 'grpo'}", *FAST,
                                          "data.num_tasks=1", "trainer.num_generations=2"])
@@ -192,15 +214,7 @@ def test_grpo_step_parses_kimi_tool_calls(base, tmp_path, kimi_tokenizer, monkey
     _TASKS.clear()
     _TASKS[task.prompt()] = task
     monkeypatch.setattr(KDAMoEForCausalLM, "generate", _scripted_generate(kimi_tokenizer))
-    played = []
-    generate = GRPOTrainer._generate
-
-    def recording(self, prompts):
-        out = generate(self, prompts)
-        played.append(out)
-        return out
-
-    monkeypatch.setattr(GRPOTrainer, "_generate", recording)
+    played = _record_generate(monkeypatch)
     result = run_recipe(cfg)
 
     row = next(r for r in result["log_history"] if "reward" in r)
@@ -265,3 +279,58 @@ def test_held_out_episodes_end_turns_at_im_end(kdamoe_base, kimi_tokenizer, monk
     whole = tokenizer.apply_chat_template(messages, tools=tool_schemas(ArithmeticEnvironment), tokenize=True,
                                           return_dict=False)
     assert episode["tokens"] == len(whole)
+
+
+class ForceReplies(LogitsProcessor):
+    """Forces each turn of the scripted agent token by token on the model's own ``generate`` (its logits are the
+    model's, the choice is the script's): the turn so far is what follows the last assistant header."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.header = tokenizer(HEADER, add_special_tokens=False)["input_ids"]
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()  # generate keeps the raw logits (output_logits) in the tensor it passes here
+        n = len(self.header)
+        for row, ids in enumerate(input_ids.tolist()):
+            start = max(i for i in range(len(ids) - n + 1) if ids[i:i + n] == self.header)
+            done, want = ids[start + n:], _reply_ids(self.tokenizer, _reply(self.tokenizer.decode(ids[:start]), 0))
+            if len(done) < len(want) and done == want[:len(done)]:
+                scores[row] = -float("inf")
+                scores[row, want[len(done)]] = 0.0
+        return scores
+
+
+def test_cached_rollouts_parse_kimi_tool_calls(kdamoe_base, tmp_path, kimi_tokenizer, monkeypatch):
+    """``grpo.rollout: cached`` (each turn continues the rollout's cache; :mod:`kdamoe.posttraining.rollout`) with the
+    folder's Kimi tokenizer: the careful agent's calls are parsed from the generated ids, the tools run, the turns
+    end at <|im_end|>; both rollouts of the group do the task (batch-1 rollouts: every row is row 0)."""
+    cfg = load_posttrain_config("grpo", [f"model={kdamoe_base}", f"output_dir={tmp_path / 'cached'}", *FAST,
+                                         "data.num_tasks=1", "trainer.num_generations=2", "grpo.rollout=cached",
+                                         "trainer.generation_kwargs={do_sample: false}"])
+    task = make_tasks(1, cfg.data.seed, min_ops=1, max_ops=1, max_operand=cfg.data.max_operand)[0]
+    _TASKS.clear()
+    _TASKS[task.prompt()] = task
+    generate, force = KDAMoEForCausalLM.generate, ForceReplies(kimi_tokenizer)
+    monkeypatch.setattr(KDAMoEForCausalLM, "generate", lambda self, *args, **kwargs: generate(
+        self, *args, logits_processor=LogitsProcessorList([force]), **kwargs))
+    played = _record_generate(monkeypatch)
+    result = run_recipe(cfg)
+
+    row = next(r for r in result["log_history"] if "reward" in r)
+    assert (row["reward"], row["tools/call_frequency"], row["tools/failure_frequency"]) == (1.0, 2.0, 0.0)
+    _, completion_ids, tool_mask, completions, *_ = played[0]
+    name, operand = task.ops[0]
+    value = task.start + operand if name == "add" else task.start * operand
+    for ids, mask, messages in zip(completion_ids, tool_mask, completions, strict=True):
+        said = kimi_tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m == 1], skip_special_tokens=False)
+        assert said == "".join(kimi_tokenizer.decode(_reply_ids(kimi_tokenizer, m), skip_special_tokens=False)
+                               for m in ({"role": "assistant", "content": "", "tool_calls": [
+                                   {"type": "function", "function": {"name": name, "arguments": {
+                                       "a": task.start, "b": operand}}}]},
+                                   {"role": "assistant", "content": "", "tool_calls": [
+                                       {"type": "function", "function": {"name": "submit",
+                                                                         "arguments": {"answer": value}}}]},
+                                   {"role": "assistant", "content": "Done."}))
+        assert [m["role"] for m in messages] == ["assistant", "tool", "assistant", "tool", "assistant"]
+        assert messages[1]["content"] == str(value) and messages[-1]["content"] == "Done."
