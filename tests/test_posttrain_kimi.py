@@ -121,9 +121,11 @@ def _carries_tokenizer(base, final):
 
 def _stops_at_im_end(final, tokenizer):
     """The saved generation config still ends a turn at <|im_end|> (transformers' Trainer adds the tokenizer's own
-    eos, [EOS], to it: ``align_special_tokens``)."""
+    eos, [EOS], to it: ``align_special_tokens``), and config.json keeps <|im_end|> as its eos."""
     eos = json.loads((Path(final) / "generation_config.json").read_text())["eos_token_id"]
     assert kimi_token_id(tokenizer, IM_END) in (eos if isinstance(eos, list) else [eos])
+    # and config.json keeps the base's eos, as Kimi's release has it (what a conversion back to Kimi Linear reads)
+    assert json.loads((Path(final) / "config.json").read_text())["eos_token_id"] == kimi_token_id(tokenizer, IM_END)
 
 
 def test_sft_step_on_the_folders_own_kimi_tokenizer(base, tmp_path, kimi_tokenizer):
