@@ -27,6 +27,14 @@ then ``<|tool_calls_section_end|>``; ``ID`` is the call's ``id`` or ``functions.
 conversation's calls from 0). A tool result is a system-side turn named after the tool whose text is
 ``## Return of ID``, a newline and the result. The assistant turn ends with ``<|im_end|>``, the model config's
 ``eos_token_id``; the tokenizer's own ``eos_token`` is ``[EOS]``.
+
+Sources of the format: the chat template published with Kimi K2 Instruct (turns, ``tool_declare``, the call and
+result layout; it numbers calls with a list it appends to, which transformers' sandbox refuses, so the copy here counts
+with namespace attributes), and the tokenizer files published with Kimi Linear 48B A3B Instruct
+(``tokenization_kimi.py``: bos ``[BOS]``, eos ``[EOS]``, the chat markers as special tokens, 256 reserved ids after
+the base vocabulary; ``tokenizer_config.json``: the tool-call markers as added tokens that are not special). Kimi
+Linear's own chat template was not available to compare with; :func:`training_chat_template` checks a folder's
+template against the copy before using it.
 """
 
 from __future__ import annotations
