@@ -215,3 +215,18 @@ def test_every_environments_episodes_parse_back_through_kimis_format(tokenizer, 
             for call in want.get("tool_calls", []):
                 call["function"]["arguments"] = json.loads(call["function"]["arguments"])
             assert _round_trip(tokenizer, message, history=messages[:k], tools=tools) == want, (task, k)
+
+
+def test_a_kimi_template_that_appends_to_a_list_is_refused_with_the_fix(tokenizer):
+    """A template that numbers calls by appending to a list (as the published Kimi K2 template does) cannot render
+    in transformers' immutable sandbox; both recipes' checks say so and name the copy that renders."""
+    appending = copy.deepcopy(tokenizer)
+    appending.response_template = None
+    appending.name_or_path = "kimi/appending"
+    appending.chat_template = "{%- set queue = namespace(ids=[]) -%}{%- set _ = queue.ids.append(0) -%}" + CHAT_TEMPLATE
+    for check in (lambda: attach_response_template(appending, needs_tool_calls=True),
+                  lambda: training_chat_template(appending)):
+        with pytest.raises(ValueError, match=r"kimi/appending: .*SecurityError.*KIMI_TRAINING_CHAT_TEMPLATE"):
+            check()
+    assert appending.response_template is None
+    assert attach_response_template(appending, needs_tool_calls=False) == "kimi"  # nothing is rendered for SFT

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+from jinja2 import TemplateError
 from trl.chat_template_utils import add_response_schema, has_generation_markers
 
 KIMI_TURN_END = "<|im_end|>"
@@ -170,6 +171,22 @@ def is_kimi_format(tokenizer) -> bool:
         m in template for m in ("<|im_assistant|>", "<|im_middle|>", "<|tool_calls_section_begin|>"))
 
 
+def _source(tokenizer) -> str:
+    return getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+
+
+def _render(tokenizer, messages, tools, generation_prompt, template=None) -> str:
+    """``apply_chat_template`` text of a probe; a template transformers cannot render becomes a ``ValueError``."""
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
+                                             tokenize=False, chat_template=template)
+    except TemplateError as err:  # e.g. a list.append, which transformers' immutable sandbox refuses
+        raise ValueError(
+            f"{_source(tokenizer)}: its Kimi chat template cannot render a tool-calling conversation in transformers "
+            f"({type(err).__name__}: {err}). kdamoe's copy of Kimi's format renders in transformers' sandbox: save "
+            "kdamoe.posttraining.chat_formats.KIMI_TRAINING_CHAT_TEMPLATE as the folder's chat_template.jinja") from err
+
+
 def attach_response_template(tokenizer, *, needs_tool_calls: bool) -> str:
     """Give ``tokenizer`` the ``response_template`` TRL's tool loop parses assistant turns with, when it has none.
 
@@ -182,23 +199,26 @@ def attach_response_template(tokenizer, *, needs_tool_calls: bool) -> str:
         (:data:`KIMI_RESPONSE_TEMPLATE`, :func:`is_kimi_format`), ``"trl"`` (TRL's ``add_response_schema`` knew the
         template) or ``"none"`` (unknown format, and ``needs_tool_calls`` is false).
     Raises:
-        ValueError: ``needs_tool_calls`` and the chat template is none of those, naming the tokenizer's source.
+        ValueError: ``needs_tool_calls`` and the chat template is none of those, or a Kimi template that transformers
+            cannot render (a list it appends to, say), naming the tokenizer's source.
     """
     if getattr(tokenizer, "response_template", None) is not None:
         return "kept"
     if is_kimi_format(tokenizer):
+        if needs_tool_calls:  # TRL renders tool turns with the folder's template: it must get through the sandbox
+            for messages, tools, generation_prompt in PROBE_CONVERSATIONS:
+                _render(tokenizer, messages, tools, generation_prompt)
         tokenizer.response_template = KIMI_RESPONSE_TEMPLATE
         return "kimi"
     try:
         add_response_schema(tokenizer)
     except ValueError as err:
         if needs_tool_calls:
-            source = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
             raise ValueError(
-                f"{source}: its chat template is neither kdamoe's (which saves a response_template), Kimi's (markers "
-                f"{', '.join(KIMI_MARKERS[:4])}, ... as added tokens) nor one TRL knows ({err}); tool calls cannot be "
-                "parsed. Set tokenizer.response_template (transformers' response-parsing format) and save the "
-                "tokenizer into the model folder, or use a recipe mode without tools") from None
+                f"{_source(tokenizer)}: its chat template is neither kdamoe's (which saves a response_template), "
+                f"Kimi's (markers {', '.join(KIMI_MARKERS[:4])}, ... as added tokens) nor one TRL knows ({err}); tool "
+                "calls cannot be parsed. Set tokenizer.response_template (transformers' response-parsing format) and "
+                "save the tokenizer into the model folder, or use a recipe mode without tools") from None
         return "none"
     return "trl" if getattr(tokenizer, "response_template", None) is not None else "none"
 
@@ -217,20 +237,19 @@ def training_chat_template(tokenizer) -> str | None:
         conversation of :data:`PROBE_CONVERSATIONS`.
     Raises:
         ValueError: a Kimi tokenizer whose template renders a probe differently (a Kimi variant this copy does not
-            reproduce): naming the first differing characters. Add ``{% generation %}`` markers to the folder's
-            ``chat_template.jinja``, or set ``trainer.assistant_only_loss=false``.
+            reproduce), naming the first differing characters (add ``{% generation %}`` markers to the folder's
+            ``chat_template.jinja``, or set ``trainer.assistant_only_loss=false``); or one transformers cannot render.
     """
     template = tokenizer.chat_template
     if template is None or has_generation_markers(template) or not is_kimi_format(tokenizer):
         return None
     for messages, tools, generation_prompt in PROBE_CONVERSATIONS:
-        kwargs = dict(tools=tools, add_generation_prompt=generation_prompt, tokenize=False)
-        own = tokenizer.apply_chat_template(messages, **kwargs)
-        ours = tokenizer.apply_chat_template(messages, chat_template=KIMI_TRAINING_CHAT_TEMPLATE, **kwargs)
+        own = _render(tokenizer, messages, tools, generation_prompt)
+        ours = _render(tokenizer, messages, tools, generation_prompt, KIMI_TRAINING_CHAT_TEMPLATE)
         if own != ours:
             at = _first_difference(own, ours)
             raise ValueError(
-                f"{getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'}: its Kimi chat template has no "
+                f"{_source(tokenizer)}: its Kimi chat template has no "
                 "{% generation %} markers (assistant_only_loss needs them) and renders differently from kdamoe's "
                 f"marked copy of Kimi's format at character {at}: {own[at:at + 60]!r} vs {ours[at:at + 60]!r}. Add "
                 "the markers to the folder's chat_template.jinja, or set trainer.assistant_only_loss=false")
