@@ -958,7 +958,7 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
             kimi = read_config_dict(pretrained, kwargs)
             if is_kimi_linear_config(kimi):
                 kwargs.pop("pretrained_model_name_or_path", None)
-                return from_kimi_linear_pretrained(cls, super().from_pretrained, pretrained, kimi, kwargs)
+                return from_kimi_linear_pretrained(cls, pretrained, kimi, kwargs)
         return super().from_pretrained(*args, **kwargs)
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
