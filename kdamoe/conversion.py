@@ -71,6 +71,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
     if to not in FORMATS:
         raise ValueError(f"to={to!r}: expected one of {FORMATS}")
     limit = _shard_limit(max_shard_size)
+    if not Path(src).exists() and (Path(src).is_absolute() or str(src).startswith((".", "~"))
+                                   or str(src).count("/") != 1):
+        raise ValueError(f"src {src}: no such folder (and not a Hub id, namespace/name)")
     source_config = read_config_dict(str(src))
     if source_config is None:
         raise ValueError(f"{src}: no config.json (a local folder or a Hub id of a checkpoint)")

@@ -218,6 +218,26 @@ def test_loading_options(case):
         KDAMoEForCausalLM.from_pretrained(folder, output_hidden_state=True)
 
 
+def test_a_loaded_release_trains_with_frozen_router_biases(case):
+    """One training step on a loaded release: the routers' biases stay as released under the default rule
+    (``router_bias_update="none"``) and move only when a rule is asked for."""
+    _, reference, folder, _ = case
+    # (transformers' KimiLinearForCausalLM names its modules as kdamoe does: `mlp.gate.e_score_correction_bias`)
+    released = {k: v.clone() for k, v in reference.state_dict().items() if k.endswith("e_score_correction_bias")}
+    assert released
+    for rule, moves in (("none", False), ("quantile", True)):
+        model = KDAMoEForCausalLM.from_pretrained(folder, router_bias_update=rule).train()
+        ids = _ids(2, 16, seed=4)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        torch.optim.SGD(model.parameters(), lr=1e-3).step()
+        model.update_router_biases()
+        biases = {k: v for k, v in model.state_dict().items() if k.endswith("e_score_correction_bias")}
+        assert sorted(biases) == sorted(released)
+        changed = any(not torch.equal(biases[k], released[k]) for k in released)
+        assert changed == moves, rule
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("num_expert_group", 2, "num_expert_group"),
     ("moe_renormalize", False, "moe_renormalize"),

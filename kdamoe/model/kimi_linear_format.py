@@ -647,8 +647,11 @@ def read_config_dict(pretrained, hub_kwargs: dict | None = None) -> dict | None:
     from transformers.utils import cached_file  # noqa: PLC0415 (transformers' hub utilities, needed only here)
 
     hub_kwargs = {k: v for k, v in (hub_kwargs or {}).items() if k in HUB_ARGUMENTS and v is not None}
-    path = cached_file(pretrained, "config.json", _raise_exceptions_for_missing_entries=False,
-                       _raise_exceptions_for_connection_errors=False, **hub_kwargs)
+    try:
+        path = cached_file(pretrained, "config.json", _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False, **hub_kwargs)
+    except (OSError, ValueError):  # not a folder nor a valid Hub id: the caller's own loading says so in its words
+        return None
     if path is None:
         return None
     with open(path, encoding="utf-8") as f:
