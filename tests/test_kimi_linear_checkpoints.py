@@ -21,6 +21,7 @@ from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
 from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
 from kdamoe.cli import convert_main
+from kdamoe.common.folders import check_model_folder
 from kdamoe.conversion import convert_checkpoint
 from kdamoe.model.kimi_linear_format import (
     kdamoe_to_kimi_linear_config,
@@ -202,6 +203,10 @@ def test_strict_load_names_the_bad_tensor(case, tmp_path):
     save_file({k: v for k, v in tensors.items() if k != piece}, str(bad / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"{piece.replace('.', '[.]')}"):
         KDAMoEForCausalLM.from_pretrained(bad)
+    # the jobs' folder check (kdamoe.common.folders) reads the headers only, through the same map
+    check_model_folder(folder)
+    with pytest.raises(ValueError, match=rf"{piece.replace('.', '[.]')}"):
+        check_model_folder(bad)
 
 
 def test_loading_options(case):

@@ -690,6 +690,43 @@ def iter_safetensors(files: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]
                 yield name, f.get_tensor(name)
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+def iter_safetensors_shapes(files: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, meta tensor)`` of every tensor of the files: the stored shape and dtype, read from the headers only
+    (nothing is loaded); fed to :func:`kimi_linear_to_kdamoe_tensors` it checks a checkpoint strictly for free."""
+    from safetensors import safe_open  # noqa: PLC0415 (a transformers dependency)
+
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                part = f.get_slice(name)
+                dtype = _SAFETENSORS_DTYPES.get(part.get_dtype(), torch.float32)
+                yield name, torch.empty(part.get_shape(), dtype=dtype, device="meta")
+
+
+def check_kimi_linear_folder(folder, cls) -> None:
+    """Check a Kimi Linear folder's tensor names and shapes against the ``cls`` model its ``config.json`` translates
+    to, reading the safetensors headers only (what :func:`from_kimi_linear_pretrained` checks while it loads).
+
+    Raises:
+        ValueError: naming the field or the tensor, as :func:`kimi_linear_to_kdamoe_config` and
+            :func:`kimi_linear_to_kdamoe_tensors`.
+    """
+    kimi = read_config_dict(str(folder))
+    config = KDAMoEConfig(**kimi_linear_to_kdamoe_config(kimi))
+    with torch.device("meta"):
+        model = cls(config)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    for _ in kimi_linear_to_kdamoe_tensors(iter_safetensors_shapes(checkpoint_files(str(folder))), config, expected,
+                                           tied):
+        pass
+
+
 def _resolve_dtype(dtype) -> torch.dtype | None:
     """``dtype=`` of ``from_pretrained`` → a ``torch.dtype``, or None for ``"auto"`` / None (as stored)."""
     if dtype is None or dtype == "auto":
@@ -799,6 +836,7 @@ def _load_generation_config(model, pretrained, hub: dict) -> None:
 
 __all__ = [
     "KIMI_LINEAR_MODEL_TYPE",
+    "check_kimi_linear_folder",
     "LOADED_ROUTER_BIAS_UPDATE",
     "from_kimi_linear_pretrained",
     "is_kimi_linear_config",
