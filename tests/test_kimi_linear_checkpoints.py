@@ -200,7 +200,8 @@ def test_strict_load_names_the_bad_tensor(case, tmp_path):
     (bad / "config.json").write_text((folder / "config.json").read_text())
     from safetensors.torch import save_file  # noqa: PLC0415
 
-    save_file({k: v for k, v in tensors.items() if k != piece}, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v for k, v in tensors.items() if k != piece}, str(bad / "model.safetensors"),
+              metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"{piece.replace('.', '[.]')}"):
         KDAMoEForCausalLM.from_pretrained(bad)
     # the jobs' folder check (kdamoe.common.folders) reads the headers only, through the same map
