@@ -214,8 +214,9 @@ class KDAMoEDeltaAttention(nn.Module):
     # Padded positions get the raw gate input f = −1e4, for which both gates are exactly 0 in float32:
     # * bounded: σ(x) = 1 / (1 + exp(−x)) is exactly 0 once exp(−x) overflows float32 (x < −88.8), and here
     #   x = exp(A_log)·(−1e4 + dt_bias): that holds while exp(A_log)·(1e4 − dt_bias) > 88.8, e.g. for any
-    #   dt_bias < 9900 with A_log ≥ 0 (no A_log, or its init log(U[1, 16]) ≥ 0); a trained per-head scale must stay
-    #   above ~0.009 (A_log > −4.7), which `check_pad_gate_exact` tests.
+    #   dt_bias < 9900 with A_log ≥ 0 (no A_log, or its init log(U[1, 16]) ≥ 0, checked there by
+    #   `check_pad_gate_exact`). A trained A_log below −4.7 would give padded positions a nonzero g: down to about
+    #   −6.3 still small enough that exp(g) rounds to 1 in float32 (|g| < 3e-8), below that a real decay of the state.
     # * unbounded: softplus(x) = log1p(exp(x)) is exactly 0 once exp(x) underflows to 0 in float32 (x < −104), i.e.
     #   for any dt_bias < 9896 whatever A_log, since −exp(A_log)·0 = 0 for every finite A_log.
     # A finite value, not −inf, keeps the gate's backward free of 0·inf.
