@@ -509,9 +509,11 @@ def _attention_with_lse(q, k, v, scaling: float, causal: bool):
     precision), the CPU's flash kernel elsewhere — the aten ops behind SDPA that also return the log-sum-exp.
 
     The CPU flash kernel refuses a value head dim other than the query/key one (``qk_rope_head_dim`` or
-    ``v_head_dim`` make them differ), and cuDNN's support of it depends on its version and GPU, so the narrower side is
-    zero-padded to the wider: zero value columns give zero output columns (sliced off), zero query/key columns add
-    nothing to a score (the scale is passed explicitly), so the result and the log-sum-exp are exact."""
+    ``v_head_dim`` make them differ; "Q/K/V should have the same head size"), so the narrower side is zero-padded to
+    the wider: zero value columns give zero output columns (sliced off), zero query/key columns add nothing to a score
+    (the scale is passed explicitly), so the result and the log-sum-exp are exact. cuDNN took 192 / 128 unpadded on
+    an H100 (torch 2.11, bf16); it is padded too, since older cuDNN builds are not known to, at the cost of reading
+    the padded values."""
     Dk, Dv = q.shape[-1], v.shape[-1]
     if Dv < Dk:
         v = F.pad(v, (0, Dk - Dv))
