@@ -122,6 +122,7 @@ def test_export_back_to_kimi_linear(case, tmp_path):
     _, reference, _, model = case
     model.save_pretrained(tmp_path / "kdamoe")
     out = convert_checkpoint(tmp_path / "kdamoe", tmp_path / "kimi", to="kimi_linear")
+    assert not list(out.glob("*.py"))  # kdamoe's model code stays behind
     back, info = KimiLinearForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     want = reference.state_dict()
@@ -144,8 +145,16 @@ def test_streaming_converter_on_sharded_folder(case, tmp_path):
     layer = next(i for i, t in enumerate(reference.config.mlp_layer_types) if t == "sparse")
     expert_files = {f for k, f in weight_map.items() if k.startswith(f"model.layers.{layer}.block_sparse_moe.experts.")}
     assert len(expert_files) >= 2
+    # the release's side files: the tokenizer and its code are carried over, the release's model code is not
+    config = json.loads((sharded / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_kimi.KimiLinearForCausalLM"}
+    (sharded / "config.json").write_text(json.dumps(config))
+    for name in ("tiktoken.model", "tokenization_kimi.py", "modeling_kimi.py"):
+        (sharded / name).write_text(name)
     out = convert_checkpoint(sharded, tmp_path / "kdamoe", to="kda_moe", max_shard_size="30KB")
     assert len(list(out.glob("model-*-of-*.safetensors"))) >= 2
+    assert (out / "tiktoken.model").read_text() == "tiktoken.model" and (out / "tokenization_kimi.py").is_file()
+    assert not (out / "modeling_kimi.py").exists() and (out / "modeling_kdamoe.py").is_file()
     converted = KDAMoEForCausalLM.from_pretrained(out)
     assert converted.config.router_bias_update == "none"
     want, got = model.state_dict(), converted.state_dict()
