@@ -71,6 +71,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
     if to not in FORMATS:
         raise ValueError(f"to={to!r}: expected one of {FORMATS}")
     limit = _shard_limit(max_shard_size)
+    if not Path(src).exists() and (Path(src).is_absolute() or str(src).startswith((".", "~"))
+                                   or str(src).count("/") != 1):
+        raise ValueError(f"src {src}: no such folder (and not a Hub id, namespace/name)")
     source_config = read_config_dict(str(src))
     if source_config is None:
         raise ValueError(f"{src}: no config.json (a local folder or a Hub id of a checkpoint)")
@@ -100,7 +103,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
     try:
         files = checkpoint_files(str(src))
         _write_shards(mapping(iter_safetensors(files), config, expected, optional), tmp, limit)
-        _copy_side_files(_side_folder(src, files), tmp, source_config)
+        _copy_side_files(_side_folder(src), tmp, source_config)
         if to == "kda_moe":
             _write_kdamoe_config(skeleton, tmp)
         else:
@@ -192,9 +195,14 @@ def _write_shards(tensors: Iterable[tuple[str, torch.Tensor]], folder: Path, lim
     writer.finish()
 
 
-def _side_folder(src, files: list[str]) -> Path:
-    """The local folder holding the source's other files (a Hub id's snapshot folder, where its shards were put)."""
-    return Path(src) if Path(src).is_dir() else Path(files[0]).parent
+def _side_folder(src) -> Path:
+    """The local folder holding the source's other files: ``src`` itself, or for a Hub id a snapshot of the repository
+    without its weights (tokenizer, its code, chat template, generation config, card, license)."""
+    if Path(src).is_dir():
+        return Path(src)
+    from huggingface_hub import snapshot_download  # noqa: PLC0415 (only a Hub source needs it)
+
+    return Path(snapshot_download(str(src), ignore_patterns=list(_NOT_COPIED)))
 
 
 def _copy_side_files(folder: Path, out: Path, source_config: dict) -> None:

@@ -21,6 +21,7 @@ from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
 from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
 from kdamoe.cli import convert_main
+from kdamoe.common.folders import check_model_folder
 from kdamoe.conversion import convert_checkpoint
 from kdamoe.model.kimi_linear_format import (
     kdamoe_to_kimi_linear_config,
@@ -121,6 +122,7 @@ def test_export_back_to_kimi_linear(case, tmp_path):
     _, reference, _, model = case
     model.save_pretrained(tmp_path / "kdamoe")
     out = convert_checkpoint(tmp_path / "kdamoe", tmp_path / "kimi", to="kimi_linear")
+    assert not list(out.glob("*.py"))  # kdamoe's model code stays behind
     back, info = KimiLinearForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     want = reference.state_dict()
@@ -143,8 +145,16 @@ def test_streaming_converter_on_sharded_folder(case, tmp_path):
     layer = next(i for i, t in enumerate(reference.config.mlp_layer_types) if t == "sparse")
     expert_files = {f for k, f in weight_map.items() if k.startswith(f"model.layers.{layer}.block_sparse_moe.experts.")}
     assert len(expert_files) >= 2
+    # the release's side files: the tokenizer and its code are carried over, the release's model code is not
+    config = json.loads((sharded / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_kimi.KimiLinearForCausalLM"}
+    (sharded / "config.json").write_text(json.dumps(config))
+    for name in ("tiktoken.model", "tokenization_kimi.py", "modeling_kimi.py"):
+        (sharded / name).write_text(name)
     out = convert_checkpoint(sharded, tmp_path / "kdamoe", to="kda_moe", max_shard_size="30KB")
     assert len(list(out.glob("model-*-of-*.safetensors"))) >= 2
+    assert (out / "tiktoken.model").read_text() == "tiktoken.model" and (out / "tokenization_kimi.py").is_file()
+    assert not (out / "modeling_kimi.py").exists() and (out / "modeling_kdamoe.py").is_file()
     converted = KDAMoEForCausalLM.from_pretrained(out)
     assert converted.config.router_bias_update == "none"
     want, got = model.state_dict(), converted.state_dict()
@@ -199,9 +209,14 @@ def test_strict_load_names_the_bad_tensor(case, tmp_path):
     (bad / "config.json").write_text((folder / "config.json").read_text())
     from safetensors.torch import save_file  # noqa: PLC0415
 
-    save_file({k: v for k, v in tensors.items() if k != piece}, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v for k, v in tensors.items() if k != piece}, str(bad / "model.safetensors"),
+              metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"{piece.replace('.', '[.]')}"):
         KDAMoEForCausalLM.from_pretrained(bad)
+    # the jobs' folder check (kdamoe.common.folders) reads the headers only, through the same map
+    check_model_folder(folder)
+    with pytest.raises(ValueError, match=rf"{piece.replace('.', '[.]')}"):
+        check_model_folder(bad)
 
 
 def test_loading_options(case):
@@ -216,6 +231,26 @@ def test_loading_options(case):
         KDAMoEForCausalLM.from_pretrained(folder, device_map="auto")
     with pytest.raises(ValueError, match="output_hidden_state"):
         KDAMoEForCausalLM.from_pretrained(folder, output_hidden_state=True)
+
+
+def test_a_loaded_release_trains_with_frozen_router_biases(case):
+    """One training step on a loaded release: the routers' biases stay as released under the default rule
+    (``router_bias_update="none"``) and move only when a rule is asked for."""
+    _, reference, folder, _ = case
+    # (transformers' KimiLinearForCausalLM names its modules as kdamoe does: `mlp.gate.e_score_correction_bias`)
+    released = {k: v.clone() for k, v in reference.state_dict().items() if k.endswith("e_score_correction_bias")}
+    assert released
+    for rule, moves in (("none", False), ("quantile", True)):
+        model = KDAMoEForCausalLM.from_pretrained(folder, router_bias_update=rule).train()
+        ids = _ids(2, 16, seed=4)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        torch.optim.SGD(model.parameters(), lr=1e-3).step()
+        model.update_router_biases()
+        biases = {k: v for k, v in model.state_dict().items() if k.endswith("e_score_correction_bias")}
+        assert sorted(biases) == sorted(released)
+        changed = any(not torch.equal(biases[k], released[k]) for k in released)
+        assert changed == moves, rule
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -8,6 +8,8 @@ float64 brute-force softmax for the latent op; and, for the whole model, the sin
 design, so paths that sum the same terms in another order agree to ~1e-7).
 """
 
+import os
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -37,8 +39,8 @@ MLA = dict(num_attention_heads=2, kv_lora_rank=16, qk_head_dim=24, qk_rope_head_
 # ---------------------------------------------------------------------------------------------------------------
 def _layer_pair(q_lora_rank, seed=0):
     """Our layer (layer 0 of a one-MLA-layer config) and transformers' with the same perturbed weights, float32."""
-    config = tiny_config(num_hidden_layers=1, layer_types=["full_attention"], first_k_dense_replace=1, attnres_num_blocks=1,
-                         q_lora_rank=q_lora_rank, **MLA)
+    config = tiny_config(num_hidden_layers=1, layer_types=["full_attention"], first_k_dense_replace=1,
+                         attnres_num_blocks=1, q_lora_rank=q_lora_rank, **MLA)
     config._attn_implementation = "sdpa"  # what the model sets; a bare config has none
     torch.manual_seed(seed)
     ours = KDAMoEAttention(config, 0).eval()
@@ -284,6 +286,13 @@ def test_config_defaults_keep_saved_folders_unchanged_and_round_trip():
     assert again.qk_nope_head_dim == 16 and again.mla_rms_norm_eps == 1e-6
 
 
+def test_a_qk_nope_head_dim_keyword_sets_the_total_head_dim_or_must_agree_with_it():
+    assert tiny_config(qk_nope_head_dim=16, qk_rope_head_dim=8).qk_head_dim == 24
+    assert tiny_config(qk_nope_head_dim=16, qk_rope_head_dim=8, qk_head_dim=24).qk_nope_head_dim == 16
+    with pytest.raises(ValueError, match="qk_nope_head_dim"):
+        tiny_config(qk_nope_head_dim=16, qk_rope_head_dim=8, qk_head_dim=16)
+
+
 @pytest.mark.parametrize("overrides,match", [
     (dict(mlp_layer_types=["sparse", "dense", "moe", "dense"]), r"mlp_layer_types\[2\]"),
     (dict(mlp_layer_types=["sparse", "dense"]), "mlp_layer_types"),
@@ -295,3 +304,18 @@ def test_config_defaults_keep_saved_folders_unchanged_and_round_trip():
 def test_bad_new_fields_are_refused_naming_them(overrides, match):
     with pytest.raises(ValueError, match=match):
         tiny_config(**overrides)
+
+
+@pytest.mark.skipif(bool(os.environ.get("KDAMOE_TEST_ON_GPU")), reason="CPU-interpreter test")
+def test_model_decode_with_the_triton_kernels_matches_the_torch_full_forward():
+    """The model's decode steps through the Triton latent kernel (CPU interpreter) with rows [c | k_shared]."""
+    torch.manual_seed(0)
+    model = KDAMoEForCausalLM(tiny_config(**{**MODEL, "kda_head_dim": 16})).eval()  # the kernels need K >= 16
+    ids = _ids(13, 2, 14)
+    with torch.no_grad():
+        model.config.kernel_backend = "torch"
+        full = model(ids, use_cache=False).logits
+        model.config.kernel_backend = "triton"
+        logits, cache = _decode(model, ids, 10, None)
+    assert cache.layers[0].latents.shape[-1] == 16 + 8
+    torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)

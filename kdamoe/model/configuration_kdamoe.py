@@ -40,7 +40,8 @@ class KDAMoEConfig(PreTrainedConfig):
             DeepSeek-V2 name; with no positional encoding it is *not* rotated): `kv_a_proj` outputs
             `kv_lora_rank + Dr` (latent first; only the latent is RMS-normed) and per head
             `q = [q_nope | q_shared]`, `k = [W_uk c | k_shared]`. Must be smaller than `qk_head_dim`; the per-head part
-            `qk_nope_head_dim = qk_head_dim − qk_rope_head_dim` is what `kv_b_proj` produces.
+            `qk_nope_head_dim = qk_head_dim − qk_rope_head_dim` is what `kv_b_proj` produces (a property; a
+            `qk_nope_head_dim` keyword, as Kimi Linear configs carry, sets `qk_head_dim` when that is not given).
         v_head_dim (`int`, *optional*): MLA value head dim; `None` → `qk_head_dim`.
         mla_rms_norm_eps (`float`, *optional*): epsilon of the MLA `q_a_layernorm` / `kv_a_layernorm`; `None` →
             `rms_norm_eps` (transformers' Kimi Linear uses 1e-6 there).
@@ -194,8 +195,15 @@ class KDAMoEConfig(PreTrainedConfig):
         self.num_attention_heads = num_attention_heads
         self.kv_lora_rank = kv_lora_rank
         self.q_lora_rank = q_lora_rank
+        # `qk_nope_head_dim` is a property here; a Kimi Linear / DeepSeek config passes it as a field instead
+        nope = kwargs.pop("qk_nope_head_dim", None)
+        if nope is not None and qk_head_dim is None and isinstance(nope, int) and isinstance(qk_rope_head_dim, int):
+            qk_head_dim = nope + qk_rope_head_dim
         self.qk_head_dim = (qk_head_dim if qk_head_dim is not None
                             else _divide(hidden_size, num_attention_heads, "num_attention_heads"))
+        if nope is not None and nope != self.qk_head_dim - qk_rope_head_dim:
+            raise ValueError(f"`qk_nope_head_dim` ({nope!r}) must equal qk_head_dim - qk_rope_head_dim = "
+                             f"{self.qk_head_dim} - {qk_rope_head_dim!r}; give qk_head_dim (the total) or leave it out")
         self.v_head_dim = v_head_dim if v_head_dim is not None else self.qk_head_dim
         self.qk_rope_head_dim = qk_rope_head_dim
         self.mla_rms_norm_eps = mla_rms_norm_eps
@@ -260,7 +268,7 @@ class KDAMoEConfig(PreTrainedConfig):
 
     @property
     def mla_norm_eps(self) -> float:
-        """The epsilon the MLA ``q_a_layernorm`` / ``kv_a_layernorm`` use: ``mla_rms_norm_eps``, else ``rms_norm_eps``."""
+        """Epsilon of the MLA ``q_a_layernorm`` / ``kv_a_layernorm``: ``mla_rms_norm_eps``, else ``rms_norm_eps``."""
         return self.rms_norm_eps if self.mla_rms_norm_eps is None else self.mla_rms_norm_eps
 
     @property
@@ -295,8 +303,8 @@ class KDAMoEConfig(PreTrainedConfig):
                 raise ValueError(f"`layer_types[{i}]` is {layer_type!r}; expected one of {LAYER_TYPES}")
         if not isinstance(self.qk_rope_head_dim, int) or isinstance(self.qk_rope_head_dim, bool) or not (
                 0 <= self.qk_rope_head_dim < self.qk_head_dim):
-            raise ValueError(f"`qk_rope_head_dim` must be an integer in [0, qk_head_dim={self.qk_head_dim}) (the shared "
-                             f"key part is inside the total head dim), got {self.qk_rope_head_dim!r}")
+            raise ValueError(f"`qk_rope_head_dim` must be an integer in [0, qk_head_dim={self.qk_head_dim}) (the "
+                             f"shared key part is inside the total head dim), got {self.qk_rope_head_dim!r}")
         if self.mla_rms_norm_eps is not None and (
                 not isinstance(self.mla_rms_norm_eps, (int, float)) or isinstance(self.mla_rms_norm_eps, bool)
                 or not math.isfinite(self.mla_rms_norm_eps) or self.mla_rms_norm_eps <= 0):

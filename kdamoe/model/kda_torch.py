@@ -49,10 +49,10 @@ def kda_gate(
         ``g`` with ``f``'s shape, float32 (float64 for float64 ``f``; gate exponentials are never taken in
         half precision).
 
-    ``softplus`` is torch's (``x`` above 20, else ``log1p(exp(x))``): the threshold of fla's kernel and of transformers'
-    ``KimiLinearForgetGate``; past it ``log1p(exp(x)) − x < e^−20`` is below half an ulp of ``x`` in float32, and below
-    it ``log1p`` never overflows and keeps the tiny values that ``log(1 + exp(x))`` rounds to 0 (a difference under
-    ``6·10⁻⁸·exp(A_log)`` in ``g``).
+    ``softplus`` is torch's (``x`` above 20, else ``log1p(exp(x))``; 40 for float64): the threshold of fla's kernel and
+    of transformers' ``KimiLinearForgetGate``; past it ``log1p(exp(x)) − x < e^−20`` is below half an ulp of ``x`` in
+    float32, and below it ``log1p`` never overflows and keeps the tiny values that ``log(1 + exp(x))`` rounds to 0 (a
+    difference under ``6·10⁻⁸·exp(A_log)`` in ``g``).
 
     Source: the lower-bounded sigmoid log-decay of the Kimi K3 recipe; the softplus gate of the Kimi Linear report §3
     (as fla's ``chunk_kda`` computes it with ``lower_bound=None``).
@@ -64,7 +64,9 @@ def kda_gate(
         x = x + dt_bias.to(dtype).view(num_heads, head_dim)
     scale = A_log.to(dtype).exp().view(num_heads, 1) if A_log is not None else None
     if lower_bound is None:
-        g = F.softplus(x)
+        # Past the threshold softplus(x) = x to within half an ulp: 20 in float32 (fla's and transformers' value),
+        # 40 in float64 (e^-40 < 2^-53).
+        g = F.softplus(x, threshold=40.0 if dtype == torch.float64 else 20.0)
         return -g if scale is None else -scale * g
     if scale is not None:
         x = x * scale

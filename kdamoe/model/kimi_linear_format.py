@@ -65,9 +65,6 @@ FP32_TENSOR_SUFFIXES = ("e_score_correction_bias", "dt_bias", "A_log")
 
 # `from_pretrained` keyword arguments that locate files (passed to transformers' hub utilities).
 HUB_ARGUMENTS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
-# `from_pretrained` keyword arguments handed on to transformers' loading unchanged.
-LOADING_ARGUMENTS = ("attn_implementation", "experts_implementation", "use_kernels", "kernel_config", "kernels_mode",
-                     "allow_all_kernels")
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
@@ -650,8 +647,11 @@ def read_config_dict(pretrained, hub_kwargs: dict | None = None) -> dict | None:
     from transformers.utils import cached_file  # noqa: PLC0415 (transformers' hub utilities, needed only here)
 
     hub_kwargs = {k: v for k, v in (hub_kwargs or {}).items() if k in HUB_ARGUMENTS and v is not None}
-    path = cached_file(pretrained, "config.json", _raise_exceptions_for_missing_entries=False,
-                       _raise_exceptions_for_connection_errors=False, **hub_kwargs)
+    try:
+        path = cached_file(pretrained, "config.json", _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False, **hub_kwargs)
+    except (OSError, ValueError):  # not a folder nor a valid Hub id: the caller's own loading says so in its words
+        return None
     if path is None:
         return None
     with open(path, encoding="utf-8") as f:
@@ -690,6 +690,43 @@ def iter_safetensors(files: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]
                 yield name, f.get_tensor(name)
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+def iter_safetensors_shapes(files: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, meta tensor)`` of every tensor of the files: the stored shape and dtype, read from the headers only
+    (nothing is loaded); fed to :func:`kimi_linear_to_kdamoe_tensors` it checks a checkpoint strictly for free."""
+    from safetensors import safe_open  # noqa: PLC0415 (a transformers dependency)
+
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                part = f.get_slice(name)
+                dtype = _SAFETENSORS_DTYPES.get(part.get_dtype(), torch.float32)
+                yield name, torch.empty(part.get_shape(), dtype=dtype, device="meta")
+
+
+def check_kimi_linear_folder(folder, cls) -> None:
+    """Check a Kimi Linear folder's tensor names and shapes against the ``cls`` model its ``config.json`` translates
+    to, reading the safetensors headers only (what :func:`from_kimi_linear_pretrained` checks while it loads).
+
+    Raises:
+        ValueError: naming the field or the tensor, as :func:`kimi_linear_to_kdamoe_config` and
+            :func:`kimi_linear_to_kdamoe_tensors`.
+    """
+    kimi = read_config_dict(str(folder))
+    config = KDAMoEConfig(**kimi_linear_to_kdamoe_config(kimi))
+    with torch.device("meta"):
+        model = cls(config)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    for _ in kimi_linear_to_kdamoe_tensors(iter_safetensors_shapes(checkpoint_files(str(folder))), config, expected,
+                                           tied):
+        pass
+
+
 def _resolve_dtype(dtype) -> torch.dtype | None:
     """``dtype=`` of ``from_pretrained`` → a ``torch.dtype``, or None for ``"auto"`` / None (as stored)."""
     if dtype is None or dtype == "auto":
@@ -701,38 +738,48 @@ def _resolve_dtype(dtype) -> torch.dtype | None:
     raise ValueError(f"dtype is {dtype!r}: expected a torch.dtype, its name (e.g. 'bfloat16') or 'auto'")
 
 
-def from_kimi_linear_pretrained(cls, load, pretrained, kimi_config: dict, kwargs: dict):
+def from_kimi_linear_pretrained(cls, pretrained, kimi_config: dict, kwargs: dict):
     """Load a Kimi Linear folder or Hub id as ``cls`` (``KDAMoEForCausalLM``); what its ``from_pretrained`` runs
     when the ``config.json`` says ``model_type: kimi_linear``.
 
     The config is translated (:func:`kimi_linear_to_kdamoe_config`; routers frozen, ``router_bias_update="none"``,
-    unless ``kwargs`` sets it), the shards are read one at a time and mapped (:func:`kimi_linear_to_kdamoe_tensors`)
-    strictly against the model the config builds, each tensor cast to ``dtype`` as it comes (the float32 tensors of
-    :data:`FP32_TENSOR_SUFFIXES` stay float32), and transformers' own ``from_pretrained`` then builds the model from
-    that state dict (``load(None, config=..., state_dict=...)``). Peak memory is about one copy of the weights.
+    unless ``kwargs`` sets it) and the model built on the ``meta`` device (no memory); the shards are read one at a
+    time and mapped (:func:`kimi_linear_to_kdamoe_tensors`) strictly against that model's tensor names and shapes, each
+    tensor cast to ``dtype`` as it comes (the tensors of :data:`FP32_TENSOR_SUFFIXES` stay float32, as transformers'
+    ``_keep_in_fp32_modules_strict`` keeps them), and the mapped tensors become the model's own
+    (``load_state_dict(..., assign=True)``: no second copy). The model is returned in eval mode, with the folder's
+    ``generation_config.json`` when it has one.
 
     Args:
-        cls: the model class (must be ``KDAMoEForCausalLM`` or a subclass: the checkpoint has an LM head).
-        load: transformers' ``from_pretrained`` bound to ``cls``.
+        cls: the model class (``KDAMoEForCausalLM`` or a subclass: the checkpoint has an LM head).
         pretrained: folder or Hub id.
         kimi_config: its parsed ``config.json``.
         kwargs: ``from_pretrained``'s keyword arguments. Taken: ``dtype`` / ``torch_dtype`` (a dtype, its name or
             ``"auto"``: as stored), ``device_map`` (None or ``"cpu"``), the Hub arguments of :data:`HUB_ARGUMENTS`,
-            ``trust_remote_code`` (not needed), those of :data:`LOADING_ARGUMENTS`, and any ``KDAMoEConfig`` field
-            (``router_bias_update``, ``kernel_backend``, ...), which overrides the translated value.
+            ``trust_remote_code`` (not needed), ``attn_implementation``, ``experts_implementation``, ``use_kernels``
+            (off only), and any ``KDAMoEConfig`` field (``router_bias_update``, ``kernel_backend``, ...), which
+            overrides the translated value.
+
+    Returns:
+        the ``cls`` model on the CPU.
 
     Raises:
-        ValueError: a keyword argument not in that list, naming it; a ``device_map`` other than None / "cpu"; a
-            config kdamoe cannot represent (:func:`kimi_linear_to_kdamoe_config`); a missing, extra or wrongly shaped
-            tensor (:func:`kimi_linear_to_kdamoe_tensors`); a ``cls`` without an LM head.
+        ValueError: a keyword argument not in that list, naming it; a ``device_map`` other than None / "cpu";
+            ``use_kernels=True``; a config kdamoe cannot represent (:func:`kimi_linear_to_kdamoe_config`); a missing,
+            extra or wrongly shaped tensor (:func:`kimi_linear_to_kdamoe_tensors`); a ``cls`` that is not a
+            ``KDAMoEForCausalLM``.
     """
-    if cls.__name__ != "KDAMoEForCausalLM" and not any(b.__name__ == "KDAMoEForCausalLM" for b in cls.__mro__):
+    if not any(base.__name__ == "KDAMoEForCausalLM" for base in cls.__mro__):
         raise ValueError(f"{cls.__name__} cannot load a Kimi Linear checkpoint (it holds a causal LM): use "
                          "KDAMoEForCausalLM")
     kwargs = dict(kwargs)
     hub = {k: kwargs.pop(k) for k in HUB_ARGUMENTS if k in kwargs}
-    passed = {k: kwargs.pop(k) for k in LOADING_ARGUMENTS if k in kwargs}
     kwargs.pop("trust_remote_code", None)
+    attn_implementation = kwargs.pop("attn_implementation", None)
+    experts_implementation = kwargs.pop("experts_implementation", None)
+    if kwargs.pop("use_kernels", None):
+        raise ValueError("use_kernels=True: loading a Kimi Linear checkpoint does not kernelize; convert it first "
+                         "(`kdamoe-convert SRC DST --to kda_moe`) and load DST")
     dtype = kwargs.pop("dtype", None)
     torch_dtype = kwargs.pop("torch_dtype", None)
     dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype)
@@ -740,13 +787,14 @@ def from_kimi_linear_pretrained(cls, load, pretrained, kimi_config: dict, kwargs
     if device_map not in (None, "cpu"):
         raise ValueError(f"device_map={device_map!r}: loading a Kimi Linear checkpoint takes device_map=None or 'cpu' "
                          "(convert it first with `kdamoe-convert SRC DST --to kda_moe`, then load DST with any "
-                         "device_map)")
+                         "device_map), or move the model with .to() after loading")
     config_kwargs = kimi_linear_to_kdamoe_config(kimi_config)
     own_fields = set(KDAMoEConfig().to_dict()) | set(config_kwargs)
     overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in own_fields}
     if kwargs:
         raise ValueError(f"from_pretrained of a Kimi Linear checkpoint does not take {sorted(kwargs)}; it takes dtype, "
-                         f"device_map=None, {', '.join(HUB_ARGUMENTS + LOADING_ARGUMENTS)} and KDAMoEConfig fields")
+                         f"device_map=None, {', '.join(HUB_ARGUMENTS)}, attn_implementation, experts_implementation "
+                         "and KDAMoEConfig fields")
     config_kwargs.update(overrides)
     if dtype is not None:
         config_kwargs["dtype"] = str(dtype).removeprefix("torch.")
@@ -754,20 +802,26 @@ def from_kimi_linear_pretrained(cls, load, pretrained, kimi_config: dict, kwargs
     config._name_or_path = str(pretrained)
 
     with torch.device("meta"):
-        skeleton = cls(config)
-    expected = {k: v.shape for k, v in skeleton.state_dict().items()}
-    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    del skeleton
+        model = cls(config)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     state_dict = {}
-    files = checkpoint_files(pretrained, hub)
-    for name, tensor in kimi_linear_to_kdamoe_tensors(iter_safetensors(files), config, expected, optional):
+    for name, tensor in kimi_linear_to_kdamoe_tensors(iter_safetensors(checkpoint_files(pretrained, hub)), config,
+                                                      expected, tied):
         if dtype is not None and tensor.is_floating_point():
-            keep = name.endswith(FP32_TENSOR_SUFFIXES)
-            tensor = tensor.to(torch.float32 if keep else dtype)
+            tensor = tensor.to(torch.float32 if name.endswith(FP32_TENSOR_SUFFIXES) else dtype)
         state_dict[name] = tensor
-    model = load(None, config=config, state_dict=state_dict, dtype=dtype or "auto", **passed)
+    # Every name and shape was checked above; `strict` only leaves out a tied head, tied again below.
+    model.load_state_dict(state_dict, strict=not (tied - set(state_dict)), assign=True)
+    del state_dict
+    if tied:
+        model.tie_weights()
+    if attn_implementation is not None:
+        model.set_attn_implementation(attn_implementation)
+    if experts_implementation is not None:
+        model.set_experts_implementation(experts_implementation)
     _load_generation_config(model, pretrained, hub)
-    return model
+    return model.eval()
 
 
 def _load_generation_config(model, pretrained, hub: dict) -> None:
@@ -782,6 +836,7 @@ def _load_generation_config(model, pretrained, hub: dict) -> None:
 
 __all__ = [
     "KIMI_LINEAR_MODEL_TYPE",
+    "check_kimi_linear_folder",
     "LOADED_ROUTER_BIAS_UPDATE",
     "from_kimi_linear_pretrained",
     "is_kimi_linear_config",

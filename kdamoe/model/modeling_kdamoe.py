@@ -214,8 +214,9 @@ class KDAMoEDeltaAttention(nn.Module):
     # Padded positions get the raw gate input f = −1e4, for which both gates are exactly 0 in float32:
     # * bounded: σ(x) = 1 / (1 + exp(−x)) is exactly 0 once exp(−x) overflows float32 (x < −88.8), and here
     #   x = exp(A_log)·(−1e4 + dt_bias): that holds while exp(A_log)·(1e4 − dt_bias) > 88.8, e.g. for any
-    #   dt_bias < 9900 with A_log ≥ 0 (no A_log, or its init log(U[1, 16]) ≥ 0); a trained per-head scale must stay
-    #   above ~0.009 (A_log > −4.7), which `check_pad_gate_exact` tests.
+    #   dt_bias < 9900 with A_log ≥ 0 (no A_log, or its init log(U[1, 16]) ≥ 0, checked there by
+    #   `check_pad_gate_exact`). A trained A_log below −4.7 would give padded positions a nonzero g: down to about
+    #   −6.3 still small enough that exp(g) rounds to 1 in float32 (|g| < 3e-8), below that a real decay of the state.
     # * unbounded: softplus(x) = log1p(exp(x)) is exactly 0 once exp(x) underflows to 0 in float32 (x < −104), i.e.
     #   for any dt_bias < 9896 whatever A_log, since −exp(A_log)·0 = 0 for every finite A_log.
     # A finite value, not −inf, keeps the gate's backward free of 0·inf.
@@ -508,9 +509,11 @@ def _attention_with_lse(q, k, v, scaling: float, causal: bool):
     precision), the CPU's flash kernel elsewhere — the aten ops behind SDPA that also return the log-sum-exp.
 
     The CPU flash kernel refuses a value head dim other than the query/key one (``qk_rope_head_dim`` or
-    ``v_head_dim`` make them differ), and cuDNN's support of it depends on its version and GPU, so the narrower side is
-    zero-padded to the wider: zero value columns give zero output columns (sliced off), zero query/key columns add
-    nothing to a score (the scale is passed explicitly), so the result and the log-sum-exp are exact."""
+    ``v_head_dim`` make them differ; "Q/K/V should have the same head size"), so the narrower side is zero-padded to
+    the wider: zero value columns give zero output columns (sliced off), zero query/key columns add nothing to a score
+    (the scale is passed explicitly), so the result and the log-sum-exp are exact. cuDNN took 192 / 128 unpadded on
+    an H100 (torch 2.11, bf16); it is padded too, since older cuDNN builds are not known to, at the cost of reading
+    the padded values."""
     Dk, Dv = q.shape[-1], v.shape[-1]
     if Dv < Dk:
         v = F.pad(v, (0, Dk - Dv))
@@ -958,7 +961,7 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
             kimi = read_config_dict(pretrained, kwargs)
             if is_kimi_linear_config(kimi):
                 kwargs.pop("pretrained_model_name_or_path", None)
-                return from_kimi_linear_pretrained(cls, super().from_pretrained, pretrained, kimi, kwargs)
+                return from_kimi_linear_pretrained(cls, pretrained, kimi, kwargs)
         return super().from_pretrained(*args, **kwargs)
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
