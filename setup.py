@@ -45,6 +45,7 @@ setup(
             "kdamoe-generate=kdamoe.cli:generate_main",
             "kdamoe-push=kdamoe.cli:push_main",
             "kdamoe-posttrain-demo=kdamoe.cli:posttrain_demo_main",
+            "kdamoe-convert=kdamoe.cli:convert_main",
         ]
     },
 )

@@ -1,5 +1,5 @@
-"""Command-line entry points: ``kdamoe-train``, ``kdamoe-posttrain``, ``kdamoe-generate`` and ``kdamoe-push``
-(argument parsing only)."""
+"""Command-line entry points: ``kdamoe-train``, ``kdamoe-posttrain``, ``kdamoe-generate``, ``kdamoe-push`` and
+``kdamoe-convert`` (argument parsing only)."""
 
 from __future__ import annotations
 
@@ -265,3 +265,30 @@ def _cuda() -> bool:
 
 if __name__ == "__main__":
     sys.exit(train_main())
+
+
+def convert_main(argv: list[str] | None = None) -> int:
+    """``kdamoe-convert SRC DST --to {kimi_linear,kda_moe} [--overwrite] [--max-shard-size SIZE]``.
+
+    Rewrites a checkpoint between Moonshot's Kimi Linear format and kdamoe's, shard by shard
+    (:func:`kdamoe.conversion.convert_checkpoint`); prints DST. A bad argument, a config the target format cannot
+    represent or a checkpoint that does not match its config is a usage error (one line, exit 2).
+    """
+    parser = argparse.ArgumentParser(
+        prog="kdamoe-convert",
+        description="Convert a checkpoint between Kimi Linear (transformers' kimi_linear) and kdamoe (kda_moe).")
+    parser.add_argument("src", metavar="SRC", help="the source folder or Hub id (safetensors weights + config.json)")
+    parser.add_argument("dst", metavar="DST", help="the output folder (absent or empty, unless --overwrite)")
+    parser.add_argument("--to", required=True, choices=("kimi_linear", "kda_moe"),
+                        help="target format: kda_moe reads a Kimi Linear SRC, kimi_linear a kdamoe SRC")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DST once the conversion is done")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    from kdamoe.conversion import convert_checkpoint  # noqa: PLC0415 (deferred: each entry point loads only its own job, after parsing its arguments)
+
+    out = _user_errors_exit_2(parser, convert_checkpoint, args.src, args.dst, to=args.to, overwrite=args.overwrite,
+                              max_shard_size=args.max_shard_size)
+    print(out)
+    return 0

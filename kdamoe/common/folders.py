@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from ..model import KDAMoEConfig, KDAMoEForCausalLM
+from ..model.kimi_linear_format import check_kimi_linear_folder, is_kimi_linear_config
 from .checkpoint import verify_checkpoint
 
 LOADING_ARGUMENTS = ("is_local", "local_files_only")
@@ -181,7 +182,8 @@ def check_stored_weights(expected: dict[str, torch.Tensor], folder: str | Path, 
 
 def check_model_folder(folder: str | Path, cls=KDAMoEForCausalLM) -> None:
     """:func:`check_stored_weights` of a ``save_pretrained`` folder against the model its ``config.json`` describes
-    (built on the ``meta`` device: nothing is allocated).
+    (built on the ``meta`` device: nothing is allocated). A Kimi Linear folder (``model_type: kimi_linear``) is checked
+    through the Kimi Linear tensor map instead (names and shapes, from the safetensors headers).
 
     Raises:
         ValueError: naming the file and tensor (see :func:`check_stored_weights`), or a missing ``config.json``.
@@ -189,6 +191,10 @@ def check_model_folder(folder: str | Path, cls=KDAMoEForCausalLM) -> None:
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder / 'config.json'}: missing")
+    if is_kimi_linear_config(json.loads((folder / "config.json").read_text())):
+        # A Kimi Linear release: its tensors map onto the model (names and shapes from the headers; docs/checkpoints.md)
+        check_kimi_linear_folder(folder, cls)
+        return
     config = KDAMoEConfig.from_pretrained(str(folder))
     with torch.device("meta"):
         skeleton = cls(config)

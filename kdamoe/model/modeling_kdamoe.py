@@ -57,6 +57,7 @@ from .kernel_dispatch import (
     moe_route_op,
     rms_norm,
 )
+from .kimi_linear_format import from_kimi_linear_pretrained, is_kimi_linear_config, read_config_dict
 from .moe_torch import GLUActivation, moe_experts_torch
 from .quantile_balancing import all_reduce_sum, histogram_range, quantile_balancing_update, sign_update
 from .validation import check_cache_matches, inputs_are_prevalidated, validate_model_inputs
@@ -906,6 +907,16 @@ def _fsdp2_wrapped_class(model: nn.Module) -> type | None:
     return next(cls for cls in type(model).__bases__ if not issubclass(cls, FSDPModule))
 
 
+# The `auto_map` of a saved folder: every KDAMoE head, so a folder saved from the causal LM also loads as `AutoModel`
+# or `AutoModelForSequenceClassification` (reward / value models) with `trust_remote_code=True`.
+AUTO_MAP = {
+    "AutoConfig": "configuration_kdamoe.KDAMoEConfig",
+    "AutoModel": "modeling_kdamoe.KDAMoEModel",
+    "AutoModelForCausalLM": "modeling_kdamoe.KDAMoEForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_kdamoe.KDAMoEForSequenceClassification",
+}
+
+
 class KDAMoEPreTrainedModel(PreTrainedModel):
     """Weight init, Quantile Balancing lifecycle and transformers plumbing shared by all heads."""
 
@@ -936,8 +947,22 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """transformers' ``from_pretrained``, with Hub kernels left off unless the caller asks for them
-        (:func:`.kernel_dispatch.hub_kernels_off_by_default` says why)."""
-        return super().from_pretrained(*args, **hub_kernels_off_by_default(kwargs))
+        (:func:`.kernel_dispatch.hub_kernels_off_by_default` says why).
+
+        A folder or Hub id whose ``config.json`` says ``model_type: kimi_linear`` (Moonshot's Kimi Linear releases,
+        or transformers' ``KimiLinearForCausalLM.save_pretrained``) is loaded through the weight map of
+        :mod:`.kimi_linear_format` (:func:`~.kimi_linear_format.from_kimi_linear_pretrained`): strictly (a missing,
+        extra or wrongly shaped tensor is a ``ValueError`` naming it), with ``router_bias_update="none"`` unless the
+        caller passes another rule, taking ``dtype`` / ``torch_dtype``, ``device_map=None`` and the Hub arguments.
+        """
+        kwargs = hub_kernels_off_by_default(kwargs)
+        pretrained = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        if kwargs.get("config") is None and kwargs.get("state_dict") is None and len(args) <= 1:
+            kimi = read_config_dict(pretrained, kwargs)
+            if is_kimi_linear_config(kimi):
+                kwargs.pop("pretrained_model_name_or_path", None)
+                return from_kimi_linear_pretrained(cls, pretrained, kimi, kwargs)
+        return super().from_pretrained(*args, **kwargs)
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
         """transformers' choice of experts implementation, defaulting to ``"kdamoe"``; refuses (``ValueError``)
@@ -980,16 +1005,7 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         is saved from every rank: rank 0 writes the gathered weights and this package's code, not torch's FSDP
         files that transformers would otherwise take for the model's code (docs/distributed.md).
         """
-        auto_map = dict(getattr(self.config, "auto_map", None) or {})
-        auto_map.update(
-            {
-                "AutoConfig": "configuration_kdamoe.KDAMoEConfig",
-                "AutoModel": "modeling_kdamoe.KDAMoEModel",
-                "AutoModelForCausalLM": "modeling_kdamoe.KDAMoEForCausalLM",
-                "AutoModelForSequenceClassification": "modeling_kdamoe.KDAMoEForSequenceClassification",
-            }
-        )
-        self.config.auto_map = auto_map
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
         own_class = _fsdp2_wrapped_class(self)
         if own_class is None:
             return super().save_pretrained(save_directory, *args, **kwargs)

@@ -1,0 +1,249 @@
+"""``kdamoe-convert``: rewrite a checkpoint folder between Moonshot's Kimi Linear format and kdamoe's, shard by shard.
+
+A Kimi Linear 48B checkpoint is ~96 GB in bfloat16, so the converter never holds the model: it reads one tensor at a
+time from the source shards (``safetensors.safe_open``), maps it (:mod:`kdamoe.model.kimi_linear_format`, the same
+map ``KDAMoEForCausalLM.from_pretrained`` uses), and writes output shards of at most ``max_shard_size`` bytes. Held at
+any time: the output shard being filled plus the fused tensors still waiting for a piece (for Kimi Linear → kdamoe,
+one MoE layer's ``gate_up_proj`` / ``down_proj``: ~3.6 GB for the 48B release in bf16).
+
+``--to kda_moe`` writes a folder like kdamoe's ``save_pretrained``: ``config.json`` with ``auto_map`` for every head,
+the model code, the weights, and the source's tokenizer / generation / card files. ``--to kimi_linear`` writes the
+released layout, which transformers' ``KimiLinearForCausalLM.from_pretrained`` (and the release's own remote code,
+and servers that read it) load. Tensors keep their stored dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers.dynamic_module_utils import custom_object_save
+from transformers.utils.hub import convert_file_size_to_int
+
+from .model import KDAMoEConfig, KDAMoEForCausalLM
+from .model.kimi_linear_format import (
+    KIMI_LINEAR_MODEL_TYPE,
+    checkpoint_files,
+    iter_safetensors,
+    kdamoe_to_kimi_linear_config,
+    kdamoe_to_kimi_linear_tensors,
+    kimi_linear_to_kdamoe_config,
+    kimi_linear_to_kdamoe_tensors,
+    read_config_dict,
+)
+from .model.modeling_kdamoe import AUTO_MAP
+
+FORMATS = ("kimi_linear", "kda_moe")
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+# Files of a source folder that are not carried over: its weights and config (rewritten) and caches.
+_NOT_COPIED = ("*.safetensors", "model.safetensors.index.json", "config.json", "*.bin", "*.pt", "*.pth", "*.gguf")
+
+
+def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, overwrite: bool = False,
+                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+    """Convert the checkpoint ``src`` (a folder or Hub id) into ``dst`` in the format ``to``, streaming.
+
+    Args:
+        src: a Kimi Linear folder / Hub id (``model_type: kimi_linear``) for ``to="kda_moe"``, or a kdamoe folder
+            (``model_type: kda_moe``) for ``to="kimi_linear"``; weights as safetensors (one file or shards + index).
+        dst: the output folder; it must not exist or be empty, unless ``overwrite``.
+        to: ``"kda_moe"`` or ``"kimi_linear"``.
+        overwrite: replace a non-empty ``dst`` (its whole content is removed once the conversion has succeeded; the
+            new folder is written beside it first).
+        max_shard_size: largest output shard, bytes or a size string (``"5GB"``, ``"500MB"``); a single tensor larger
+            than it gets a shard of its own. One shard → ``model.safetensors``; more → ``model-0000i-of-0000N`` and
+            ``model.safetensors.index.json``.
+
+    Returns:
+        ``dst`` as a ``Path``.
+
+    Raises:
+        ValueError: ``to`` not in :data:`FORMATS`; ``src`` without a ``config.json``, of a format other than the one
+            ``to`` converts from; ``dst`` non-empty without ``overwrite``, or ``dst`` holding ``src``; a config the
+            target format cannot represent (naming the field); a missing, extra or wrongly shaped tensor (naming it and
+            its shapes); a bad ``max_shard_size``.
+    """
+    if to not in FORMATS:
+        raise ValueError(f"to={to!r}: expected one of {FORMATS}")
+    limit = _shard_limit(max_shard_size)
+    if not Path(src).exists() and (Path(src).is_absolute() or str(src).startswith((".", "~"))
+                                   or str(src).count("/") != 1):
+        raise ValueError(f"src {src}: no such folder (and not a Hub id, namespace/name)")
+    source_config = read_config_dict(str(src))
+    if source_config is None:
+        raise ValueError(f"{src}: no config.json (a local folder or a Hub id of a checkpoint)")
+    src_type = source_config.get("model_type")
+    want = KIMI_LINEAR_MODEL_TYPE if to == "kda_moe" else KDAMoEConfig.model_type
+    if src_type != want:
+        raise ValueError(f"{src}: model_type is {src_type!r}; --to {to} converts from {want!r}")
+    dst = Path(dst)
+    _check_destination(Path(src), dst, overwrite)
+
+    if to == "kda_moe":
+        config = KDAMoEConfig(**kimi_linear_to_kdamoe_config(source_config))
+        mapping = kimi_linear_to_kdamoe_tensors
+    else:
+        config = KDAMoEConfig.from_dict({k: v for k, v in source_config.items() if k != "model_type"})
+        target_config = kdamoe_to_kimi_linear_config(config)  # refuses, naming the option, before anything is written
+        mapping = kdamoe_to_kimi_linear_tensors
+    with torch.device("meta"):
+        skeleton = KDAMoEForCausalLM(config)
+    expected = {k: v.shape for k, v in skeleton.state_dict().items()}
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+
+    tmp = dst.with_name(f".{dst.name}.converting-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        files = checkpoint_files(str(src))
+        _write_shards(mapping(iter_safetensors(files), config, expected, optional), tmp, limit)
+        _copy_side_files(_side_folder(src), tmp, source_config)
+        if to == "kda_moe":
+            _write_kdamoe_config(skeleton, tmp)
+        else:
+            (tmp / "config.json").write_text(json.dumps(target_config, indent=2) + "\n")
+        if dst.exists():
+            shutil.rmtree(dst)
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def _shard_limit(max_shard_size) -> int:
+    try:
+        limit = convert_file_size_to_int(max_shard_size)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"max_shard_size={max_shard_size!r}: expected bytes or a size such as '5GB' ({err})") from err
+    if not isinstance(limit, int) or limit <= 0:
+        raise ValueError(f"max_shard_size={max_shard_size!r}: must be a positive size")
+    return limit
+
+
+def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+    """Refuse a ``dst`` that holds anything unless ``overwrite``, and always one that is ``src`` or contains it (the
+    project's "nothing lost" rule, as the run folders of the other jobs)."""
+    if src.exists() and dst.exists() and (dst.resolve() == src.resolve() or dst.resolve() in src.resolve().parents):
+        raise ValueError(f"dst {dst}: is (or contains) the source folder {src}; pick another folder")
+    if dst.exists() and not dst.is_dir():
+        raise ValueError(f"dst {dst}: exists and is not a folder")
+    if dst.exists() and any(dst.iterdir()) and not overwrite:
+        found = sorted(p.name for p in dst.iterdir())
+        raise ValueError(f"dst {dst}: exists and is not empty ({', '.join(found[:3])}"
+                         f"{', ...' if len(found) > 3 else ''}); pass --overwrite (overwrite=True) to replace it, or "
+                         "another folder")
+
+
+class _ShardWriter:
+    """Fills safetensors shards of at most ``limit`` bytes; at :meth:`finish`, names them as transformers does and
+    writes the index."""
+
+    def __init__(self, folder: Path, limit: int):
+        self.folder, self.limit = folder, limit
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.parts: list[tuple[Path, list[str]]] = []
+        self.total_bytes = self.total_parameters = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.current and self.current_bytes + size > self.limit:
+            self._flush()
+        self.current[name] = tensor.contiguous()
+        self.current_bytes += size
+        self.total_bytes += size
+        self.total_parameters += tensor.numel()
+
+    def _flush(self) -> None:
+        path = self.folder / f".part-{len(self.parts):05d}.safetensors"
+        save_file(self.current, str(path), metadata={"format": "pt"})
+        self.parts.append((path, list(self.current)))
+        self.current, self.current_bytes = {}, 0
+
+    def finish(self) -> None:
+        if self.current or not self.parts:
+            self._flush()
+        if len(self.parts) == 1:
+            self.parts[0][0].rename(self.folder / "model.safetensors")
+            return
+        weight_map = {}
+        n = len(self.parts)
+        for i, (path, names) in enumerate(self.parts, start=1):
+            final = f"model-{i:05d}-of-{n:05d}.safetensors"
+            path.rename(self.folder / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_parameters": self.total_parameters, "total_size": self.total_bytes},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_shards(tensors: Iterable[tuple[str, torch.Tensor]], folder: Path, limit: int) -> None:
+    writer = _ShardWriter(folder, limit)
+    seen = set()
+    for name, tensor in tensors:
+        if name in seen:
+            raise ValueError(f"{name}: produced twice (stored twice in the source?)")
+        seen.add(name)
+        writer.add(name, tensor)
+    writer.finish()
+
+
+def _side_folder(src) -> Path:
+    """The local folder holding the source's other files: ``src`` itself, or for a Hub id a snapshot of the repository
+    without its weights (tokenizer, its code, chat template, generation config, card, license)."""
+    if Path(src).is_dir():
+        return Path(src)
+    from huggingface_hub import snapshot_download  # noqa: PLC0415 (only a Hub source needs it)
+
+    return Path(snapshot_download(str(src), ignore_patterns=list(_NOT_COPIED)))
+
+
+def _copy_side_files(folder: Path, out: Path, source_config: dict) -> None:
+    """Copy the source's tokenizer, generation config, card and other files; not its weights, config or model code
+    (the ``.py`` files its ``auto_map`` names, and kdamoe's model files)."""
+    model_code = {ref.split(".")[0] + ".py" for ref in _auto_map_refs(source_config)}
+    model_code |= {p.name for p in Path(__file__).with_name("model").glob("*.py")}
+    for path in sorted(_iter_files(folder)):
+        rel = path.relative_to(folder)
+        if rel.parts[0].startswith(".") or any(rel.match(p) for p in _NOT_COPIED) or (
+                len(rel.parts) == 1 and rel.name in model_code):
+            continue
+        target = out / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+
+
+def _auto_map_refs(config: dict) -> Iterator[str]:
+    for value in (config.get("auto_map") or {}).values():
+        for ref in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(ref, str):
+                yield ref.split("--")[-1]
+
+
+def _iter_files(folder: Path) -> Iterator[Path]:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            yield path
+
+
+def _write_kdamoe_config(skeleton: KDAMoEForCausalLM, out: Path) -> None:
+    """``config.json`` (with ``auto_map`` for every head) and the model code, as ``save_pretrained`` writes them; the
+    config describes the model for inference (``kernel_backend="auto"``, ``use_cache=True``)."""
+    config = skeleton.config
+    config.kernel_backend, config.use_cache = "auto", True
+    config.auto_map = dict(AUTO_MAP)
+    config.architectures = ["KDAMoEForCausalLM"]
+    custom_object_save(skeleton, out, config=config)
+    config.save_pretrained(out)
+    if not (out / "generation_config.json").exists() and skeleton.generation_config is not None:
+        skeleton.generation_config.save_pretrained(out)
+
+
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "FORMATS", "convert_checkpoint"]
