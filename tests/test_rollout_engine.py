@@ -417,6 +417,8 @@ def test_batched_training_run_equals_cached_training_run(base, tmp_path):  # noq
         runs[rollout] = dict(completions=seen, params=[p.detach().clone() for p in trainer.model.parameters()],
                              rewards=[row.get("reward") for row in trainer.state.log_history if "reward" in row])
     assert len(runs["cached"]["completions"]) == 2
+    first = runs["cached"]["completions"][0]
+    assert first[0] != first[1]  # sampled: one prompt, two different episodes
     assert runs["batched"]["completions"] == runs["cached"]["completions"]
     assert runs["batched"]["rewards"] == runs["cached"]["rewards"]
     for a, b in zip(runs["batched"]["params"], runs["cached"]["params"], strict=True):

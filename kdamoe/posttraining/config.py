@@ -196,6 +196,12 @@ class PostTrainConfig:
                  "different number of generate calls on each process, and every forward of a sharded model is a "
                  f"collective, so the processes fall out of step; train multi-turn GRPO under DDP (leave {sharded_by} "
                  "unset) or use grpo.mode: single_turn")
+            # The batched engine steps until this process's own episodes end, so even single-turn episodes of unequal
+            # lengths give each process a different number of (collective) forwards.
+            need(self.grpo.rollout != "batched", "grpo.rollout",
+                 f"batched with {sharded_by}: each process runs as many engine steps as its own episodes need, and "
+                 "every forward of a sharded model is a collective, so the processes would fall out of step; use "
+                 "grpo.rollout: cached or trl, or train under DDP")
         if self.distributed_config is not None:
             self._check_distributed()
         self._check_trainer()

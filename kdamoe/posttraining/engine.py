@@ -32,7 +32,9 @@ over ``cu_seqlens`` with one initial state per sequence, ``fused_recurrent_kda``
 ``generate`` runs for a prefill and a decode step). The MLA layers attend in the latent space ("absorbed"
 projections, DeepSeek-V2 §2.1.2: ``q·k = (W_ukᵀ q_nope)·c + q_shared·k_shared``, ``Σ p v = W_uv Σ p c``), as the
 model's decode path does. Weights are read from the modules at every step, so the engine always decodes with the
-current weights (after an optimizer step, with PEFT adapters, inside FSDP's gathered parameters).
+current weights (after an optimizer step, with PEFT adapters). It runs only as many forwards as this
+process's episodes need, so a model whose forwards are collectives (FSDP2, expert parallelism) cannot use it across
+processes; the GRPO recipe refuses that set-up.
 
 What an episode is (the rules of :mod:`.rollout`, which follow TRL 1.16's ``_tool_call_loop``): a first turn of at
 most ``min(max_completion_length, generation_config.max_new_tokens)`` tokens; while the last turn called a tool and
