@@ -321,6 +321,27 @@ def test_engine_decodes_with_the_weights_after_an_optimizer_step(policy):
     assert max(abs(a - b) for a, b in zip(after["logprobs"], before["logprobs"], strict=False)) > 1e-3
 
 
+def test_engine_decodes_through_a_peft_adapter(policy):
+    """A LoRA adapter (non-zero, on the KDA, MLA and MLP projections) is part of what the engine decodes with: the
+    engine on the PEFT model equals the cached rollout on it, and differs from the base model's episode."""
+    from peft import LoraConfig, get_peft_model  # noqa: PLC0415 (only this test needs PEFT)
+
+    model, tokenizer = policy
+    base_model = KDAMoEForCausalLM.from_pretrained(model.name_or_path, dtype=torch.float32).eval()
+    plan = {0: [_call("add", a=2, b=3)]}
+    specs = [EpisodeSpec(_prompt(tokenizer, 0), tools={"add": add}, schemas=SCHEMAS, seed=0)]
+    config = _greedy(tokenizer, max_new_tokens=45)
+    plain = _engine(base_model, tokenizer, plan, config, slots=1, budget=80, rounds=2).run(specs)[0]
+    torch.manual_seed(3)
+    lora = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                      target_modules=["q_proj", "v_proj", "kv_b_proj", "kv_a_proj", "o_proj", "down_proj"])
+    peft_model = get_peft_model(base_model, lora).eval()
+    got = _engine(peft_model, tokenizer, plan, config, slots=1, budget=80, rounds=2).run(specs)[0]
+    want = _reference(peft_model, tokenizer, plan, config, specs, budget=80, rounds=2)[0]
+    _assert_same(got, want)
+    assert max(abs(a - b) for a, b in zip(got["logprobs"], plain["logprobs"], strict=False)) > 1e-3
+
+
 def test_engine_refuses_bad_arguments(policy):
     model, tokenizer = policy
     with pytest.raises(ValueError, match="num_slots"):
