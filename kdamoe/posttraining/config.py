@@ -238,8 +238,8 @@ class PostTrainConfig:
              "(grpo.mode: single_turn) run under transformers' engine here")
         if self.recipe == "grpo":  # grpo.mode is checked in validate, as for trainer.fsdp
             need(self.grpo.rollout == "trl", "grpo.rollout",
-                 f"{self.grpo.rollout} with distributed_config: each rank steps its own caches (a different number of sharded "
-                 "forwards per rank); use grpo.rollout: trl")
+                 f"{self.grpo.rollout} with distributed_config: each rank steps its own caches (a different number "
+                 "of sharded forwards per rank); use grpo.rollout: trl")
             need(not self.grpo.long_context, "grpo.long_context", "not tested with distributed_config")
         model_config = Path(self.model).expanduser() / "config.json"
         if model_config.is_file():  # a Hub id is checked when the base loads (run.load_base)

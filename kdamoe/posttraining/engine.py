@@ -131,7 +131,8 @@ class _ToolJob:
         for call in self.calls:
             if call.get("type") != "function":
                 failures += 1
-                results.append((call.get("name", "unknown"), {"error": f"Unsupported tool call type: {call.get('type')}"}))
+                error = {"error": f"Unsupported tool call type: {call.get('type')}"}
+                results.append((call.get("name", "unknown"), error))
                 continue
             name, arguments = call["function"]["name"], call["function"]["arguments"]
             self.started = time.monotonic()
