@@ -363,6 +363,17 @@ def test_engine_refuses_bad_arguments(policy):
         load_posttrain_config("grpo", ["grpo.rollout=batched", "grpo.tool_timeout_s=0"])
 
 
+def test_batched_rollout_is_refused_under_fsdp(monkeypatch):
+    """Each process steps its engine as often as its own episodes need; under FSDP every forward is a collective."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"grpo.rollout: batched with trainer.fsdp"):
+        load_posttrain_config("grpo", ["grpo.rollout=batched", "grpo.mode=single_turn", "data.environment=arithmetic",
+                                       "trainer.fsdp=true"])
+    cfg = load_posttrain_config("grpo", ["grpo.rollout=cached", "grpo.mode=single_turn", "data.environment=arithmetic",
+                                         "trainer.fsdp=true"])
+    assert cfg.grpo.rollout == "cached"
+
+
 # ------------------------------------------------------------------------------------------ inside TRL's GRPOTrainer
 
 

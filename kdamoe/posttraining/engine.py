@@ -286,7 +286,9 @@ class RolloutEngine:
         causal_lm._prepare_special_tokens(self.generation_config, True, device=self.device)
         self.per_turn = self.generation_config.max_new_tokens or max_completion_length
         self.do_sample = bool(self.generation_config.do_sample)
-        self.stats = dict(steps=0, tokens=0, prefill_tokens=0, decode_tokens=0, forks=0, tool_rounds=0,
+        # counters of the cost model (docs/post-training.md): forwards, the sequences and tokens they carried,
+        # group forks, tool rounds, seconds idle on tools (nothing else could run) and seconds in forwards
+        self.stats = dict(steps=0, sequences=0, tokens=0, prefill_tokens=0, decode_tokens=0, forks=0, tool_rounds=0,
                           tool_wait_s=0.0, forward_s=0.0)
         self._wake = threading.Event()
         self._allocate()
@@ -409,6 +411,7 @@ class RolloutEngine:
         logits = self._forward(feeds)
         self.stats["forward_s"] += time.perf_counter() - start
         self.stats["steps"] += 1
+        self.stats["sequences"] += len(feeds)
         self.stats["tokens"] += sum(lengths)
         self.stats["decode_tokens"] += sum(n for n in lengths if n == 1)
         self.stats["prefill_tokens"] += sum(n for n in lengths if n > 1)

@@ -249,7 +249,10 @@ def batched_rollout(prompts: list, trainer) -> dict:
     episode), GRPO groups prefilling their prompt once, tools on worker threads with ``trainer.tool_timeout_s``.
 
     Same arguments and return as :func:`cached_rollout`; async tools are awaited. A tool call that times out ends
-    its episode and takes its environment out of TRL's pool (a fresh instance replaces it in the next batch).
+    its episode and takes its environment out of TRL's pool (a fresh instance replaces it in the next batch). The
+    engine's counters (``RolloutEngine.stats``: steps, sequences, prefill / decode tokens, forks, tool rounds,
+    seconds idle on tools, seconds in forwards) go to ``trainer.rollout_engine_stats`` and TRL's logged metrics
+    as ``rollout/<name>``.
 
     Raises:
         ValueError: vLLM, continuous batching, a vision-language processor, or a trainer that is not a
@@ -275,6 +278,9 @@ def batched_rollout(prompts: list, trainer) -> dict:
             tokenizer=trainer._tokenizer)
         episodes = engine.run(specs)
     trainer.rollout_engine_stats = dict(engine.stats)
+    metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+    for key, value in engine.stats.items():  # logged with TRL's metrics (averaged over the logging interval)
+        metrics[f"rollout/{key}"].append(float(value))
     return _rollout_output(trainer, prompt_ids, episodes, has_tools)
 
 
