@@ -272,6 +272,41 @@ def test_engine_tool_timeout_ends_only_its_episode(policy):
         _assert_same(g, w)
 
 
+def test_engine_awaits_async_tools_and_stops_at_stop_strings(policy):
+    """An async tool is awaited on the worker (its result is the sync tool's, so the episode equals the cached
+    rollout's with the sync tool); a stop string ends a turn where ``generate`` with the same ``stop_strings`` ends it."""
+    model, tokenizer = policy
+
+    async def async_add(a: int, b: int) -> int:
+        return a + b
+
+    async_add.__name__ = "add"
+    plan = {0: [_call("add", a=2, b=3)]}
+    config = _greedy(tokenizer)
+    spec = EpisodeSpec(_prompt(tokenizer, 0), tools={"add": async_add}, schemas=SCHEMAS, seed=0)
+    got = _engine(model, tokenizer, plan, config, slots=1, budget=80, rounds=2).run([spec])[0]
+    want = _reference(model, tokenizer, plan, config, [EpisodeSpec(spec.prompt_ids, tools={"add": add},
+                                                                   schemas=SCHEMAS, seed=0)], budget=80, rounds=2)[0]
+    _assert_same(got, want)
+    assert got["completion"][1]["content"] == "5"
+
+    # the stop string: a piece of the text this prompt's free greedy turn writes
+    prompt = _prompt(tokenizer, 9, 1)
+    free = _engine(model, tokenizer, {}, config, slots=1, budget=40, rounds=0).run([EpisodeSpec(prompt)])[0]
+    text = tokenizer.decode(free["completion_ids"])
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stopping = _greedy(tokenizer, stop_strings=[stop])
+    out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         generation_config=stopping, tokenizer=tokenizer)
+    got = RolloutEngine(model, stopping, num_slots=1, eos_token_ids=[tokenizer.eos_token_id], max_completion_length=40,
+                        tokenizer=tokenizer).run([EpisodeSpec(prompt)])[0]
+    assert got["ended"] == "stop_string"
+    assert got["completion_ids"] == out[0, len(prompt):].tolist()
+    assert len(got["completion_ids"]) < len(free["completion_ids"])
+    with pytest.raises(ValueError, match="stop_strings"):
+        RolloutEngine(model, stopping, num_slots=1, eos_token_ids=[2], max_completion_length=8)
+
+
 class PoisonedEngine(RolloutEngine):
     """Fills slot ``victim``'s KDA / conv states and its episode's MLA rows with NaN after every step."""
 
