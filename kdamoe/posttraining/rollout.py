@@ -31,7 +31,8 @@ mask (``off_policy_mask_threshold``) reads the sampling-time values instead of a
 
 Batching: rollouts run one at a time (batch 1 per trajectory): rows of a batch reach their turn boundaries at
 different lengths, and a batch-1 cache needs no padding in the KDA recurrence. TRL's loop batches the rows of a
-turn; the two agree on tokens (greedy) and log-probs to float32 rounding (``tests/test_rollout.py``).
+turn; the two agree on tokens (greedy) and log-probs to float32 rounding (``tests/test_rollout.py``). To decode many
+episodes together, use :func:`batched_rollout` (``grpo.rollout: batched``, :mod:`kdamoe.posttraining.engine`).
 
 Why a trainer subclass as well as ``rollout_func``: TRL 1.16's ``_generate`` calls ``rollout_func(prompts, trainer)``
 whether or not vLLM is used, but when the trainer has tools (``tools=`` or ``environment_factory=``) it then runs
