@@ -132,13 +132,14 @@ def _reference(model, tokenizer, plan, generation_config, specs, *, budget, roun
 
 
 def _engine(model, tokenizer, plan, generation_config, *, slots, budget, rounds, max_len=None, timeout=None,
-            cls=RolloutEngine):
+            cls=RolloutEngine, step_tokens=8192):
     return cls(model, generation_config, num_slots=slots, eos_token_ids=[tokenizer.eos_token_id],
                max_completion_length=budget, logprob_temperature=0.7, max_tool_calling_iterations=rounds,
                max_position_embeddings=max_len,
                parse_turn=lambda ids, prefix, schemas: parse_response(tokenizer, ids, prefix=prefix, tools=schemas),
                tool_suffix_ids=lambda messages: _tool_suffix_ids(tokenizer, messages), tool_timeout_s=timeout,
-               prefill_chunk_size=16, logits_processor=LogitsProcessorList([PlannedTurns(tokenizer, plan)]))
+               prefill_chunk_size=16, max_step_tokens=step_tokens,
+               logits_processor=LogitsProcessorList([PlannedTurns(tokenizer, plan)]))
 
 
 def _assert_same(got: dict, want: dict, check_logprobs: bool = True):
@@ -177,11 +178,12 @@ def test_engine_equals_cached_rollout_with_refills_forks_errors_and_budgets(poli
     plan = calls
     config = _greedy(tokenizer, max_new_tokens=45)  # a tool-call turn is 34-39 tokens; a free turn hits the cap
     want = _reference(model, tokenizer, plan, config, specs, budget=200, rounds=2)
-    engine = _engine(model, tokenizer, plan, config, slots=2, budget=200, rounds=2)
+    engine = _engine(model, tokenizer, plan, config, slots=2, budget=200, rounds=2, step_tokens=20)
     got = engine.run(specs)
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
     assert engine.stats["forks"] == 6  # 5 distinct prompts; the group of three splits into two and one
+    assert engine.stats["tokens"] <= 20 * engine.stats["steps"]  # max_step_tokens: 16-token chunks cut to fit 20
     assert len({len(s.prompt_ids) for s in specs}) == 5
     ended = [g["ended"] for g in got]
     assert ended[4] == "iterations" and got[4]["tool_calls"] == 2  # the third call is never run
@@ -274,7 +276,8 @@ def test_engine_tool_timeout_ends_only_its_episode(policy):
 
 def test_engine_awaits_async_tools_and_stops_at_stop_strings(policy):
     """An async tool is awaited on the worker (its result is the sync tool's, so the episode equals the cached
-    rollout's with the sync tool); a stop string ends a turn where ``generate`` with the same ``stop_strings`` ends it."""
+    rollout's with the sync tool); a stop string ends a turn where ``generate`` with the same ``stop_strings`` ends
+    it."""
     model, tokenizer = policy
 
     async def async_add(a: int, b: int) -> int:
@@ -383,6 +386,8 @@ def test_engine_refuses_bad_arguments(policy):
         RolloutEngine(model, GREEDY, num_slots=0, eos_token_ids=[2], max_completion_length=8)
     with pytest.raises(ValueError, match="tool_timeout_s"):
         RolloutEngine(model, GREEDY, num_slots=1, eos_token_ids=[2], max_completion_length=8, tool_timeout_s=0)
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        RolloutEngine(model, GREEDY, num_slots=1, eos_token_ids=[2], max_completion_length=8, max_step_tokens=0)
     with pytest.raises(ValueError, match="KDAMoE causal LM"):
         RolloutEngine(torch.nn.Linear(2, 2), GREEDY, num_slots=1, eos_token_ids=[2], max_completion_length=8)
     engine = RolloutEngine(model, GREEDY, num_slots=1, eos_token_ids=[2], max_completion_length=8)

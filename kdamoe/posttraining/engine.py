@@ -231,6 +231,8 @@ class RolloutEngine:
             ``_get_tool_suffix_ids``); needed for tools.
         tool_timeout_s: seconds one tool call may run (None: no limit).
         prefill_chunk_size: most tokens one slot feeds in one step (a longer prompt takes several steps).
+        max_step_tokens: most tokens of one step over all slots (bounds the step's activations); one-token decodes
+            go first, then prefill pieces in slot order until it is reached (the rest wait for the next step).
         tokenizer: needed only for ``stop_strings``.
         logits_processor: extra processors applied after the generation config's (as ``generate``'s argument).
     Raises:
@@ -242,10 +244,10 @@ class RolloutEngine:
                  max_completion_length: int, logprob_temperature: float = 1.0,
                  max_tool_calling_iterations: int | None = None, max_position_embeddings: int | None = None,
                  parse_turn: Callable | None = None, tool_suffix_ids: Callable | None = None,
-                 tool_timeout_s: float | None = None, prefill_chunk_size: int = 512, tokenizer=None,
-                 logits_processor: LogitsProcessorList | None = None):
+                 tool_timeout_s: float | None = None, prefill_chunk_size: int = 512, max_step_tokens: int = 8192,
+                 tokenizer=None, logits_processor: LogitsProcessorList | None = None):
         for name, value in (("num_slots", num_slots), ("max_completion_length", max_completion_length),
-                            ("prefill_chunk_size", prefill_chunk_size)):
+                            ("prefill_chunk_size", prefill_chunk_size), ("max_step_tokens", max_step_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not logprob_temperature > 0:
@@ -279,6 +281,7 @@ class RolloutEngine:
         self.parse_turn, self.tool_suffix_ids = parse_turn, tool_suffix_ids
         self.tool_timeout_s = tool_timeout_s
         self.chunk = prefill_chunk_size
+        self.step_tokens = max_step_tokens
         self.tokenizer = tokenizer
         self.extra_processors = logits_processor
         self.device = next(causal_lm.parameters()).device
@@ -401,11 +404,14 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------------------------------ one step
     def _step(self, runnable: list[_Episode]) -> None:
-        feeds = []
-        for episode in runnable:
-            n = min(len(episode.pending), self.chunk)
+        feeds, room = [], self.step_tokens
+        for episode in sorted(runnable, key=lambda e: len(e.pending) > 1):  # decodes first, then slot order (stable)
+            n = min(len(episode.pending), self.chunk, room)
+            if n == 0:
+                break
             feeds.append((episode, episode.pending[:n]))
             episode.pending = episode.pending[n:]
+            room -= n
         lengths = [len(tokens) for _, tokens in feeds]
         start = time.perf_counter()
         logits = self._forward(feeds)
