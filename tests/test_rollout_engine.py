@@ -380,6 +380,17 @@ def test_engine_decodes_through_a_peft_adapter(policy):
     assert max(abs(a - b) for a, b in zip(got["logprobs"], plain["logprobs"], strict=False)) > 1e-3
 
 
+def test_slot_bytes_is_the_documented_arithmetic(policy):
+    model, _ = policy
+    c = model.config
+    engine = RolloutEngine(model, GREEDY, num_slots=3, eos_token_ids=[2], max_completion_length=8)
+    n_kda, n_mla = c.layer_types.count("linear_attention"), c.layer_types.count("full_attention")
+    H, K, W = c.kda_num_heads, c.kda_head_dim, c.kda_short_conv_kernel_size
+    kda = n_kda * (H * K * K * 4 + 3 * H * K * W * 4)  # float32 recurrent state, float32 (model dtype) conv window
+    assert engine.slot_bytes() == kda
+    assert engine.slot_bytes(own_tokens=10) == kda + 10 * n_mla * c.kv_lora_rank * 4
+
+
 def test_engine_refuses_bad_arguments(policy):
     model, tokenizer = policy
     with pytest.raises(ValueError, match="num_slots"):
