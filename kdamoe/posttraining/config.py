@@ -39,7 +39,7 @@ from .recipes.common import lora_config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "posttrain"
 GRPO_MODES = ("single_turn", "tools", "environment")
-GRPO_ROLLOUTS = ("trl", "cached")
+GRPO_ROLLOUTS = ("trl", "cached", "batched")
 ROUTER_BIASES = ("update", "freeze")
 # Bounds of trainer values that TRL's config classes accept but torch's optimizer or data loader refuses only once
 # training starts (with a traceback from inside them).
@@ -79,7 +79,10 @@ class GRPOSection:
 
     ``rollout``: ``trl`` (TRL's own generation and tool loop, which re-prefills the whole conversation every turn)
     or ``cached`` (:mod:`kdamoe.posttraining.rollout`: each turn continues the rollout's cache and prefills only
-    its new tokens; the same tokens under greedy decoding).
+    its new tokens; the same tokens under greedy decoding) or ``batched`` (the same episodes played together on the
+    cache slots of :class:`kdamoe.posttraining.engine.RolloutEngine`: ``rollout_slots`` of them, 0 = one per
+    episode; a GRPO group prefills its prompt once; tool calls run on worker threads, each limited to
+    ``tool_timeout_s`` seconds, None = no limit).
 
     ``long_context``: the memory-bounded update for long trajectories (docs/post-training.md, "Long-horizon agentic
     RL"): activation checkpointing per decoder layer, checked against the model's chunked prefill
@@ -88,6 +91,8 @@ class GRPOSection:
     mode: str = "environment"
     rollout: str = "trl"
     long_context: bool = False
+    rollout_slots: int = 0
+    tool_timeout_s: float | None = None
 
 
 @dataclass
@@ -137,6 +142,15 @@ class PostTrainConfig:
         need(self.grpo.mode in GRPO_MODES, "grpo.mode", f"{self.grpo.mode!r} is not one of {GRPO_MODES}")
         need(self.grpo.rollout in GRPO_ROLLOUTS, "grpo.rollout",
              f"{self.grpo.rollout!r} is not one of {GRPO_ROLLOUTS}")
+        slots = self.grpo.rollout_slots
+        need(isinstance(slots, int) and not isinstance(slots, bool) and slots >= 0, "grpo.rollout_slots",
+             f"must be an integer >= 0 (0: one slot per episode), got {slots!r}")
+        need(self.grpo.rollout == "batched" or (slots == 0 and self.grpo.tool_timeout_s is None),
+             "grpo.rollout_slots / grpo.tool_timeout_s", f"set for grpo.rollout={self.grpo.rollout!r}; only "
+             "grpo.rollout: batched reads them")
+        timeout = self.grpo.tool_timeout_s
+        need(timeout is None or (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0),
+             "grpo.tool_timeout_s", f"must be null or a number of seconds > 0, got {timeout!r}")
         need(self.router_biases in ROUTER_BIASES, "router_biases",
              f"{self.router_biases!r} is not one of {ROUTER_BIASES}")
         need(bool(self.model), "model", "must name a base model folder or Hub id")
@@ -164,11 +178,11 @@ class PostTrainConfig:
         need(self.recipe == "grpo" or self.grpo == GRPOSection(), "grpo",
              f"set for recipe {self.recipe!r}, which does not read it (only the grpo recipe does): {self.grpo}")
         t = self.trainer
-        if self.recipe == "grpo" and self.grpo.rollout == "cached":
+        if self.recipe == "grpo" and self.grpo.rollout in ("cached", "batched"):
             for key in ("use_vllm", "use_transformers_continuous_batching"):
                 need(not t.get(key), f"trainer.{key}",
-                     "grpo.rollout: cached generates with the policy itself, one cache per rollout; it does not run "
-                     f"with {key}=true (use grpo.rollout: trl)")
+                     f"grpo.rollout: {self.grpo.rollout} generates with the policy itself on its own caches; it does "
+                     f"not run with {key}=true (use grpo.rollout: trl)")
         check_trainer_fsdp(t, self.peft, launched_processes())
         sharded_by = "trainer.fsdp" if t.get("fsdp") else "distributed_config" if self.distributed_config else None
         if sharded_by and self.recipe == "grpo":
@@ -182,6 +196,12 @@ class PostTrainConfig:
                  "different number of generate calls on each process, and every forward of a sharded model is a "
                  f"collective, so the processes fall out of step; train multi-turn GRPO under DDP (leave {sharded_by} "
                  "unset) or use grpo.mode: single_turn")
+            # The batched engine steps until this process's own episodes end, so even single-turn episodes of unequal
+            # lengths give each process a different number of (collective) forwards.
+            need(self.grpo.rollout != "batched", "grpo.rollout",
+                 f"batched with {sharded_by}: each process runs as many engine steps as its own episodes need, and "
+                 "every forward of a sharded model is a collective, so the processes would fall out of step; use "
+                 "grpo.rollout: cached or trl, or train under DDP")
         if self.distributed_config is not None:
             self._check_distributed()
         self._check_trainer()
@@ -218,8 +238,8 @@ class PostTrainConfig:
              "(grpo.mode: single_turn) run under transformers' engine here")
         if self.recipe == "grpo":  # grpo.mode is checked in validate, as for trainer.fsdp
             need(self.grpo.rollout == "trl", "grpo.rollout",
-                 "cached with distributed_config: each rank steps its own caches (a different number of sharded "
-                 "forwards per rank); use grpo.rollout: trl")
+                 f"{self.grpo.rollout} with distributed_config: each rank steps its own caches (a different number "
+                 "of sharded forwards per rank); use grpo.rollout: trl")
             need(not self.grpo.long_context, "grpo.long_context", "not tested with distributed_config")
         model_config = Path(self.model).expanduser() / "config.json"
         if model_config.is_file():  # a Hub id is checked when the base loads (run.load_base)

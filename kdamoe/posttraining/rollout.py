@@ -31,7 +31,8 @@ mask (``off_policy_mask_threshold``) reads the sampling-time values instead of a
 
 Batching: rollouts run one at a time (batch 1 per trajectory): rows of a batch reach their turn boundaries at
 different lengths, and a batch-1 cache needs no padding in the KDA recurrence. TRL's loop batches the rows of a
-turn; the two agree on tokens (greedy) and log-probs to float32 rounding (``tests/test_rollout.py``).
+turn; the two agree on tokens (greedy) and log-probs to float32 rounding (``tests/test_rollout.py``). To decode many
+episodes together, use :func:`batched_rollout` (``grpo.rollout: batched``, :mod:`kdamoe.posttraining.engine`).
 
 Why a trainer subclass as well as ``rollout_func``: TRL 1.16's ``_generate`` calls ``rollout_func(prompts, trainer)``
 whether or not vLLM is used, but when the trainer has tools (``tools=`` or ``environment_factory=``) it then runs
@@ -44,6 +45,11 @@ counts). Everything else — environments and their ``reset`` from the dataset r
 Cost per turn of ``t`` new tokens after ``L`` cached ones: the KDA layers do ``O(t)`` work (their state does not
 grow); the MLA layers do ``O(t)`` projections and read the ``L`` cached latents once per new token (``O(t·L)``
 attention reads, against ``O((L + t)²)`` for a re-prefill).
+
+Seeds: each episode samples from its own seed, :func:`rollout_seeds` (the run's ``args.seed``, the rollout call, the
+process, the episode's row), under ``torch.random.fork_rng`` — so an episode's tokens depend on nothing else that
+runs, and ``grpo.rollout: batched`` (:func:`batched_rollout`, :class:`BatchedRolloutGRPOTrainer`: the same episodes
+played together on :class:`~kdamoe.posttraining.engine.RolloutEngine` cache slots) reproduces them.
 """
 
 from __future__ import annotations
@@ -55,16 +61,34 @@ from trl import GRPOTrainer
 from trl.chat_template_utils import parse_response
 from trl.models import unwrap_model_for_generation
 
+from .engine import EpisodeSpec, RolloutEngine, episode_seed
 
-def _check_trainer(trainer) -> None:
-    """Refuse the TRL set-ups the cached path does not run (each with a ``ValueError`` naming it)."""
+
+def _check_trainer(trainer, rollout: str = "cached") -> None:
+    """Refuse the TRL set-ups the cached and batched paths do not run (each with a ``ValueError`` naming it)."""
     if trainer.use_vllm:
-        raise ValueError("grpo.rollout='cached' generates with the policy itself; use_vllm=True is not supported")
+        raise ValueError(f"grpo.rollout='{rollout}' generates with the policy itself; use_vllm=True is not supported")
     if trainer.use_transformers_continuous_batching:
-        raise ValueError("grpo.rollout='cached' keeps one cache per rollout; "
+        raise ValueError(f"grpo.rollout='{rollout}' keeps its own caches; "
                          "use_transformers_continuous_batching=True is not supported")
     if trainer._is_vlm:
-        raise ValueError("grpo.rollout='cached' supports text models only (the processing class is a processor)")
+        raise ValueError(f"grpo.rollout='{rollout}' supports text models only (the processing class is a processor)")
+
+
+def rollout_seeds(trainer, count: int) -> list[int]:
+    """One sampling seed per episode of this rollout call: :func:`~kdamoe.posttraining.engine.episode_seed` of the
+    run's ``args.seed``, the number of rollout calls so far on this trainer (counted here), the process index and
+    the episode's row — the same for ``grpo.rollout: cached`` and ``batched`` given the same run."""
+    trainer._rollout_calls = getattr(trainer, "_rollout_calls", 0) + 1
+    rank = trainer.accelerator.process_index
+    return [episode_seed(trainer.args.seed, trainer._rollout_calls, rank, i) for i in range(count)]
+
+
+def _turn_cap(trainer, left: int) -> int:
+    """Tokens of a turn: what is left of the completion budget, at most ``generation_config.max_new_tokens`` (TRL
+    generates every turn with that config; its default is the whole budget)."""
+    per_turn = trainer.generation_config.max_new_tokens
+    return min(left, per_turn) if per_turn else left
 
 
 def _generate_turn(model, trainer, ids: list[int], cache, max_new_tokens: int):
@@ -120,7 +144,7 @@ def _episode(model, trainer, prompt_ids: list[int], schemas, tools: dict | None)
     """One rollout: the first turn, then tool rounds while the last turn called a tool (module docstring)."""
     budget = trainer.max_completion_length
     max_model_len = trainer.model.config.max_position_embeddings
-    completion, logprobs, cache = _generate_turn(model, trainer, prompt_ids, None, budget)
+    completion, logprobs, cache = _generate_turn(model, trainer, prompt_ids, None, _turn_cap(trainer, budget))
     mask = [1] * len(completion)
     if tools is None:  # no tool loop: TRL parses the completion itself
         return dict(completion_ids=completion, logprobs=logprobs)
@@ -135,7 +159,8 @@ def _episode(model, trainer, prompt_ids: list[int], schemas, tools: dict | None)
             break  # TRL drops this tool result; the rollout ends with its completion as it is
         messages += tool_messages
         left = budget - len(completion) - len(suffix)
-        new, new_logprobs, cache = _generate_turn(model, trainer, before, cache, left) if left > 0 else ([], [], cache)
+        new, new_logprobs, cache = (_generate_turn(model, trainer, before, cache, _turn_cap(trainer, left)) if left > 0
+                                    else ([], [], cache))
         completion, mask = before[len(prompt_ids):] + new, mask + [0] * len(suffix) + [1] * len(new)
         logprobs = logprobs + [0.0] * len(suffix) + new_logprobs
         reply = parse_response(trainer._tokenizer, new, prefix=before, tools=schemas) if new else {}
@@ -146,6 +171,48 @@ def _episode(model, trainer, prompt_ids: list[int], schemas, tools: dict | None)
             break
     return dict(completion_ids=completion, logprobs=logprobs, tool_mask=mask, completion=messages,
                 tool_calls=calls, tool_failures=failures)
+
+
+def _episode_inputs(prompts: list, trainer, rollout: str, allow_async: bool):
+    """``(prompt ids, per-episode tool schemas, per-episode tool dicts)`` of TRL's batch (module docstring).
+
+    Raises:
+        ValueError: tools with a trainer that is not a :class:`CachedRolloutGRPOTrainer`, or async tools where
+            ``allow_async`` is false.
+    """
+    has_tools = bool(trainer.tools)
+    if has_tools and not isinstance(trainer, CachedRolloutGRPOTrainer):
+        raise ValueError(f"{rollout}_rollout with tools needs {'Cached' if rollout == 'cached' else 'Batched'}"
+                         "RolloutGRPOTrainer: GRPOTrainer would run its own tool loop on the finished rollouts")
+    prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
+    prompt_ids = [list(ids) for ids in prompt_ids]
+    schemas, tools = [None] * len(prompts), [None] * len(prompts)
+    if has_tools:  # what TRL's loop would use for rollout i: its schemas (parsing) and its tool dict (calls)
+        for i in range(len(prompts)):
+            if trainer._async_tool_dicts[i] and not allow_async:
+                raise ValueError(f"grpo.rollout='{rollout}' runs sync tools only; async: "
+                                 f"{sorted(trainer._async_tool_dicts[i])}")
+            envs = trainer.environment_factories is not None
+            schemas[i] = trainer._env_tools[trainer._batch_environments[i]] if envs else trainer.tools
+            tools[i] = {**trainer._sync_tool_dicts[i], **trainer._async_tool_dicts[i]}
+    return prompt_ids, schemas, tools
+
+
+def _generation_context(trainer):
+    """TRL's context for generating with the policy: unwrapped (DeepSpeed / DDP), FSDP's parameters gathered."""
+    args = trainer.args
+    return (unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
+                                        gather_deepspeed3_params=args.ds3_gather_for_generation,
+                                        generation_kwargs=trainer.generation_kwargs,
+                                        gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs),
+            trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False))
+
+
+def _rollout_output(trainer, prompt_ids, episodes, has_tools) -> dict:
+    if has_tools:
+        trainer._cached_turns = episodes
+    return dict(prompt_ids=prompt_ids, completion_ids=[e["completion_ids"] for e in episodes],
+                logprobs=[e["logprobs"] for e in episodes])
 
 
 def cached_rollout(prompts: list, trainer) -> dict:
@@ -164,32 +231,72 @@ def cached_rollout(prompts: list, trainer) -> dict:
             a :class:`CachedRolloutGRPOTrainer` while it has tools.
     """
     _check_trainer(trainer)
+    prompt_ids, schemas, tools = _episode_inputs(prompts, trainer, "cached", allow_async=False)
+    seeds = rollout_seeds(trainer, len(prompt_ids))
+    unwrap, gathered = _generation_context(trainer)
+    with unwrap as model, torch.no_grad(), gathered:
+        devices = [next(model.parameters()).device] if next(model.parameters()).is_cuda else []
+        episodes = []
+        for i, ids in enumerate(prompt_ids):
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seeds[i])
+                episodes.append(_episode(model, trainer, ids, schemas[i], tools[i]))
+    return _rollout_output(trainer, prompt_ids, episodes, bool(trainer.tools))
+
+
+def batched_rollout(prompts: list, trainer) -> dict:
+    """TRL ``rollout_func`` of ``grpo.rollout: batched``: the episodes of :func:`cached_rollout`, played together on
+    a :class:`~kdamoe.posttraining.engine.RolloutEngine` of ``trainer.rollout_slots`` cache slots (0: one per
+    episode), GRPO groups prefilling their prompt once, tools on worker threads with ``trainer.tool_timeout_s``.
+
+    Same arguments and return as :func:`cached_rollout`; async tools are awaited. A tool call that times out ends
+    its episode and takes its environment out of TRL's pool (a fresh instance replaces it in the next batch). The
+    engine's counters (``RolloutEngine.stats``: steps, sequences, prefill / decode tokens, forks, tool rounds,
+    seconds idle on tools, seconds in forwards) go to ``trainer.rollout_engine_stats`` and TRL's logged metrics
+    as ``rollout/<name>``.
+
+    Raises:
+        ValueError: vLLM, continuous batching, a vision-language processor, or a trainer that is not a
+            :class:`BatchedRolloutGRPOTrainer` while it has tools.
+    """
+    _check_trainer(trainer, "batched")
+    prompt_ids, schemas, tools = _episode_inputs(prompts, trainer, "batched", allow_async=True)
+    seeds = rollout_seeds(trainer, len(prompt_ids))
+    specs = [EpisodeSpec(ids, tools=tools[i], schemas=schemas[i], seed=seeds[i], on_timeout=_retire(trainer, i))
+             for i, ids in enumerate(prompt_ids)]
     has_tools = bool(trainer.tools)
-    if has_tools and not isinstance(trainer, CachedRolloutGRPOTrainer):
-        raise ValueError("cached_rollout with tools needs CachedRolloutGRPOTrainer: GRPOTrainer would run its own "
-                         "tool loop on the finished rollouts")
-    prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
-    prompt_ids = [list(ids) for ids in prompt_ids]
-    schemas, tools = [None] * len(prompts), [None] * len(prompts)
-    if has_tools:  # what TRL's loop would use for rollout i: its schemas (parsing) and its tool dict (calls)
-        for i in range(len(prompts)):
-            if trainer._async_tool_dicts[i]:
-                raise ValueError("grpo.rollout='cached' runs sync tools only; async: "
-                                 f"{sorted(trainer._async_tool_dicts[i])}")
-            envs = trainer.environment_factories is not None
-            schemas[i] = trainer._env_tools[trainer._batch_environments[i]] if envs else trainer.tools
-            tools[i] = trainer._sync_tool_dicts[i]
-    args = trainer.args
-    with (unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
-                                      gather_deepspeed3_params=args.ds3_gather_for_generation,
-                                      generation_kwargs=trainer.generation_kwargs,
-                                      gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs) as model,
-          torch.no_grad(), trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False)):
-        episodes = [_episode(model, trainer, ids, schemas[i], tools[i]) for i, ids in enumerate(prompt_ids)]
-    if has_tools:
-        trainer._cached_turns = episodes
-    return dict(prompt_ids=prompt_ids, completion_ids=[e["completion_ids"] for e in episodes],
-                logprobs=[e["logprobs"] for e in episodes])
+    unwrap, gathered = _generation_context(trainer)
+    with unwrap as model, torch.no_grad(), gathered:
+        engine = RolloutEngine(
+            model, trainer.generation_config, num_slots=getattr(trainer, "rollout_slots", 0) or len(specs),
+            eos_token_ids=trainer.eos_token_ids, max_completion_length=trainer.max_completion_length,
+            logprob_temperature=trainer.temperature,
+            max_tool_calling_iterations=trainer.max_tool_calling_iterations if has_tools else None,
+            max_position_embeddings=trainer.model.config.max_position_embeddings,
+            parse_turn=lambda ids, prefix, schemas: parse_response(trainer._tokenizer, ids, prefix=prefix,
+                                                                   tools=schemas),
+            tool_suffix_ids=trainer._get_tool_suffix_ids, tool_timeout_s=getattr(trainer, "tool_timeout_s", None),
+            tokenizer=trainer._tokenizer)
+        episodes = engine.run(specs)
+    trainer.rollout_engine_stats = dict(engine.stats)
+    metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+    for key, value in engine.stats.items():  # logged with TRL's metrics (averaged over the logging interval)
+        metrics[f"rollout/{key}"].append(float(value))
+    return _rollout_output(trainer, prompt_ids, episodes, has_tools)
+
+
+def _retire(trainer, i: int):
+    """The ``on_timeout`` of rollout ``i``: take its environment out of TRL's pool (its abandoned tool call may still
+    be running on it), so the next batch draws a fresh ``environment_factory`` instance instead."""
+    def retire():
+        environments = getattr(trainer, "environments", None)
+        if not environments:
+            return
+        env = environments[i]
+        for pool in getattr(trainer, "_environment_pool", {}).values():
+            pool[:] = [e for e in pool if e is not env]
+
+    return retire
 
 
 class CachedRolloutGRPOTrainer(GRPOTrainer):
@@ -201,11 +308,13 @@ class CachedRolloutGRPOTrainer(GRPOTrainer):
         ValueError: a ``rollout_func`` is passed.
     """
 
+    rollout_function = staticmethod(cached_rollout)
+
     def __init__(self, *args, **kwargs):
         if kwargs.get("rollout_func") is not None:
-            raise ValueError("CachedRolloutGRPOTrainer plays its own rollouts; got "
+            raise ValueError(f"{type(self).__name__} plays its own rollouts; got "
                              f"rollout_func={kwargs['rollout_func']!r}")
-        kwargs["rollout_func"] = cached_rollout
+        kwargs["rollout_func"] = self.rollout_function
         super().__init__(*args, **kwargs)
         self._cached_turns = None
 
@@ -224,3 +333,27 @@ class CachedRolloutGRPOTrainer(GRPOTrainer):
                 [e["logprobs"] for e in episodes], sum(e["tool_calls"] for e in episodes),
                 sum(e["tool_failures"] for e in episodes), [[] for _ in episodes])
 
+
+
+class BatchedRolloutGRPOTrainer(CachedRolloutGRPOTrainer):
+    """``GRPOTrainer`` with :func:`batched_rollout` as its ``rollout_func`` (``grpo.rollout: batched``): the hook,
+    the ``_tool_call_loop`` and the returned fields of :class:`CachedRolloutGRPOTrainer`.
+
+    Args:
+        rollout_slots: cache slots of the engine (episodes decoded together); 0 = one per episode of the batch.
+        tool_timeout_s: seconds one tool call may run before its episode ends (None: no limit).
+        Every other ``GRPOTrainer`` argument except ``rollout_func``.
+    Raises:
+        ValueError: a ``rollout_func`` is passed, ``rollout_slots`` < 0 or ``tool_timeout_s`` <= 0.
+    """
+
+    rollout_function = staticmethod(batched_rollout)
+
+    def __init__(self, *args, rollout_slots: int = 0, tool_timeout_s: float | None = None, **kwargs):
+        if isinstance(rollout_slots, bool) or not isinstance(rollout_slots, int) or rollout_slots < 0:
+            raise ValueError(f"rollout_slots must be an integer >= 0 (0: one per episode), got {rollout_slots!r}")
+        if tool_timeout_s is not None and not tool_timeout_s > 0:
+            raise ValueError(f"tool_timeout_s must be None or > 0 seconds, got {tool_timeout_s!r}")
+        self.rollout_slots, self.tool_timeout_s = rollout_slots, tool_timeout_s
+        self.rollout_engine_stats = None
+        super().__init__(*args, **kwargs)

@@ -197,6 +197,9 @@ def card_values(cfg, history: list[dict]) -> dict:
         mode = f" ({cfg.grpo.mode}"
         if cfg.grpo.rollout == "cached":
             mode += ", cached rollouts: each turn continues the rollout's cache and prefills only its new tokens"
+        elif cfg.grpo.rollout == "batched":
+            mode += (", batched rollouts: the episodes decoded together on per-episode cache slots, each turn "
+                     "prefilling only its new tokens")
         if cfg.grpo.long_context:
             mode += ", memory-bounded update: activation checkpointing per layer, chunked LM head"
         mode += ")"

@@ -13,7 +13,10 @@
 
 Rollouts (``grpo.rollout``): ``trl`` builds TRL's ``GRPOTrainer`` (its own tool loop); ``cached`` builds
 :class:`~kdamoe.posttraining.rollout.CachedRolloutGRPOTrainer`, whose rollouts continue each conversation's cache
-turn by turn (the same tokens as TRL's loop under greedy decoding; :mod:`kdamoe.posttraining.rollout`).
+turn by turn (the same tokens as TRL's loop under greedy decoding; :mod:`kdamoe.posttraining.rollout`); ``batched``
+builds :class:`~kdamoe.posttraining.rollout.BatchedRolloutGRPOTrainer`, which plays the same episodes together on
+the cache slots of :class:`~kdamoe.posttraining.engine.RolloutEngine` (``grpo.rollout_slots``,
+``grpo.tool_timeout_s``).
 
 Budget: TRL counts the whole multi-turn completion (tool results included) in ``max_completion_length`` and
 stops a rollout at ``model.config.max_position_embeddings``; the default budget and its check are
@@ -35,7 +38,7 @@ from ..data import prompt_dataset
 from ..environments import ENVIRONMENTS
 from ..environments.arithmetic import _as_int
 from ..long_update import LongContextGRPOTrainer
-from ..rollout import CachedRolloutGRPOTrainer
+from ..rollout import BatchedRolloutGRPOTrainer, CachedRolloutGRPOTrainer
 from .common import completion_budget, peft_config, trainer_args, training_tasks
 
 CONFIG_CLASS = GRPOConfig
@@ -223,6 +226,8 @@ def build_trainer(cfg, model, tokenizer) -> GRPOTrainer:
         kwargs.update(tools=TOOLS, reward_funcs=[submitted_answer_reward])
     else:
         kwargs["reward_funcs"] = [stated_answer_reward]
+    if cfg.grpo.rollout == "batched":
+        kwargs.update(rollout_slots=cfg.grpo.rollout_slots, tool_timeout_s=cfg.grpo.tool_timeout_s)
     return trainer_class(cfg.grpo)(**kwargs)
 
 
@@ -231,10 +236,16 @@ class CachedRolloutLongContextGRPOTrainer(CachedRolloutGRPOTrainer, LongContextG
     memory-bounded update's ``_get_per_token_logps_and_entropies`` (they override different methods)."""
 
 
+class BatchedRolloutLongContextGRPOTrainer(BatchedRolloutGRPOTrainer, LongContextGRPOTrainer):
+    """``grpo.rollout: batched`` with ``grpo.long_context: true`` (as :class:`CachedRolloutLongContextGRPOTrainer`)."""
+
+
 def trainer_class(section) -> type:
     """The TRL trainer class for a :class:`~kdamoe.posttraining.config.GRPOSection`: ``GRPOTrainer``, or the
-    subclass that adds the cached rollout (``rollout: cached``), the memory-bounded update (``long_context: true``)
-    or both."""
-    classes = {(False, False): GRPOTrainer, (True, False): CachedRolloutGRPOTrainer,
-               (False, True): LongContextGRPOTrainer, (True, True): CachedRolloutLongContextGRPOTrainer}
-    return classes[(section.rollout == "cached", bool(section.long_context))]
+    subclass that adds the cached or batched rollout (``rollout: cached`` / ``batched``), the memory-bounded update
+    (``long_context: true``) or both."""
+    classes = {("trl", False): GRPOTrainer, ("cached", False): CachedRolloutGRPOTrainer,
+               ("batched", False): BatchedRolloutGRPOTrainer, ("trl", True): LongContextGRPOTrainer,
+               ("cached", True): CachedRolloutLongContextGRPOTrainer,
+               ("batched", True): BatchedRolloutLongContextGRPOTrainer}
+    return classes[(section.rollout, bool(section.long_context))]

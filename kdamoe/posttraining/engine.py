@@ -1,0 +1,689 @@
+"""A rollout engine that plays many multi-turn episodes together on a fixed pool of per-episode cache slots.
+
+Why (docs/post-training.md, "The batched rollout engine"): the cached rollout (:mod:`.rollout`, ``grpo.rollout:
+cached``) plays GRPO's episodes one at a time at batch 1, and TRL's own loop batches the rows of a turn but
+re-prefills every conversation from scratch each turn. This engine keeps one cache *slot* per running episode and,
+at every step, runs **one** forward over what every runnable slot has not seen yet — a chunk of its prompt, the
+tool-result turn, or its one sampled token — so the prefills of some slots and the decodes of others share a step.
+A finished episode frees its slot and the next queued one takes it; a slot waiting on a tool call sits out the
+steps until its worker returns.
+
+State of a slot (the layout agreed with the Kimi Linear work, issue #36):
+
+* per KDA layer the recurrent state ``[H, K, V]`` (float32) and the short-conv window ``[3·H·K, W]`` (the model's
+  dtype), in two pool tensors ``[num_slots, …]`` allocated once (fixed addresses);
+* per MLA layer the cached rows ``[L, kv_lora_rank + qk_rope_head_dim]`` — the normed latent then the key part
+  shared by every head (width 0 on models without it) — kept **ragged**: each episode owns a buffer of its own rows
+  (grown by doubling), and the rows of a prompt prefilled once for a GRPO group live in one **prefix** buffer that
+  the group's episodes reference, never copy.
+
+GRPO groups share their prompt: episodes whose ``prompt_ids`` are equal (up to ``num_slots`` of them) are admitted
+together; the first prefills the prompt, then the group *forks*: the KDA and conv states are copied to the other
+slots, the MLA rows become the group's prefix, and every episode samples its first token from the one set of
+prompt logits with its own generator. At each later step the MLA layers read a group's prefix once for all its
+episodes' queries (one product for the scores, one for the values) and each episode's own rows separately.
+
+The step forward composes the model: :meth:`KDAMoEModel.forward` runs over the step's tokens flattened into one
+row (embeddings, every decoder layer's norms, residuals / Block AttnRes and MLP, the final norm — the model's own
+code), while each decoder layer's token mixer is replaced for that call by the engine's ragged one
+(:meth:`RolloutEngine._kda_mix`, :meth:`RolloutEngine._mla_mix`), which reads and writes the slots' states. The
+mixers call the model's own projections and the ops of ``kernel_dispatch`` (``causal_conv1d_parts``, ``chunk_kda``
+over ``cu_seqlens`` with one initial state per sequence, ``fused_recurrent_kda`` for one-token sequences — the ops
+``generate`` runs for a prefill and a decode step). The MLA layers attend in the latent space ("absorbed"
+projections, DeepSeek-V2 §2.1.2: ``q·k = (W_ukᵀ q_nope)·c + q_shared·k_shared``, ``Σ p v = W_uv Σ p c``), as the
+model's decode path does. Weights are read from the modules at every step, so the engine always decodes with the
+current weights (after an optimizer step, with PEFT adapters). It runs only as many forwards as this
+process's episodes need, so a model whose forwards are collectives (FSDP2, expert parallelism) cannot use it across
+processes; the GRPO recipe refuses that set-up.
+
+What an episode is (the rules of :mod:`.rollout`, which follow TRL 1.16's ``_tool_call_loop``): a first turn of at
+most ``min(max_completion_length, generation_config.max_new_tokens)`` tokens; while the last turn called a tool and
+fewer than ``max_tool_calling_iterations`` rounds ran: run the calls (a raised error becomes ``{"error": str(err)}``,
+an unknown name ``"Tool <name> not found."``, async tools are awaited after the sync ones, as in TRL), append the
+tool-turn ids (``tool_suffix_ids``) unless that would pass ``max_completion_length`` or reach
+``max_position_embeddings`` (then the episode ends there), and generate the next turn within what is left of the
+budget. A turn ends at an eos id, its token cap or a stop string. A tool call that runs past ``tool_timeout_s`` ends
+its episode at once (``ended = "tool_timeout"``; ``EpisodeSpec.on_timeout`` is called, e.g. to retire the
+environment): Python cannot stop a thread, so the call keeps running on its abandoned worker, but no slot waits
+for it.
+
+Sampling per episode, as ``generate`` does it: the logits processors ``generate`` builds from the generation config
+(repetition penalty, temperature, top-k, top-p, min-p, …; plus any ``logits_processor`` passed) on the episode's
+whole sequence so far, then ``argmax`` or ``torch.multinomial`` with the episode's own ``torch.Generator`` seeded
+from ``EpisodeSpec.seed`` — the same draws a one-at-a-time ``generate`` makes after ``torch.manual_seed(seed)``, so
+an episode's tokens do not depend on which other episodes shared its steps. Log-probabilities:
+``log_softmax(raw logits / logprob_temperature)`` at the sampled token, float32, 0.0 on tool-turn tokens.
+
+This module imports no TRL: :mod:`.rollout` plugs it into ``GRPOTrainer`` (``grpo.rollout: batched``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import inspect
+import threading
+import time
+import types
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import GenerationConfig, LogitsProcessorList
+from transformers.generation.stopping_criteria import StopStringCriteria
+
+from ..model.kernel_dispatch import causal_conv1d_parts, chunk_kda, fused_recurrent_kda
+from ..model.modeling_kdamoe import fused_linear
+
+
+def episode_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (e.g. the run's seed, the rollout call, the process, the episode), the same on
+    every machine and Python process (SHA-256 of their decimal text; Python's ``hash`` is salted per process)."""
+    digest = hashlib.sha256(",".join(str(int(p)) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@dataclass
+class EpisodeSpec:
+    """One episode to play.
+
+    Attributes:
+        prompt_ids: the prompt's token ids (non-empty).
+        tools: ``{name: callable}`` the episode's tool calls run on (sync functions, or ``async`` ones, which are
+            awaited); ``None`` plays a single turn with no tool loop.
+        schemas: what ``parse_turn`` receives for this episode (TRL: the tool schemas the prompt was rendered with).
+        seed: the episode's sampling seed (needed when the generation config samples).
+        on_timeout: called (no arguments) when one of the episode's tool calls passes the time limit.
+    """
+
+    prompt_ids: list[int]
+    tools: dict[str, Callable] | None = None
+    schemas: Any = None
+    seed: int | None = None
+    on_timeout: Callable[[], None] | None = None
+
+
+class _ToolJob:
+    """One tool round of one episode, run on its own daemon thread (module docstring: why a thread per round)."""
+
+    def __init__(self, calls: list[dict], tools: dict, wake: threading.Event):
+        self.calls, self.tools, self.wake = calls, tools, wake
+        self.messages: list[dict] = []
+        self.failures = 0
+        self.started = time.monotonic()  # start of the call (or the async gather) now running
+        self.done = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            self.messages, self.failures = self._play()
+        finally:
+            self.done = True
+            self.wake.set()
+
+    def _play(self) -> tuple[list[dict], int]:
+        # TRL's order: the sync calls' results in call order, then the async calls' (gathered), each as a message
+        results, coroutines, failures = [], [], 0
+        for call in self.calls:
+            if call.get("type") != "function":
+                failures += 1
+                error = {"error": f"Unsupported tool call type: {call.get('type')}"}
+                results.append((call.get("name", "unknown"), error))
+                continue
+            name, arguments = call["function"]["name"], call["function"]["arguments"]
+            self.started = time.monotonic()
+            try:
+                if name not in self.tools:
+                    raise ValueError(f"Tool {name} not found.")
+                if inspect.iscoroutinefunction(self.tools[name]):
+                    coroutines.append((name, self.tools[name](**arguments)))
+                else:
+                    results.append((name, self.tools[name](**arguments)))
+            except Exception as err:  # the model reads the error as the tool's result, as in TRL's loop
+                failures += 1
+                results.append((name, {"error": str(err)}))
+        if coroutines:
+            self.started = time.monotonic()
+
+            async def gather():
+                return await asyncio.gather(*(c for _, c in coroutines), return_exceptions=True)
+
+            for (name, _), result in zip(coroutines, asyncio.run(gather()), strict=True):
+                if isinstance(result, Exception):
+                    failures += 1
+                    result = {"error": str(result)}
+                results.append((name, result))
+        return [{"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
+                for name, result in results], failures
+
+
+class _Rows:
+    """A growing ``[capacity, width]`` buffer of MLA rows with ``length`` valid (doubling: amortised O(1) append)."""
+
+    def __init__(self, width: int, like: torch.Tensor):
+        self.data = like.new_empty(16, width)
+        self.length = 0
+
+    def append(self, rows: torch.Tensor) -> torch.Tensor:
+        """Write ``rows [t, width]`` after the valid ones; returns the valid rows (a view)."""
+        need = self.length + rows.shape[0]
+        if need > self.data.shape[0]:
+            grown = self.data.new_empty(max(need, 2 * self.data.shape[0]), self.data.shape[1])
+            grown[: self.length] = self.data[: self.length]
+            self.data = grown
+        self.data[self.length : need] = rows
+        self.length = need
+        return self.data[:need]
+
+    def valid(self) -> torch.Tensor:
+        return self.data[: self.length]
+
+
+class _Episode:
+    """The engine's record of one episode (its spec, sequence, sampling state, cache rows and outcome)."""
+
+    def __init__(self, index: int, spec: EpisodeSpec):
+        self.index, self.spec = index, spec
+        self.ids = list(spec.prompt_ids)  # prompt + completion so far
+        self.prompt_len = len(spec.prompt_ids)
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.messages: list[dict] = []
+        self.calls = self.failures = self.rounds = 0
+        self.turn: list[int] = []  # this turn's sampled tokens
+        self.turn_start = self.prompt_len  # len(ids) when the turn began
+        self.turn_cap = 0
+        self.turn_index = 0
+        self.pending: list[int] = []  # tokens the slot's cache has not seen yet
+        self.slot: int | None = None
+        self.prefix: dict | None = None  # the group's shared MLA rows per layer, after the fork
+        self.own: dict[int, _Rows] = {}
+        self.followers: list[_Episode] = []  # set on a group's leader until the fork
+        self.waiting_fork = False
+        self.job: _ToolJob | None = None
+        self.ended: str | None = None
+        self.generator: torch.Generator | None = None
+        self.processors: LogitsProcessorList | None = None
+        self.stop: StopStringCriteria | None = None
+
+
+class RolloutEngine:
+    """Plays :class:`EpisodeSpec` episodes on ``num_slots`` cache slots (module docstring).
+
+    Args:
+        model: a ``KDAMoEForCausalLM`` (the package's or the remote-code class), or a PEFT model wrapping one.
+        generation_config: how to pick tokens (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
+            ``repetition_penalty``, ``max_new_tokens`` = tokens per turn, ``stop_strings``; the rest as ``generate``
+            reads it). Not modified.
+        num_slots: cache slots (episodes decoded together), ≥ 1.
+        eos_token_ids: ids that end a turn (TRL's ``trainer.eos_token_ids``).
+        max_completion_length: tokens per episode after the prompt (tool turns included), ≥ 1.
+        logprob_temperature: the temperature of the returned log-probs (TRL: ``args.temperature``), > 0.
+        max_tool_calling_iterations: tool rounds per episode (None: no limit).
+        max_position_embeddings: a tool turn that would bring the sequence to this length ends the episode
+            (default ``model.config.max_position_embeddings``).
+        parse_turn: ``(turn ids, prefix ids, schemas) -> message dict`` (TRL's ``parse_response``); needed for tools.
+        tool_suffix_ids: ``(tool messages) -> ids`` of the tool turn plus the next assistant header (TRL's
+            ``_get_tool_suffix_ids``); needed for tools.
+        tool_timeout_s: seconds one tool call may run (None: no limit).
+        prefill_chunk_size: most tokens one slot feeds in one step (a longer prompt takes several steps).
+        max_step_tokens: most tokens of one step over all slots (bounds the step's activations); one-token decodes
+            go first, then prefill pieces in slot order until it is reached (the rest wait for the next step).
+        tokenizer: needed only for ``stop_strings``.
+        logits_processor: extra processors applied after the generation config's (as ``generate``'s argument).
+    Raises:
+        ValueError: a bad argument (named), a model without KDAMoE decoder layers, or beam search / assisted
+            generation in the config.
+    """
+
+    def __init__(self, model, generation_config: GenerationConfig, *, num_slots: int, eos_token_ids,
+                 max_completion_length: int, logprob_temperature: float = 1.0,
+                 max_tool_calling_iterations: int | None = None, max_position_embeddings: int | None = None,
+                 parse_turn: Callable | None = None, tool_suffix_ids: Callable | None = None,
+                 tool_timeout_s: float | None = None, prefill_chunk_size: int = 512, max_step_tokens: int = 8192,
+                 tokenizer=None, logits_processor: LogitsProcessorList | None = None):
+        for name, value in (("num_slots", num_slots), ("max_completion_length", max_completion_length),
+                            ("prefill_chunk_size", prefill_chunk_size), ("max_step_tokens", max_step_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not logprob_temperature > 0:
+            raise ValueError(f"logprob_temperature must be > 0, got {logprob_temperature!r}")
+        if tool_timeout_s is not None and not tool_timeout_s > 0:
+            raise ValueError(f"tool_timeout_s must be None or > 0 seconds, got {tool_timeout_s!r}")
+        if max_tool_calling_iterations is not None and max_tool_calling_iterations < 0:
+            raise ValueError(f"max_tool_calling_iterations must be >= 0, got {max_tool_calling_iterations!r}")
+        causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        backbone = getattr(causal_lm, "model", None)
+        layers = getattr(backbone, "layers", None)
+        if layers is None or not hasattr(causal_lm, "lm_head") or not all(
+                getattr(layer, "layer_type", None) in ("linear_attention", "full_attention") for layer in layers):
+            raise ValueError(f"RolloutEngine needs a KDAMoE causal LM (decoder layers with a layer_type), got "
+                             f"{type(model).__name__}")
+        config = copy.deepcopy(generation_config)
+        if (config.num_beams or 1) > 1 or getattr(config, "assistant_model", None) is not None:
+            raise ValueError(f"RolloutEngine samples one sequence per episode; num_beams={config.num_beams} and "
+                             "assisted generation are not supported")
+        if config.stop_strings and tokenizer is None:
+            raise ValueError(f"stop_strings={config.stop_strings!r} needs the tokenizer (tokenizer=...)")
+        self.causal_lm, self.backbone, self.config = causal_lm, backbone, causal_lm.config
+        self.num_slots = num_slots
+        self.eos = {int(t) for t in eos_token_ids}
+        if not self.eos:
+            raise ValueError("eos_token_ids is empty: a turn would only end at its token cap")
+        self.budget = max_completion_length
+        self.logprob_temperature = float(logprob_temperature)
+        self.max_rounds = max_tool_calling_iterations
+        self.max_model_len = max_position_embeddings or self.config.max_position_embeddings
+        self.parse_turn, self.tool_suffix_ids = parse_turn, tool_suffix_ids
+        self.tool_timeout_s = tool_timeout_s
+        self.chunk = prefill_chunk_size
+        self.step_tokens = max_step_tokens
+        self.tokenizer = tokenizer
+        self.extra_processors = logits_processor
+        self.device = next(causal_lm.parameters()).device
+        self.generation_config, _ = causal_lm._prepare_generation_config(config)
+        causal_lm._prepare_special_tokens(self.generation_config, True, device=self.device)
+        self.per_turn = self.generation_config.max_new_tokens or max_completion_length
+        self.do_sample = bool(self.generation_config.do_sample)
+        # counters of the cost model (docs/post-training.md): forwards, the sequences and tokens they carried,
+        # group forks, tool rounds, seconds idle on tools (nothing else could run) and seconds in forwards
+        self.stats = dict(steps=0, sequences=0, tokens=0, prefill_tokens=0, decode_tokens=0, forks=0, tool_rounds=0,
+                          tool_wait_s=0.0, forward_s=0.0)
+        self._wake = threading.Event()
+        self._allocate()
+
+    # ------------------------------------------------------------------------------------------ slot pool
+    def _allocate(self) -> None:
+        """The KDA pools (recurrent ``[S, H, K, V]`` float32, conv ``[S, 3·H·K, W]`` model dtype) per KDA layer."""
+        dtype = next(self.causal_lm.parameters()).dtype
+        self.recurrent, self.conv = {}, {}
+        for layer in self.backbone.layers:
+            if layer.layer_type != "linear_attention":
+                continue
+            attn = layer.self_attn
+            H, K = attn.num_heads, attn.head_dim
+            self.recurrent[attn.layer_idx] = torch.zeros(self.num_slots, H, K, K, dtype=torch.float32,
+                                                         device=self.device)
+            self.conv[attn.layer_idx] = torch.zeros(self.num_slots, attn.conv1d.weight.shape[0],
+                                                    attn.conv1d.weight.shape[-1], dtype=dtype, device=self.device)
+
+    def slot_bytes(self, own_tokens: int = 0) -> int:
+        """Bytes of one slot: its KDA and conv states plus ``own_tokens`` MLA rows per MLA layer (its group's
+        prompt rows are counted once per group, not here)."""
+        kda = sum(t[0].numel() * t.element_size() for t in (*self.recurrent.values(), *self.conv.values()))
+        return kda + own_tokens * self._row_width() * self._mla_layers() * self._row_bytes()
+
+    def _row_width(self) -> int:
+        return self.config.kv_lora_rank + (getattr(self.config, "qk_rope_head_dim", 0) or 0)
+
+    def _mla_layers(self) -> int:
+        return sum(layer.layer_type == "full_attention" for layer in self.backbone.layers)
+
+    def _row_bytes(self) -> int:
+        return next(self.causal_lm.parameters()).element_size()
+
+    # ------------------------------------------------------------------------------------------ public entry
+    @torch.no_grad()
+    def run(self, specs: list[EpisodeSpec]) -> list[dict]:
+        """Play ``specs``; returns one dict per spec, in order: ``completion_ids``, ``logprobs`` (floats, 0.0 on
+        tool-turn tokens), ``tool_mask`` (1 on sampled tokens, 0 on tool-turn tokens), ``completion`` (the parsed
+        messages; ``[]`` without tools), ``tool_calls``, ``tool_failures``, ``ended`` (``"eos"`` / ``"turn_cap"`` /
+        ``"stop_string"`` (the last turn's end, no tool call after it), ``"budget"`` (a tool turn would pass the
+        completion budget or the context), ``"iterations"``, ``"no_reply"`` (no tokens left for a turn after a
+        tool turn) or ``"tool_timeout"``).
+
+        Raises:
+            ValueError: an empty prompt; a sampling config without an episode seed; tools without
+                ``parse_turn`` / ``tool_suffix_ids``.
+        """
+        episodes = []
+        for i, spec in enumerate(specs):
+            if not spec.prompt_ids:
+                raise ValueError(f"episode {i}: empty prompt_ids")
+            if self.do_sample and spec.seed is None:
+                raise ValueError(f"episode {i}: the generation config samples (do_sample=True) but the episode has "
+                                 "no seed")
+            if spec.tools is not None and (self.parse_turn is None or self.tool_suffix_ids is None):
+                raise ValueError(f"episode {i} has tools but the engine has no parse_turn / tool_suffix_ids")
+            episodes.append(_Episode(i, spec))
+        queue = deque(self._groups(episodes))
+        free = list(range(self.num_slots))
+        running: list[_Episode] = []
+        while queue or running:
+            while queue and len(queue[0]) <= len(free):  # FIFO: a group waits for all its slots
+                group = queue.popleft()
+                for episode in group:
+                    episode.slot = free.pop(0)
+                    running.append(episode)
+                self._admit(group)
+            self._poll_tools(running)
+            runnable = [e for e in running if e.pending and e.ended is None]
+            if runnable:
+                self._step(runnable)
+            elif any(e.job is not None for e in running):
+                self._wait_for_tools(running)
+            for episode in [e for e in running if e.ended is not None]:
+                running.remove(episode)
+                free.append(episode.slot)
+                free.sort()
+                episode.own, episode.prefix = {}, None  # the rows go; a shared prefix goes with its last episode
+            if not runnable and not any(e.job is not None for e in running) and running:
+                raise RuntimeError("RolloutEngine: episodes are running but none can step")  # a bug, not bad input
+        return [self._result(e) for e in episodes]
+
+    def _groups(self, episodes: list[_Episode]) -> list[list[_Episode]]:
+        """Episodes with equal prompts, in first-seen order, in groups of at most ``num_slots``."""
+        by_prompt: dict[tuple, list[_Episode]] = {}
+        for episode in episodes:
+            by_prompt.setdefault(tuple(episode.spec.prompt_ids), []).append(episode)
+        groups = []
+        for members in by_prompt.values():
+            groups += [members[i:i + self.num_slots] for i in range(0, len(members), self.num_slots)]
+        return sorted(groups, key=lambda g: g[0].index)
+
+    def _admit(self, group: list[_Episode]) -> None:
+        leader = group[0]
+        for episode in group:
+            self.recurrent_zero(episode.slot)
+            episode.generator = None
+            if self.do_sample:
+                episode.generator = torch.Generator(device=self.device).manual_seed(int(episode.spec.seed))
+            episode.turn_cap = min(self.budget, self.per_turn)
+            episode.waiting_fork = episode is not leader
+        leader.pending = list(leader.spec.prompt_ids)
+        leader.followers = group[1:]
+
+    def recurrent_zero(self, slot: int) -> None:
+        """Clear a slot's KDA and conv states (a new episode starts from zeros)."""
+        for pool in (*self.recurrent.values(), *self.conv.values()):
+            pool[slot].zero_()
+
+    # ------------------------------------------------------------------------------------------ one step
+    def _step(self, runnable: list[_Episode]) -> None:
+        feeds, room = [], self.step_tokens
+        for episode in sorted(runnable, key=lambda e: len(e.pending) > 1):  # decodes first, then slot order (stable)
+            n = min(len(episode.pending), self.chunk, room)
+            if n == 0:
+                break
+            feeds.append((episode, episode.pending[:n]))
+            episode.pending = episode.pending[n:]
+            room -= n
+        lengths = [len(tokens) for _, tokens in feeds]
+        start = time.perf_counter()
+        logits = self._forward(feeds)
+        self.stats["forward_s"] += time.perf_counter() - start
+        self.stats["steps"] += 1
+        self.stats["sequences"] += len(feeds)
+        self.stats["tokens"] += sum(lengths)
+        self.stats["decode_tokens"] += sum(n for n in lengths if n == 1)
+        self.stats["prefill_tokens"] += sum(n for n in lengths if n > 1)
+        for row, (episode, _) in enumerate(feeds):
+            if episode.pending:
+                continue  # more of its prompt / tool turn to feed
+            if episode.followers or (episode.turn_index == 0 and not episode.turn and episode.prefix is None):
+                self._fork(episode)
+            for member in [episode, *episode.followers]:
+                self._sample(member, logits[row])
+            episode.followers = []
+
+    def _fork(self, leader: _Episode) -> None:
+        """The leader has prefilled the group's prompt: its MLA rows become the group's prefix, its KDA and conv
+        states are copied to the followers' slots."""
+        prefix = {layer: rows.valid().clone() for layer, rows in leader.own.items()}
+        for member in [leader, *leader.followers]:
+            member.prefix, member.own, member.waiting_fork = prefix, {}, False
+            if member is not leader:
+                for pool in (*self.recurrent.values(), *self.conv.values()):
+                    pool[member.slot].copy_(pool[leader.slot])
+        self.stats["forks"] += 1
+
+    def _sample(self, episode: _Episode, logits: torch.Tensor) -> None:
+        """Pick the episode's next token from its raw logits ``[V]`` (module docstring) and advance its turn."""
+        if episode.processors is None or not episode.turn:  # a new turn: generate builds its processors per call
+            episode.processors = self.causal_lm._get_logits_processor(
+                generation_config=self.generation_config, input_ids_seq_length=len(episode.ids),
+                encoder_input_ids=None, prefix_allowed_tokens_fn=None,
+                logits_processor=self.extra_processors or LogitsProcessorList(), device=self.device, model_kwargs={})
+            if self.generation_config.stop_strings:
+                episode.stop = StopStringCriteria(self.tokenizer, self.generation_config.stop_strings)
+        raw = logits.float()
+        ids = torch.tensor([episode.ids], dtype=torch.long, device=self.device)
+        scores = episode.processors(ids, raw[None].clone())
+        if self.do_sample:
+            token = int(torch.multinomial(F.softmax(scores, dim=-1), 1, generator=episode.generator)[0, 0])
+        else:
+            token = int(scores[0].argmax())
+        episode.logprobs.append(float(torch.log_softmax(raw / self.logprob_temperature, dim=-1)[token]))
+        episode.ids.append(token)
+        episode.mask.append(1)
+        episode.turn.append(token)
+        ended = "eos" if token in self.eos else "turn_cap" if len(episode.turn) >= episode.turn_cap else None
+        if ended is None and episode.stop is not None and bool(
+                episode.stop(torch.tensor([episode.ids], device=self.device), None)[0]):
+            ended = "stop_string"
+        if ended is None:
+            episode.pending = [token]
+            return
+        self._end_turn(episode, ended)
+
+    # ------------------------------------------------------------------------------------------ turns and tools
+    def _end_turn(self, episode: _Episode, how: str) -> None:
+        turn, prefix = episode.turn, episode.ids[: episode.turn_start]
+        episode.turn, episode.turn_index = [], episode.turn_index + 1
+        if episode.spec.tools is None:
+            episode.ended = how
+            return
+        if episode.turn_index == 1:
+            episode.messages = [self.parse_turn(turn, prefix, episode.spec.schemas)]
+        else:
+            reply = self.parse_turn(turn, prefix, episode.spec.schemas) if turn else {}
+            if reply:
+                episode.messages.append(reply)
+            episode.rounds += 1
+            if not reply:
+                episode.ended = "no_reply"
+                return
+        self._next_round(episode, how)
+
+    def _next_round(self, episode: _Episode, how: str) -> None:
+        calls = episode.messages[-1].get("tool_calls")
+        if not calls:
+            episode.ended = how
+            return
+        if self.max_rounds is not None and episode.rounds >= self.max_rounds:
+            episode.ended = "iterations"
+            return
+        episode.calls += len(calls)
+        episode.job = _ToolJob(calls, episode.spec.tools, self._wake)
+        self.stats["tool_rounds"] += 1
+
+    def _poll_tools(self, running: list[_Episode]) -> None:
+        now = time.monotonic()
+        for episode in running:
+            job = episode.job
+            if job is None:
+                continue
+            if job.done:
+                episode.job = None
+                self._tool_results(episode, job)
+            elif self.tool_timeout_s is not None and now - job.started > self.tool_timeout_s:
+                episode.job, episode.ended = None, "tool_timeout"  # the worker thread is abandoned, not awaited
+                if episode.spec.on_timeout is not None:
+                    episode.spec.on_timeout()
+
+    def _wait_for_tools(self, running: list[_Episode]) -> None:
+        """Block until a tool job finishes or the earliest time limit passes (no slot can step meanwhile)."""
+        timeout = 0.05
+        if self.tool_timeout_s is not None:
+            deadlines = [e.job.started + self.tool_timeout_s for e in running if e.job is not None]
+            timeout = max(0.0, min(deadlines) - time.monotonic()) + 1e-3
+        start = time.perf_counter()
+        self._wake.wait(timeout)
+        self._wake.clear()
+        self.stats["tool_wait_s"] += time.perf_counter() - start
+
+    def _tool_results(self, episode: _Episode, job: _ToolJob) -> None:
+        episode.failures += job.failures
+        suffix = list(self.tool_suffix_ids(job.messages))
+        completion_len = len(episode.ids) - episode.prompt_len
+        if completion_len + len(suffix) > self.budget or len(episode.ids) + len(suffix) >= self.max_model_len:
+            episode.ended = "budget"  # TRL drops this tool result; the episode ends with its completion as it is
+            return
+        episode.messages += job.messages
+        last = episode.ids[-1]
+        episode.ids += suffix
+        episode.mask += [0] * len(suffix)
+        episode.logprobs += [0.0] * len(suffix)
+        left = self.budget - completion_len - len(suffix)
+        if left <= 0:
+            episode.rounds += 1
+            episode.ended = "no_reply"
+            return
+        episode.turn_start, episode.turn_cap = len(episode.ids), min(left, self.per_turn)
+        episode.pending = [last, *suffix]  # the previous turn's last token was never fed
+
+    def _result(self, episode: _Episode) -> dict:
+        completion = episode.ids[episode.prompt_len:]
+        return dict(completion_ids=completion, logprobs=episode.logprobs, tool_mask=episode.mask,
+                    completion=episode.messages, tool_calls=episode.calls, tool_failures=episode.failures,
+                    ended=episode.ended)
+
+    # ------------------------------------------------------------------------------------------ the forward
+    def _forward(self, feeds: list[tuple[_Episode, list[int]]]) -> torch.Tensor:
+        """One forward of the model over every feed's tokens (flattened into one row); returns the raw logits at
+        each feed's last token, ``[len(feeds), V]``."""
+        lengths = torch.tensor([len(t) for _, t in feeds], device=self.device)
+        ends = lengths.cumsum(0)
+        starts = ends - lengths
+        row = torch.repeat_interleave(torch.arange(len(feeds), device=self.device), lengths)
+        col = torch.arange(int(ends[-1]), device=self.device) - starts[row]
+        self._layout = types.SimpleNamespace(
+            episodes=[e for e, _ in feeds], lengths=lengths, starts=starts, row=row, col=col,
+            slots=torch.tensor([e.slot for e, _ in feeds], device=self.device), t_max=int(lengths.max()))
+        input_ids = torch.tensor([[t for _, tokens in feeds for t in tokens]], device=self.device)
+        layers = self.backbone.layers
+        for layer in layers:
+            mix = self._kda_mix if layer.layer_type == "linear_attention" else self._mla_mix
+            # the decoder layer's norms / residuals / MLP run as they are; only its token mixer reads the slots
+            layer._mix = types.MethodType(lambda lay, hidden, *args, _mix=mix, **kwargs: _mix(lay.self_attn, hidden),
+                                          layer)
+        try:
+            hidden = self.backbone(input_ids=input_ids, use_cache=False, prefill_chunk_size=0).last_hidden_state
+        finally:
+            for layer in layers:
+                del layer._mix
+            self._layout = None
+        return self.causal_lm.lm_head(hidden[0, ends - 1])
+
+    def _kda_mix(self, attn, x: torch.Tensor) -> torch.Tensor:
+        """The KDA token mixer over the step's ragged sequences, each continuing its slot's states (the math of
+        ``KDAMoEDeltaAttention.forward``; the conv and the recurrence start from each sequence's own state)."""
+        lay = self._layout
+        S, N = len(lay.episodes), x.shape[1]
+        H, K = attn.num_heads, attn.head_dim
+        backend = attn.config.kernel_backend
+        qkv, f, beta, gate = fused_linear(
+            x, ((attn.q_proj, attn.k_proj, attn.v_proj), attn.f_a_proj, attn.b_proj, attn.g_a_proj))
+        conv_pool, rec_pool = self.conv[attn.layer_idx], self.recurrent[attn.layer_idx]
+        conv_state = conv_pool[lay.slots].to(qkv.dtype)  # [S, 3HK, W]
+        padded = qkv.new_zeros(S, lay.t_max, qkv.shape[-1])  # right padding: a causal conv never reads it
+        padded[lay.row, lay.col] = qkv[0]
+        ys, _ = causal_conv1d_parts(padded, attn.conv1d.weight.squeeze(1), conv_state, None, parts=3,
+                                    output_final_state=False, backend=backend)
+        q, k, v = (y[lay.row, lay.col].view(1, N, H, K) for y in ys)
+        # the new window: the last W inputs of (old window ++ the sequence's tokens)
+        window = torch.cat([conv_state.transpose(1, 2), padded], 1)
+        W = conv_state.shape[-1]
+        at = (lay.lengths[:, None] + torch.arange(W, device=x.device))[..., None].expand(S, W, padded.shape[-1])
+        conv_pool[lay.slots] = window.gather(1, at).transpose(1, 2).to(conv_pool.dtype)
+
+        f = attn.f_b_proj(f).view(1, N, H, K)
+        beta = torch.sigmoid(beta.float())
+        kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                      A_log=attn.A_log, dt_bias=attn.dt_bias, lower_bound=attn.lower_bound, backend=backend)
+        initial = rec_pool[lay.slots]
+        o = None
+        one = lay.lengths == 1
+        for select, recurrent in ((one, True), (~one, False)):
+            seqs = select.nonzero().flatten()
+            if not seqs.numel():
+                continue
+            tokens = select[lay.row].nonzero().flatten()  # flat positions of these sequences' tokens
+            parts = [t[0, tokens] for t in (q, k, v, f, beta)]
+            if recurrent:  # one token on a state: generate's decode-step op
+                out, final = fused_recurrent_kda(*(p[:, None] for p in parts), initial_state=initial[seqs], **kwargs)
+                out = out[:, 0]
+            else:
+                cu = F.pad(lay.lengths[seqs].cumsum(0), (1, 0)).to(torch.int32)
+                out, final = chunk_kda(*(p[None] for p in parts), initial_state=initial[seqs], cu_seqlens=cu,
+                                       chunk_size=attn.config.kda_chunk_size, **kwargs)
+                out = out[0]
+            if o is None:
+                o = out.new_empty(N, *out.shape[1:])
+            o[tokens] = out
+            rec_pool[lay.slots[seqs]] = final.float()
+        gate = attn.g_b_proj(gate).view(1, N, H, K)
+        return attn.o_proj(attn.o_norm(o[None], gate).reshape(1, N, H * K))
+
+    def _mla_mix(self, attn, x: torch.Tensor) -> torch.Tensor:
+        """The MLA token mixer over the step's sequences in the latent space: each sequence attends to its
+        group's prefix rows (read once per group), its own earlier rows and, causally, its new ones."""
+        lay = self._layout
+        config = attn.config
+        N, H, Dv = x.shape[1], attn.num_heads, attn.v_head_dim
+        R = config.kv_lora_rank
+        shared = getattr(config, "qk_rope_head_dim", 0) or 0  # key part shared by every head (none on older configs)
+        if config.q_lora_rank is None:
+            q, kv = fused_linear(x, (attn.q_proj, attn.kv_a_proj))
+        else:
+            q, kv = fused_linear(x, (attn.q_a_proj, attn.kv_a_proj))
+            q = attn.q_b_proj(attn.q_a_layernorm(q))
+        q = q[0].view(N, H, attn.qk_head_dim)
+        rows = attn.kv_a_layernorm(kv[..., :R])[0]
+        if shared:
+            rows = torch.cat([rows, kv[0, :, R:]], -1)  # [N, R + shared]
+        eye = torch.eye(R, dtype=q.dtype, device=q.device)
+        w = attn.kv_b_proj(eye).view(R, H, -1)  # the effective weight, a PEFT delta included
+        nope = w.shape[-1] - Dv
+        w_uk, w_uv = w[..., :nope], w[..., nope:]
+        q_lat = torch.einsum("nhd,rhd->nhr", q[..., :nope], w_uk)
+        if shared:
+            q_lat = torch.cat([q_lat, q[..., nope:]], -1)  # [N, H, R + shared]
+        o_lat = q_lat.new_zeros(N, H, R, dtype=torch.float32)
+        groups: dict[int, list[int]] = {}
+        for s, episode in enumerate(lay.episodes):
+            groups.setdefault(id(episode.prefix) if episode.prefix is not None else -1 - s, []).append(s)
+        starts, lengths = lay.starts.tolist(), lay.lengths.tolist()
+        for members in groups.values():
+            prefix = lay.episodes[members[0]].prefix
+            prefix = prefix[attn.layer_idx] if prefix is not None else rows.new_zeros(0, rows.shape[-1])
+            spans = [range(starts[s], starts[s] + lengths[s]) for s in members]
+            tokens = torch.tensor([i for span in spans for i in span], device=x.device)
+            queries = q_lat[tokens].float()
+            # the group's prefix: read once for every query of the group (scores, then values)
+            s_prefix = torch.einsum("nhr,lr->nhl", queries, prefix.float()) * attn.scaling
+            p_prefix, offset = [], 0
+            for s, span in zip(members, spans, strict=True):
+                episode = lay.episodes[s]
+                own = episode.own.get(attn.layer_idx)
+                if own is None:
+                    own = episode.own[attn.layer_idx] = _Rows(rows.shape[-1], rows)
+                keys = own.append(rows[span.start:span.stop]).float()  # [L_own + t, width]
+                t = len(span)
+                mine = queries[offset:offset + t]
+                s_own = torch.einsum("thr,lr->thl", mine, keys) * attn.scaling
+                visible = torch.arange(keys.shape[0], device=x.device)[None] <= (
+                    keys.shape[0] - t + torch.arange(t, device=x.device))[:, None]
+                s_own = s_own.masked_fill(~visible[:, None, :], float("-inf"))
+                p = torch.softmax(torch.cat([s_prefix[offset:offset + t], s_own], -1), dim=-1)
+                p_prefix.append(p[..., : prefix.shape[0]])
+                o_lat[span.start:span.stop] = torch.einsum("thl,lr->thr", p[..., prefix.shape[0]:], keys[:, :R])
+                offset += t
+            if prefix.shape[0]:
+                o_lat[tokens] += torch.einsum("nhl,lr->nhr", torch.cat(p_prefix), prefix[:, :R].float())
+        out = torch.einsum("nhr,rhv->nhv", o_lat.to(w_uv.dtype), w_uv)
+        return attn.o_proj(out.reshape(1, N, H * Dv))
