@@ -293,6 +293,22 @@ def test_export_without_A_log_writes_zeros():
     assert torch.equal(out["model.layers.0.self_attn.A_log"], torch.zeros(1, 1, 2, 1))
 
 
+def test_export_of_a_tied_head_writes_it_out(tmp_path):
+    """transformers' Kimi Linear class never ties its head: a tied kdamoe model is exported with the head as its own
+    tensor (and ``tie_word_embeddings: false``), and gives the same logits there."""
+    config = KDAMoEConfig(**dict(kimi_linear_to_kdamoe_config(dict(CONFIGS["kda-ends"])), tie_word_embeddings=True))
+    torch.manual_seed(0)
+    model = KDAMoEForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "tied")
+    out = convert_checkpoint(tmp_path / "tied", tmp_path / "kimi", to="kimi_linear")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    back = KimiLinearForCausalLM.from_pretrained(out).eval()
+    assert torch.equal(back.lm_head.weight, model.model.embed_tokens.weight)
+    ids = _ids(1, 10, seed=5)
+    with torch.no_grad():
+        assert _relative(back(ids).logits, model(ids).logits) <= TOLERANCE
+
+
 def test_converter_refuses_non_empty_destination(case, tmp_path):
     _, _, folder, _ = case
     dst = tmp_path / "dst"

@@ -184,7 +184,8 @@ def kimi_linear_to_kdamoe_config(kimi: dict) -> dict:
         rms_norm_eps=float(c.rms_norm_eps),
         max_position_embeddings=c.max_position_embeddings,
         initializer_range=c.initializer_range,
-        tie_word_embeddings=bool(c.tie_word_embeddings),
+        # transformers' KimiLinearForCausalLM never ties (its `_tied_weights_keys` is empty): the head is its own tensor
+        tie_word_embeddings=False,
         use_cache=bool(c.use_cache),
         pad_token_id=c.pad_token_id,
         bos_token_id=c.bos_token_id,
@@ -295,7 +296,8 @@ def kdamoe_to_kimi_linear_config(config: KDAMoEConfig) -> dict:
         "rms_norm_eps": config.rms_norm_eps,
         "model_max_length": config.max_position_embeddings,
         "initializer_range": config.initializer_range,
-        "tie_word_embeddings": config.tie_word_embeddings,
+        # a tied kdamoe head is written out as its own tensor: transformers' Kimi Linear class never ties
+        "tie_word_embeddings": False,
         "use_cache": True,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_id,
@@ -594,10 +596,15 @@ def kdamoe_to_kimi_linear_tensors(
     with_A_log = bool(getattr(config, "kda_use_A_log", False))
     sparse_layers = {i for i, kind in enumerate(_mlp_layer_types(config)) if kind == "sparse"}
     seen: set[str] = set()
+    tied = bool(config.tie_word_embeddings)
     for name, tensor in tensors:
         _expected_shape(expected_shapes, name, name, _shape(tensor.shape))
         seen.add(name)
+        if tied and name == "lm_head.weight":
+            continue  # written from the embeddings below (a state dict lists the tied head too)
         rule = reverse.get(name)
+        if tied and name == "model.embed_tokens.weight":
+            yield "lm_head.weight", tensor.clone()
         if rule is not None and rule[0] == "same":
             yield rule[1], tensor
             if not with_A_log and name.endswith("self_attn.dt_bias"):
