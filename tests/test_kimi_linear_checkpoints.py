@@ -11,7 +11,10 @@ model page; its ``quantization_config``-free keys as seen in public copies of th
 """
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -161,6 +164,39 @@ def test_streaming_converter_on_sharded_folder(case, tmp_path):
     assert sorted(want) == sorted(got)
     for key in want:
         assert torch.equal(want[key], got[key]), key
+
+
+REMOTE_SCRIPT = """
+import sys, torch
+sys.path = [p for p in sys.path if p not in ("", ".", {repo!r})]
+sys.modules["kdamoe"] = None  # the converted folder must run on its own remote code
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({folder!r}, trust_remote_code=True).eval()
+with torch.no_grad():
+    torch.save(model(torch.load({ids!r})).logits, {out!r})
+print(type(model).__module__, model.config.router_bias_update)
+"""
+
+
+def test_converted_folder_runs_without_kdamoe(case, tmp_path):
+    """``--to kda_moe`` writes a folder that loads with transformers alone (``trust_remote_code``), as a kdamoe
+    ``save_pretrained`` folder does, and gives the reference's logits."""
+    name, reference, folder, _ = case
+    if name != "mla-ends":
+        pytest.skip("one configuration is enough for the folder's code (a fresh process costs seconds)")
+    out = convert_checkpoint(folder, tmp_path / "kdamoe", to="kda_moe")
+    ids = _ids(1, 12, seed=6)
+    torch.save(ids, tmp_path / "ids.pt")
+    script = REMOTE_SCRIPT.format(repo=str(Path(__file__).resolve().parent.parent), folder=str(out),
+                                  ids=str(tmp_path / "ids.pt"), out=str(tmp_path / "out.pt"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "transformers_modules" in result.stdout and result.stdout.strip().endswith("none"), result.stdout
+    with torch.no_grad():
+        assert _relative(reference(ids).logits, torch.load(tmp_path / "out.pt")) <= TOLERANCE
 
 
 def test_tensor_map_takes_pieces_in_any_order(case):
