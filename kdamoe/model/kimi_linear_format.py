@@ -24,7 +24,8 @@ Kimi Linear (per layer ``model.layers.{i}.``)                    kdamoe
 ``self_attn.{q,k,v}_conv1d.weight [H·K, 1, W]`` (three)          ``self_attn.conv1d.weight [3·H·K, 1, W]`` (q|k|v)
 ``self_attn.A_log [1, 1, H, 1]``                                 ``self_attn.A_log [H]``
 ``self_attn.kv_a_proj_with_mqa.weight``                          ``self_attn.kv_a_proj.weight``
-``block_sparse_moe.`` (sparse layers)                            ``mlp.``
+``block_sparse_moe.`` (sparse layers; dense ones: ``mlp.``, or  ``mlp.``
+``block_sparse_moe.`` as transformers' ``save_pretrained`` writes)
 ``block_sparse_moe.experts.{j}.w1.weight [I, d]`` / ``w3``       ``mlp.experts.gate_up_proj [E, 2I, d]`` (gate rows,
                                                                  then up rows)
 ``block_sparse_moe.experts.{j}.w2.weight [d, I]``                ``mlp.experts.down_proj [E, d, I]``
@@ -59,9 +60,11 @@ KIMI_MLA_RMS_NORM_EPS = 1e-6
 # its own balancing rule; starting Quantile Balancing (kdamoe's default) on its biases would move them from the first
 # optimizer step on, which nobody asked for (docs/checkpoints.md).
 LOADED_ROUTER_BIAS_UPDATE = "none"
-# Tensors that stay float32 whatever dtype the model is loaded in (transformers' `_keep_in_fp32_modules_strict` of
-# both models: the router's bias, the gate's dt_bias and A_log).
-FP32_TENSOR_SUFFIXES = ("e_score_correction_bias", "dt_bias", "A_log")
+# Tensors a Kimi Linear checkpoint loads in float32 whatever `dtype` asks for: those of kdamoe's
+# `_keep_in_fp32_modules_strict` (the router's bias, the gate's dt_bias and A_log) and the router weight, which
+# transformers' KimiLinearForCausalLM keeps in float32 too (its `_keep_in_fp32_modules_strict` names `gate.weight`),
+# so a float32-stored router routes as it does there.
+FP32_TENSOR_SUFFIXES = ("e_score_correction_bias", "dt_bias", "A_log", ".mlp.gate.weight")
 
 # `from_pretrained` keyword arguments that locate files (passed to transformers' hub utilities).
 HUB_ARGUMENTS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
