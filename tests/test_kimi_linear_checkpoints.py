@@ -236,6 +236,14 @@ def test_strict_load_names_the_bad_tensor(case, tmp_path):
     wrong[piece] = torch.zeros(wrong[piece].shape[0] + 1, wrong[piece].shape[1])
     with pytest.raises(ValueError, match=rf"{piece.replace('.', '[.]')}: shape \[25, 32\], expected \[24, 32\]"):
         list(kimi_linear_to_kdamoe_tensors(wrong.items(), model.config, expected))
+    twice = dict(tensors)
+    dense = next(i for i, t in enumerate(model.config.mlp_layer_types) if t == "dense")
+    stored = next(k for k in tensors if k.startswith(f"model.layers.{dense}.") and k.endswith("up_proj.weight"))
+    other = (stored.replace(".block_sparse_moe.", ".mlp.") if ".block_sparse_moe." in stored
+             else stored.replace(".mlp.", ".block_sparse_moe."))
+    twice[other] = tensors[stored]  # the dense MLP's tensor under both of its names
+    with pytest.raises(ValueError, match="stored twice"):
+        list(kimi_linear_to_kdamoe_tensors(twice.items(), model.config, expected))
     wrong = dict(tensors, **{"lm_head.weight": torch.zeros(96, 32)})
     with pytest.raises(ValueError, match=r"lm_head[.]weight: shape \[96, 32\], expected \[97, 32\]"):
         list(kimi_linear_to_kdamoe_tensors(wrong.items(), model.config, expected))

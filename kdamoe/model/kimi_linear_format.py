@@ -461,6 +461,8 @@ def kimi_linear_to_kdamoe_tensors(
     produced: set[str] = set()
 
     def emit(name: str, tensor: torch.Tensor, sources: str):
+        if name in produced:  # e.g. a dense MLP stored under both of its names
+            raise ValueError(f"{sources}: {name} is stored twice")
         _expected_shape(expected_shapes, name, sources, _shape(tensor.shape))
         produced.add(name)
         return name, tensor
