@@ -241,6 +241,28 @@ def test_model_packed_rows_equal_separate_rows_and_a_continuation_equals_the_ful
     torch.testing.assert_close(turn, full[:, 20:], **TOL)
 
 
+def test_gradients_through_a_latent_continuation_equal_the_full_forward():
+    """A forward with grad continuing a cache by a few tokens attends in the latent space (the differentiable torch
+    op); every parameter, k_shared's columns of kv_a_proj included, gets the gradient of one full forward."""
+    model = _model(seed=4).train()
+    ids = _ids(14, 2, 15)
+    params = [p for p in model.parameters() if p.requires_grad]
+    first = model(ids[:, :10], use_cache=True)
+    second = model(ids[:, 10:], cache=first.cache, use_cache=True)
+    loss = first.logits.logsumexp(-1).mean() + second.logits.logsumexp(-1).mean()
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    full = model(ids, use_cache=False).logits
+    loss_ref = full[:, :10].logsumexp(-1).mean() + full[:, 10:].logsumexp(-1).mean()
+    grads_ref = torch.autograd.grad(loss_ref, params, allow_unused=True)
+    torch.testing.assert_close(loss, loss_ref, **TOL)
+    for (name, _), got, want in zip(model.named_parameters(), grads, grads_ref, strict=True):
+        assert (got is None) == (want is None), name
+        if want is not None:
+            torch.testing.assert_close(got, want, **TOL, msg=name)
+    by_name = dict(zip((n for n, _ in model.named_parameters()), grads, strict=True))
+    assert by_name["model.layers.0.self_attn.kv_a_proj.weight"][16:].abs().max() > 0  # the shared part's rows
+
+
 def test_a_cache_of_latent_rows_without_the_shared_part_is_refused():
     model = _model()
     other = _model(qk_rope_head_dim=0, qk_head_dim=16)
@@ -319,3 +341,14 @@ def test_model_decode_with_the_triton_kernels_matches_the_torch_full_forward():
         logits, cache = _decode(model, ids, 10, None)
     assert cache.layers[0].latents.shape[-1] == 16 + 8
     torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+
+
+def test_every_kimi_linear_option_together_decodes_as_the_full_forward():
+    """The MLA options with the KDA gate options (unbounded gate, A_log, no output-gate bias) in one model."""
+    model = _model(seed=5, kda_lower_bound=None, kda_use_A_log=True, kda_output_gate_bias=False)
+    assert model.model.layers[1].self_attn.A_log.shape == (2,)
+    ids = _ids(15, 2, 20)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        latent, _ = _decode(model, ids, 14, KDAMoECache(model.config))
+    torch.testing.assert_close(latent, full, **TOL)

@@ -108,8 +108,8 @@ class KDAMoEConfig(PreTrainedConfig):
 
     Raises:
         ValueError: naming the field, for a bad `layer_types` / `mlp_layer_types` (naming the entry),
-            `qk_rope_head_dim`, `mla_rms_norm_eps`, `num_experts_per_tok`, `kda_lower_bound` (also None with
-            `kernel_backend="triton"`), non-boolean `kda_use_A_log` / `kda_output_gate_bias`,
+            `qk_rope_head_dim`, `mla_rms_norm_eps`, `num_experts_per_tok`, `kda_lower_bound` (also
+            None with `kernel_backend="triton"`), non-boolean `kda_use_A_log` / `kda_output_gate_bias`,
             non-finite or non-positive SiTU betas / `rms_norm_eps` / scales, `attnres_num_blocks`, head sizes
             (a `kda_head_dim` the GPU kernels cannot take) or enum values.
     """

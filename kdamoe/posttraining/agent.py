@@ -27,19 +27,33 @@ import torch
 from transformers import TrainerCallback
 from trl.chat_template_utils import parse_response
 
+from .chat_formats import attach_response_template
 from .environments import environment_class, environment_tools
 
 
-def _tool_suffix_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
+def end_of_turn_ids(model, tokenizer) -> list[int]:
+    """The ids that end an assistant turn, as TRL's GRPO trainer collects them: the tokenizer's ``eos_token_id`` and
+    every id of the model's ``generation_config.eos_token_id``. They differ for Kimi's tokenizer, whose ``eos_token``
+    is ``[EOS]`` while its turns end with ``<|im_end|>`` (the model config's eos)."""
+    config = getattr(model, "generation_config", None)
+    extra = getattr(config, "eos_token_id", None) if config is not None else None
+    extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return ids + [i for i in extra if i not in ids]
+
+
+def _tool_suffix_ids(tokenizer, tool_messages: list[dict], ends: list[int] | None = None) -> list[int]:
     """Token ids of the tool turn(s) plus the next assistant header, as they follow an assistant turn that
-    ended with the end-of-turn token: the rendering of ``[user, assistant call] + tool_messages`` with a
-    generation prompt, minus the rendering of ``[user, assistant call]`` cut after its last eos."""
+    ended with an end-of-turn token (``ends``, default the tokenizer's eos): the rendering of ``[user, assistant
+    call] + tool_messages`` with a generation prompt, minus the rendering of ``[user, assistant call]`` cut after
+    its last end-of-turn token."""
+    ends = [tokenizer.eos_token_id] if ends is None else ends
     calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
     head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
     prefix = tokenizer.apply_chat_template(head, tokenize=True, return_dict=False)
     full = tokenizer.apply_chat_template(head + tool_messages, tokenize=True, return_dict=False,
                                          add_generation_prompt=True)
-    eos = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
+    eos = [i for i, t in enumerate(prefix) if t in ends]
     prefix = prefix[: eos[-1] + 1] if eos else prefix
     if full[: len(prefix)] != prefix:
         raise ValueError("the chat template is not prefix-preserving around tool turns")
@@ -71,7 +85,9 @@ def run_episodes(model, tokenizer, tasks: list, *, batch_size: int = 64, max_new
 
     Args:
         model: a causal LM (``KDAMoEForCausalLM`` or the remote-code class); put in eval mode here.
-        tokenizer: its tokenizer, with the chat template and ``response_template`` kdamoe ships.
+        tokenizer: its tokenizer with its chat template; without a ``response_template`` it gets one here when
+            its format is known (:func:`~kdamoe.posttraining.chat_formats.attach_response_template`: Kimi's).
+            A turn ends at any of :func:`end_of_turn_ids`.
         tasks: the tasks.
         batch_size: episodes generated together (left padding).
         max_new_tokens: tokens per assistant turn.
@@ -81,7 +97,8 @@ def run_episodes(model, tokenizer, tasks: list, *, batch_size: int = 64, max_new
         ``tool_calls``, ``turns``, ``tokens`` (final sequence length), ``ended`` (``"done"`` (the final tool),
         ``"no_tool_call"``, ``"context"`` or ``"turns"``).
     Raises:
-        ValueError: ``batch_size`` / ``max_new_tokens`` < 1, a tokenizer without ``response_template``.
+        ValueError: ``batch_size`` / ``max_new_tokens`` < 1, a tokenizer without ``response_template`` whose
+            format is unknown.
     """
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
@@ -89,8 +106,8 @@ def run_episodes(model, tokenizer, tasks: list, *, batch_size: int = 64, max_new
         raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
     if do_sample:
         torch.manual_seed(seed)
-    if getattr(tokenizer, "response_template", None) is None:
-        raise ValueError("the tokenizer has no response_template: tool calls cannot be parsed (use kdamoe's tokenizer)")
+    attach_response_template(tokenizer, needs_tool_calls=True)
+    ends = end_of_turn_ids(model, tokenizer)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -127,11 +144,12 @@ def run_episodes(model, tokenizer, tasks: list, *, batch_size: int = 64, max_new
             out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                  max_new_tokens=max_new_tokens, do_sample=do_sample,
                                  temperature=temperature if do_sample else None, top_k=None, top_p=None,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+                                 eos_token_id=ends[0] if len(ends) == 1 else ends, pad_token_id=pad)
             for row, i in enumerate(active):
                 generated = out[row, width:].tolist()
-                if tokenizer.eos_token_id in generated:
-                    generated = generated[: generated.index(tokenizer.eos_token_id) + 1]
+                end = next((k for k, t in enumerate(generated) if t in ends), None)
+                if end is not None:
+                    generated = generated[: end + 1]
                 else:
                     generated = [t for t in generated if t != pad]
                 message = parse_response(tokenizer, generated, prefix=ids[i], tools=environment_tools(envs[i]))
@@ -145,7 +163,7 @@ def run_episodes(model, tokenizer, tasks: list, *, batch_size: int = 64, max_new
                 if envs[i].done:
                     ended[i] = "done"
                     continue
-                ids[i] = ids[i] + _tool_suffix_ids(tokenizer, tool_messages)
+                ids[i] = ids[i] + _tool_suffix_ids(tokenizer, tool_messages, ends)
             active = [i for i in active if ended[i] is None]
         for i, (task, env) in enumerate(zip(batch, envs, strict=True)):
             results.append(dict(task=task, reward=env.get_reward(),

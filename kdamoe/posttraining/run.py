@@ -409,6 +409,7 @@ def run_recipe(cfg, resume: bool = True, overwrite: bool = False, callbacks=()) 
         model, tokenizer = load_base(cfg)
         check_aux_loss(cfg, model.config)
         padding_side = tokenizer.padding_side
+        eos = model.config.eos_token_id
         trainer = build_trainer(cfg, model, tokenizer)
         check_world_size(trainer.accelerator, "the Trainer", "on CPUs the recipes need use_cpu=True (their default "
                          "without CUDA) for a gloo DDP run")  # else N lone processes would race on output_dir
@@ -417,12 +418,12 @@ def run_recipe(cfg, resume: bool = True, overwrite: bool = False, callbacks=()) 
         trainer.add_callback(CheckpointManifestCallback())
         for position, callback in enumerate(callbacks, start=1):
             trainer.callback_handler.callbacks.insert(position, callback)
-        return _train_and_save(cfg, trainer, tokenizer, padding_side, checkpoint)
+        return _train_and_save(cfg, trainer, tokenizer, padding_side, checkpoint, eos)
 
 
-def _train_and_save(cfg, trainer, tokenizer, padding_side: str, checkpoint: str | None) -> dict:
+def _train_and_save(cfg, trainer, tokenizer, padding_side: str, checkpoint: str | None, eos=None) -> dict:
     """:func:`run_recipe`'s training and saving, with the output folder owned and the checkpoint to resume (or None)
-    decided."""
+    decided; ``eos``: the base config's ``eos_token_id``, which the saved config keeps."""
 
     if checkpoint:
         logger.warning(f"resuming from {checkpoint}")
@@ -431,6 +432,11 @@ def _train_and_save(cfg, trainer, tokenizer, padding_side: str, checkpoint: str 
     curve = reward_curve(history) if cfg.recipe in RL_RECIPES else []
     card = card_values(cfg, history)
     trained = trained_model(cfg, trainer)  # on every process: under FSDP2 it gathers the shards
+    if trained is not None and eos is not None:
+        # transformers' Trainer.train sets config.eos_token_id to the tokenizer's eos (align_special_tokens) and adds
+        # it to the generation config's; a base whose turns end with another token (Kimi's <|im_end|>, its
+        # tokenizer's eos being [EOS]) keeps its own in final/config.json, the generation config stopping at both
+        trained.config.eos_token_id = eos
     if trainer.is_world_process_zero():  # one writer: every rank holds the same weights and biases
         final, adapter, saved = _save(cfg, trained, tokenizer, padding_side, card)
     else:

@@ -30,6 +30,7 @@ import re
 
 from trl import GRPOConfig, GRPOTrainer
 
+from ..chat_formats import attach_response_template
 from ..data import prompt_dataset
 from ..environments import ENVIRONMENTS
 from ..environments.arithmetic import _as_int
@@ -188,6 +189,8 @@ def check_long_context_args(args) -> None:
 
 def build_trainer(cfg, model, tokenizer) -> GRPOTrainer:
     """The GRPO trainer for ``cfg.grpo.mode`` (module docstring); the tokenizer pads on the left (TRL requires it).
+    In the tool modes the tokenizer gets the ``response_template`` TRL parses tool calls with, when it has none
+    (:func:`~kdamoe.posttraining.chat_formats.attach_response_template`: Kimi's format, or one TRL knows).
     Its class is :func:`trainer_class`'s: ``GRPOTrainer``, with the cached rollout for ``cfg.grpo.rollout ==
     "cached"`` (:class:`~kdamoe.posttraining.rollout.CachedRolloutGRPOTrainer`), with the memory-bounded update for
     ``cfg.grpo.long_context`` (:class:`~kdamoe.posttraining.long_update.LongContextGRPOTrainer`), or both.
@@ -195,9 +198,12 @@ def build_trainer(cfg, model, tokenizer) -> GRPOTrainer:
     Raises:
         ValueError: the completion budget does not fit the model's context (``common.completion_budget``), or
             ``grpo.long_context`` is set for a model or trainer section it cannot bound
-            (:func:`long_context_defaults`, :func:`check_long_context_args`).
+            (:func:`long_context_defaults`, :func:`check_long_context_args`); a tool mode with a tokenizer whose
+            chat format is unknown (no tool call could be parsed).
     """
     mode = cfg.grpo.mode
+    if mode != "single_turn":  # before TRL's trainer, whose own fallback knows no Kimi template
+        attach_response_template(tokenizer, needs_tool_calls=True)
     tasks = training_tasks(cfg)
     budget = completion_budget(cfg, tokenizer, model.config, tasks, with_tools=mode != "single_turn")
     defaults = dict(max_completion_length=budget)
