@@ -71,8 +71,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
     if to not in FORMATS:
         raise ValueError(f"to={to!r}: expected one of {FORMATS}")
     limit = _shard_limit(max_shard_size)
-    if not Path(src).exists() and (Path(src).is_absolute() or str(src).startswith((".", "~"))
-                                   or str(src).count("/") != 1):
+    if Path(src).expanduser().exists():
+        src = Path(src).expanduser()
+    elif Path(src).is_absolute() or str(src).startswith((".", "~")) or str(src).count("/") != 1:
         raise ValueError(f"src {src}: no such folder (and not a Hub id, namespace/name)")
     source_config = read_config_dict(str(src))
     if source_config is None:
@@ -81,7 +82,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
     want = KIMI_LINEAR_MODEL_TYPE if to == "kda_moe" else KDAMoEConfig.model_type
     if src_type != want:
         raise ValueError(f"{src}: model_type is {src_type!r}; --to {to} converts from {want!r}")
-    dst = Path(dst)
+    dst = Path(dst).expanduser()
     _check_destination(Path(src), dst, overwrite)
 
     if to == "kda_moe":
