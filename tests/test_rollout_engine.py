@@ -260,8 +260,9 @@ KIMI_LINEAR = dict(
 def test_engine_on_a_converted_kimi_linear_model_with_its_kimi_tokenizer(tmp_path):
     """A tiny transformers ``KimiLinearForCausalLM`` (every weight moved by seeded noise, so no norm, bias or
     ``A_log`` sits at its init) saved with a Kimi tokenizer and loaded by ``KDAMoEForCausalLM.from_pretrained``:
-    the engine's greedy tool episodes (Kimi's tool-call format, turns ending at ``<|im_end|>``) on two slots, a
-    group of two forked from one prompt and a refill, equal the cached rollout's."""
+    the engine's greedy tool episodes (Kimi's tool-call format, turns ending at ``<|im_end|>``) on three slots, a
+    group of two forked from one prompt, the fourth episode taking a freed slot and prefilling in the steps where
+    another decodes, equal the cached rollout's."""
     texts = [json.dumps(get_json_schema(f)) for f in SCHEMAS] * 3 + [
         "EP0 compute the value and then some more. You are Kimi, an AI assistant created by Moonshot AI.",
         'functions.add:0 {"a": 2, "b": 3} ## Return of functions.multiply:0 20 submitted']
@@ -283,7 +284,7 @@ def test_engine_on_a_converted_kimi_linear_model_with_its_kimi_tokenizer(tmp_pat
              for i, (k, w) in enumerate([(0, 0), (1, 2), (1, 2), (2, 1)])]  # episode 2 makes no call
     config = _greedy(tokenizer, max_new_tokens=30, eos_token_id=[im_end])
     want = _reference(model, tokenizer, plan, config, specs, budget=90, rounds=2, eos=im_end)
-    engine = _engine(model, tokenizer, plan, config, slots=2, budget=90, rounds=2, eos=im_end)
+    engine = _engine(model, tokenizer, plan, config, slots=3, budget=90, rounds=2, eos=im_end)
     got = engine.run(specs)
     for g, w in zip(got, want, strict=True):
         _assert_same(g, w)
