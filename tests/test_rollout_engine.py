@@ -2,12 +2,18 @@
 cached rollout (:func:`kdamoe.posttraining.rollout._episode`, itself checked against TRL's loop in
 ``tests/test_rollout.py``) and TRL 1.16's own tool loop, on the tiny base model in float32.
 
+The tests whose forward depends on the architecture run twice (``any_policy``): on the default tiny model and on one
+with every Kimi Linear option (:data:`KIMI_OPTIONS`: the MLA key part shared by every head, a q LoRA, the unbounded
+KDA gate with ``A_log``, ...); one more plays tool episodes on a transformers ``KimiLinearForCausalLM`` loaded by
+kdamoe, with a Kimi tokenizer.
+
 A tiny random model never writes a tool call, so a logits processor forces the tool-call turns the test plans for
 each episode (every turn not planned is the model's own choice), the same processor in ``generate`` (the references)
 and in the engine (its ``logits_processor``). The references play each episode alone at batch 1; the engine plays
 them together on fewer slots than episodes, so slots are refilled mid-run and prefills share steps with decodes.
 """
 
+import json
 import os
 import re
 import threading
@@ -17,17 +23,23 @@ from types import SimpleNamespace
 import pytest
 import torch
 from transformers import AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.utils import get_json_schema
 from trl.chat_template_utils import parse_response
 
 import kdamoe.posttraining.rollout as rollout_module
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.posttraining import load_posttrain_config
 from kdamoe.posttraining.agent import _tool_suffix_ids
+from kdamoe.posttraining.chat_formats import attach_response_template
 from kdamoe.posttraining.engine import EpisodeSpec, RolloutEngine, episode_seed
 from kdamoe.posttraining.environments.arithmetic import ArithmeticTask
 from kdamoe.posttraining.recipes import build_trainer
 from kdamoe.posttraining.rollout import BatchedRolloutGRPOTrainer
+from tests.helpers import tiny_config
+from tests.kimi_tokenizer import build_kimi_tokenizer, kimi_token_id
+from tests.test_kimi_linear_checkpoints import _perturbed_reference
 from tests.test_posttrain import base  # noqa: F401  (the tiny base folder fixture)
+from tests.test_posttrain_kimi import _reply_ids as _kimi_reply_ids
 from tests.test_rollout import FAST, ScriptedToolCalls, _assistant_ids, _call, _play, _rows, _script
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -70,8 +82,8 @@ class PlannedTurns(LogitsProcessor):
     past the plan (or ``None``) is left to the model. The turn number is the count of assistant headers after the
     prompt's own (the generation prompt)."""
 
-    def __init__(self, tokenizer, plan: dict[int, list]):
-        self.tokenizer, self.plan = tokenizer, plan
+    def __init__(self, tokenizer, plan: dict[int, list], reply_ids=_assistant_ids):
+        self.tokenizer, self.plan, self.reply_ids = tokenizer, plan, reply_ids  # reply_ids: (tokenizer, message) -> ids
         user = [{"role": "user", "content": "x"}]
         with_header = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=True, return_dict=False)
         self.header = with_header[len(tokenizer.apply_chat_template(user, tokenize=True, return_dict=False)):]
@@ -85,7 +97,7 @@ class PlannedTurns(LogitsProcessor):
             turns = self.plan.get(key, [])
             turn = len(starts) - 1
             if turn < len(turns) and turns[turn] is not None:
-                want, done = _assistant_ids(self.tokenizer, turns[turn]), ids[starts[-1] + n:]
+                want, done = self.reply_ids(self.tokenizer, turns[turn]), ids[starts[-1] + n:]
                 if len(done) < len(want) and done == want[:len(done)]:
                     scores[row] = -float("inf")
                     scores[row, want[len(done)]] = 0.0
@@ -105,21 +117,61 @@ def policy(base):  # noqa: F811 (the imported base fixture, which pytest passes 
     return model, tokenizer
 
 
-def _reference_trainer(model, tokenizer, generation_config, *, budget, rounds, max_len=None):
-    """The attributes :func:`kdamoe.posttraining.rollout._episode` reads of a GRPO trainer."""
+# Every Kimi Linear option of the architecture at once: the MLA key part shared by every head (a latent cache row is
+# [normed latent | k_shared], 16 + 8 wide), a q LoRA, the MLA norms' own eps (1e-6; the others' 1e-5), MLA layers
+# first and last, dense and sparse MLPs mixed, the unbounded KDA gate with A_log, no output-gate bias, no Block
+# AttnRes, SwiGLU experts in the model width (no expert latent).
+KIMI_OPTIONS = dict(layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
+                    q_lora_rank=12, qk_head_dim=24, qk_rope_head_dim=8, v_head_dim=12, mla_rms_norm_eps=1e-6,
+                    mlp_layer_types=["sparse", "dense", "sparse", "dense"], kda_lower_bound=None, kda_use_A_log=True,
+                    kda_output_gate_bias=False, attnres_num_blocks=0, hidden_act="silu", moe_latent_size=None,
+                    rms_norm_eps=1e-5)
+
+
+@pytest.fixture(scope="module")
+def kimi_policy(base, tmp_path_factory):  # noqa: F811 (the imported base fixture, which pytest passes by name)
+    """The base folder's tokenizer with a tiny model of :data:`KIMI_OPTIONS`, saved and loaded back."""
+    folder = tmp_path_factory.mktemp("kimi_options")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    torch.manual_seed(1)
+    config = tiny_config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         max_position_embeddings=1024, kda_head_dim=16, **KIMI_OPTIONS)
+    KDAMoEForCausalLM(config).save_pretrained(folder)
+    model = KDAMoEForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert model.model.layers[1].self_attn.A_log.dtype == torch.float32
+    return model, tokenizer
+
+
+@pytest.fixture(params=["defaults", "kimi_options"])
+def any_policy(request):
+    """The default tiny model, then the one of :data:`KIMI_OPTIONS`: the tests whose forward differs with the
+    architecture options (the engine's mixers, its rows, adapters on the projections) run on both."""
+    return request.getfixturevalue("policy" if request.param == "defaults" else "kimi_policy")
+
+
+def _planned(tokenizer, plan) -> PlannedTurns:
+    return plan if isinstance(plan, PlannedTurns) else PlannedTurns(tokenizer, plan)
+
+
+def _reference_trainer(model, tokenizer, generation_config, *, budget, rounds, max_len=None, eos=None):
+    """The attributes :func:`kdamoe.posttraining.rollout._episode` reads of a GRPO trainer (``eos``: the id that ends
+    a turn, default the tokenizer's)."""
     return SimpleNamespace(
-        max_completion_length=budget, generation_config=generation_config, eos_token_ids=[tokenizer.eos_token_id],
+        max_completion_length=budget, generation_config=generation_config,
+        eos_token_ids=[tokenizer.eos_token_id if eos is None else eos],
         temperature=0.7, _tokenizer=tokenizer, max_tool_calling_iterations=rounds,
         model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=max_len
                                                      or model.config.max_position_embeddings)),
         _get_tool_suffix_ids=lambda messages: _tool_suffix_ids(tokenizer, messages))
 
 
-def _reference(model, tokenizer, plan, generation_config, specs, *, budget, rounds, max_len=None):
+def _reference(model, tokenizer, plan, generation_config, specs, *, budget, rounds, max_len=None, eos=None):
     """Each episode alone at batch 1 through the cached rollout, under ``torch.manual_seed(spec.seed)``."""
-    trainer = _reference_trainer(model, tokenizer, generation_config, budget=budget, rounds=rounds, max_len=max_len)
+    trainer = _reference_trainer(model, tokenizer, generation_config, budget=budget, rounds=rounds, max_len=max_len,
+                                 eos=eos)
     generate = model.generate
-    _script(model, PlannedTurns(tokenizer, plan))
+    _script(model, _planned(tokenizer, plan))
     try:
         out = []
         for spec in specs:
@@ -132,14 +184,15 @@ def _reference(model, tokenizer, plan, generation_config, specs, *, budget, roun
 
 
 def _engine(model, tokenizer, plan, generation_config, *, slots, budget, rounds, max_len=None, timeout=None,
-            cls=RolloutEngine, step_tokens=8192):
-    return cls(model, generation_config, num_slots=slots, eos_token_ids=[tokenizer.eos_token_id],
+            cls=RolloutEngine, step_tokens=8192, eos=None):
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return cls(model, generation_config, num_slots=slots, eos_token_ids=[eos],
                max_completion_length=budget, logprob_temperature=0.7, max_tool_calling_iterations=rounds,
                max_position_embeddings=max_len,
                parse_turn=lambda ids, prefix, schemas: parse_response(tokenizer, ids, prefix=prefix, tools=schemas),
                tool_suffix_ids=lambda messages: _tool_suffix_ids(tokenizer, messages), tool_timeout_s=timeout,
                prefill_chunk_size=16, max_step_tokens=step_tokens,
-               logits_processor=LogitsProcessorList([PlannedTurns(tokenizer, plan)]))
+               logits_processor=LogitsProcessorList([_planned(tokenizer, plan)]))
 
 
 def _assert_same(got: dict, want: dict, check_logprobs: bool = True):
@@ -158,10 +211,10 @@ def _greedy(tokenizer, **changes):
     return config
 
 
-def test_engine_equals_cached_rollout_with_refills_forks_errors_and_budgets(policy):
+def test_engine_equals_cached_rollout_with_refills_forks_errors_and_budgets(any_policy):
     """Seven episodes on two slots: ragged prompts, a GRPO group of three sharing a prompt (slots for two, so it
     splits), a raising tool, episodes hitting the per-turn cap, the tool-round limit and the completion budget."""
-    model, tokenizer = policy
+    model, tokenizer = any_policy
 
     def failing_add(a: int, b: int) -> int:
         raise ValueError("add is broken today")
@@ -190,6 +243,55 @@ def test_engine_equals_cached_rollout_with_refills_forks_errors_and_budgets(poli
     assert got[5]["tool_failures"] == 1 and "add is broken today" in got[5]["completion"][1]["content"]
     assert any(e == "turn_cap" for e in ended)
     assert [m.count(0) > 0 for m in (g["tool_mask"] for g in got)] == [True, True, True, True, True, True, False]
+
+
+# A released Kimi Linear model's layout: transformers' own class, saved as it saves it, read by kdamoe's loader.
+KIMI_LINEAR = dict(
+    model_type="kimi_linear", hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=4,
+    num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8,
+    qk_rope_head_dim=4, v_head_dim=8, num_experts=6, num_experts_per_token=2, num_shared_experts=1,
+    routed_scaling_factor=2.446, moe_renormalize=True, num_expert_group=1, topk_group=1, mla_use_nope=True,
+    model_max_length=1024, hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=False,
+    mlp_layer_types=["sparse", "dense", "sparse", "dense"],
+    linear_attn_config=dict(full_attn_layers=[1, 4], kda_layers=[2, 3], num_heads=2, head_dim=16,
+                            short_conv_kernel_size=4))
+
+
+def test_engine_on_a_converted_kimi_linear_model_with_its_kimi_tokenizer(tmp_path):
+    """A tiny transformers ``KimiLinearForCausalLM`` (every weight moved by seeded noise, so no norm, bias or
+    ``A_log`` sits at its init) saved with a Kimi tokenizer and loaded by ``KDAMoEForCausalLM.from_pretrained``:
+    the engine's greedy tool episodes (Kimi's tool-call format, turns ending at ``<|im_end|>``) on three slots, a
+    group of two forked from one prompt, the fourth episode taking a freed slot and prefilling in the steps where
+    another decodes, equal the cached rollout's."""
+    texts = [json.dumps(get_json_schema(f)) for f in SCHEMAS] * 3 + [
+        "EP0 compute the value and then some more. You are Kimi, an AI assistant created by Moonshot AI.",
+        'functions.add:0 {"a": 2, "b": 3} ## Return of functions.multiply:0 20 submitted']
+    tokenizer = build_kimi_tokenizer(texts, base_vocab_size=400)
+    im_end = kimi_token_id(tokenizer, 2)  # where a Kimi turn ends (the model config's eos; the tokenizer's is [EOS])
+    raw = dict(KIMI_LINEAR, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+               bos_token_id=tokenizer.bos_token_id, eos_token_id=im_end)
+    _perturbed_reference(raw, seed=3).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    model = KDAMoEForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert model.config.qk_rope_head_dim == 4 and model.config.kda_lower_bound is None
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert attach_response_template(tokenizer, needs_tool_calls=True) == "kimi"
+
+    plan = PlannedTurns(tokenizer, {0: [_call("add", a=2, b=3)], 1: [_call("multiply", a=4, b=5)]},
+                        reply_ids=_kimi_reply_ids)
+    tools = {"add": add, "multiply": multiply, "submit": submit}
+    specs = [EpisodeSpec(_prompt(tokenizer, k, w), tools=tools, schemas=SCHEMAS, seed=i)
+             for i, (k, w) in enumerate([(0, 0), (1, 2), (1, 2), (2, 1)])]  # episode 2 makes no call
+    config = _greedy(tokenizer, max_new_tokens=30, eos_token_id=[im_end])
+    want = _reference(model, tokenizer, plan, config, specs, budget=90, rounds=2, eos=im_end)
+    engine = _engine(model, tokenizer, plan, config, slots=3, budget=90, rounds=2, eos=im_end)
+    got = engine.run(specs)
+    for g, w in zip(got, want, strict=True):
+        _assert_same(g, w)
+    assert engine.stats["forks"] == 3  # three distinct prompts: the group of two prefilled its prompt once
+    assert [g["tool_calls"] for g in got] == [1, 1, 1, 0]
+    assert got[0]["completion"][1]["content"] == "5" and got[1]["completion"][1]["content"] == "20"
+    assert tokenizer.decode(got[0]["completion_ids"]).startswith("<|tool_calls_section_begin|>")
 
 
 def test_engine_raising_tool_and_budget_drop(policy):
@@ -325,8 +427,8 @@ class PoisonedEngine(RolloutEngine):
                     rows.data.fill_(float("nan"))
 
 
-def test_poisoned_neighbour_slot_changes_nothing(policy):
-    model, tokenizer = policy
+def test_poisoned_neighbour_slot_changes_nothing(any_policy):
+    model, tokenizer = any_policy
     plan = {0: [_call("add", a=2, b=3)], 1: [None], 2: [_call("multiply", a=3, b=3)]}
     specs = [EpisodeSpec(_prompt(tokenizer, k, k), tools={"add": add, "multiply": multiply}, schemas=SCHEMAS, seed=k)
              for k in (0, 1, 2)]
@@ -359,12 +461,13 @@ def test_engine_decodes_with_the_weights_after_an_optimizer_step(policy):
     assert max(abs(a - b) for a, b in zip(after["logprobs"], before["logprobs"], strict=False)) > 1e-3
 
 
-def test_engine_decodes_through_a_peft_adapter(policy):
-    """A LoRA adapter (non-zero, on the KDA, MLA and MLP projections) is part of what the engine decodes with: the
-    engine on the PEFT model equals the cached rollout on it, and differs from the base model's episode."""
+def test_engine_decodes_through_a_peft_adapter(any_policy):
+    """A LoRA adapter (non-zero, on the KDA, MLA and MLP projections; with a q LoRA on ``q_b_proj`` too) is part of
+    what the engine decodes with: the engine on the PEFT model equals the cached rollout on it, and differs from the
+    base model's episode."""
     from peft import LoraConfig, get_peft_model  # noqa: PLC0415 (only this test needs PEFT)
 
-    model, tokenizer = policy
+    model, tokenizer = any_policy
     base_model = KDAMoEForCausalLM.from_pretrained(model.name_or_path, dtype=torch.float32).eval()
     plan = {0: [_call("add", a=2, b=3)]}
     specs = [EpisodeSpec(_prompt(tokenizer, 0), tools={"add": add}, schemas=SCHEMAS, seed=0)]
@@ -372,7 +475,7 @@ def test_engine_decodes_through_a_peft_adapter(policy):
     plain = _engine(base_model, tokenizer, plan, config, slots=1, budget=80, rounds=2).run(specs)[0]
     torch.manual_seed(3)
     lora = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                      target_modules=["q_proj", "v_proj", "kv_b_proj", "kv_a_proj", "o_proj", "down_proj"])
+                      target_modules=["q_proj", "q_b_proj", "v_proj", "kv_b_proj", "kv_a_proj", "o_proj", "down_proj"])
     peft_model = get_peft_model(base_model, lora).eval()
     got = _engine(peft_model, tokenizer, plan, config, slots=1, budget=80, rounds=2).run(specs)[0]
     want = _reference(peft_model, tokenizer, plan, config, specs, budget=80, rounds=2)[0]
@@ -380,15 +483,30 @@ def test_engine_decodes_through_a_peft_adapter(policy):
     assert max(abs(a - b) for a, b in zip(got["logprobs"], plain["logprobs"], strict=False)) > 1e-3
 
 
-def test_slot_bytes_is_the_documented_arithmetic(policy):
-    model, _ = policy
+class RowWidths(RolloutEngine):
+    """Records the (width, bytes per element) of every MLA row buffer an episode holds after a step."""
+
+    def _step(self, runnable):
+        super()._step(runnable)
+        self.row_layout = getattr(self, "row_layout", set()) | {
+            (rows.data.shape[1], rows.data.element_size()) for e in runnable for rows in e.own.values()}
+
+
+def test_slot_bytes_is_the_documented_arithmetic(any_policy):
+    """docs/post-training.md's per-slot memory: the KDA states, and per own token and MLA layer one row of
+    ``kv_lora_rank + qk_rope_head_dim`` values (the shared key part, 8 wide on the Kimi-options model) — the width
+    the engine's row buffers really have."""
+    model, tokenizer = any_policy
     c = model.config
-    engine = RolloutEngine(model, GREEDY, num_slots=3, eos_token_ids=[2], max_completion_length=8)
+    engine = RowWidths(model, GREEDY, num_slots=3, eos_token_ids=[2], max_completion_length=2)
     n_kda, n_mla = c.layer_types.count("linear_attention"), c.layer_types.count("full_attention")
     H, K, W = c.kda_num_heads, c.kda_head_dim, c.kda_short_conv_kernel_size
     kda = n_kda * (H * K * K * 4 + 3 * H * K * W * 4)  # float32 recurrent state, float32 (model dtype) conv window
+    row = c.kv_lora_rank + c.qk_rope_head_dim
     assert engine.slot_bytes() == kda
-    assert engine.slot_bytes(own_tokens=10) == kda + 10 * n_mla * c.kv_lora_rank * 4
+    assert engine.slot_bytes(own_tokens=10) == kda + 10 * n_mla * row * 4
+    engine.run([EpisodeSpec(_prompt(tokenizer, 0)), EpisodeSpec(_prompt(tokenizer, 1))])
+    assert engine.row_layout == {(row, 4)}
 
 
 def test_engine_refuses_bad_arguments(policy):
