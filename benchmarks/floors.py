@@ -438,6 +438,14 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def step_total(rows: list[dict]) -> tuple[float, float, float]:
+    """``(floor µs, measured µs, H100 floor µs)`` per step over the rows that have a measured time, the fused KDA
+    rows left out (their stages are rows of their own), each row's per-call numbers times its calls."""
+    picked = [d for d in rows if d["measured_us"] is not None and "fused" not in d["op"]]
+    return (sum(d["H200_floor_us"] * d["calls"] for d in picked), sum(d["measured_us"] * d["calls"] for d in picked),
+            sum(d["H100_floor_us"] * d["calls"] for d in picked))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=32768, help="T per call for both shapes (default 32768)")
@@ -449,6 +457,11 @@ def main(argv=None) -> int:
     shapes = (replace(OURS, tokens=a.tokens), replace(K3, tokens=a.tokens))
     rows = table(shapes, load_profile(a.profile) if os.path.isfile(a.profile) else None)
     print(markdown(rows))
+    floor, measured, floor_h100 = step_total(rows)
+    if measured:
+        print(f"\nPer step, over the rows with a measured time: floor {floor / 1e3:.1f} ms on the H200 "
+              f"({floor_h100 / 1e3:.1f} on the H100), measured {measured / 1e3:.1f} ms on the H200 "
+              f"({measured / floor:.2f}× the floor).")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
