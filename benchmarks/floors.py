@@ -25,6 +25,10 @@ experts. The issue fixes no K3 hidden size or MLA shape; those two follow ``memo
 and ``E / E_local`` = 8 ranks each holding T tokens, one rank's experts receive ``T·k`` rows (``T·k·E_local/E`` from
 each of the 8 ranks).
 
+Sources of the math: the chunked KDA stages follow ``kdamoe/kernels/kda/chunk.py`` (Kimi Linear report §3, the WY
+representation of Yang et al.'s gated delta rule); the attention backward is FlashAttention's (Dao et al.: QKᵀ
+recomputed, five products); a unit-triangular inverse of order C costs C³/3 FLOP (Golub & Van Loan, §3.1).
+
 Rates: ``DEVICES`` — matrix rate and copy bandwidth measured in this workplace (the device notes), float32 SIMT rate
 from the vendor's datasheet (no measurement here).
 
@@ -89,22 +93,27 @@ class ModelShape:
     chunk: int = 64
     conv_width: int = 4
 
+    def __post_init__(self):
+        _check(**{k: v for k, v in asdict(self).items() if k != "name"})
+        if self.local_experts > self.experts:
+            raise ValueError(f"local_experts {self.local_experts} exceeds experts {self.experts}")
+
     @property
     def routed_rows(self) -> int:
         """Rows through this rank's experts: T·k (balanced routing; see the module docstring)."""
         return self.tokens * self.top_k
 
 
-OURS = ModelShape("ours", tokens=32768, hidden=1024, kda_heads=8, kda_dim=128, mla_heads=8, mla_dim=128, kv_rank=256,
-                  experts=64, local_experts=64, top_k=8, latent=1024, inter=512, vocab=32000)
-K3 = ModelShape("K3", tokens=32768, hidden=7168, kda_heads=96, kda_dim=128, mla_heads=64, mla_dim=128, kv_rank=512,
-                experts=896, local_experts=112, top_k=16, latent=3584, inter=3072, vocab=163840)
-
-
 def _check(**dims):
     for name, value in dims.items():
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+OURS = ModelShape("ours", tokens=32768, hidden=1024, kda_heads=8, kda_dim=128, mla_heads=8, mla_dim=128, kv_rank=256,
+                  experts=64, local_experts=64, top_k=8, latent=1024, inter=512, vocab=32000)
+K3 = ModelShape("K3", tokens=32768, hidden=7168, kda_heads=96, kda_dim=128, mla_heads=64, mla_dim=128, kv_rank=512,
+                experts=896, local_experts=112, top_k=16, latent=3584, inter=3072, vocab=163840)
 
 
 # ------------------------------------------------------------------------------------------------ the formulas

@@ -5,6 +5,7 @@ on explicit PyTorch versions of the same products (an independent count: it sees
 taken from the script's own output.
 """
 
+import dataclasses
 import math
 import os
 import sys
@@ -126,4 +127,8 @@ def test_measured_column_and_bad_input():
         floors.gemm(3, 0, 7)
     with pytest.raises(ValueError, match="C must be a positive int, got -4"):
         floors.kda_stages(64, 1, 16, -4)
+    with pytest.raises(ValueError, match="tokens must be positive, got 0"):
+        floors.main(["--tokens", "0"])
+    with pytest.raises(ValueError, match="inter must be a positive int, got -1"):
+        dataclasses.replace(floors.K3, inter=-1)
     assert math.isfinite(floors.floor_us(row, floors.DEVICES[1])[0])
