@@ -20,8 +20,8 @@ Conventions (the docs say why):
 Shapes: ``OURS`` is ``harness.Shape`` (the 1.68 B model of ``bench_e2e.py``: hidden 1,024, 12 KDA layers of 8 × 128,
 4 MLA layers of 8 heads × 128, 15 MoE layers of 64 experts top-8, width 512, no latent). ``K3`` is the issue's K3
 shape: KDA 96 × 128; 896 experts top-16 in a 3,584-wide latent, expert width 3,072, one expert-parallel rank's 112
-experts. The issue fixes no K3 hidden size or MLA shape; those two follow ``memory_per_rank.py``'s assumption
-(Kimi K2's published hidden size 7,168; 64 MLA heads of 128), marked "assumed" in the table. With balanced routing
+experts. The issue fixes no K3 hidden size, vocabulary or MLA shape; those follow ``memory_per_rank.py``'s
+assumption (Kimi K2's published hidden size 7,168 and vocabulary 163,840; 64 MLA heads of 128), marked "assumed". With balanced routing
 and ``E / E_local`` = 8 ranks each holding T tokens, one rank's experts receive ``T·k`` rows (``T·k·E_local/E`` from
 each of the 8 ranks).
 
