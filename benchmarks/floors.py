@@ -21,9 +21,9 @@ Shapes: ``OURS`` is ``harness.Shape`` (the 1.68 B model of ``bench_e2e.py``: hid
 4 MLA layers of 8 heads × 128, 15 MoE layers of 64 experts top-8, width 512, no latent). ``K3`` is the issue's K3
 shape: KDA 96 × 128; 896 experts top-16 in a 3,584-wide latent, expert width 3,072, one expert-parallel rank's 112
 experts. The issue fixes no K3 hidden size, vocabulary or MLA shape; those follow ``memory_per_rank.py``'s
-assumption (Kimi K2's published hidden size 7,168 and vocabulary 163,840; 64 MLA heads of 128), marked "assumed". With balanced routing
-and ``E / E_local`` = 8 ranks each holding T tokens, one rank's experts receive ``T·k`` rows (``T·k·E_local/E`` from
-each of the 8 ranks).
+assumption (Kimi K2's published hidden size 7,168 and vocabulary 163,840; 64 MLA heads of 128), marked "assumed".
+With balanced routing and ``E / E_local`` = 8 ranks each holding T tokens, one rank's experts receive ``T·k`` rows
+(``T·k·E_local/E`` from each of the 8 ranks).
 
 Sources of the math: the chunked KDA stages follow ``kdamoe/kernels/kda/chunk.py`` (Kimi Linear report §3, the WY
 representation of Yang et al.'s gated delta rule); the attention backward is FlashAttention's (Dao et al.: QKᵀ
