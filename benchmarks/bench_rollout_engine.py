@@ -164,7 +164,7 @@ class EngineRecorder(Recorder):
             if isinstance(e, dict) and "step_ms" in e:
                 r = ratios.get(f"decode step {key} vs 1 slot", {})
                 pred = _predict_ms(fit, 1, e.get("slots", 0), e.get("rows_per_step", 0))
-                lines.append(f"| {key}{' (warm-up)' if e.get('warm_up') else ''} | {e.get('slots')} | "
+                lines.append(f"| {key} | {e.get('slots')} | "
                              f"{e.get('groups')} | {label(e.get('context', 0))} | {fmt(e['step_ms'])} | "
                              f"{fmt(r.get('ratio'))} | {fmt(pred)} | {fmt(e.get('prefill_s'))} |")
             else:
@@ -177,7 +177,7 @@ class EngineRecorder(Recorder):
                   "| context | way | round s | tokens/s | peak GiB | predicted s | measured / predicted | projected | "
                   "engine speed-up | same tokens as engine |", "|---|---|---|---|---|---|---|---|---|---|"]
         for key, entry in doc["raw"].get("round", {}).items():
-            if not isinstance(entry, dict):
+            if not isinstance(entry, dict) or "error" in entry:
                 lines.append(f"| {key} | {entry} | | | | | | | | |")
                 continue
             engine = entry.get("engine") if isinstance(entry.get("engine"), dict) else {}
@@ -192,10 +192,16 @@ class EngineRecorder(Recorder):
                         else "no")
                 lines.append(f"| {key} | {way} | {fmt(e['round_s'])} | {fmt(e.get('tokens_per_s'))} | "
                              f"{fmt(e.get('peak_gib'))} | {fmt(e.get('predicted_s'))} | {fmt(ratio)} | {what} | "
-                             f"{fmt(speedup)} | {e.get('same_tokens_as_engine', '')} |")
+                             f"{fmt(speedup)} | {_same(e)} |")
         if doc.get("notes"):
             lines += ["", "## Notes", ""] + [f"- {k}: {v}" for k, v in doc["notes"].items() if k != "fit"]
         return "\n".join(lines) + "\n"
+
+
+def _same(e: dict) -> str:
+    if "same_tokens_as_engine" not in e:
+        return ""
+    return f"{e['same_tokens_as_engine']} of {e['same_tokens_of']} episodes"
 
 
 def _predict_ms(fit, forwards, tokens, rows):
@@ -219,12 +225,12 @@ def env_tool() -> str:
 class Task:
     """The round's fixed inputs: prompts, the tool-turn ids, the generation config, the completion budget."""
 
-    def __init__(self, bench: Bench, context: int, prompts: int):
+    def __init__(self, bench: Bench, context: int, prompts: int, turns: int | None = None):
         a = bench.args
-        self.context, self.turns, self.gen = context, a.turns, a.gen_tokens
+        self.context, self.turns, self.gen = context, turns or a.turns, a.gen_tokens
         self.prompts = [bench.ids(1, context)[0].tolist() for _ in range(prompts)]
         self.result_ids = bench.ids(1, a.result_tokens)[0].tolist()
-        self.budget = a.turns * a.gen_tokens + (a.turns - 1) * a.result_tokens
+        self.budget = self.turns * a.gen_tokens + (self.turns - 1) * a.result_tokens
         self.config = GenerationConfig(do_sample=False, max_new_tokens=a.gen_tokens, min_new_tokens=a.gen_tokens,
                                        eos_token_id=2, pad_token_id=0, bos_token_id=1)
 
@@ -455,54 +461,85 @@ def predicted_forwards(way: str, task: Task, episodes: int, chunk: int) -> tuple
     return F, T, rows
 
 
+def play(bench: Bench, model, way: str, task: Task, episodes: int, share_s: float) -> tuple[dict, list]:
+    """One way's round of ``episodes`` episodes on ``task``: ``(measurements, completion ids per played episode)``;
+    the measurements hold the cost model's ``forwards``, ``tokens`` and ``rows`` of the round."""
+    a = bench.args
+    if way == "engine":
+        engine = make_engine(model, task, a.slots or episodes, tools=True)
+        steps = instrument(engine, bench, timed=False)
+        bench.sync()
+        t0 = time.perf_counter()
+        results = engine.run(specs_for(task, episodes // len(task.prompts), tools=True))
+        bench.sync()
+        out = {"round_s": time.perf_counter() - t0, "projected": False, "stats": dict(engine.stats),
+               "ended": sorted({r["ended"] for r in results}), "forwards": len(steps),
+               "tokens": sum(e["tokens"] for e in steps), "rows": sum(e["rows"] for e in steps)}
+        got = [r["completion_ids"] for r in results]
+    else:
+        out = (run_cached if way == "cached" else run_trl)(bench, model, task, episodes, share_s)
+        got = out.pop("completions") or []
+        chunk = model.config.prefill_chunk_size or 1 << 62
+        out["forwards"], out["tokens"], out["rows"] = predicted_forwards(way, task, episodes, chunk)
+    out["completion_lengths"] = sorted({len(c) for c in got})
+    return out, got
+
+
+def first_unit_s(bench: Bench, way: str, task: Task, episodes: int) -> float:
+    """Seconds the first indivisible piece of a way is guessed to take (the whole engine round, one cached episode,
+    TRL's first turn): its prefill tokens at ``--prefill-tok-s`` plus 10 ms per decode forward, plus 10 s."""
+    a = bench.args
+    decodes = task.turns * task.gen * 0.01
+    prefill = {"engine": len(task.prompts) * task.context, "cached": task.context, "trl": episodes * task.context}
+    return bench.est(10 + prefill[way] / a.prefill_tok_s + (decodes if way != "trl" else decodes / task.turns))
+
+
 def run_round(bench: Bench, model) -> None:
     a, rec = bench.args, bench.rec
     episodes = a.prompts * a.generations
     generated = episodes * a.turns * a.gen_tokens
-    chunk = model.config.prefill_chunk_size or 1 << 62
+    # untimed warm-up of every way at --warm-context, two turns, the round's batch shapes (the engine's tool-turn
+    # steps, generate's decode graphs at batch 1 and at every row of TRL's batch): compiles and captures go here
+    t0 = time.perf_counter()
+    for way in a.ways:
+        try:
+            count = 1 if way == "cached" else episodes
+            play(bench, model, way, Task(bench, a.warm_context, 1 if way == "cached" else a.prompts, turns=2),
+                 count, 1e9)
+        except Exception:
+            rec.error("round", f"warm-up {way}")
+    rec.notes["round warm-up"] = f"{time.perf_counter() - t0:.1f} s at {label(a.warm_context)}, two turns per way"
+    bench.free()
     for C in a.contexts:
         key = label(C)
         task = Task(bench, C, a.prompts)
         entry = rec.raw.setdefault("round", {}).setdefault(key, {})
         engine_tokens = None
         for way in a.ways:
-            fit = rec.notes.get("fit")
-            need = {"engine": 20 + a.prompts * C / 10000, "cached": 30, "trl": 30}[way]
-            if rec.left() < bench.est(need):
+            need = first_unit_s(bench, way, task, episodes)
+            if rec.left() < need:
                 entry[way] = f"skipped: time ({rec.left():.0f} s left, needs ~{need:.0f} s)"
                 rec.put("round", key, entry)
+                print(f"round {key} {way}: {entry[way]}", flush=True)
                 continue
             try:
                 _peak_reset(bench)
+                out, got = play(bench, model, way, task, episodes, a.peer_s)
                 if way == "engine":
-                    engine = make_engine(model, task, a.slots or episodes, tools=True)
-                    steps = instrument(engine, bench, timed=False)
-                    bench.sync()
-                    t0 = time.perf_counter()
-                    results = engine.run(specs_for(task, a.generations, tools=True))
-                    bench.sync()
-                    out = {"round_s": time.perf_counter() - t0, "projected": False, "stats": dict(engine.stats),
-                           "ended": sorted({r["ended"] for r in results})}
-                    engine_tokens = [r["completion_ids"] for r in results]
-                    counts = (len(steps), sum(e["tokens"] for e in steps), sum(e["rows"] for e in steps))
-                    del engine
-                else:
-                    share = a.peer_s
-                    run = run_cached if way == "cached" else run_trl
-                    out = run(bench, model, task, episodes, share)
-                    got = out.pop("completions")
-                    if engine_tokens is not None and got is not None:
-                        out["same_tokens_as_engine"] = sum(x == y for x, y in zip(got, engine_tokens, strict=False))
-                        out["same_tokens_of"] = len(got)
-                    counts = predicted_forwards(way, task, episodes, chunk)
-                out.update(peak_gib=_peak(bench), tokens_per_s=generated / out["round_s"],
-                           forwards=counts[0], tokens=counts[1], rows=counts[2])
+                    engine_tokens = got
+                elif engine_tokens is not None:
+                    out["same_tokens_as_engine"] = sum(x == y for x, y in zip(got, engine_tokens, strict=False))
+                    out["same_tokens_of"] = len(got)
+                out.update(peak_gib=_peak(bench), tokens_per_s=generated / out["round_s"])
+                fit = rec.notes.get("fit")
                 if isinstance(fit, dict):
-                    out["predicted_s"] = 1e-3 * _predict_ms(fit, *counts)
+                    out["predicted_s"] = 1e-3 * _predict_ms(fit, out["forwards"], out["tokens"], out["rows"])
                 entry[way] = out
                 rec.put("round", key, entry)
             except Exception:
-                rec.error("round", f"{key} {way}")
+                rec.error("round", f"{key} {way}")  # the traceback to the log; the error line into the entry
+                entry[way] = rec.raw["round"].pop(f"{key} {way}")
+                rec.put("round", key, entry)
             print(f"round {key} {way}: {entry.get(way)}", flush=True)
 
 
@@ -521,6 +558,8 @@ def parse_args(argv=None):
     p.add_argument("--slots", type=int, default=0, help="engine slots in the round (0: one per episode)")
     p.add_argument("--peer-s", type=float, default=None,
                    help="seconds each peer may spend per context before its round is projected (default 45)")
+    p.add_argument("--prefill-tok-s", type=float, default=50000.0,
+                   help="prefill tokens/s the deadline guesses with (default 50000: bench_long_rl's 1M re-prefill)")
     p.add_argument("--step-slots", type=ints, default=None, help="active slots of the decode steps (default 1,8,32,64)")
     p.add_argument("--step-context", type=int, default=None, help="prompt tokens before the decode steps (default 32K)")
     p.add_argument("--warm-context", type=int, default=None, help="the compile run's prompt tokens (default 1K)")
@@ -541,8 +580,8 @@ def parse_args(argv=None):
     check_at_least(p, a, ("step_tokens",), low=2)
     if not a.contexts or min(a.contexts) < 1 or not a.step_slots or min(a.step_slots) < 1:
         p.error(f"--contexts and --step-slots must be positive lengths / counts (got {a.contexts}, {a.step_slots})")
-    if not a.peer_s > 0:
-        p.error(f"--peer-s must be > 0 seconds (got {a.peer_s})")
+    if not a.peer_s > 0 or not a.prefill_tok_s > 0:
+        p.error(f"--peer-s and --prefill-tok-s must be > 0 (got {a.peer_s}, {a.prefill_tok_s})")
     if "cached" in a.ways and "engine" in a.ways and a.ways.index("cached") < a.ways.index("engine"):
         p.error("--ways: the engine runs before the peers (their tokens are compared with its)")
     return a
