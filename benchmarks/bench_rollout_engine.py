@@ -86,7 +86,10 @@ import types
 from unittest import mock
 
 import torch
+import trl.trainer.grpo_trainer as trl_grpo
+from accelerate import Accelerator
 from transformers import GenerationConfig
+from trl import GRPOTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,10 +108,6 @@ from harness import (  # noqa: E402  (the benchmarks folder is not a package)
     run_parts,
     start_run,
 )
-
-import trl.trainer.grpo_trainer as trl_grpo  # noqa: E402  (after harness: the repo on sys.path first)
-from accelerate import Accelerator  # noqa: E402
-from trl import GRPOTrainer  # noqa: E402
 
 from kdamoe.posttraining import rollout as cached_module  # noqa: E402
 from kdamoe.posttraining.engine import EpisodeSpec, RolloutEngine  # noqa: E402
@@ -487,9 +486,12 @@ def play(bench: Bench, model, way: str, task: Task, episodes: int, share_s: floa
 
 def first_unit_s(bench: Bench, way: str, task: Task, episodes: int) -> float:
     """Seconds the first indivisible piece of a way is guessed to take (the whole engine round, one cached episode,
-    TRL's first turn): its prefill tokens at ``--prefill-tok-s`` plus 10 ms per decode forward, plus 10 s."""
+    TRL's first turn): its prefill tokens at ``--prefill-tok-s`` plus 10 ms per decode forward, plus 10 s; the
+    engine's decode steps also pay 50 ns per id of every episode's sequence (its per-episode sampling builds a
+    tensor of the whole sequence from a Python list every step: ~130 ns an id measured on a loaded CPU core)."""
     a = bench.args
-    decodes = task.turns * task.gen * 0.01
+    host = 50e-9 * episodes * task.context if way == "engine" else 0.0
+    decodes = task.turns * task.gen * (0.01 + host)
     prefill = {"engine": len(task.prompts) * task.context, "cached": task.context, "trl": episodes * task.context}
     return bench.est(10 + prefill[way] / a.prefill_tok_s + (decodes if way != "trl" else decodes / task.turns))
 
@@ -561,9 +563,11 @@ def parse_args(argv=None):
     p.add_argument("--prefill-tok-s", type=float, default=50000.0,
                    help="prefill tokens/s the deadline guesses with (default 50000: bench_long_rl's 1M re-prefill)")
     p.add_argument("--step-slots", type=ints, default=None, help="active slots of the decode steps (default 1,8,32,64)")
-    p.add_argument("--step-context", type=int, default=None, help="prompt tokens before the decode steps (default 32K)")
+    p.add_argument("--step-context", type=int, default=None,
+                   help="prompt tokens before the decode steps (default 32K)")
     p.add_argument("--warm-context", type=int, default=None, help="the compile run's prompt tokens (default 1K)")
-    p.add_argument("--step-tokens", type=int, default=None, help="tokens generated per slot in a steps run (default 16)")
+    p.add_argument("--step-tokens", type=int, default=None,
+                   help="tokens generated per slot in a steps run (default 16)")
     a = p.parse_args(argv)
     t = a.tiny
     defaults = dict(contexts=[48, 96] if t else [4 * K, 32 * K, 128 * K], prompts=2 if t else 8,

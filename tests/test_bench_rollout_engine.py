@@ -29,7 +29,8 @@ def _errors(raw: dict) -> dict:
             if isinstance(value, dict) and "error" in value:
                 found[f"{group}/{key}"] = value
             elif isinstance(value, dict):
-                found.update({f"{group}/{key}/{w}": v for w, v in value.items() if isinstance(v, dict) and "error" in v})
+                found.update({f"{group}/{key}/{w}": v for w, v in value.items()
+                              if isinstance(v, dict) and "error" in v})
     return found
 
 
