@@ -54,8 +54,11 @@ Parts (``--only``, comma list, run in the order given; default the cheapest and 
 The cost model (docs/post-training.md, "Cost of a GRPO round"): a forward costs ``a + b · tokens + c · rows``, with
 ``a`` the fixed part (reading the active weights once, launches, host work), ``b`` per token of the forward and
 ``c`` per MLA row read (a group's prefix once per step, each sequence's own rows; one layer's rows counted, the
-constant covers all MLA layers). ``a, b, c`` are fitted by least squares (``torch.linalg.lstsq``) to every recorded
-decode step of ``steps`` (slot counts × contexts), then each way's round is predicted from its forwards:
+constant covers all MLA layers). ``a, b, c`` are fitted by least squares (``torch.linalg.lstsq``) to the decode
+steps of ``steps``, one point per run (its median step, tokens and rows: the slot counts after ``--step-context``
+and the warm-up after ``--warm-context``, whose few rows per slot separate ``b`` from ``c``), then each way's round
+is predicted from its forwards (a run without ``steps`` extending an earlier results file, ``--continue-from``,
+takes that file's fit):
 
 * ``engine``: the forwards the round actually ran (the wrapped ``_forward`` counts each step's tokens and rows);
 * ``cached``: per episode, a prefill of ``C`` tokens (``ceil(C / prefill_chunk_size)`` forwards of the model's
@@ -69,7 +72,8 @@ and a long prefill costs more per row than the per-row read the model charges, s
 engine's cost per forward applied to the peers' forwards, and the measured / predicted ratio shows where that
 account fails.
 
-Writes ``rollout_engine.json`` (``raw``: every number; ``rows``; ``fit``) and ``rollout_engine.md`` into ``--out``.
+Writes ``rollout_engine.json`` (``raw``: every number; ``rows``; ``notes.fit``: the cost model's constants) and
+``rollout_engine.md`` into ``--out``.
 
     python3 benchmarks/bench_rollout_engine.py --out "$OUT"                    # one GPU (deadline --budget-s)
     python benchmarks/bench_rollout_engine.py --tiny --device cpu --out DIR    # CPU smoke test: tiny shapes
@@ -79,6 +83,7 @@ import argparse
 import contextlib
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -171,7 +176,8 @@ class EngineRecorder(Recorder):
         if fit:
             lines += ["", f"Cost model fit (per forward, s = a + b·tokens + c·rows): a = {fmt(fit['a_ms'])} ms, "
                       f"b = {fmt(fit['b_us_per_token'])} µs/token, c = {fmt(fit['c_ns_per_row'])} ns/row, over "
-                      f"{fit['points']} decode steps; largest relative residual {fmt(fit['max_rel_residual'])}."]
+                      f"{fit['points']} runs' median decode steps; largest relative residual "
+                      f"{fmt(fit['max_rel_residual'])}."]
         lines += ["", "## GRPO round", "",
                   "| context | way | round s | tokens/s | peak GiB | predicted s | measured / predicted | projected | "
                   "engine speed-up | same tokens as engine |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -317,7 +323,9 @@ def run_steps(bench: Bench, model, fits: list) -> None:
                      "rows_per_step": statistics.median(e["rows"] for e in kept),
                      "prefill_s": sum(e["s"] for e in steps if not e["decode"]), "run_s": wall,
                      "peak_gib": _peak(bench)}
-            fits.extend(kept)
+            # one point per run, its medians: a straggler step (a late compile) moves a median, not the fit
+            fits.append({"tokens": statistics.median(e["tokens"] for e in kept),
+                         "rows": entry["rows_per_step"], "s": statistics.median(e["s"] for e in kept)})
             rec.put("steps", key, entry)
             del engine
         except Exception:
@@ -327,8 +335,8 @@ def run_steps(bench: Bench, model, fits: list) -> None:
 
 
 def fit_cost_model(rec: Recorder, points: list) -> None:
-    """Least-squares ``s = a + b·tokens + c·rows`` over the timed decode steps (module docstring); recorded in the
-    notes as ``fit`` once three distinct points exist."""
+    """Least-squares ``s = a + b·tokens + c·rows`` over the runs' median decode steps (module docstring); recorded
+    in the notes as ``fit`` once three independent points exist."""
     x = torch.tensor([[1.0, p["tokens"], p["rows"]] for p in points], dtype=torch.float64)
     if len(points) < 3 or torch.linalg.matrix_rank(x) < 3:
         return
@@ -338,8 +346,9 @@ def fit_cost_model(rec: Recorder, points: list) -> None:
     rec.notes["fit"] = {"a_ms": 1e3 * float(sol[0]), "b_us_per_token": 1e6 * float(sol[1]),
                         "c_ns_per_row": 1e9 * float(sol[2]), "points": len(points),
                         "max_rel_residual": float(residual),
-                        "how": "torch.linalg.lstsq of step seconds on [1, tokens, rows] over the timed decode steps "
-                               "of the 'steps' part (the first two of each run dropped)"}
+                        "how": "torch.linalg.lstsq of step seconds on [1, tokens, rows], one point per run of the "
+                               "'steps' part: the medians of its decode steps with every slot active (the first two "
+                               "dropped)"}
     rec.save()
 
 
@@ -560,6 +569,9 @@ def parse_args(argv=None):
     p.add_argument("--slots", type=int, default=0, help="engine slots in the round (0: one per episode)")
     p.add_argument("--peer-s", type=float, default=None,
                    help="seconds each peer may spend per context before its round is projected (default 45)")
+    p.add_argument("--continue-from", default=None,
+                   help="an earlier rollout_engine.json to extend (its measurements kept, its cost-model fit used "
+                        "when this run has no 'steps' part)")
     p.add_argument("--prefill-tok-s", type=float, default=50000.0,
                    help="prefill tokens/s the deadline guesses with (default 50000: bench_long_rl's 1M re-prefill)")
     p.add_argument("--step-slots", type=ints, default=None, help="active slots of the decode steps (default 1,8,32,64)")
@@ -584,6 +596,8 @@ def parse_args(argv=None):
     check_at_least(p, a, ("step_tokens",), low=2)
     if not a.contexts or min(a.contexts) < 1 or not a.step_slots or min(a.step_slots) < 1:
         p.error(f"--contexts and --step-slots must be positive lengths / counts (got {a.contexts}, {a.step_slots})")
+    if a.continue_from and not os.path.isfile(a.continue_from):
+        p.error(f"--continue-from {a.continue_from!r}: no such file")
     if not a.peer_s > 0 or not a.prefill_tok_s > 0:
         p.error(f"--peer-s and --prefill-tok-s must be > 0 (got {a.peer_s}, {a.prefill_tok_s})")
     if "cached" in a.ways and "engine" in a.ways and a.ways.index("cached") < a.ways.index("engine"):
@@ -593,9 +607,17 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    target = os.path.join(a.out, f"{EngineRecorder.stem}.json")
+    if a.continue_from and os.path.abspath(a.continue_from) != os.path.abspath(target):
+        os.makedirs(a.out, exist_ok=True)
+        shutil.copyfile(a.continue_from, target)  # the recorder extends the file it finds in --out
     bench = start_run(a, EngineRecorder, {k: getattr(a, k) for k in (
         "contexts", "ways", "prompts", "generations", "turns", "result_tokens", "gen_tokens", "slots", "peer_s",
         "step_slots", "step_context", "warm_context", "step_tokens")})
+    calls = bench.rec.notes.setdefault("calls", [])
+    calls.append({"gpu": bench.rec.stack.get("gpu"), "only": a.only, "contexts": a.contexts, "ways": a.ways})
+    if len({c["gpu"] for c in calls}) > 1:
+        bench.rec.notes["warning"] = "the calls in this file ran on different devices: compare within one call only"
     bench.rec.save()
     shared, fits = {}, []
 

@@ -70,16 +70,28 @@ def test_bench_rollout_engine_tiny_records_both_parts(tmp_path):
         assert e["step_ms"] > 0 and len(e["step_ms_all"]) == s["step_tokens"] - 1, (key, e)
     assert (steps["4 slots after 64"]["groups"], steps["2 slots after 64"]["groups"]) == (2, 1)
     fit = doc["notes"]["fit"]
-    assert fit["points"] == 4 * (s["step_tokens"] - 1 - 2)  # the first two decode steps of each run are dropped
+    assert fit["points"] == 4  # one per run: the medians of its decode steps
     assert all(math.isfinite(fit[k]) for k in ("a_ms", "b_us_per_token", "c_ns_per_row"))
     assert "predicted_s" in round_["engine"]
     assert str(tmp_path) not in text and ROOT not in text  # no path of this machine in a results file
 
 
 def test_bench_rollout_engine_projects_a_peer_past_its_time_share(tmp_path):
+    """A peer past its time share plays one unit (an episode, a turn) and is projected from it; the round's
+    predictions come from the fit of the earlier file it extends (``--continue-from``): a·forwards + b·tokens +
+    c·rows."""
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"notes": {"fit": {"a_ms": 2.0, "b_us_per_token": 30.0, "c_ns_per_row": 5.0,
+                                                     "points": 5, "max_rel_residual": 0.1}}}))
+    out = tmp_path / "out"
     bench = load_script("bench_rollout_engine")
-    assert bench.main(TINY + ["--only", "round", "--peer-s", "1e-9", "--out", str(tmp_path)]) == 0
-    round_ = json.loads((tmp_path / "rollout_engine.json").read_text())["raw"]["round"]["48"]
+    assert bench.main(TINY + ["--only", "round", "--peer-s", "1e-9", "--continue-from", str(earlier),
+                              "--out", str(out)]) == 0
+    round_ = json.loads((out / "rollout_engine.json").read_text())["raw"]["round"]["48"]
+    for way in ("engine", "cached", "trl"):
+        e = round_[way]
+        assert math.isclose(e["predicted_s"], 2e-3 * e["forwards"] + 30e-6 * e["tokens"] + 5e-9 * e["rows"],
+                            rel_tol=1e-9), (way, e)
     cached, trl = round_["cached"], round_["trl"]
     assert cached["projected"] and cached["episodes_measured"] == 1
     assert math.isclose(cached["round_s"], 4 * cached["episodes_s"][0], rel_tol=1e-12)
