@@ -41,13 +41,15 @@ its tokens equal the engine's (greedy; bf16 kernels of different batch shapes ma
 Parts (``--only``, comma list, run in the order given; default the cheapest and most telling first):
 
 ``steps``
-    The engine's decode step against the number of active slots, ``--step-slots`` (1, 8, 32, 64) after a
+    The engine's decode step (the forward, then sampling each slot's next token; the forward alone is recorded
+    too, ``forward_ms``) against the number of active slots, ``--step-slots`` (1, 8, 32, 64) after a
     ``--step-context`` (32K) prompt, the slots in groups of ``--generations`` sharing it (as in a round: a group's
     prompt is prefilled once and its MLA rows are read once per step for the whole group). Each count is one
-    ``engine.run`` of ``--step-tokens`` generated tokens per episode (no tools); the engine's ``_forward`` is
-    wrapped to synchronize and time every step, and the decode step's time is the median of the steps in which
-    every slot decoded one token (the first two dropped: Triton compiles per specialisation). An untimed run at
-    ``--warm-context`` first compiles the kernels; its decode steps are recorded too and enter the fit.
+    ``engine.run`` of ``--step-tokens`` generated tokens per episode (no tools); the engine's ``_step`` and
+    ``_forward`` are wrapped to synchronize and time every step, and the decode step's time is the median of the
+    steps in which every slot decoded one token (the first two dropped: Triton compiles per specialisation). An
+    untimed run at ``--warm-context`` first compiles the kernels; its decode steps are recorded too and enter the
+    fit.
 ``round``
     The GRPO round above at each of ``--contexts``, ``--ways`` (engine, cached, trl) in turn.
 
@@ -161,18 +163,18 @@ class EngineRecorder(Recorder):
                  f"{s.get('generations')} generations, {s.get('turns')} turns of {s.get('gen_tokens')} generated "
                  f"tokens with {s.get('result_tokens')} tool-result tokens between turns, greedy, forced lengths.", "",
                  "## Decode step against active slots", "",
-                 "| case | slots | groups | context | step ms | × 1 slot | predicted ms | prefill s |",
-                 "|---|---|---|---|---|---|---|---|"]
+                 "| case | slots | groups | context | step ms | forward ms | × 1 slot | predicted ms | prefill s |",
+                 "|---|---|---|---|---|---|---|---|---|"]
         ratios = {r["name"]: r for r in doc["rows"]}
         for key, e in doc["raw"].get("steps", {}).items():
             if isinstance(e, dict) and "step_ms" in e:
                 r = ratios.get(f"decode step {key} vs 1 slot", {})
                 pred = _predict_ms(fit, 1, e.get("slots", 0), e.get("rows_per_step", 0))
-                lines.append(f"| {key} | {e.get('slots')} | "
-                             f"{e.get('groups')} | {label(e.get('context', 0))} | {fmt(e['step_ms'])} | "
+                lines.append(f"| {key} | {e.get('slots')} | {e.get('groups')} | {label(e.get('context', 0))} | "
+                             f"{fmt(e['step_ms'])} | {fmt(e.get('forward_ms'))} | "
                              f"{fmt(r.get('ratio'))} | {fmt(pred)} | {fmt(e.get('prefill_s'))} |")
             else:
-                lines.append(f"| {key} | {e} | | | | | | |")
+                lines.append(f"| {key} | {e} | | | | | | | |")
         if fit:
             lines += ["", f"Cost model fit (per forward, s = a + b·tokens + c·rows): a = {fmt(fit['a_ms'])} ms, "
                       f"b = {fmt(fit['b_us_per_token'])} µs/token, c = {fmt(fit['c_ns_per_row'])} ns/row, over "
@@ -204,7 +206,7 @@ class EngineRecorder(Recorder):
 
 
 def _same(e: dict) -> str:
-    if "same_tokens_as_engine" not in e:
+    if not e.get("same_tokens_of"):
         return ""
     return f"{e['same_tokens_as_engine']} of {e['same_tokens_of']} episodes"
 
@@ -263,8 +265,10 @@ def make_engine(model, task: Task, slots: int, tools: bool) -> RolloutEngine:
 def instrument(engine: RolloutEngine, bench: Bench, timed: bool) -> list[dict]:
     """Wrap ``engine._forward`` to record each step's cost-model features (sequences, tokens, MLA rows read: each
     group's prefix once, each sequence's own rows and new tokens; one layer's count) and, when ``timed``, its
-    synchronized seconds. Returns the list the steps are appended to."""
-    steps, forward = [], engine._forward
+    synchronized seconds (``forward_s``); with ``timed``, ``engine._step`` is wrapped too, for the whole step's
+    seconds (``s``: the forward, then sampling every episode's next token and the bookkeeping). Returns the list the
+    steps are appended to."""
+    steps, forward, step = [], engine._forward, engine._step
     mla = next((layer.self_attn.layer_idx for layer in engine.backbone.layers
                 if layer.layer_type == "full_attention"), None)
 
@@ -283,11 +287,20 @@ def instrument(engine: RolloutEngine, bench: Bench, timed: bool) -> list[dict]:
         out = forward(feeds)
         if timed:
             bench.sync()
-            entry["s"] = time.perf_counter() - t0
+            entry["forward_s"] = time.perf_counter() - t0
         steps.append(entry)
         return out
 
+    def timed_step(runnable):
+        bench.sync()
+        t0 = time.perf_counter()
+        step(runnable)  # one _forward: its entry is the last one
+        bench.sync()
+        steps[-1]["s"] = time.perf_counter() - t0
+
     engine._forward = wrapped
+    if timed:
+        engine._step = timed_step
     return steps
 
 
@@ -319,6 +332,7 @@ def run_steps(bench: Bench, model, fits: list) -> None:
             kept = decode[2:] if len(decode) > 4 else decode
             entry = {"slots": slots, "groups": groups, "context": context, "warm_up": warm,
                      "step_ms": 1e3 * statistics.median(e["s"] for e in kept),
+                     "forward_ms": 1e3 * statistics.median(e["forward_s"] for e in kept),
                      "step_ms_all": [round(1e3 * e["s"], 3) for e in decode],
                      "rows_per_step": statistics.median(e["rows"] for e in kept),
                      "prefill_s": sum(e["s"] for e in steps if not e["decode"]), "run_s": wall,
