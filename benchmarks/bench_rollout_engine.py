@@ -49,7 +49,8 @@ Parts (``--only``, comma list, run in the order given; default the cheapest and 
     ``_forward`` are wrapped to synchronize and time every step, and the decode step's time is the median of the
     steps in which every slot decoded one token (the first two dropped: Triton compiles per specialisation). An
     untimed run at ``--warm-context`` first compiles the kernels; its decode steps are recorded too and enter the
-    fit.
+    fit. At the largest slot count, ``--profile-steps`` (3) decode steps run under ``torch.profiler`` (left out of
+    the timings): GPU kernel time, kernels and launch calls per step, the top kernels and the top host operators.
 ``round``
     The GRPO round above at each of ``--contexts``, ``--ways`` (engine, cached, trl) in turn.
 
@@ -115,6 +116,9 @@ from harness import (  # noqa: E402  (the benchmarks folder is not a package)
     run_parts,
     start_run,
 )
+from harness import (
+    kernel_summary as harness_kernel_summary,
+)
 
 from kdamoe.posttraining import rollout as cached_module  # noqa: E402
 from kdamoe.posttraining.engine import EpisodeSpec, RolloutEngine  # noqa: E402
@@ -175,6 +179,18 @@ class EngineRecorder(Recorder):
                              f"{fmt(r.get('ratio'))} | {fmt(pred)} | {fmt(e.get('prefill_s'))} |")
             else:
                 lines.append(f"| {key} | {e} | | | | | | | |")
+        for key, e in doc["raw"].get("steps", {}).items():
+            prof = e.get("profile") if isinstance(e, dict) else None
+            if prof:
+                lines += ["", f"## Profile of a decode step, {key} (mean of {prof.get('steps')} steps)", "",
+                          f"GPU kernels {fmt(prof.get('kernel_ms'))} ms per step, {fmt(prof.get('kernels_per_step'))} "
+                          f"kernels, launch calls {prof.get('launch_calls_per_step')}.", "",
+                          "| top kernels | calls | µs | share |", "|---|---|---|---|"]
+                lines += [f"| {r['name']} | {fmt(r['calls'])} | {fmt(r['us'])} | {fmt(r['share'])} |"
+                          for r in prof.get("table", [])]
+                lines += ["", "| top host operators (self CPU) | calls | µs |", "|---|---|---|"]
+                lines += [f"| {r['name']} | {fmt(r['calls'])} | {fmt(r['self_cpu_us'])} |"
+                          for r in prof.get("host_top", [])]
         if fit:
             lines += ["", f"Cost model fit (per forward, s = a + b·tokens + c·rows): a = {fmt(fit['a_ms'])} ms, "
                       f"b = {fmt(fit['b_us_per_token'])} µs/token, c = {fmt(fit['c_ns_per_row'])} ns/row, over "
@@ -324,11 +340,14 @@ def run_steps(bench: Bench, model, fits: list) -> None:
             task.config.max_new_tokens = task.config.min_new_tokens = a.step_tokens
             engine = make_engine(model, task, top, tools=False)
             steps = instrument(engine, bench, timed=True)
+            profile = {}
+            if a.profile_steps and slots == top and not warm:
+                profile_steps(engine, bench, steps, a.profile_steps, profile)
             specs = specs_for(task, a.generations, tools=False)[:slots]
             t0 = time.perf_counter()
             engine.run(specs)
             wall = time.perf_counter() - t0
-            decode = [e for e in steps if e["decode"] and e["sequences"] == slots]
+            decode = [e for e in steps if e["decode"] and e["sequences"] == slots and not e.get("profiled")]
             kept = decode[2:] if len(decode) > 4 else decode
             entry = {"slots": slots, "groups": groups, "context": context, "warm_up": warm,
                      "step_ms": 1e3 * statistics.median(e["s"] for e in kept),
@@ -337,6 +356,8 @@ def run_steps(bench: Bench, model, fits: list) -> None:
                      "rows_per_step": statistics.median(e["rows"] for e in kept),
                      "prefill_s": sum(e["s"] for e in steps if not e["decode"]), "run_s": wall,
                      "peak_gib": _peak(bench)}
+            if profile:
+                entry["profile"] = profile
             # one point per run, its medians: a straggler step (a late compile) moves a median, not the fit
             fits.append({"tokens": statistics.median(e["tokens"] for e in kept),
                          "rows": entry["rows_per_step"], "s": statistics.median(e["s"] for e in kept)})
@@ -346,6 +367,38 @@ def run_steps(bench: Bench, model, fits: list) -> None:
             rec.error("steps", key)
         fit_cost_model(rec, fits)
         print(f"steps {key}: {rec.raw['steps'][key]}", flush=True)
+
+
+def profile_steps(engine: RolloutEngine, bench: Bench, steps: list, n: int, into: dict) -> None:
+    """Profile ``n`` decode steps of ``engine`` (``torch.profiler``, from its third decode step on; wraps
+    ``engine._step`` over :func:`instrument`'s wrapper) and fill ``into`` with ``harness.kernel_summary`` (GPU kernel
+    ms, kernels and launch calls per step, the top kernels) and the top host operators by self CPU time per step.
+    The profiled steps are marked (``profiled``) and left out of the timed medians."""
+    inner, state = engine._step, {"decodes": 0, "done": 0, "prof": None}
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if bench.cuda else [])
+
+    def step(runnable):
+        decode = all(len(e.pending) == 1 for e in runnable)
+        state["decodes"] += decode
+        if decode and state["decodes"] == 3 and state["prof"] is None:
+            state["prof"] = torch.profiler.profile(activities=activities)
+            state["prof"].__enter__()
+        inner(runnable)
+        prof = state["prof"]
+        if prof is None or state["done"] >= n:
+            return
+        steps[-1]["profiled"] = True
+        state["done"] += 1
+        if state["done"] == n:
+            bench.sync()
+            prof.__exit__(None, None, None)
+            into.update(harness_kernel_summary(prof, n))
+            ops = sorted(prof.key_averages(), key=lambda ev: -ev.self_cpu_time_total)[:15]
+            into["host_top"] = [{"name": ev.key[:90], "calls": ev.count / n, "self_cpu_us": ev.self_cpu_time_total / n}
+                                for ev in ops]
+            into["steps"] = n
+
+    engine._step = step
 
 
 def fit_cost_model(rec: Recorder, points: list) -> None:
@@ -592,6 +645,8 @@ def parse_args(argv=None):
     p.add_argument("--step-context", type=int, default=None,
                    help="prompt tokens before the decode steps (default 32K)")
     p.add_argument("--warm-context", type=int, default=None, help="the compile run's prompt tokens (default 1K)")
+    p.add_argument("--profile-steps", type=int, default=None,
+                   help="decode steps profiled at the largest slot count (default 3; 0: none)")
     p.add_argument("--step-tokens", type=int, default=None,
                    help="tokens generated per slot in a steps run (default 16)")
     a = p.parse_args(argv)
@@ -599,14 +654,15 @@ def parse_args(argv=None):
     defaults = dict(contexts=[48, 96] if t else [4 * K, 32 * K, 128 * K], prompts=2 if t else 8,
                     generations=2 if t else 8, turns=3 if t else 8, result_tokens=5 if t else 48,
                     gen_tokens=4 if t else 64, peer_s=1e9 if t else 45.0, step_slots=[1, 2, 4] if t else [1, 8, 32, 64],
-                    step_context=64 if t else 32 * K, warm_context=32 if t else K, step_tokens=6 if t else 16)
+                    step_context=64 if t else 32 * K, warm_context=32 if t else K, step_tokens=6 if t else 16,
+                    profile_steps=1 if t else 3)
     finish_run_args(p, a, PARTS, defaults)
     a.ways = [w.strip() for w in a.ways.split(",") if w.strip()]
     if not a.ways or any(w not in WAYS for w in a.ways):
         p.error(f"--ways: choose from {', '.join(WAYS)} (got {a.ways})")
     check_at_least(p, a, ("prompts", "generations", "turns", "result_tokens", "gen_tokens", "step_context",
                           "warm_context"))
-    check_at_least(p, a, ("slots",), low=0)
+    check_at_least(p, a, ("slots", "profile_steps"), low=0)
     check_at_least(p, a, ("step_tokens",), low=2)
     if not a.contexts or min(a.contexts) < 1 or not a.step_slots or min(a.step_slots) < 1:
         p.error(f"--contexts and --step-slots must be positive lengths / counts (got {a.contexts}, {a.step_slots})")
@@ -627,7 +683,7 @@ def main(argv=None) -> int:
         shutil.copyfile(a.continue_from, target)  # the recorder extends the file it finds in --out
     bench = start_run(a, EngineRecorder, {k: getattr(a, k) for k in (
         "contexts", "ways", "prompts", "generations", "turns", "result_tokens", "gen_tokens", "slots", "peer_s",
-        "step_slots", "step_context", "warm_context", "step_tokens")})
+        "step_slots", "step_context", "warm_context", "step_tokens", "profile_steps")})
     calls = bench.rec.notes.setdefault("calls", [])
     calls.append({"gpu": bench.rec.stack.get("gpu"), "only": a.only, "contexts": a.contexts, "ways": a.ways})
     if len({c["gpu"] for c in calls}) > 1:

@@ -67,7 +67,11 @@ def test_bench_rollout_engine_tiny_records_both_parts(tmp_path):
     steps = raw["steps"]
     assert list(steps) == ["warm-up 2 slots after 32", "1 slots after 64", "4 slots after 64"]
     for key, e in steps.items():
-        assert e["step_ms"] > 0 and len(e["step_ms_all"]) == s["step_tokens"] - 1, (key, e)
+        profiled = s["profile_steps"] if key == "4 slots after 64" else 0  # the largest count: steps profiled apart
+        assert e["step_ms"] > 0 and len(e["step_ms_all"]) == s["step_tokens"] - 1 - profiled, (key, e)
+        assert e["forward_ms"] <= e["step_ms"]  # the forward is part of the step
+    profile = steps["4 slots after 64"]["profile"]
+    assert profile["steps"] == s["profile_steps"] == 1 and profile["host_top"], profile
     assert (steps["4 slots after 64"]["groups"], steps["1 slots after 64"]["groups"]) == (2, 1)
     fit = doc["notes"]["fit"]
     assert fit["points"] == 3  # one per run: the medians of its decode steps
