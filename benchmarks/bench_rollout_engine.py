@@ -211,8 +211,11 @@ class EngineRecorder(Recorder):
                     continue
                 speedup = e["round_s"] / engine["round_s"] if engine.get("round_s") and way != "engine" else None
                 ratio = e["round_s"] / e["predicted_s"] if e.get("predicted_s") else None
-                what = (f"yes ({e.get('episodes_measured', e.get('turns_measured'))} measured)" if e.get("projected")
-                        else "no")
+                what = "no"
+                if e.get("projected"):
+                    what = (f"yes, from {e['episodes_measured']} of {s.get('prompts', 0) * s.get('generations', 0)} "
+                            "episodes" if way == "cached" else f"yes, from {e.get('turns_measured')} of "
+                            f"{s.get('turns')} turns")
                 lines.append(f"| {key} | {way} | {fmt(e['round_s'])} | {fmt(e.get('tokens_per_s'))} | "
                              f"{fmt(e.get('peak_gib'))} | {fmt(e.get('predicted_s'))} | {fmt(ratio)} | {what} | "
                              f"{fmt(speedup)} | {_same(e)} |")
