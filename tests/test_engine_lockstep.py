@@ -219,6 +219,15 @@ def test_multi_turn_grpo_step_under_fsdp2_with_batched_rollouts(runs):
     assert summary["global_step"] == GRPO_STEPS and os.path.isdir(summary["final"])
 
 
+def test_lockstep_group_without_a_process_group_is_refused(base):  # noqa: F811 (the imported base fixture, which pytest passes by name)
+    """(``dist.group.WORLD`` itself is None before ``init_process_group``: a stand-in group object is passed.)"""
+    assert not dist.is_initialized()
+    model = KDAMoEForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with pytest.raises(ValueError, match="lockstep_group=.*torch.distributed is not initialized"):
+        RolloutEngine(model, _config(AutoTokenizer.from_pretrained(base)), num_slots=1, eos_token_ids=[2],
+                      max_completion_length=8, lockstep_group="a process group")
+
+
 @pytest.mark.parametrize("mode", ["single_turn", "tools", "environment"])
 def test_batched_rollout_loads_with_distributed_config_in_every_mode(base, monkeypatch, mode):  # noqa: F811 (the imported base fixture, which pytest passes by name)
     """The engine steps in lockstep on a model sharded by transformers' engine too (the test above): ``batched`` loads
