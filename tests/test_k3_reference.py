@@ -61,3 +61,29 @@ def test_nemo_decodes_the_fixture_experts_like_kdamoe(reference_run, tmp_path):
     for key, value in theirs.items():
         ours = mxfp4_decode(checkpoint[key + "_packed"], checkpoint[key + "_scale"], name=key)
         torch.testing.assert_close(ours, value, rtol=0, atol=0)
+
+
+def test_released_config_fixture_builds_nemo_k3_with_the_released_parameter_count(reference_run):
+    """``tests/fixtures/kimi_k3_config.json`` read by NeMo's ``KimiK3Config`` (its values equal NeMo's defaults,
+    which NeMo documents as the released ones) builds, on the meta device, a text model of 2,779,484,393,568
+    parameters: the count docs/checkpoints.md derives by hand from the same config."""
+    code = (
+        "import sys, json; sys.path.insert(0, sys.argv[1])\n"
+        "import torch\n"
+        "from nemo_automodel.components.models.common import BackendConfig\n"
+        "from nemo_automodel.components.models.kimi_k3.config import KimiK3Config, KimiK3TextConfig\n"
+        "from nemo_automodel.components.models.kimi_k3.model import KimiK3ForCausalLM\n"
+        "raw = json.load(open(sys.argv[2]))\n"
+        "config = KimiK3Config(**{k: v for k, v in raw.items() if k not in ('architectures', 'model_type')})\n"
+        "defaults = KimiK3TextConfig().to_dict()\n"
+        "differ = [k for k, v in raw['text_config'].items() if defaults.get(k) != v and k != 'model_type']\n"
+        "with torch.device('meta'):\n"
+        "    model = KimiK3ForCausalLM(config, backend=BackendConfig(attn='sdpa', linear='torch', rms_norm='torch',"
+        " experts='torch', dispatcher='torch'))\n"
+        "print(json.dumps({'params': sum(p.numel() for p in model.parameters()), 'differ': differ}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(reference_run / "env"),
+                           str(FIXTURE.parent / "kimi_k3_config.json")], check=True, capture_output=True, text=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["differ"] == []
+    assert result["params"] == 2_779_484_393_568
