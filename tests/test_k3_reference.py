@@ -18,6 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "k3_tiny"
 SCRIPT = ROOT / "benchmarks" / "k3_reference" / "k3_reference.py"
 
+# One worker runs the module: its tests share one build of the package folder and one run of the script.
+pytestmark = pytest.mark.xdist_group("k3_reference")
+
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
