@@ -59,7 +59,10 @@ Written to ``--out``:
 * ``reference.safetensors``: ``input_ids`` int64 ``[2, 24]`` and ``logits`` float32 ``[2, 24, vocab]``.
 * ``meta.json``: versions, seeds, the command, the build time, the checks below, largest |logit|.
 
-Checks made before writing (the script fails otherwise): the adapter's ``from_hf`` of the written checkpoint gives
+Checks made before writing (the script fails otherwise): each replaced operator agrees within 1e-5 (float32) with a
+version written elsewhere — transformers' Kimi Linear PyTorch paths for the convolution, the gated norm and the delta
+rule (``recurrent_kimi_delta_attention``, with its own L2 norm), NeMo's own ``_torch_kda_gate`` for the gate
+(``meta.json`` records the differences); the adapter's ``from_hf`` of the written checkpoint gives
 back the model's state dict exactly (the file is in the layout NeMo reads), and ``to_hf`` then ``from_hf`` of the
 float state dict is the identity.
 """
@@ -166,6 +169,50 @@ def patch_fla_names(model_module) -> list[str]:
     return ["chunk_kda", "fused_recurrent_kda", "fused_kda_gate", "ShortConvolution", "FusedRMSNormGated"]
 
 
+def check_cpu_ops(model_module, tol: float = 1e-5) -> dict[str, float]:
+    """Compare the CPU operators patched into ``model_module`` with implementations written elsewhere: transformers'
+    Kimi Linear PyTorch paths (``transformers/models/kimi_linear/modeling_kimi_linear.py``: ``causal_conv1d_fn``,
+    ``KimiLinearRMSNormGated``, ``recurrent_kimi_delta_attention`` with its own L2 norm) and NeMo's own float32 gate
+    ``_torch_kda_gate``. Returns the largest absolute difference of each; raises if one exceeds ``tol`` (float32)."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as tkl  # noqa: PLC0415 (only this check needs it)
+
+    g = torch.Generator().manual_seed(1)
+    B, T, H, K = 2, 24, 4, 16
+    diffs = {}
+
+    conv = model_module.ShortConvolution(hidden_size=H * K, kernel_size=4, activation="silu", dtype=torch.float32)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, generator=g))
+        x = torch.randn(B, T, H * K, generator=g)
+        ours = conv(x)[0]
+        theirs = tkl.causal_conv1d_fn(x.transpose(1, 2), conv.weight.squeeze(1), None, activation="silu")
+    diffs["ShortConvolution"] = (ours - theirs.transpose(1, 2)).abs().max().item()
+
+    norm = model_module.FusedRMSNormGated(K, eps=1e-5, activation="sigmoid", dtype=torch.float32)
+    ref_norm = tkl.KimiLinearRMSNormGated(K, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(K, generator=g))
+        ref_norm.weight.copy_(norm.weight)
+        o, gate = torch.randn(B, T, H, K, generator=g), torch.randn(B, T, H, K, generator=g)
+        diffs["FusedRMSNormGated"] = (norm(o, gate) - ref_norm(o, gate)).abs().max().item()
+
+    raw = torch.randn(B, T, H * K, generator=g)
+    a_log, dt_bias = torch.rand(H, generator=g).mul(15).add(1).log(), torch.randn(H * K, generator=g)
+    ours = model_module.fused_kda_gate(raw.view(B, T, H, K), a_log, dt_bias=dt_bias, lower_bound=-5.0)
+    diffs["fused_kda_gate"] = (ours - model_module._torch_kda_gate(raw, a_log, K, dt_bias, -5.0)).abs().max().item()
+
+    q, k, v = (torch.randn(B, T, H, K, generator=g) for _ in range(3))
+    decay, beta = -5.0 * torch.sigmoid(torch.randn(B, T, H, K, generator=g)), torch.rand(B, T, H, generator=g)
+    ours = model_module.chunk_kda(q=q, k=k, v=v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+    theirs = tkl.recurrent_kimi_delta_attention(q, k, v, decay, beta, None, False, use_qk_l2norm_in_kernel=True)[0]
+    diffs["chunk_kda"] = (ours - theirs).abs().max().item()
+
+    bad = {name: d for name, d in diffs.items() if not d <= tol}
+    if bad:
+        raise RuntimeError(f"CPU operators differ from their independent versions by more than {tol}: {bad}")
+    return diffs
+
+
 def _perturb(tensors: dict[str, torch.Tensor], generator: torch.Generator) -> None:
     for name in sorted(tensors):
         t = tensors[name]
@@ -196,6 +243,7 @@ def main(argv=None) -> dict:
     from nemo_automodel.components.models.kimi_k3.state_dict_adapter import dequantize_mxfp4  # noqa: PLC0415
 
     patched = patch_fla_names(k3_model)
+    op_diffs = check_cpu_ops(k3_model)
     torch.manual_seed(SEED)
     text_config = KimiK3TextConfig(**TINY_TEXT_CONFIG, torch_dtype="float32")
     backend = BackendConfig(attn="sdpa", linear="torch", rms_norm="torch", experts="torch", dispatcher="torch",
@@ -263,6 +311,7 @@ def main(argv=None) -> dict:
         "env_build_seconds": None if build_s is None else round(build_s, 1),
         "seed": SEED, "input_shape": [BATCH, SEQ], "dtype": "float32",
         "patched_fla_names": patched,
+        "patched_ops_max_abs_diff_vs_independent": op_diffs,
         "checks": ["from_hf(checkpoint) loads strictly", "to_hf(model) == checkpoint (experts MXFP4-decoded)"],
         "max_abs_logit": logits.abs().max().item(), "logit_std": logits.std().item(),
         "n_tensors": len(checkpoint), "n_parameters": sum(p.numel() for p in model.parameters()),
