@@ -10,8 +10,9 @@ and ``einops==0.8.2``, installed with ``--no-deps`` by this script when the fold
 nothing else is installed, the project's venv is not touched, and no CUDA torch can come in. The packages run on the
 venv's own torch and transformers (5.25: NeMo 0.7.0 pins 5.18, but ``kimi_k3.{config,model,state_dict_adapter}``
 import and run on 5.25). The folder is put first on ``sys.path``. Building it (three wheels, 4.9 MB, 21 MB
-installed) took 0.9 s, and 1.1 s with ``--no-cache-dir``, on the development machine (``meta.json`` records the build
-time of the run that wrote it): well inside CI's 3 minutes. The whole script runs in about 12 s on 2 CPU cores.
+installed) took 0.9 to 2.2 s on the development machine, with or without ``--no-cache-dir`` (``meta.json`` records
+the build time of the run that wrote it): well inside CI's 3 minutes. The whole script runs in about 12 s on 2 CPU
+cores.
 
 What runs: ``nemo_automodel.components.models.kimi_k3`` unmodified (``config.KimiK3TextConfig``,
 ``model.KimiK3ForCausalLM`` with ``BackendConfig(attn="sdpa", linear="torch", rms_norm="torch", experts="torch",
