@@ -1,5 +1,5 @@
 """The K3 reference (``benchmarks/k3_reference/k3_reference.py``): its package folder builds (``pip install --no-deps
---target`` of NeMo AutoModel 0.7.0, fla-core 0.6.0 and einops from PyPI, about 1 s), NeMo's K3 reproduces the
+--target`` of NeMo AutoModel 0.7.0, fla-core 0.6.0 and einops from PyPI, 1 to 2 s), NeMo's K3 reproduces the
 committed ``tests/fixtures/k3_tiny`` files, and NeMo's own MXFP4 decoder reads the fixture's experts as
 ``kdamoe.model.mxfp4`` does. NeMo runs in subprocesses so that its imports stay out of the test process."""
 
