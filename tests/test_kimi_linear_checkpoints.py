@@ -11,7 +11,10 @@ model page; its ``quantization_config``-free keys as seen in public copies of th
 """
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -163,6 +166,39 @@ def test_streaming_converter_on_sharded_folder(case, tmp_path):
         assert torch.equal(want[key], got[key]), key
 
 
+REMOTE_SCRIPT = """
+import sys, torch
+sys.path = [p for p in sys.path if p not in ("", ".", {repo!r})]
+sys.modules["kdamoe"] = None  # the converted folder must run on its own remote code
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({folder!r}, trust_remote_code=True).eval()
+with torch.no_grad():
+    torch.save(model(torch.load({ids!r})).logits, {out!r})
+print(type(model).__module__, model.config.router_bias_update)
+"""
+
+
+def test_converted_folder_runs_without_kdamoe(case, tmp_path):
+    """``--to kda_moe`` writes a folder that loads with transformers alone (``trust_remote_code``), as a kdamoe
+    ``save_pretrained`` folder does, and gives the reference's logits."""
+    name, reference, folder, _ = case
+    if name != "mla-ends":
+        pytest.skip("one configuration is enough for the folder's code (a fresh process costs seconds)")
+    out = convert_checkpoint(folder, tmp_path / "kdamoe", to="kda_moe")
+    ids = _ids(1, 12, seed=6)
+    torch.save(ids, tmp_path / "ids.pt")
+    script = REMOTE_SCRIPT.format(repo=str(Path(__file__).resolve().parent.parent), folder=str(out),
+                                  ids=str(tmp_path / "ids.pt"), out=str(tmp_path / "out.pt"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "transformers_modules" in result.stdout and result.stdout.strip().endswith("none"), result.stdout
+    with torch.no_grad():
+        assert _relative(reference(ids).logits, torch.load(tmp_path / "out.pt")) <= TOLERANCE
+
+
 def test_tensor_map_takes_pieces_in_any_order(case):
     """The streaming map gives the same tensors whatever order (and shard) the per-expert pieces come in."""
     _, _, folder, model = case
@@ -200,6 +236,14 @@ def test_strict_load_names_the_bad_tensor(case, tmp_path):
     wrong[piece] = torch.zeros(wrong[piece].shape[0] + 1, wrong[piece].shape[1])
     with pytest.raises(ValueError, match=rf"{piece.replace('.', '[.]')}: shape \[25, 32\], expected \[24, 32\]"):
         list(kimi_linear_to_kdamoe_tensors(wrong.items(), model.config, expected))
+    twice = dict(tensors)
+    dense = next(i for i, t in enumerate(model.config.mlp_layer_types) if t == "dense")
+    stored = next(k for k in tensors if k.startswith(f"model.layers.{dense}.") and k.endswith("up_proj.weight"))
+    other = (stored.replace(".block_sparse_moe.", ".mlp.") if ".block_sparse_moe." in stored
+             else stored.replace(".mlp.", ".block_sparse_moe."))
+    twice[other] = tensors[stored]  # the dense MLP's tensor under both of its names
+    with pytest.raises(ValueError, match="stored twice"):
+        list(kimi_linear_to_kdamoe_tensors(twice.items(), model.config, expected))
     wrong = dict(tensors, **{"lm_head.weight": torch.zeros(96, 32)})
     with pytest.raises(ValueError, match=r"lm_head[.]weight: shape \[96, 32\], expected \[97, 32\]"):
         list(kimi_linear_to_kdamoe_tensors(wrong.items(), model.config, expected))
@@ -224,7 +268,7 @@ def test_loading_options(case):
     model = KDAMoEForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, router_bias_update="quantile")
     assert model.config.router_bias_update == "quantile"
     dtypes = {name: p.dtype for name, p in model.state_dict().items()}
-    kept = [n for n in dtypes if n.endswith(("dt_bias", "A_log", "e_score_correction_bias"))]
+    kept = [n for n in dtypes if n.endswith(("dt_bias", "A_log", "e_score_correction_bias", ".mlp.gate.weight"))]
     assert kept and all(dtypes[n] == torch.float32 for n in kept)
     assert all(dtypes[n] == torch.bfloat16 for n in dtypes if n not in kept)
     with pytest.raises(ValueError, match="device_map='auto'"):
@@ -291,6 +335,22 @@ def test_export_without_A_log_writes_zeros():
     model = KDAMoEForCausalLM(config)
     out = dict(kdamoe_to_kimi_linear_tensors(model.state_dict().items(), config))
     assert torch.equal(out["model.layers.0.self_attn.A_log"], torch.zeros(1, 1, 2, 1))
+
+
+def test_export_of_a_tied_head_writes_it_out(tmp_path):
+    """transformers' Kimi Linear class never ties its head: a tied kdamoe model is exported with the head as its own
+    tensor (and ``tie_word_embeddings: false``), and gives the same logits there."""
+    config = KDAMoEConfig(**dict(kimi_linear_to_kdamoe_config(dict(CONFIGS["kda-ends"])), tie_word_embeddings=True))
+    torch.manual_seed(0)
+    model = KDAMoEForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "tied")
+    out = convert_checkpoint(tmp_path / "tied", tmp_path / "kimi", to="kimi_linear")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    back = KimiLinearForCausalLM.from_pretrained(out).eval()
+    assert torch.equal(back.lm_head.weight, model.model.embed_tokens.weight)
+    ids = _ids(1, 10, seed=5)
+    with torch.no_grad():
+        assert _relative(back(ids).logits, model(ids).logits) <= TOLERANCE
 
 
 def test_converter_refuses_non_empty_destination(case, tmp_path):

@@ -24,7 +24,8 @@ Kimi Linear (per layer ``model.layers.{i}.``)                    kdamoe
 ``self_attn.{q,k,v}_conv1d.weight [H·K, 1, W]`` (three)          ``self_attn.conv1d.weight [3·H·K, 1, W]`` (q|k|v)
 ``self_attn.A_log [1, 1, H, 1]``                                 ``self_attn.A_log [H]``
 ``self_attn.kv_a_proj_with_mqa.weight``                          ``self_attn.kv_a_proj.weight``
-``block_sparse_moe.`` (sparse layers)                            ``mlp.``
+``block_sparse_moe.`` (sparse layers; dense ones: ``mlp.``, or  ``mlp.``
+``block_sparse_moe.`` as transformers' ``save_pretrained`` writes)
 ``block_sparse_moe.experts.{j}.w1.weight [I, d]`` / ``w3``       ``mlp.experts.gate_up_proj [E, 2I, d]`` (gate rows,
                                                                  then up rows)
 ``block_sparse_moe.experts.{j}.w2.weight [d, I]``                ``mlp.experts.down_proj [E, d, I]``
@@ -59,9 +60,11 @@ KIMI_MLA_RMS_NORM_EPS = 1e-6
 # its own balancing rule; starting Quantile Balancing (kdamoe's default) on its biases would move them from the first
 # optimizer step on, which nobody asked for (docs/checkpoints.md).
 LOADED_ROUTER_BIAS_UPDATE = "none"
-# Tensors that stay float32 whatever dtype the model is loaded in (transformers' `_keep_in_fp32_modules_strict` of
-# both models: the router's bias, the gate's dt_bias and A_log).
-FP32_TENSOR_SUFFIXES = ("e_score_correction_bias", "dt_bias", "A_log")
+# Tensors a Kimi Linear checkpoint loads in float32 whatever `dtype` asks for: those of kdamoe's
+# `_keep_in_fp32_modules_strict` (the router's bias, the gate's dt_bias and A_log) and the router weight, which
+# transformers' KimiLinearForCausalLM keeps in float32 too (its `_keep_in_fp32_modules_strict` names `gate.weight`),
+# so a float32-stored router routes as it does there.
+FP32_TENSOR_SUFFIXES = ("e_score_correction_bias", "dt_bias", "A_log", ".mlp.gate.weight")
 
 # `from_pretrained` keyword arguments that locate files (passed to transformers' hub utilities).
 HUB_ARGUMENTS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
@@ -184,7 +187,8 @@ def kimi_linear_to_kdamoe_config(kimi: dict) -> dict:
         rms_norm_eps=float(c.rms_norm_eps),
         max_position_embeddings=c.max_position_embeddings,
         initializer_range=c.initializer_range,
-        tie_word_embeddings=bool(c.tie_word_embeddings),
+        # transformers' KimiLinearForCausalLM never ties (its `_tied_weights_keys` is empty): the head is its own tensor
+        tie_word_embeddings=False,
         use_cache=bool(c.use_cache),
         pad_token_id=c.pad_token_id,
         bos_token_id=c.bos_token_id,
@@ -295,7 +299,8 @@ def kdamoe_to_kimi_linear_config(config: KDAMoEConfig) -> dict:
         "rms_norm_eps": config.rms_norm_eps,
         "model_max_length": config.max_position_embeddings,
         "initializer_range": config.initializer_range,
-        "tie_word_embeddings": config.tie_word_embeddings,
+        # a tied kdamoe head is written out as its own tensor: transformers' Kimi Linear class never ties
+        "tie_word_embeddings": False,
         "use_cache": True,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_id,
@@ -456,6 +461,8 @@ def kimi_linear_to_kdamoe_tensors(
     produced: set[str] = set()
 
     def emit(name: str, tensor: torch.Tensor, sources: str):
+        if name in produced:  # e.g. a dense MLP stored under both of its names
+            raise ValueError(f"{sources}: {name} is stored twice")
         _expected_shape(expected_shapes, name, sources, _shape(tensor.shape))
         produced.add(name)
         return name, tensor
@@ -594,10 +601,15 @@ def kdamoe_to_kimi_linear_tensors(
     with_A_log = bool(getattr(config, "kda_use_A_log", False))
     sparse_layers = {i for i, kind in enumerate(_mlp_layer_types(config)) if kind == "sparse"}
     seen: set[str] = set()
+    tied = bool(config.tie_word_embeddings)
     for name, tensor in tensors:
         _expected_shape(expected_shapes, name, name, _shape(tensor.shape))
         seen.add(name)
+        if tied and name == "lm_head.weight":
+            continue  # written from the embeddings below (a state dict lists the tied head too)
         rule = reverse.get(name)
+        if tied and name == "model.embed_tokens.weight":
+            yield "lm_head.weight", tensor.clone()
         if rule is not None and rule[0] == "same":
             yield rule[1], tensor
             if not with_A_log and name.endswith("self_attn.dt_bias"):
