@@ -57,6 +57,7 @@ from .kernel_dispatch import (
     moe_route_op,
     rms_norm,
 )
+from .kimi_k3_format import from_kimi_k3_pretrained, is_kimi_k3_config
 from .kimi_linear_format import from_kimi_linear_pretrained, is_kimi_linear_config, read_config_dict
 from .moe_torch import GLUActivation, moe_experts_torch
 from .quantile_balancing import all_reduce_sum, histogram_range, quantile_balancing_update, sign_update
@@ -978,6 +979,8 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         :mod:`.kimi_linear_format` (:func:`~.kimi_linear_format.from_kimi_linear_pretrained`): strictly (a missing,
         extra or wrongly shaped tensor is a ``ValueError`` naming it), with ``router_bias_update="none"`` unless the
         caller passes another rule, taking ``dtype`` / ``torch_dtype``, ``device_map=None`` and the Hub arguments.
+        A ``model_type: kimi_k3`` folder (Kimi K3's released layout, MXFP4 experts) loads its text model the same way
+        through :mod:`.kimi_k3_format` (:func:`~.kimi_k3_format.from_kimi_k3_pretrained`).
         """
         kwargs = hub_kernels_off_by_default(kwargs)
         pretrained = args[0] if args else kwargs.get("pretrained_model_name_or_path")
@@ -986,6 +989,9 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
             if is_kimi_linear_config(kimi):
                 kwargs.pop("pretrained_model_name_or_path", None)
                 return from_kimi_linear_pretrained(cls, pretrained, kimi, kwargs)
+            if is_kimi_k3_config(kimi):
+                kwargs.pop("pretrained_model_name_or_path", None)
+                return from_kimi_k3_pretrained(cls, pretrained, kimi, kwargs)
         return super().from_pretrained(*args, **kwargs)
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
