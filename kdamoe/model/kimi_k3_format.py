@@ -20,9 +20,9 @@ Names (the released layout as NeMo AutoModel 0.7.0's K3 state-dict adapter write
 =================================================================  ===============================================
 Kimi K3                                                             kdamoe
 =================================================================  ===============================================
-``model.output_attn_res_proj.weight [1, d]`` / ``…_norm.weight``    ``model.final_res.query [d]`` / ``.key_norm.weight``
-``self_attention_res_proj.weight [1, d]`` / ``…_norm.weight``       ``attn_res.query [d]`` / ``attn_res.key_norm.weight``
-``mlp_res_proj.weight [1, d]`` / ``mlp_res_norm.weight``            ``mlp_res.query [d]`` / ``mlp_res.key_norm.weight``
+``model.output_attn_res_proj.weight [1, d]`` / ``…_norm.weight``    ``model.final_res.query`` / ``….key_norm.weight``
+``self_attention_res_proj.weight [1, d]`` / ``…_norm.weight``       ``attn_res.query [d]`` / ``….key_norm.weight``
+``mlp_res_proj.weight [1, d]`` / ``mlp_res_norm.weight``            ``mlp_res.query [d]`` / ``….key_norm.weight``
 ``self_attn.{q,k,v}_conv1d.weight [H·K, 1, W]`` (three)             ``self_attn.conv1d.weight [3·H·K, 1, W]`` (q|k|v)
 ``self_attn.A_log [H padded to a multiple of 128]``                 ``self_attn.A_log [H]``
 ``self_attn.kv_a_proj_with_mqa.weight``                             ``self_attn.kv_a_proj.weight``
@@ -538,7 +538,8 @@ def kimi_k3_to_kdamoe_tensors(
                         f"{TEXT_PREFIX}{_k3_piece_name(target, missing[0])})")
     if expected_shapes is not None:
         for name in sorted(set(expected_shapes) - produced - set(pending) - set(optional)):
-            problems.append(f"missing {TEXT_PREFIX}{_k3_name_of(name, rules)} (→ {name} {_shape(expected_shapes[name])})")
+            want = _shape(expected_shapes[name])
+            problems.append(f"missing {TEXT_PREFIX}{_k3_name_of(name, rules)} (→ {name} {want})")
     if problems:
         raise ValueError("the Kimi K3 checkpoint is incomplete: " + "; ".join(problems[:6])
                          + (f"; and {len(problems) - 6} more" if len(problems) > 6 else ""))
