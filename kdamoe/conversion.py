@@ -12,7 +12,8 @@ released layout, which transformers' ``KimiLinearForCausalLM.from_pretrained`` (
 and servers that read it) load. Tensors keep their stored dtype.
 
 Kimi K3 (:mod:`kdamoe.model.kimi_k3_format`): ``--to kda_moe`` also reads a ``model_type: kimi_k3`` folder (its text
-model; the vision tower's tensors are skipped), decoding the MXFP4 routed experts exactly into bfloat16;
+model; the vision tower's tensors are skipped), decoding the MXFP4 routed experts exactly into the dtype its config
+names (bfloat16 when it names none);
 ``--to kimi_k3`` writes K3's released layout with the experts re-quantised to MXFP4 (``--experts-dtype mxfp4``, the
 default) or kept in bfloat16 (``--experts-dtype bf16``).
 """
@@ -108,9 +109,14 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
     if to == "kda_moe" and src_type == KIMI_K3_MODEL_TYPE:
         config = KDAMoEConfig(**kimi_k3_to_kdamoe_config(source_config))
 
+        # The experts are decoded to the checkpoint's dtype (its config's `dtype`), so the folder has one dtype, or to
+        # bfloat16 when it names none: MXFP4 values (two significant bits times a power of two) are exact in each.
+        stored = getattr(config, "dtype", None)
+        stored = getattr(torch, stored.removeprefix("torch."), None) if isinstance(stored, str) else stored
+        experts_dtype = stored if stored in (torch.float32, torch.bfloat16, torch.float64) else torch.bfloat16
+
         def mapping(tensors, config, expected, optional):
-            # MXFP4 decodes exactly into bfloat16 (two significant bits times a power of two): half of float32's bytes
-            return kimi_k3_to_kdamoe_tensors(tensors, config, expected, optional, experts_dtype=torch.bfloat16)
+            return kimi_k3_to_kdamoe_tensors(tensors, config, expected, optional, experts_dtype=experts_dtype)
     elif to == "kda_moe":
         config = KDAMoEConfig(**kimi_linear_to_kdamoe_config(source_config))
         mapping = kimi_linear_to_kdamoe_tensors

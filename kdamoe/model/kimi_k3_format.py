@@ -680,10 +680,10 @@ def from_kimi_k3_pretrained(cls, pretrained, k3_config: dict, kwargs: dict):
     As ``kimi_linear_format.from_kimi_linear_pretrained``: the config is translated
     (:func:`kimi_k3_to_kdamoe_config`; routers frozen unless ``kwargs`` sets ``router_bias_update``), the model built
     on the ``meta`` device, the shards streamed through :func:`kimi_k3_to_kdamoe_tensors` strictly against its names
-    and shapes, each tensor cast to ``dtype`` as it comes (the router and gate parameters of
-    ``FP32_TENSOR_SUFFIXES`` stay float32; MXFP4 experts are decoded straight to ``dtype`` when it is float32,
-    bfloat16 or float64 — exact in each — else to float32), and assigned without a second copy. The vision tower's
-    tensors are skipped (one log line counts them). Returned in eval mode.
+    and shapes, each tensor cast to ``dtype`` as it comes (when not given, to the dtype the text config names, if
+    any; the router and gate parameters of ``FP32_TENSOR_SUFFIXES`` stay float32; MXFP4 experts are decoded straight
+    to ``dtype`` when it is float32, bfloat16 or float64 — exact in each — else to float32), and assigned without a
+    second copy. The vision tower's tensors are skipped (one log line counts them). Returned in eval mode.
 
     Args:
         cls: the model class (``KDAMoEForCausalLM`` or a subclass).
@@ -716,6 +716,10 @@ def from_kimi_k3_pretrained(cls, pretrained, k3_config: dict, kwargs: dict):
                          "(convert it first with `kdamoe-convert SRC DST --to kda_moe`, then load DST with any "
                          "device_map)")
     config_kwargs = kimi_k3_to_kdamoe_config(k3_config)
+    if dtype is None and config_kwargs.get("dtype") in ("float32", "bfloat16", "float16", "float64"):
+        # "as stored" is the dtype the config names: a folder with bf16 experts beside float32 weights (an export with
+        # experts_format="bf16" of a float32 model) then loads as one dtype
+        dtype = getattr(torch, config_kwargs["dtype"])
     own_fields = set(KDAMoEConfig().to_dict()) | set(config_kwargs)
     overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in own_fields}
     if kwargs:
