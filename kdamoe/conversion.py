@@ -93,8 +93,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
     if experts_format not in EXPERTS_FORMATS:
         raise ValueError(f"experts_format={experts_format!r}: expected one of {EXPERTS_FORMATS}")
     limit = _shard_limit(max_shard_size)
-    if not Path(src).exists() and (Path(src).is_absolute() or str(src).startswith((".", "~"))
-                                   or str(src).count("/") != 1):
+    if Path(src).expanduser().exists():
+        src = Path(src).expanduser()
+    elif Path(src).is_absolute() or str(src).startswith((".", "~")) or str(src).count("/") != 1:
         raise ValueError(f"src {src}: no such folder (and not a Hub id, namespace/name)")
     source_config = read_config_dict(str(src))
     if source_config is None:
@@ -103,7 +104,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
     wants = (KIMI_LINEAR_MODEL_TYPE, KIMI_K3_MODEL_TYPE) if to == "kda_moe" else (KDAMoEConfig.model_type,)
     if src_type not in wants:
         raise ValueError(f"{src}: model_type is {src_type!r}; --to {to} converts from {' or '.join(map(repr, wants))}")
-    dst = Path(dst)
+    dst = Path(dst).expanduser()
     _check_destination(Path(src), dst, overwrite)
 
     if to == "kda_moe" and src_type == KIMI_K3_MODEL_TYPE:

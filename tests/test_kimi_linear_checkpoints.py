@@ -5,9 +5,11 @@ The reference is transformers' implementation, built from tiny ``KimiLinearConfi
 several orders and dense / sparse MLPs in several orders; every parameter and buffer is moved by seeded noise (a norm
 left at 1, a bias left at 0 or an ``A_log`` at its init would hide a wrong mapping), saved with transformers'
 ``save_pretrained`` (the released on-disk layout), then loaded by kdamoe. The fixture
-``fixtures/kimi_linear_48b_config.json`` holds the released 48B ``config.json`` as published (the values of the public
-model page; its ``quantization_config``-free keys as seen in public copies of the release: ``use_cache`` and
-``transformers_version`` were not found and are left out).
+``fixtures/kimi_linear_48b_config.json`` holds the released 48B ``config.json``: its keys and values as a public
+re-upload of the Instruct release shows them (less the re-upload's own ``quantization_config``), the keys cut off there
+as other projects record the released architecture; they agree with the model page's facts (27 layers, hidden 2304,
+MLA layers 4, 8, ..., 24, 27, 32 KDA heads of 128, 256 experts top-8 plus 1 shared, first layer dense, vocab 163840,
+``routed_scaling_factor`` 2.446). ``use_cache`` and ``transformers_version`` were not found and are left out.
 """
 
 import json
