@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
+from kdamoe.common.folders import check_model_folder
 from kdamoe.conversion import convert_checkpoint
 from kdamoe.model.kimi_k3_format import (
     kdamoe_to_kimi_k3_config,
@@ -140,6 +141,18 @@ def test_vision_tensors_are_skipped_and_counted(tmp_path, fixture_tensors, refer
     lines = [r.getMessage() for r in caplog.records if "vision tensors" in r.getMessage()]
     assert len(lines) == 1 and "skipped 3 vision tensors" in lines[0]
     assert _relative_error(loaded, reference) < REL_TOL
+
+
+def test_check_model_folder_reads_a_k3_folder_by_its_headers(tmp_path, fixture_tensors):
+    check_model_folder(FIXTURE)
+    folder = tmp_path / "bad"
+    shutil.copytree(FIXTURE, folder)
+    name = "language_model.model.layers.2.block_sparse_moe.experts.1.w2"
+    bad = {**fixture_tensors, name + ".weight_packed": torch.zeros(32, 32, dtype=torch.uint8),
+           name + ".weight_scale": torch.zeros(32, 2, dtype=torch.uint8)}  # a valid pair, twice too wide
+    save_file(bad, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{name}\.weight_(packed|scale): shape \[32, 64\], expected \[32, 32\]"):
+        check_model_folder(folder)
 
 
 def _mapped(tensors, config, model):

@@ -10,15 +10,18 @@ weights moved, Kimi's tool calls were parsed and executed, ``final/`` keeps the 
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.conversion import convert_checkpoint
+from kdamoe.posttraining import load_posttrain_config, run_recipe
 from tests.helpers import tiny_config
-from tests.test_posttrain_kimi import TOKENIZER_FILES, _ids, kimi_tokenizer  # noqa: F401 (a fixture)
+from tests.test_posttrain_kimi import FAST, TOKENIZER_FILES, _ids, kimi_tokenizer  # noqa: F401 (a fixture)
 from tests.test_posttrain_kimi import test_grpo_step_parses_kimi_tool_calls as _grpo_step
 from tests.test_posttrain_kimi import test_sft_step_on_the_folders_own_kimi_tokenizer as _sft_step
 
@@ -29,8 +32,9 @@ K3_TINY = dict(kda_full_rank_output_gate=True, mla_output_gate=True, latent_moe_
 
 
 @pytest.fixture(scope="module")
-def k3_base(tmp_path_factory, kimi_tokenizer):  # noqa: F811 (the imported fixture)
-    root = tmp_path_factory.mktemp("k3_base")
+def k3_folder(tmp_path_factory, kimi_tokenizer):  # noqa: F811 (the imported fixture)
+    """A tiny K3-shaped model in K3's released layout (MXFP4 experts) with the Kimi tokenizer."""
+    root = tmp_path_factory.mktemp("k3_folder")
     torch.manual_seed(0)
     KDAMoEForCausalLM(tiny_config(**_ids(kimi_tokenizer), **K3_TINY)).save_pretrained(root / "trained")
     k3 = convert_checkpoint(root / "trained", root / "k3", to="kimi_k3")
@@ -38,7 +42,14 @@ def k3_base(tmp_path_factory, kimi_tokenizer):  # noqa: F811 (the imported fixtu
     with safe_open(str(k3 / "model.safetensors"), "pt") as f:
         assert "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed" in f.keys()
     assert json.loads((k3 / "config.json").read_text())["model_type"] == "kimi_k3"
-    base = convert_checkpoint(k3, root / "base", to="kda_moe")
+    return k3
+
+
+@pytest.fixture(scope="module")
+def k3_base(tmp_path_factory, k3_folder):
+    """That K3 folder converted to a kdamoe folder."""
+    k3 = k3_folder
+    base = convert_checkpoint(k3, tmp_path_factory.mktemp("k3_base") / "base", to="kda_moe")
     for name in TOKENIZER_FILES:
         assert (base / name).read_bytes() == (k3 / name).read_bytes(), name
     return base
@@ -57,3 +68,15 @@ def test_sft_step_on_a_converted_k3_and_its_export_to_k3(k3_base, tmp_path, kimi
 def test_grpo_step_on_a_converted_k3_parses_kimi_tool_calls(k3_base, tmp_path, kimi_tokenizer,  # noqa: F811
                                                             monkeypatch):
     _grpo_step(k3_base, tmp_path, kimi_tokenizer, monkeypatch)
+
+
+def test_sft_step_straight_from_the_k3_folder(k3_folder, tmp_path):
+    """``model=`` a K3 folder: checked through the K3 map (``check_model_folder``), loaded by ``from_pretrained``'s K3
+    path, trained one step, saved as a kdamoe folder."""
+    cfg = load_posttrain_config("sft", [f"model={k3_folder}", f"output_dir={tmp_path / 'sft'}", *FAST])
+    result = run_recipe(cfg)
+    assert result["global_step"] == 1
+    before = KDAMoEForCausalLM.from_pretrained(str(k3_folder)).state_dict()
+    after = load_file(str(Path(result["final"]) / "model.safetensors"))
+    assert json.loads((Path(result["final"]) / "config.json").read_text())["model_type"] == "kda_moe"
+    assert max((after[n] - before[n].float()).abs().max().item() for n in after) > 0

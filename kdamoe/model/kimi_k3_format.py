@@ -66,6 +66,8 @@ from .kimi_linear_format import (
     _shape,
     checkpoint_files,
     iter_safetensors,
+    iter_safetensors_shapes,
+    read_config_dict,
 )
 from .mxfp4 import MXFP4_BLOCK, mxfp4_decode, mxfp4_encode
 
@@ -673,6 +675,24 @@ def kdamoe_to_kimi_k3_tensors(
 # ----------------------------------------------------------------------------------------------------
 # Loading a Kimi K3 folder into kdamoe
 # ----------------------------------------------------------------------------------------------------
+def check_kimi_k3_folder(folder, cls) -> None:
+    """Check a Kimi K3 folder's tensor names and shapes against the ``cls`` model its ``config.json`` translates to,
+    reading the safetensors headers only (the MXFP4 experts are "decoded" on the meta device: shapes, no values) —
+    what :func:`from_kimi_k3_pretrained` checks while it loads.
+
+    Raises:
+        ValueError: naming the field or the tensor, as :func:`kimi_k3_to_kdamoe_config` and
+            :func:`kimi_k3_to_kdamoe_tensors`.
+    """
+    config = KDAMoEConfig(**kimi_k3_to_kdamoe_config(read_config_dict(str(folder))))
+    with torch.device("meta"):
+        model = cls(config)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    for _ in kimi_k3_to_kdamoe_tensors(iter_safetensors_shapes(checkpoint_files(str(folder))), config, expected, tied):
+        pass
+
+
 def from_kimi_k3_pretrained(cls, pretrained, k3_config: dict, kwargs: dict):
     """Load a Kimi K3 folder or Hub id's text model as ``cls`` (``KDAMoEForCausalLM``); what its
     ``from_pretrained`` runs when the ``config.json`` says ``model_type: kimi_k3``.
@@ -757,6 +777,7 @@ def from_kimi_k3_pretrained(cls, pretrained, k3_config: dict, kwargs: dict):
 
 __all__ = [
     "EXPERTS_FORMATS",
+    "check_kimi_k3_folder",
     "KIMI_K3_MODEL_TYPE",
     "from_kimi_k3_pretrained",
     "is_kimi_k3_config",
