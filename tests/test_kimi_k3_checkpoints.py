@@ -180,8 +180,11 @@ def test_strict_loading_names_the_tensor(fixture_tensors, model):
         _mapped(outside, config, model)
 
 
-def test_released_config_translates_to_k3s_parameter_count():
-    config = KDAMoEConfig(**kimi_k3_to_kdamoe_config(json.loads(RELEASED_CONFIG.read_text())))
+def test_released_config_translates_to_k3s_parameter_count_and_back():
+    released = json.loads(RELEASED_CONFIG.read_text())
+    config = KDAMoEConfig(**kimi_k3_to_kdamoe_config(released))
+    written = kdamoe_to_kimi_k3_config(config)["text_config"]  # the released keys, plus token ids and the init std
+    assert {k: written[k] for k in released["text_config"]} == released["text_config"]
     assert config.attnres_block_size == 12 and config.num_hidden_layers == 93
     assert [i for i, t in enumerate(config.layer_types) if t == "full_attention"] == [*range(3, 92, 4), 92]
     with torch.device("meta"):
