@@ -129,6 +129,26 @@ def test_convert_to_kdamoe_and_back_to_k3_mxfp4_and_bf16(tmp_path, fixture_tenso
     assert _relative_error(KDAMoEForCausalLM.from_pretrained(str(bf16)), reference) < REL_TOL
 
 
+def test_shards_that_split_an_experts_packed_bytes_from_its_scales_load_the_same(tmp_path, fixture_tensors,
+                                                                                 reference):
+    """Three shards with an index, named in an order that puts every ``weight_scale`` in a later shard than its
+    ``weight_packed``: the pairs and the fused tensors are assembled across shards."""
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    shutil.copy(FIXTURE / "config.json", folder / "config.json")
+    names = sorted(fixture_tensors, key=lambda n: (n.endswith("weight_scale"), n))
+    shards = [names[: len(names) // 3], names[len(names) // 3: 2 * len(names) // 3], names[2 * len(names) // 3:]]
+    weight_map = {}
+    for i, part in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-00003.safetensors"
+        save_file({n: fixture_tensors[n] for n in part}, str(folder / file))
+        weight_map.update(dict.fromkeys(part, file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    expert = "language_model.model.layers.4.block_sparse_moe.experts.7.w2"
+    assert weight_map[expert + ".weight_packed"] != weight_map[expert + ".weight_scale"]
+    assert _relative_error(KDAMoEForCausalLM.from_pretrained(str(folder)), reference) < REL_TOL
+
+
 def test_vision_tensors_are_skipped_and_counted(tmp_path, fixture_tensors, reference, caplog):
     folder = tmp_path / "with-vision"
     shutil.copytree(FIXTURE, folder)
