@@ -14,10 +14,17 @@ layer being run, which is left out here, as are activations, which depend on bat
   step). The table gives both: the experts' bytes all-gathered per step under FSDP2 (bf16, forward + backward) and
   the tokens' bytes exchanged under EP (bf16, dispatch + combine, forward + backward) for a given batch.
 
-    python benchmarks/memory_per_rank.py            # prints the markdown table
+A second table is Kimi K3's released text model (``tests/fixtures/kimi_k3_config.json`` through
+``kdamoe.model.kimi_k3_format``): per rank of ``n`` ranks that split the routed experts by expert parallelism and
+shard everything else with FSDP2, the training state (16 bytes per parameter) and the weights alone for inference
+(experts in MXFP4: 4.25 bits per weight, 32 four-bit values and one scale byte per block; the rest in bf16, sharded the
+same way or, the last column, replicated on every rank).
+
+    python benchmarks/memory_per_rank.py            # prints the markdown tables
 """
 
 import contextlib
+import json
 import os
 import sys
 
@@ -28,8 +35,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import GIB, REPO  # noqa: E402  (the benchmarks folder is not a package)
 
 from kdamoe import KDAMoEConfig, KDAMoEForCausalLM  # noqa: E402  (needs the repository on sys.path: harness)
+from kdamoe.model.kimi_k3_format import kimi_k3_to_kdamoe_config  # noqa: E402
 
 BYTES_PER_PARAM = 16  # fp32 master + fp32 grad + AdamW m and v
+MXFP4_BYTES_PER_PARAM = 17 / 32  # 32 four-bit values + one E8M0 scale byte per block of 32
+K3_CONFIG = os.path.join(REPO, "tests", "fixtures", "kimi_k3_config.json")
 
 # An assumed K3-scale shape: 896 routed experts, top-16 (the scale the issue names); the other dimensions are
 # assumptions taken from the published Kimi K2 shape (hidden 7168, 61 layers with the first dense, MLA with 64 heads
@@ -85,6 +95,26 @@ def main() -> None:
         print(f"| {name} | {total / 1e9:.3g} B ({experts / 1e9:.3g} B) | {gib_per_rank(total, 1):.3g} GiB "
               f"| {gib_per_rank(total, 8):.3g} GiB | {gib_per_rank(total, 64):.3g} GiB | {gather:.3g} GiB "
               f"| {exchange:.3g} GiB |")
+
+
+    k3_table()
+
+
+def k3_table() -> None:
+    """Kimi K3's released text model per expert-parallel rank (module docstring)."""
+    with open(K3_CONFIG) as f:
+        fields = kimi_k3_to_kdamoe_config(json.load(f))
+    experts, rest, _ = count(fields)
+    print()
+    print(f"Kimi K3 text model: {(experts + rest) / 1e9:.4g} B parameters, {experts / 1e9:.4g} B in routed experts")
+    print()
+    print("| ranks (EP = FSDP2 size) | training state per rank | inference weights per rank (rest sharded) "
+          "| of which routed experts (MXFP4) | inference weights per rank (rest replicated) |")
+    print("|---|---|---|---|---|")
+    for n in (64, 128, 224, 448, 896):  # divisors of K3's 896 experts: whole experts per rank
+        expert_bytes = experts * MXFP4_BYTES_PER_PARAM / n
+        print(f"| {n} | {gib_per_rank(experts + rest, n):.4g} GiB | {(expert_bytes + 2 * rest / n) / GIB:.4g} GiB "
+              f"| {expert_bytes / GIB:.4g} GiB | {(expert_bytes + 2 * rest) / GIB:.4g} GiB |")
 
 
 if __name__ == "__main__":

@@ -268,19 +268,24 @@ if __name__ == "__main__":
 
 
 def convert_main(argv: list[str] | None = None) -> int:
-    """``kdamoe-convert SRC DST --to {kimi_linear,kda_moe} [--overwrite] [--max-shard-size SIZE]``.
+    """``kdamoe-convert SRC DST --to {kimi_linear,kimi_k3,kda_moe} [--overwrite] [--max-shard-size SIZE]
+    [--experts-dtype {mxfp4,bf16}]``.
 
-    Rewrites a checkpoint between Moonshot's Kimi Linear format and kdamoe's, shard by shard
+    Rewrites a checkpoint between Moonshot's Kimi Linear or Kimi K3 format and kdamoe's, shard by shard
     (:func:`kdamoe.conversion.convert_checkpoint`); prints DST. A bad argument, a config the target format cannot
     represent or a checkpoint that does not match its config is a usage error (one line, exit 2).
     """
     parser = argparse.ArgumentParser(
         prog="kdamoe-convert",
-        description="Convert a checkpoint between Kimi Linear (transformers' kimi_linear) and kdamoe (kda_moe).")
+        description="Convert a checkpoint between Kimi Linear (transformers' kimi_linear) or Kimi K3 (kimi_k3, its "
+                    "text model) and kdamoe (kda_moe).")
     parser.add_argument("src", metavar="SRC", help="the source folder or Hub id (safetensors weights + config.json)")
     parser.add_argument("dst", metavar="DST", help="the output folder (absent or empty, unless --overwrite)")
-    parser.add_argument("--to", required=True, choices=("kimi_linear", "kda_moe"),
-                        help="target format: kda_moe reads a Kimi Linear SRC, kimi_linear a kdamoe SRC")
+    parser.add_argument("--to", required=True, choices=("kimi_linear", "kimi_k3", "kda_moe"),
+                        help="target format: kda_moe reads a Kimi Linear or Kimi K3 SRC, kimi_linear and kimi_k3 a "
+                             "kdamoe SRC")
+    parser.add_argument("--experts-dtype", default="mxfp4", choices=("mxfp4", "bf16"),
+                        help="--to kimi_k3: routed experts re-quantised to MXFP4 (default, as released) or bfloat16")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DST once the conversion is done")
     parser.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
     args = parser.parse_args(argv)
@@ -289,6 +294,6 @@ def convert_main(argv: list[str] | None = None) -> int:
     from kdamoe.conversion import convert_checkpoint  # noqa: PLC0415 (deferred: each entry point loads only its own job, after parsing its arguments)
 
     out = _user_errors_exit_2(parser, convert_checkpoint, args.src, args.dst, to=args.to, overwrite=args.overwrite,
-                              max_shard_size=args.max_shard_size)
+                              max_shard_size=args.max_shard_size, experts_format=args.experts_dtype)
     print(out)
     return 0

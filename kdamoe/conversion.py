@@ -10,6 +10,12 @@ one MoE layer's ``gate_up_proj`` / ``down_proj``: ~3.6 GB for the 48B release in
 the model code, the weights, and the source's tokenizer / generation / card files. ``--to kimi_linear`` writes the
 released layout, which transformers' ``KimiLinearForCausalLM.from_pretrained`` (and the release's own remote code,
 and servers that read it) load. Tensors keep their stored dtype.
+
+Kimi K3 (:mod:`kdamoe.model.kimi_k3_format`): ``--to kda_moe`` also reads a ``model_type: kimi_k3`` folder (its text
+model; the vision tower's tensors are skipped), decoding the MXFP4 routed experts exactly into the dtype its config
+names (bfloat16 when it names none);
+``--to kimi_k3`` writes K3's released layout with the experts re-quantised to MXFP4 (``--experts-dtype mxfp4``, the
+default) or kept in bfloat16 (``--experts-dtype bf16``).
 """
 
 from __future__ import annotations
@@ -26,6 +32,14 @@ from transformers.dynamic_module_utils import custom_object_save
 from transformers.utils.hub import convert_file_size_to_int
 
 from .model import KDAMoEConfig, KDAMoEForCausalLM
+from .model.kimi_k3_format import (
+    EXPERTS_FORMATS,
+    KIMI_K3_MODEL_TYPE,
+    kdamoe_to_kimi_k3_config,
+    kdamoe_to_kimi_k3_tensors,
+    kimi_k3_to_kdamoe_config,
+    kimi_k3_to_kdamoe_tensors,
+)
 from .model.kimi_linear_format import (
     KIMI_LINEAR_MODEL_TYPE,
     checkpoint_files,
@@ -38,26 +52,32 @@ from .model.kimi_linear_format import (
 )
 from .model.modeling_kdamoe import AUTO_MAP
 
-FORMATS = ("kimi_linear", "kda_moe")
+FORMATS = ("kimi_linear", "kimi_k3", "kda_moe")
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 # Files of a source folder that are not carried over: its weights and config (rewritten) and caches.
 _NOT_COPIED = ("*.safetensors", "model.safetensors.index.json", "config.json", "*.bin", "*.pt", "*.pth", "*.gguf")
 
 
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: str, overwrite: bool = False,
-                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, experts_format: str = "mxfp4") -> Path:
     """Convert the checkpoint ``src`` (a folder or Hub id) into ``dst`` in the format ``to``, streaming.
 
     Args:
-        src: a Kimi Linear folder / Hub id (``model_type: kimi_linear``) for ``to="kda_moe"``, or a kdamoe folder
-            (``model_type: kda_moe``) for ``to="kimi_linear"``; weights as safetensors (one file or shards + index).
+        src: a Kimi Linear or Kimi K3 folder / Hub id (``model_type: kimi_linear`` / ``kimi_k3``; K3's text model,
+            its vision tensors skipped) for ``to="kda_moe"``, or a kdamoe folder (``model_type: kda_moe``) for
+            ``to="kimi_linear"`` / ``"kimi_k3"``; weights as safetensors (one file or shards + index).
         dst: the output folder; it must not exist or be empty, unless ``overwrite``.
-        to: ``"kda_moe"`` or ``"kimi_linear"``.
+        to: ``"kda_moe"``, ``"kimi_linear"`` or ``"kimi_k3"``.
         overwrite: replace a non-empty ``dst`` (its whole content is removed once the conversion has succeeded; the
             new folder is written beside it first).
         max_shard_size: largest output shard, bytes or a size string (``"5GB"``, ``"500MB"``); a single tensor larger
             than it gets a shard of its own. One shard → ``model.safetensors``; more → ``model-0000i-of-0000N`` and
             ``model.safetensors.index.json``.
+        experts_format: for ``to="kimi_k3"``: ``"mxfp4"`` (the released storage: each routed expert projection
+            re-quantised by ``kdamoe.model.mxfp4.mxfp4_encode``, round to nearest E2M1 per block of 32 with an E8M0
+            scale; a relative RMS error of about 0.11 on weights that were not MXFP4 before, none on weights decoded
+            from MXFP4 and not changed since) or ``"bf16"`` (bfloat16 experts, the config saying
+            ``routed_experts_format: bf16``). Not read for the other targets.
 
     Returns:
         ``dst`` as a ``Path``.
@@ -66,10 +86,12 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
         ValueError: ``to`` not in :data:`FORMATS`; ``src`` without a ``config.json``, of a format other than the one
             ``to`` converts from; ``dst`` non-empty without ``overwrite``, or ``dst`` holding ``src``; a config the
             target format cannot represent (naming the field); a missing, extra or wrongly shaped tensor (naming it and
-            its shapes); a bad ``max_shard_size``.
+            its shapes); a bad ``max_shard_size`` or ``experts_format``.
     """
     if to not in FORMATS:
         raise ValueError(f"to={to!r}: expected one of {FORMATS}")
+    if experts_format not in EXPERTS_FORMATS:
+        raise ValueError(f"experts_format={experts_format!r}: expected one of {EXPERTS_FORMATS}")
     limit = _shard_limit(max_shard_size)
     if Path(src).expanduser().exists():
         src = Path(src).expanduser()
@@ -79,15 +101,32 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
     if source_config is None:
         raise ValueError(f"{src}: no config.json (a local folder or a Hub id of a checkpoint)")
     src_type = source_config.get("model_type")
-    want = KIMI_LINEAR_MODEL_TYPE if to == "kda_moe" else KDAMoEConfig.model_type
-    if src_type != want:
-        raise ValueError(f"{src}: model_type is {src_type!r}; --to {to} converts from {want!r}")
+    wants = (KIMI_LINEAR_MODEL_TYPE, KIMI_K3_MODEL_TYPE) if to == "kda_moe" else (KDAMoEConfig.model_type,)
+    if src_type not in wants:
+        raise ValueError(f"{src}: model_type is {src_type!r}; --to {to} converts from {' or '.join(map(repr, wants))}")
     dst = Path(dst).expanduser()
     _check_destination(Path(src), dst, overwrite)
 
-    if to == "kda_moe":
+    if to == "kda_moe" and src_type == KIMI_K3_MODEL_TYPE:
+        config = KDAMoEConfig(**kimi_k3_to_kdamoe_config(source_config))
+
+        # The experts are decoded to the checkpoint's dtype (its config's `dtype`), so the folder has one dtype, or to
+        # bfloat16 when it names none: MXFP4 values (two significant bits times a power of two) are exact in each.
+        stored = getattr(config, "dtype", None)
+        stored = getattr(torch, stored.removeprefix("torch."), None) if isinstance(stored, str) else stored
+        experts_dtype = stored if stored in (torch.float32, torch.bfloat16, torch.float64) else torch.bfloat16
+
+        def mapping(tensors, config, expected, optional):
+            return kimi_k3_to_kdamoe_tensors(tensors, config, expected, optional, experts_dtype=experts_dtype)
+    elif to == "kda_moe":
         config = KDAMoEConfig(**kimi_linear_to_kdamoe_config(source_config))
         mapping = kimi_linear_to_kdamoe_tensors
+    elif to == "kimi_k3":
+        config = KDAMoEConfig.from_dict({k: v for k, v in source_config.items() if k != "model_type"})
+        target_config = kdamoe_to_kimi_k3_config(config, experts_format)  # refuses, naming the option, first
+
+        def mapping(tensors, config, expected, optional):
+            return kdamoe_to_kimi_k3_tensors(tensors, config, expected, optional, experts_format=experts_format)
     else:
         config = KDAMoEConfig.from_dict({k: v for k, v in source_config.items() if k != "model_type"})
         target_config = kdamoe_to_kimi_linear_config(config)  # refuses, naming the option, before anything is written

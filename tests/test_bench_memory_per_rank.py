@@ -26,7 +26,8 @@ def test_memory_per_rank_table_follows_from_the_parameter_counts():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         load_script("memory_per_rank").main()
-    rows = [line for line in out.getvalue().splitlines()
+    text = out.getvalue()
+    rows = [line for line in text.split("Kimi K3 text model")[0].splitlines()
             if line.startswith("| ") and "GiB" in line and not line.startswith("| shape")]
     assert [r.split("|")[1].strip() for r in rows] == ["cpu_default.yaml", "gpu_h200.yaml",
                                                        "K3-scale (assumed, see K3_SCALE)"]
@@ -37,6 +38,20 @@ def test_memory_per_rank_table_follows_from_the_parameter_counts():
         # three significant digits per cell (each within 0.5 % of its value): two cells agree within 1 %
         assert math.isclose(ddp, 16 * total_b * 1e9 / 2**30, rel_tol=1.1e-2), row
         assert math.isclose(fsdp8, ddp / 8, rel_tol=1.1e-2) and math.isclose(fsdp64, ddp / 64, rel_tol=1.1e-2), row
+
+    # Kimi K3's table: 2,779,484,393,568 parameters (NeMo's K3 on the meta device, docs/checkpoints.md), of which
+    # 2,722,740,830,208 in routed experts; per rank of n: 16 B per parameter for training, for inference 17/32 B per
+    # expert weight (MXFP4) plus 2 B per other weight, sharded or replicated
+    total, experts = 2_779_484_393_568, 2_722_740_830_208
+    k3_rows = [line for line in text.split("Kimi K3 text model")[1].splitlines()
+               if line.startswith("| ") and "GiB" in line]
+    assert [int(r.split("|")[1]) for r in k3_rows] == [64, 128, 224, 448, 896]
+    for row in k3_rows:
+        n, train, sharded, expert, replicated = (float(c.split()[0]) for c in row.split("|")[1:-1])
+        for got, want in ((train, 16 * total / n), (expert, experts * 17 / 32 / n),
+                          (sharded, (experts * 17 / 32 + 2 * (total - experts)) / n),
+                          (replicated, experts * 17 / 32 / n + 2 * (total - experts))):
+            assert math.isclose(got, want / 2**30, rel_tol=1e-3), row
 
     with open(os.path.join(ROOT, "kdamoe", "configs", "cpu_default.yaml")) as f:
         fields = dict(yaml.safe_load(f)["model"])

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from ..model import KDAMoEConfig, KDAMoEForCausalLM
+from ..model.kimi_k3_format import check_kimi_k3_folder, is_kimi_k3_config
 from ..model.kimi_linear_format import check_kimi_linear_folder, is_kimi_linear_config
 from .checkpoint import verify_checkpoint
 
@@ -183,7 +184,8 @@ def check_stored_weights(expected: dict[str, torch.Tensor], folder: str | Path, 
 def check_model_folder(folder: str | Path, cls=KDAMoEForCausalLM) -> None:
     """:func:`check_stored_weights` of a ``save_pretrained`` folder against the model its ``config.json`` describes
     (built on the ``meta`` device: nothing is allocated). A Kimi Linear folder (``model_type: kimi_linear``) is checked
-    through the Kimi Linear tensor map instead (names and shapes, from the safetensors headers).
+    through the Kimi Linear tensor map instead (names and shapes, from the safetensors headers), a Kimi K3 folder
+    (``model_type: kimi_k3``) through the K3 map.
 
     Raises:
         ValueError: naming the file and tensor (see :func:`check_stored_weights`), or a missing ``config.json``.
@@ -191,9 +193,13 @@ def check_model_folder(folder: str | Path, cls=KDAMoEForCausalLM) -> None:
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder / 'config.json'}: missing")
-    if is_kimi_linear_config(json.loads((folder / "config.json").read_text())):
+    raw = json.loads((folder / "config.json").read_text())
+    if is_kimi_linear_config(raw):
         # A Kimi Linear release: its tensors map onto the model (names and shapes from the headers; docs/checkpoints.md)
         check_kimi_linear_folder(folder, cls)
+        return
+    if is_kimi_k3_config(raw):  # a Kimi K3 release, the same way (its MXFP4 experts by their shapes)
+        check_kimi_k3_folder(folder, cls)
         return
     config = KDAMoEConfig.from_pretrained(str(folder))
     with torch.device("meta"):

@@ -45,6 +45,9 @@ class KDAMoEConfig(PreTrainedConfig):
         v_head_dim (`int`, *optional*): MLA value head dim; `None` → `qk_head_dim`.
         mla_rms_norm_eps (`float`, *optional*): epsilon of the MLA `q_a_layernorm` / `kv_a_layernorm`; `None` →
             `rms_norm_eps` (transformers' Kimi Linear uses 1e-6 there).
+        mla_output_gate (`bool`, defaults to False): gate the MLA output per channel before `o_proj`:
+            `o_proj(σ(g_proj x) ⊙ attn)` with `g_proj [num_attention_heads·v_head_dim, hidden_size]`, no bias (Kimi
+            K3's `mla_use_output_gate`).
         kda_num_heads (`int`, defaults to 4): KDA heads.
         kda_head_dim (`int`, *optional*): KDA key = value head dim; `None` → `hidden_size // kda_num_heads`.
         kda_short_conv_kernel_size (`int`, defaults to 4): width of the depthwise causal conv on q, k, v.
@@ -59,6 +62,9 @@ class KDAMoEConfig(PreTrainedConfig):
             (init `log(U[1, 16])`, fla's) whose `exp` scales the gate per head; False means scale 1.
         kda_output_gate_bias (`bool`, defaults to True): whether `g_b_proj`, the second projection of the low-rank KDA
             output gate, has a bias (Kimi Linear's has none).
+        kda_full_rank_output_gate (`bool`, defaults to False): the KDA output gate is one full-rank projection
+            `g_proj [kda_num_heads·kda_head_dim, hidden_size]` with no bias (Kimi K3's `use_full_rank_gate`) instead
+            of the low-rank `g_b_proj(g_a_proj x)`; `kda_output_gate_bias` is then not read.
         kda_chunk_size (`int`, defaults to 32): chunk length of the pure-PyTorch chunked KDA path (memory
             `O(T·chunk·K)` per head; 16 is faster on small CPU models). The Triton kernels use their own.
         num_experts (`int`, defaults to 16): routed experts per MoE layer.
@@ -74,7 +80,11 @@ class KDAMoEConfig(PreTrainedConfig):
             `"sparse"` (Stable LatentMoE), in any order (transformers' Kimi Linear name); `None` → the first
             `first_k_dense_replace` layers dense, the rest sparse. Stored as the resolved list.
         intermediate_size (`int`, defaults to 512): width of the dense MLP.
-        routed_scaling_factor (`float`, defaults to 1.0): multiplies the gate weights (only without latent).
+        routed_scaling_factor (`float`, defaults to 1.0): multiplies the gate weights (without a latent; with one only
+            when `latent_moe_routed_scaling`).
+        latent_moe_routed_scaling (`bool`, defaults to False): with `moe_latent_size` set, multiply the gate weights by
+            `routed_scaling_factor` too, before the latent RMSNorm (Kimi K3 / NeMo do; the norm makes it matter only
+            through its eps). False keeps the weights as renormalised.
         router_bias_update (`str`, defaults to `"quantile"`): `"quantile"` (Quantile Balancing), `"sign"`
             (DeepSeek-V3 loss-free rule `b_j += u·sign(mean − load_j)`) or `"none"`.
         router_bias_update_rate (`float`, defaults to 1e-3): `u` of the `"sign"` rule.
@@ -109,7 +119,8 @@ class KDAMoEConfig(PreTrainedConfig):
     Raises:
         ValueError: naming the field, for a bad `layer_types` / `mlp_layer_types` (naming the entry),
             `qk_rope_head_dim`, `mla_rms_norm_eps`, `num_experts_per_tok`, `kda_lower_bound` (also
-            None with `kernel_backend="triton"`), non-boolean `kda_use_A_log` / `kda_output_gate_bias`,
+            None with `kernel_backend="triton"`), non-boolean `kda_use_A_log` / `kda_output_gate_bias` /
+            `kda_full_rank_output_gate` / `mla_output_gate` / `latent_moe_routed_scaling`,
             non-finite or non-positive SiTU betas / `rms_norm_eps` / scales, `attnres_num_blocks`, head sizes
             (a `kda_head_dim` the GPU kernels cannot take) or enum values.
     """
@@ -146,12 +157,14 @@ class KDAMoEConfig(PreTrainedConfig):
         v_head_dim=None,
         qk_rope_head_dim=0,
         mla_rms_norm_eps=None,
+        mla_output_gate=False,
         kda_num_heads=4,
         kda_head_dim=None,
         kda_short_conv_kernel_size=4,
         kda_lower_bound=-5.0,
         kda_use_A_log=False,
         kda_output_gate_bias=True,
+        kda_full_rank_output_gate=False,
         kda_chunk_size=32,
         num_experts=16,
         num_experts_per_tok=2,
@@ -162,6 +175,7 @@ class KDAMoEConfig(PreTrainedConfig):
         mlp_layer_types=None,
         intermediate_size=512,
         routed_scaling_factor=1.0,
+        latent_moe_routed_scaling=False,
         router_bias_update="quantile",
         router_bias_update_rate=1e-3,
         qb_num_bins=1024,
@@ -207,6 +221,7 @@ class KDAMoEConfig(PreTrainedConfig):
         self.v_head_dim = v_head_dim if v_head_dim is not None else self.qk_head_dim
         self.qk_rope_head_dim = qk_rope_head_dim
         self.mla_rms_norm_eps = mla_rms_norm_eps
+        self.mla_output_gate = mla_output_gate
         self.kda_num_heads = kda_num_heads
         self.kda_head_dim = (kda_head_dim if kda_head_dim is not None
                              else _divide(hidden_size, kda_num_heads, "kda_num_heads"))
@@ -216,6 +231,7 @@ class KDAMoEConfig(PreTrainedConfig):
                                 and not isinstance(kda_lower_bound, bool) else kda_lower_bound)
         self.kda_use_A_log = kda_use_A_log
         self.kda_output_gate_bias = kda_output_gate_bias
+        self.kda_full_rank_output_gate = kda_full_rank_output_gate
         self.kda_chunk_size = kda_chunk_size
         self.num_experts = num_experts
         self.num_experts_per_tok = num_experts_per_tok
@@ -228,6 +244,7 @@ class KDAMoEConfig(PreTrainedConfig):
         self.mlp_layer_types = list(mlp_layer_types) if isinstance(mlp_layer_types, (list, tuple)) else mlp_layer_types
         self.intermediate_size = intermediate_size
         self.routed_scaling_factor = routed_scaling_factor
+        self.latent_moe_routed_scaling = latent_moe_routed_scaling
         self.router_bias_update = router_bias_update
         self.router_bias_update_rate = router_bias_update_rate
         self.qb_num_bins = qb_num_bins
@@ -346,7 +363,8 @@ class KDAMoEConfig(PreTrainedConfig):
                 raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}")
         check_prefill_chunk_size(self.prefill_chunk_size)
         for name in ("tie_word_embeddings", "output_router_logits", "use_cache", "decode_cuda_graphs", "kda_use_A_log",
-                     "kda_output_gate_bias"):
+                     "kda_output_gate_bias", "kda_full_rank_output_gate", "mla_output_gate",
+                     "latent_moe_routed_scaling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
         if self.kernel_backend != "torch" and self.kda_head_dim not in KERNEL_HEAD_DIMS:

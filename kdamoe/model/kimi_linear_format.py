@@ -244,8 +244,12 @@ def kdamoe_to_kimi_linear_config(config: KDAMoEConfig) -> dict:
     if getattr(config, "kda_lower_bound", None) is not None:
         problems.append(f"kda_lower_bound={config.kda_lower_bound} (lower-bounded KDA gate; Kimi Linear: None, the "
                         "softplus gate)")
-    if getattr(config, "kda_output_gate_bias", True):
+    if getattr(config, "kda_full_rank_output_gate", False):
+        problems.append("kda_full_rank_output_gate=True (Kimi Linear's KDA output gate is low rank)")
+    elif getattr(config, "kda_output_gate_bias", True):
         problems.append("kda_output_gate_bias=True (Kimi Linear's g_b_proj has no bias)")
+    if getattr(config, "mla_output_gate", False):
+        problems.append("mla_output_gate=True (Kimi Linear's MLA has no output gate)")
     mla_eps = _mla_eps(config)
     if not math.isclose(mla_eps, KIMI_MLA_RMS_NORM_EPS, rel_tol=1e-9):
         problems.append(f"mla_rms_norm_eps={mla_eps} (Kimi Linear's MLA norms use {KIMI_MLA_RMS_NORM_EPS})")

@@ -57,6 +57,7 @@ from .kernel_dispatch import (
     moe_route_op,
     rms_norm,
 )
+from .kimi_k3_format import from_kimi_k3_pretrained, is_kimi_k3_config
 from .kimi_linear_format import from_kimi_linear_pretrained, is_kimi_linear_config, read_config_dict
 from .moe_torch import GLUActivation, moe_experts_torch
 from .quantile_balancing import all_reduce_sum, histogram_range, quantile_balancing_update, sign_update
@@ -203,7 +204,8 @@ class KDAMoEDeltaAttention(nn.Module):
     ``q, k = L2Norm(SiLU(ShortConv(W x)))``, ``v = SiLU(ShortConv(W x))`` (one fused depthwise conv over
     q|k|v), ``β = σ(W_β x)``, the forget gate ``g = g_min·σ(exp(A_log)·(W_f2 W_f1 x + dt_bias))`` (or, with
     ``kda_lower_bound=None``, Kimi Linear's ``g = −exp(A_log)·softplus(W_f2 W_f1 x + dt_bias)``; ``A_log`` ``[H]``
-    only with ``kda_use_A_log``, else scale 1) and output ``W_o(RMSNorm_head(o) ⊙ σ(W_g2 W_g1 x [+ b_g2]))``. The ops
+    only with ``kda_use_A_log``, else scale 1) and output ``W_o(RMSNorm_head(o) ⊙ σ(W_g2 W_g1 x [+ b_g2]))`` (with
+    ``kda_full_rank_output_gate``, Kimi K3's ``σ(W_g x)``, one bias-free ``g_proj [H·K, d]``). The ops
     come from ``kernel_dispatch`` (kdamoe kernels, fla or PyTorch); the gate is always handed over raw
     (``use_gate_in_kernel``) and computed by the op, inside the kernel where the backend can. Padded positions
     (``attention_mask == 0``) are zeroed before the conv and get ``β = 0`` and a raw gate input of
@@ -244,8 +246,11 @@ class KDAMoEDeltaAttention(nn.Module):
         # (`_keep_in_fp32_modules_strict`); None means scale 1.
         self.A_log = nn.Parameter(torch.empty(self.num_heads)) if config.kda_use_A_log else None
         self.b_proj = nn.Linear(d, self.num_heads, bias=False)
-        self.g_a_proj = nn.Linear(d, self.head_dim, bias=False)
-        self.g_b_proj = nn.Linear(self.head_dim, width, bias=config.kda_output_gate_bias)
+        if config.kda_full_rank_output_gate:
+            self.g_proj = nn.Linear(d, width, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(d, self.head_dim, bias=False)
+            self.g_b_proj = nn.Linear(self.head_dim, width, bias=config.kda_output_gate_bias)
         self.o_norm = KDAMoEGatedRMSNorm(self.head_dim, eps=config.rms_norm_eps, config=config)
         self.o_proj = nn.Linear(width, d, bias=False)
 
@@ -272,8 +277,10 @@ class KDAMoEDeltaAttention(nn.Module):
                 conv_state = conv_state.clone()
                 recurrent_state = recurrent_state.clone() if recurrent_state is not None else None
 
+        full_rank_gate = self.config.kda_full_rank_output_gate
         qkv, f, beta, gate = fused_linear(
-            hidden_states, ((self.q_proj, self.k_proj, self.v_proj), self.f_a_proj, self.b_proj, self.g_a_proj)
+            hidden_states, ((self.q_proj, self.k_proj, self.v_proj), self.f_a_proj, self.b_proj,
+                            self.g_proj if full_rank_gate else self.g_a_proj)
         )
         seq_idx = packed["seq_idx"] if packed is not None else None
         q, k, v, new_conv_state = self._short_conv(qkv, conv_state, seq_idx, cache is not None)
@@ -303,7 +310,7 @@ class KDAMoEDeltaAttention(nn.Module):
             cache.update_conv_state(new_conv_state, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
             cache.update_recurrent_state(final_state.float(), self.layer_idx)
 
-        gate = self.g_b_proj(gate).view(B, T, H, K)
+        gate = (gate if full_rank_gate else self.g_b_proj(gate)).view(B, T, H, K)
         o = self.o_norm(o, gate).reshape(B, T, H * K)
         return self.o_proj(o)
 
@@ -371,6 +378,9 @@ class KDAMoEAttention(nn.Module):
 
     With a :class:`KDAMoECache` the layer caches ``[c | k_shared]`` per token only; with a plain ``DynamicCache`` it
     caches per-head keys ``[B, H, S, qk_head_dim]`` and values as any transformers model.
+
+    With ``mla_output_gate`` (Kimi K3) the attention output is gated per channel before ``o_proj``:
+    ``o_proj(σ(g_proj x) ⊙ o)``, ``g_proj [H·v_head_dim, d]`` without bias, on both ways to attend.
     """
 
     def __init__(self, config: KDAMoEConfig, layer_idx: int):
@@ -397,7 +407,16 @@ class KDAMoEAttention(nn.Module):
         self.kv_a_layernorm = KDAMoERMSNorm(config.kv_lora_rank, eps=config.mla_norm_eps, config=config)
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
                                    bias=False)
+        if config.mla_output_gate:
+            self.g_proj = nn.Linear(d, self.num_heads * self.v_head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, d, bias=False)
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """``o_proj`` of the attention output ``[B, T, H·v_head_dim]``, gated first by ``σ(gate)`` (same shape) when
+        the layer has an output gate."""
+        if gate is not None:
+            out = out * torch.sigmoid(gate).to(out.dtype)
+        return self.o_proj(out)
 
     def forward(self, hidden_states, masks: dict | None = None, cache: Cache | None = None, **kwargs):
         """``hidden_states [B, T, d]`` → ``([B, T, d], attention weights or None)``.
@@ -409,10 +428,13 @@ class KDAMoEAttention(nn.Module):
         masks = masks or {"full_attention": None, "latent": False, "key_mask": None}
         B, T, _ = hidden_states.shape
         R, Dr = self.config.kv_lora_rank, self.qk_rope_head_dim
-        if self.config.q_lora_rank is None:
-            q, compressed = fused_linear(hidden_states, (self.q_proj, self.kv_a_proj))
+        gate = None
+        projections = (self.q_proj if self.config.q_lora_rank is None else self.q_a_proj, self.kv_a_proj)
+        if self.config.mla_output_gate:
+            q, compressed, gate = fused_linear(hidden_states, (*projections, self.g_proj))
         else:
-            q, compressed = fused_linear(hidden_states, (self.q_a_proj, self.kv_a_proj))
+            q, compressed = fused_linear(hidden_states, projections)
+        if self.config.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(B, T, self.num_heads, self.qk_head_dim)
         if Dr:
@@ -424,7 +446,7 @@ class KDAMoEAttention(nn.Module):
         if isinstance(layer_cache, KDAMoELatentCacheLayer):
             rows, _ = layer_cache.update(rows)  # every visible row, [B, past + T, R + Dr]
             if masks["latent"]:
-                return self._latent_attention(q, layer_cache, masks["key_mask"]), None
+                return self._latent_attention(q, layer_cache, masks["key_mask"], gate), None
 
         # split before the head transpose: the split's backward then concatenates dk | dv straight into the
         # projection's [B, T, H, Dn + Dv] layout (after the transpose it wrote [B, H, T, ·], copied once more back)
@@ -446,7 +468,7 @@ class KDAMoEAttention(nn.Module):
                 self.config._attn_implementation, eager_attention_forward
             )
             out, attn_weights = attention_interface(self, q, k, v, mask, scaling=self.scaling, dropout=0.0, **kwargs)
-        return self.o_proj(out.reshape(B, T, self.num_heads * self.v_head_dim)), attn_weights
+        return self._output(out.reshape(B, T, self.num_heads * self.v_head_dim), gate), attn_weights
 
     def _absorbed_weights(self, like: torch.Tensor) -> torch.Tensor:
         """``[R, H, qk_nope_head_dim + v_head_dim]``: ``kv_b_proj`` applied to the identity, i.e. its effective weight
@@ -455,8 +477,9 @@ class KDAMoEAttention(nn.Module):
         eye = torch.eye(R, dtype=like.dtype, device=like.device)
         return self.kv_b_proj(eye).view(R, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
 
-    def _latent_attention(self, q, layer_cache, key_mask) -> torch.Tensor:
-        """Attention in the cache's space: ``q [B, T, H, qk_head_dim]`` → ``o_proj`` output ``[B, T, d]``.
+    def _latent_attention(self, q, layer_cache, key_mask, gate=None) -> torch.Tensor:
+        """Attention in the cache's space: ``q [B, T, H, qk_head_dim]`` → ``o_proj`` output ``[B, T, d]`` (gated by
+        ``σ(gate)``, ``[B, T, H·v_head_dim]``, when the layer has an output gate).
 
         Per head ``h`` and cached row ``[c_s | k_shared,s]``: the score is ``q_nope,h·W_uk,h c_s + q_shared,h·k_shared,s
         = [W_uk,hᵀ q_nope,h | q_shared,h]·[c_s | k_shared,s]``, one dot product of width ``R + Dr`` with the absorbed
@@ -476,7 +499,7 @@ class KDAMoEAttention(nn.Module):
             backend=self.config.kernel_backend,
         )
         out = torch.einsum("bthr,rhv->bthv", o_latent.to(w_uv.dtype), w_uv)
-        return self.o_proj(out.reshape(B, T, self.num_heads * self.v_head_dim))
+        return self._output(out.reshape(B, T, self.num_heads * self.v_head_dim), gate)
 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -602,7 +625,9 @@ class KDAMoETopkRouter(nn.Module):
         self.num_experts = config.num_experts
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
-        self.scaling = config.routed_scaling_factor if config.moe_latent_size is None else 1.0
+        # With a latent the weights are scaled only on request (Kimi K3 does; kdamoe's own models never did).
+        scaled = config.moe_latent_size is None or config.latent_moe_routed_scaling
+        self.scaling = config.routed_scaling_factor if scaled else 1.0
         self.reset_statistics()
 
     def reset_statistics(self):
@@ -954,6 +979,8 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         :mod:`.kimi_linear_format` (:func:`~.kimi_linear_format.from_kimi_linear_pretrained`): strictly (a missing,
         extra or wrongly shaped tensor is a ``ValueError`` naming it), with ``router_bias_update="none"`` unless the
         caller passes another rule, taking ``dtype`` / ``torch_dtype``, ``device_map=None`` and the Hub arguments.
+        A ``model_type: kimi_k3`` folder (Kimi K3's released layout, MXFP4 experts) loads its text model the same way
+        through :mod:`.kimi_k3_format` (:func:`~.kimi_k3_format.from_kimi_k3_pretrained`).
         """
         kwargs = hub_kernels_off_by_default(kwargs)
         pretrained = args[0] if args else kwargs.get("pretrained_model_name_or_path")
@@ -962,6 +989,9 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
             if is_kimi_linear_config(kimi):
                 kwargs.pop("pretrained_model_name_or_path", None)
                 return from_kimi_linear_pretrained(cls, pretrained, kimi, kwargs)
+            if is_kimi_k3_config(kimi):
+                kwargs.pop("pretrained_model_name_or_path", None)
+                return from_kimi_k3_pretrained(cls, pretrained, kimi, kwargs)
         return super().from_pretrained(*args, **kwargs)
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
