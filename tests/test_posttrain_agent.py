@@ -280,8 +280,8 @@ def test_paired_lower_bound_restated():
 
 
 def test_run_demo_end_to_end(tokenizer, tmp_path, capsys):
-    """Plumbing of the whole demo on a tiny random model (seconds): stages, control, curves, files, exit code;
-    not its verdict (a random model learns nothing in two steps)."""
+    """Plumbing of the whole demo on a tiny random model (seconds): stages, control, curves, files, exit code,
+    GRPO on the batched engine; not its verdict (a random model learns nothing in two steps)."""
     base = tmp_path / "base"
     torch.manual_seed(0)
     config = tiny_config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
@@ -319,6 +319,11 @@ def test_run_demo_end_to_end(tokenizer, tmp_path, capsys):
     logged = [row for row in grpo_summary["log_history"] if "heldout/success" in row]
     assert [row["step"] for row in logged] == [1] and logged[0]["heldout/success"] == result["heldout_curve"][1][1]
     assert list((out / "seed0" / "grpo").rglob("events.out.tfevents.*"))  # TensorBoard got the run
+    # GRPO's rollouts ran on the batched engine: its counters are logged as rollout/*, and each group of 2 episodes
+    # forked from one prefill of its prompt (TRL's loop and the cached rollout log neither)
+    assert grpo_summary["config"]["grpo"]["rollout"] == "batched"
+    engine_rows = [row for row in grpo_summary["log_history"] if "rollout/steps" in row]
+    assert engine_rows and all(row["rollout/forks"] >= 1 and row["rollout/steps"] >= 1 for row in engine_rows)
     for image in ("reward_curve.png", "heldout_curve.png"):
         assert (out / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", image
     printed = capsys.readouterr().out

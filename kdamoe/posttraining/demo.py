@@ -6,7 +6,7 @@ For each seed:
    pretrained model;
 2. ``grpo``: the shipped ``grpo`` recipe (mode ``environment``: TRL's ``environment_factory`` with
    :class:`~kdamoe.posttraining.environments.keyhunt.KeyHuntEnvironment`, reward from its state) from the SFT
-   model, with a
+   model, its rollouts played by the batched engine (:data:`GRPO_ROLLOUT`), with a
    :class:`~kdamoe.posttraining.agent.HeldOutSuccessCallback` that scores the policy on the held-out tasks at a
    few steps (the held-out curve, in the Trainer's ``log_history`` and TensorBoard);
 3. ``sft_more``, the control: the ``sft`` recipe again from the SFT model, for as long as GRPO trained (its wall
@@ -56,6 +56,10 @@ MARGIN = 0.05  # the verdict's least lower bound of the success difference (5 po
 Z_95_ONE_SIDED = 1.6448536269514722  # the standard normal's 95 % quantile
 CURVE_POINTS = 3  # held-out evaluations during GRPO (plus the SFT model at step 0 and the final model)
 CURVE_TASKS = 100  # the curve's evaluations play the first 100 held-out tasks: half the time, +-5 points
+# The GRPO stage's rollouts: the batched engine (kdamoe.posttraining.engine), which plays a step's 16 episodes
+# together and each group's prompt once; it samples each episode from its own seed, so its trajectories differ from
+# TRL's loop (one global random stream) only in the draws. Put before the --grpo-set overrides, which may replace it.
+GRPO_ROLLOUT = ("grpo.rollout=batched",)
 
 
 def _stage_config(name: str, model: str, output_dir: Path, seed: int, overrides: list[str]):
@@ -154,7 +158,7 @@ def run_seed(base: str, output_dir: Path, seed: int, n_held_out: int, sft_overri
     folder = output_dir / f"seed{seed}"
     sft_cfg = _stage_config("sft", base, folder / "sft", seed, list(sft_overrides))
     grpo_cfg = _stage_config("grpo", str(folder / "sft" / "final"), folder / "grpo", seed,
-                             ["trainer.report_to=tensorboard", *grpo_overrides])
+                             ["trainer.report_to=tensorboard", *GRPO_ROLLOUT, *grpo_overrides])
     tasks = held_out_tasks([sft_cfg, grpo_cfg], n_held_out)
     rows, seconds = {}, {}
 
