@@ -15,6 +15,7 @@ and servers that read it) load. Tensors keep their stored dtype.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterable, Iterator
@@ -38,6 +39,8 @@ from .model.kimi_linear_format import (
 )
 from .model.modeling_kdamoe import AUTO_MAP
 
+logger = logging.getLogger(__name__)
+
 FORMATS = ("kimi_linear", "kda_moe")
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 # Files of a source folder that are not carried over: its weights and config (rewritten) and caches.
@@ -51,10 +54,12 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
     Args:
         src: a Kimi Linear folder / Hub id (``model_type: kimi_linear``) for ``to="kda_moe"``, or a kdamoe folder
             (``model_type: kda_moe``) for ``to="kimi_linear"``; weights as safetensors (one file or shards + index).
-        dst: the output folder; it must not exist or be empty, unless ``overwrite``.
+        dst: the output folder; it must not exist or be empty, unless ``overwrite``. A symbolic link is followed:
+            the folder it points to is the one written (or replaced).
         to: ``"kda_moe"`` or ``"kimi_linear"``.
         overwrite: replace a non-empty ``dst`` (its whole content is removed once the conversion has succeeded; the
-            new folder is written beside it first).
+            new folder is written beside it first, as a hidden ``.DST.converting-PID`` folder; such folders left by
+            an interrupted conversion whose process is gone are removed when the next conversion to ``dst`` starts).
         max_shard_size: largest output shard, bytes or a size string (``"5GB"``, ``"500MB"``); a single tensor larger
             than it gets a shard of its own. One shard → ``model.safetensors``; more → ``model-0000i-of-0000N`` and
             ``model.safetensors.index.json``.
@@ -83,6 +88,10 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
     if src_type != want:
         raise ValueError(f"{src}: model_type is {src_type!r}; --to {to} converts from {want!r}")
     dst = Path(dst).expanduser()
+    if dst.is_symlink():
+        # a link (e.g. to a folder on a larger disk) is written through: the new folder is built beside its target
+        # and replaces it, so the link keeps pointing at the result (shutil.rmtree refuses to remove a link itself)
+        dst = dst.resolve()
     _check_destination(Path(src), dst, overwrite)
 
     if to == "kda_moe":
@@ -97,7 +106,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
     expected = {k: v.shape for k, v in skeleton.state_dict().items()}
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
 
-    tmp = dst.with_name(f".{dst.name}.converting-{os.getpid()}")
+    _remove_stale_partial_folders(dst)
+    tmp = dst.with_name(f"{_PARTIAL_PREFIX.format(name=dst.name)}{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -118,7 +128,38 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
     return dst
 
 
+# The folder a conversion writes before renaming it to dst: hidden, beside dst, named after the writing process.
+_PARTIAL_PREFIX = ".{name}.converting-"
+
+
+def _remove_stale_partial_folders(dst: Path) -> None:
+    """Remove the partial folders that conversions to ``dst`` killed before they could clean up (``kill -9``, a lost
+    machine) left beside it: hidden, and as large as the shards written so far. A folder whose process still runs
+    (another conversion to the same ``dst``) is left alone."""
+    prefix = _PARTIAL_PREFIX.format(name=dst.name)
+    if not dst.parent.is_dir():
+        return
+    for path in dst.parent.glob(f"{prefix}*"):
+        pid = path.name[len(prefix):]
+        if not pid.isdigit() or _process_alive(int(pid)):
+            continue
+        logger.warning("removing %s, the partial output of an interrupted conversion (process %s)", path, pid)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
 def _shard_limit(max_shard_size) -> int:
+    if isinstance(max_shard_size, str) and max_shard_size.strip().isdigit():
+        max_shard_size = int(max_shard_size)  # a plain number of bytes, as the command line passes it
     try:
         limit = convert_file_size_to_int(max_shard_size)
     except (ValueError, TypeError) as err:
