@@ -180,3 +180,10 @@ def test_bf16_folder_keeps_the_float32_tensors_without_a_dtype(kimi_folder, tmp_
         assert reference[theirs].dtype == torch.float32, theirs
         assert model[ours].dtype == torch.float32, ours
     assert model["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, "int64", "float33"])
+def test_dtype_that_is_not_a_float_dtype(kimi_folder, dtype):
+    """An integer dtype failed inside ``load_state_dict`` (``RuntimeError``) after every shard was read."""
+    with pytest.raises(ValueError, match=r"dtype is .*expected a floating-point torch\.dtype"):
+        KDAMoEForCausalLM.from_pretrained(kimi_folder, dtype=dtype)

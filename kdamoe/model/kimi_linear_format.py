@@ -791,11 +791,14 @@ def _resolve_dtype(dtype) -> torch.dtype | None:
     """``dtype=`` of ``from_pretrained`` → a ``torch.dtype``, or None for ``"auto"`` / None (as stored)."""
     if dtype is None or dtype == "auto":
         return None
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and isinstance(getattr(torch, dtype.removeprefix("torch."), None), torch.dtype):
-        return getattr(torch, dtype.removeprefix("torch."))
-    raise ValueError(f"dtype is {dtype!r}: expected a torch.dtype, its name (e.g. 'bfloat16') or 'auto'")
+    resolved = dtype
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype.removeprefix("torch."), None)
+    if isinstance(resolved, torch.dtype) and resolved.is_floating_point:
+        return resolved
+    # an integer dtype would fail deep inside load_state_dict; the weights are floating point
+    raise ValueError(f"dtype is {dtype!r}: expected a floating-point torch.dtype, its name (e.g. 'bfloat16') or "
+                     "'auto'")
 
 
 def from_kimi_linear_pretrained(cls, pretrained, kimi_config: dict, kwargs: dict):
