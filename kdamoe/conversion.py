@@ -82,7 +82,10 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
         raise ValueError(f"src {src}: no such folder (and not a Hub id, namespace/name)")
     source_config = read_config_dict(str(src))
     if source_config is None:
-        raise ValueError(f"{src}: no config.json (a local folder or a Hub id of a checkpoint)")
+        where = "the folder has none" if Path(src).is_dir() else (
+            "not a local folder, and as a Hub id its config.json could not be fetched: check the id, the network, "
+            "HF_HUB_OFFLINE and the token")
+        raise ValueError(f"{src}: no config.json ({where})")
     src_type = source_config.get("model_type")
     want = KIMI_LINEAR_MODEL_TYPE if to == "kda_moe" else KDAMoEConfig.model_type
     if src_type != want:

@@ -187,3 +187,11 @@ def test_dtype_that_is_not_a_float_dtype(kimi_folder, dtype):
     """An integer dtype failed inside ``load_state_dict`` (``RuntimeError``) after every shard was read."""
     with pytest.raises(ValueError, match=r"dtype is .*expected a floating-point torch\.dtype"):
         KDAMoEForCausalLM.from_pretrained(kimi_folder, dtype=dtype)
+
+
+def test_folder_without_config(kimi_folder, tmp_path, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(kimi_folder, src)
+    (src / "config.json").unlink()
+    assert _cli_error(capsys, src, tmp_path / "dst", "--to", "kda_moe").endswith(
+        f"{src}: no config.json (the folder has none)")
