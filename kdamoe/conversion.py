@@ -122,9 +122,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
             _write_kdamoe_config(skeleton, tmp)
         else:
             (tmp / "config.json").write_text(json.dumps(target_config, indent=2) + "\n")
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
+        _move_into_place(tmp, dst, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -158,6 +156,24 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:  # another user's process: alive
         return True
     return True
+
+
+def _move_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:
+    """Rename the finished ``tmp`` to ``dst``. Without ``overwrite``, ``dst`` was absent or empty when the conversion
+    started; files put there since (a conversion of the 48B model takes hours) are not the converter's to delete, so
+    the result then stays beside ``dst`` under a visible name and the conversion ends with a ``ValueError``."""
+    if dst.exists():
+        if overwrite:
+            shutil.rmtree(dst)
+        else:
+            try:
+                dst.rmdir()  # still empty, as checked at the start
+            except OSError:
+                kept = dst.with_name(f"{dst.name}.converted-{os.getpid()}")
+                tmp.rename(kept)
+                raise ValueError(f"dst {dst}: files were added to it during the conversion; it is left as it is, and "
+                                 f"the converted folder is {kept}") from None
+    tmp.rename(dst)
 
 
 def _shard_limit(max_shard_size) -> int:

@@ -9,6 +9,7 @@ transformers' own class gives them when it loads the same folder.
 """
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import torch
 from safetensors import safe_open
 from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
+import kdamoe.conversion as conversion
 from kdamoe import KDAMoEForCausalLM
 from kdamoe.cli import convert_main
 from kdamoe.conversion import convert_checkpoint
@@ -78,7 +80,7 @@ def test_bad_kimi_config_is_one_line_value_error(case, kimi_folder, tmp_path, ca
         KDAMoEForCausalLM.from_pretrained(src)
     assert "\n" not in str(err.value)
     line = _cli_error(capsys, src, tmp_path / "dst", "--to", "kda_moe")
-    assert line.startswith("kdamoe-convert: error:") and __import__("re").search(message, line)
+    assert line.startswith("kdamoe-convert: error:") and re.search(message, line)
     assert not (tmp_path / "dst").exists()
 
 
@@ -195,3 +197,23 @@ def test_folder_without_config(kimi_folder, tmp_path, capsys):
     (src / "config.json").unlink()
     assert _cli_error(capsys, src, tmp_path / "dst", "--to", "kda_moe").endswith(
         f"{src}: no config.json (the folder has none)")
+
+
+def test_files_added_to_an_empty_destination_during_the_conversion_are_kept(kimi_folder, tmp_path, monkeypatch):
+    """DST was empty when the conversion started (so no --overwrite was needed); a file the user puts there while
+    it runs (hours for the 48B model) is not deleted when the result is moved in: the conversion stops, naming the
+    folder it left its result in."""
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    copy = conversion._copy_side_files
+
+    def user_writes_meanwhile(*args):
+        (dst / "notes.txt").write_text("mine")
+        return copy(*args)
+
+    monkeypatch.setattr(conversion, "_copy_side_files", user_writes_meanwhile)
+    with pytest.raises(ValueError, match=r"files were added to it during the conversion.*dst\.converted-"):
+        convert_checkpoint(kimi_folder, dst, to="kda_moe")
+    assert (dst / "notes.txt").read_text() == "mine"
+    kept = list(tmp_path.glob("dst.converted-*"))
+    assert len(kept) == 1 and (kept[0] / "model.safetensors").is_file()
