@@ -69,9 +69,10 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
 
     Raises:
         ValueError: ``to`` not in :data:`FORMATS`; ``src`` without a ``config.json``, of a format other than the one
-            ``to`` converts from; ``dst`` non-empty without ``overwrite``, or ``dst`` holding ``src``; a config the
-            target format cannot represent (naming the field); a missing, extra or wrongly shaped tensor (naming it and
-            its shapes); a bad ``max_shard_size``.
+            ``to`` converts from; ``dst`` non-empty without ``overwrite``, ``dst`` holding ``src`` or inside it; a
+            config the target format cannot represent (naming the field); a missing, extra or wrongly shaped tensor
+            (naming it and its shapes); a bad ``max_shard_size``; files put into an empty ``dst`` during the
+            conversion (the result is then kept as ``DST.converted-PID``).
     """
     if to not in FORMATS:
         raise ValueError(f"to={to!r}: expected one of {FORMATS}")
@@ -189,10 +190,14 @@ def _shard_limit(max_shard_size) -> int:
 
 
 def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
-    """Refuse a ``dst`` that holds anything unless ``overwrite``, and always one that is ``src`` or contains it (the
-    project's "nothing lost" rule, as the run folders of the other jobs)."""
+    """Refuse a ``dst`` that holds anything unless ``overwrite``, and always one that is ``src``, contains it (the
+    project's "nothing lost" rule, as the run folders of the other jobs) or lies inside it."""
     if src.exists() and dst.exists() and (dst.resolve() == src.resolve() or dst.resolve() in src.resolve().parents):
         raise ValueError(f"dst {dst}: is (or contains) the source folder {src}; pick another folder")
+    if src.is_dir() and src.resolve() in dst.resolve().parents:
+        # inside SRC, the output becomes one of SRC's "other files": the next conversion of SRC copies it along
+        # (weights excepted), and a push or copy of SRC carries a second model with it
+        raise ValueError(f"dst {dst}: is inside the source folder {src}; pick a folder outside it")
     if dst.exists() and not dst.is_dir():
         raise ValueError(f"dst {dst}: exists and is not a folder")
     if dst.exists() and any(dst.iterdir()) and not overwrite:

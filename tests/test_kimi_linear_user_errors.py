@@ -217,3 +217,13 @@ def test_files_added_to_an_empty_destination_during_the_conversion_are_kept(kimi
     assert (dst / "notes.txt").read_text() == "mine"
     kept = list(tmp_path.glob("dst.converted-*"))
     assert len(kept) == 1 and (kept[0] / "model.safetensors").is_file()
+
+
+def test_destination_inside_the_source_is_refused(kimi_folder, tmp_path, capsys):
+    """Before, SRC/out was written; a second conversion of SRC then copied SRC/out (its config, model code and
+    generation config) into the new DST as one of the source's "other files"."""
+    src = tmp_path / "src"
+    shutil.copytree(kimi_folder, src)
+    line = _cli_error(capsys, src, src / "out", "--to", "kda_moe")
+    assert line.endswith(f"dst {src / 'out'}: is inside the source folder {src}; pick a folder outside it")
+    assert sorted(p.name for p in src.iterdir()) == sorted(p.name for p in kimi_folder.iterdir())
