@@ -57,9 +57,11 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
         dst: the output folder; it must not exist or be empty, unless ``overwrite``. A symbolic link is followed:
             the folder it points to is the one written (or replaced).
         to: ``"kda_moe"`` or ``"kimi_linear"``.
-        overwrite: replace a non-empty ``dst`` (its whole content is removed once the conversion has succeeded; the
-            new folder is written beside it first, as a hidden ``.DST.converting-PID`` folder; such folders left by
-            an interrupted conversion whose process is gone are removed when the next conversion to ``dst`` starts).
+        overwrite: replace a non-empty ``dst`` that holds only checkpoint files (weights, index, model code, configs,
+            and names the source's other files have; anything else is refused up front), its whole content removed
+            once the conversion has succeeded (the new folder is written beside it first, as a hidden
+            ``.DST.converting-PID`` folder; such folders left by an interrupted conversion whose process is gone are
+            removed when the next conversion to ``dst`` starts).
         max_shard_size: largest output shard, bytes or a size string (``"5GB"``, ``"500MB"``); a single tensor larger
             than it gets a shard of its own. One shard → ``model.safetensors``; more → ``model-0000i-of-0000N`` and
             ``model.safetensors.index.json``.
@@ -69,7 +71,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
 
     Raises:
         ValueError: ``to`` not in :data:`FORMATS`; ``src`` without a ``config.json``, of a format other than the one
-            ``to`` converts from; ``dst`` non-empty without ``overwrite``, ``dst`` holding ``src`` or inside it; a
+            ``to`` converts from; ``dst`` non-empty without ``overwrite``, or with ``overwrite`` holding files a
+            conversion does not write; ``dst`` holding ``src`` or inside it; a
             config the target format cannot represent (naming the field); a missing, extra or wrongly shaped tensor
             (naming it and its shapes); a bad ``max_shard_size``; files put into an empty ``dst`` during the
             conversion (the result is then kept as ``DST.converted-PID``).
@@ -97,6 +100,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
         # and replaces it, so the link keeps pointing at the result (shutil.rmtree refuses to remove a link itself)
         dst = dst.resolve()
     _check_destination(Path(src), dst, overwrite)
+    if overwrite and dst.is_dir() and any(dst.iterdir()):
+        _refuse_foreign_entries(dst, _side_folder(src))
 
     if to == "kda_moe":
         config = KDAMoEConfig(**kimi_linear_to_kdamoe_config(source_config))
@@ -205,6 +210,26 @@ def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         raise ValueError(f"dst {dst}: exists and is not empty ({', '.join(found[:3])}"
                          f"{', ...' if len(found) > 3 else ''}); pass --overwrite (overwrite=True) to replace it, or "
                          "another folder")
+
+
+# What --overwrite may delete in DST besides the names the conversion writes: any checkpoint's weights, index, model
+# code and configs (an earlier conversion or save_pretrained folder, possibly of another shard count).
+_REPLACEABLE = ("*.safetensors", "model.safetensors.index.json", "*.bin", "*.pt", "*.pth", "*.gguf", "*.py",
+                "config.json", "generation_config.json")
+
+
+def _refuse_foreign_entries(dst: Path, side_folder: Path) -> None:
+    """With ``overwrite``, refuse (before converting anything) a ``dst`` holding an entry that neither the conversion
+    writes (the source's other files, which it copies, and the patterns of :data:`_REPLACEABLE`) nor a checkpoint
+    has: someone's notes or data, which replacing the folder would delete. The other jobs' ``--overwrite`` likewise
+    removes only what their runs write."""
+    written = {path.relative_to(side_folder).parts[0] for path in _iter_files(side_folder)}
+    foreign = sorted(p.name for p in dst.iterdir()
+                     if p.name not in written and not any(Path(p.name).match(pattern) for pattern in _REPLACEABLE))
+    if foreign:
+        raise ValueError(f"dst {dst}: --overwrite would delete {', '.join(foreign[:3])}"
+                         f"{', ...' if len(foreign) > 3 else ''}, which a conversion does not write; move "
+                         f"{'it' if len(foreign) == 1 else 'them'} away or pick another folder")
 
 
 class _ShardWriter:

@@ -161,8 +161,9 @@ def test_destination_given_as_a_symbolic_link(kimi_folder, tmp_path):
     with pytest.raises(ValueError, match=r"exists and is not empty \(notes\.txt\)"):
         convert_checkpoint(kimi_folder, link, to="kda_moe")
     assert (target / "notes.txt").read_text() == "mine"
+    (target / "notes.txt").rename(target / "model.safetensors")  # an older checkpoint's weights: --overwrite's to take
     convert_checkpoint(kimi_folder, link, to="kda_moe", overwrite=True)
-    assert link.is_symlink() and (link / "model.safetensors").is_file() and not (target / "notes.txt").exists()
+    assert link.is_symlink() and (link / "model.safetensors").is_file() and (link / "config.json").is_file()
     assert not list((tmp_path / "disk").glob(".out.converting-*"))
 
 
@@ -227,3 +228,24 @@ def test_destination_inside_the_source_is_refused(kimi_folder, tmp_path, capsys)
     line = _cli_error(capsys, src, src / "out", "--to", "kda_moe")
     assert line.endswith(f"dst {src / 'out'}: is inside the source folder {src}; pick a folder outside it")
     assert sorted(p.name for p in src.iterdir()) == sorted(p.name for p in kimi_folder.iterdir())
+
+
+def test_overwrite_replaces_a_checkpoint_but_not_someone_elses_files(kimi_folder, tmp_path, capsys):
+    """``--overwrite`` on a DST that holds an earlier conversion (other shard names, its model code) replaces it; on a
+    DST that also holds files no conversion writes (notes, a data folder), it is refused before anything is converted
+    and nothing there is touched. Before, ``shutil.rmtree`` removed the whole folder."""
+    dst = tmp_path / "dst"
+    convert_checkpoint(kimi_folder, dst, to="kda_moe", max_shard_size="30KB")
+    assert (dst / "model.safetensors.index.json").is_file()
+    convert_checkpoint(kimi_folder, dst, to="kda_moe", overwrite=True)
+    assert (dst / "model.safetensors").is_file() and not (dst / "model.safetensors.index.json").exists()
+
+    (dst / "notes.txt").write_text("mine")
+    (dst / "data").mkdir()
+    (dst / "data" / "rows.csv").write_text("1,2")
+    before = sorted(p.name for p in dst.iterdir())
+    line = _cli_error(capsys, kimi_folder, dst, "--to", "kda_moe", "--overwrite")
+    assert line.endswith(f"dst {dst}: --overwrite would delete data, notes.txt, which a conversion does not write; "
+                         "move them away or pick another folder")
+    assert sorted(p.name for p in dst.iterdir()) == before
+    assert (dst / "notes.txt").read_text() == "mine" and (dst / "data" / "rows.csv").read_text() == "1,2"
