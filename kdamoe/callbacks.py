@@ -141,6 +141,8 @@ class RouterBiasUpdateCallback(TrainerCallback):
                                   f"at step {state.global_step}" + (f" in {path}" if path else ""),
                                   stacklevel=1)  # about the run's state, not about a caller's line
             if routers_trainable(kdamoe_model) and not self.freeze_biases:
+                if getattr(kdamoe_model.config, "router_bias_update", None) == "none":
+                    self._warn_rule_none(path, kdamoe_model)
                 kdamoe_model.update_router_biases()
             else:
                 if not self.freeze_biases:
@@ -158,6 +160,17 @@ class RouterBiasUpdateCallback(TrainerCallback):
                        "its router weights do not require grad (PEFT adapter or frozen reference model). A PEFT "
                        "adapter saves no buffers, so moving the base's biases would make the adapter reproduce a "
                        "different model on the published base; statistics are still reset every step.")
+
+    def _warn_rule_none(self, path: str, kdamoe_model: nn.Module) -> None:
+        """Said once per model: balancing was asked for (``router_biases: update``), but the model's own rule is
+        ``"none"``, as a loaded or converted Kimi Linear release has it (docs/checkpoints.md), so nothing moves."""
+        if id(kdamoe_model) in self._frozen_warned:
+            return
+        self._frozen_warned.add(id(kdamoe_model))
+        logger.warning(f"router biases of {type(kdamoe_model).__name__}{f' at {path!r}' if path else ''} stay as the "
+                       "base has them: its config says router_bias_update='none' (as a loaded or converted Kimi Linear "
+                       "release does). To balance them, set router_bias_update to 'quantile' or 'sign' in the base "
+                       "folder's config.json.")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or not self._pending:

@@ -21,6 +21,7 @@ default) or kept in bfloat16 (``--experts-dtype bf16``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterable, Iterator
@@ -52,6 +53,8 @@ from .model.kimi_linear_format import (
 )
 from .model.modeling_kdamoe import AUTO_MAP
 
+logger = logging.getLogger(__name__)
+
 FORMATS = ("kimi_linear", "kimi_k3", "kda_moe")
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 # Files of a source folder that are not carried over: its weights and config (rewritten) and caches.
@@ -66,10 +69,14 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
         src: a Kimi Linear or Kimi K3 folder / Hub id (``model_type: kimi_linear`` / ``kimi_k3``; K3's text model,
             its vision tensors skipped) for ``to="kda_moe"``, or a kdamoe folder (``model_type: kda_moe``) for
             ``to="kimi_linear"`` / ``"kimi_k3"``; weights as safetensors (one file or shards + index).
-        dst: the output folder; it must not exist or be empty, unless ``overwrite``.
+        dst: the output folder; it must not exist or be empty, unless ``overwrite``. A symbolic link is followed:
+            the folder it points to is the one written (or replaced).
         to: ``"kda_moe"``, ``"kimi_linear"`` or ``"kimi_k3"``.
-        overwrite: replace a non-empty ``dst`` (its whole content is removed once the conversion has succeeded; the
-            new folder is written beside it first).
+        overwrite: replace a non-empty ``dst`` that holds only checkpoint files (weights, index, model code, configs,
+            and names the source's other files have; anything else is refused up front), its whole content removed
+            once the conversion has succeeded (the new folder is written beside it first, as a hidden
+            ``.DST.converting-PID`` folder; such folders left by an interrupted conversion whose process is gone are
+            removed when the next conversion to ``dst`` starts).
         max_shard_size: largest output shard, bytes or a size string (``"5GB"``, ``"500MB"``); a single tensor larger
             than it gets a shard of its own. One shard → ``model.safetensors``; more → ``model-0000i-of-0000N`` and
             ``model.safetensors.index.json``.
@@ -84,9 +91,11 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
 
     Raises:
         ValueError: ``to`` not in :data:`FORMATS`; ``src`` without a ``config.json``, of a format other than the one
-            ``to`` converts from; ``dst`` non-empty without ``overwrite``, or ``dst`` holding ``src``; a config the
-            target format cannot represent (naming the field); a missing, extra or wrongly shaped tensor (naming it and
-            its shapes); a bad ``max_shard_size`` or ``experts_format``.
+            ``to`` converts from; ``dst`` non-empty without ``overwrite``, or with ``overwrite`` holding files a
+            conversion does not write; ``dst`` holding ``src`` or inside it; a
+            config the target format cannot represent (naming the field); a missing, extra or wrongly shaped tensor
+            (naming it and its shapes); a bad ``max_shard_size``; files put into an empty ``dst`` during the
+            conversion (the result is then kept as ``DST.converted-PID``); a bad ``experts_format``.
     """
     if to not in FORMATS:
         raise ValueError(f"to={to!r}: expected one of {FORMATS}")
@@ -99,13 +108,22 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
         raise ValueError(f"src {src}: no such folder (and not a Hub id, namespace/name)")
     source_config = read_config_dict(str(src))
     if source_config is None:
-        raise ValueError(f"{src}: no config.json (a local folder or a Hub id of a checkpoint)")
+        where = "the folder has none" if Path(src).is_dir() else (
+            "not a local folder, and as a Hub id its config.json could not be fetched: check the id, the network, "
+            "HF_HUB_OFFLINE and the token")
+        raise ValueError(f"{src}: no config.json ({where})")
     src_type = source_config.get("model_type")
     wants = (KIMI_LINEAR_MODEL_TYPE, KIMI_K3_MODEL_TYPE) if to == "kda_moe" else (KDAMoEConfig.model_type,)
     if src_type not in wants:
         raise ValueError(f"{src}: model_type is {src_type!r}; --to {to} converts from {' or '.join(map(repr, wants))}")
     dst = Path(dst).expanduser()
+    if dst.is_symlink():
+        # a link (e.g. to a folder on a larger disk) is written through: the new folder is built beside its target
+        # and replaces it, so the link keeps pointing at the result (shutil.rmtree refuses to remove a link itself)
+        dst = dst.resolve()
     _check_destination(Path(src), dst, overwrite)
+    if overwrite and dst.is_dir() and any(dst.iterdir()):
+        _refuse_foreign_entries(dst, _side_folder(src))
 
     if to == "kda_moe" and src_type == KIMI_K3_MODEL_TYPE:
         config = KDAMoEConfig(**kimi_k3_to_kdamoe_config(source_config))
@@ -136,7 +154,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
     expected = {k: v.shape for k, v in skeleton.state_dict().items()}
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
 
-    tmp = dst.with_name(f".{dst.name}.converting-{os.getpid()}")
+    _remove_stale_partial_folders(dst)
+    tmp = dst.with_name(f"{_PARTIAL_PREFIX.format(name=dst.name)}{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -148,16 +167,63 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
             _write_kdamoe_config(skeleton, tmp)
         else:
             (tmp / "config.json").write_text(json.dumps(target_config, indent=2) + "\n")
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
+        _move_into_place(tmp, dst, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
 
 
+# The folder a conversion writes before renaming it to dst: hidden, beside dst, named after the writing process.
+_PARTIAL_PREFIX = ".{name}.converting-"
+
+
+def _remove_stale_partial_folders(dst: Path) -> None:
+    """Remove the partial folders that conversions to ``dst`` killed before they could clean up (``kill -9``, a lost
+    machine) left beside it: hidden, and as large as the shards written so far. A folder whose process still runs
+    (another conversion to the same ``dst``) is left alone."""
+    prefix = _PARTIAL_PREFIX.format(name=dst.name)
+    if not dst.parent.is_dir():
+        return
+    for path in dst.parent.glob(f"{prefix}*"):
+        pid = path.name[len(prefix):]
+        if not pid.isdigit() or _process_alive(int(pid)):
+            continue
+        logger.warning("removing %s, the partial output of an interrupted conversion (process %s)", path, pid)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def _move_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:
+    """Rename the finished ``tmp`` to ``dst``. Without ``overwrite``, ``dst`` was absent or empty when the conversion
+    started; files put there since (a conversion of the 48B model takes hours) are not the converter's to delete, so
+    the result then stays beside ``dst`` under a visible name and the conversion ends with a ``ValueError``."""
+    if dst.exists():
+        if overwrite:
+            shutil.rmtree(dst)
+        else:
+            try:
+                dst.rmdir()  # still empty, as checked at the start
+            except OSError:
+                kept = dst.with_name(f"{dst.name}.converted-{os.getpid()}")
+                tmp.rename(kept)
+                raise ValueError(f"dst {dst}: files were added to it during the conversion; it is left as it is, and "
+                                 f"the converted folder is {kept}") from None
+    tmp.rename(dst)
+
+
 def _shard_limit(max_shard_size) -> int:
+    if isinstance(max_shard_size, str) and max_shard_size.strip().isdigit():
+        max_shard_size = int(max_shard_size)  # a plain number of bytes, as the command line passes it
     try:
         limit = convert_file_size_to_int(max_shard_size)
     except (ValueError, TypeError) as err:
@@ -168,10 +234,14 @@ def _shard_limit(max_shard_size) -> int:
 
 
 def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
-    """Refuse a ``dst`` that holds anything unless ``overwrite``, and always one that is ``src`` or contains it (the
-    project's "nothing lost" rule, as the run folders of the other jobs)."""
+    """Refuse a ``dst`` that holds anything unless ``overwrite``, and always one that is ``src``, contains it (the
+    project's "nothing lost" rule, as the run folders of the other jobs) or lies inside it."""
     if src.exists() and dst.exists() and (dst.resolve() == src.resolve() or dst.resolve() in src.resolve().parents):
         raise ValueError(f"dst {dst}: is (or contains) the source folder {src}; pick another folder")
+    if src.is_dir() and src.resolve() in dst.resolve().parents:
+        # inside SRC, the output becomes one of SRC's "other files": the next conversion of SRC copies it along
+        # (weights excepted), and a push or copy of SRC carries a second model with it
+        raise ValueError(f"dst {dst}: is inside the source folder {src}; pick a folder outside it")
     if dst.exists() and not dst.is_dir():
         raise ValueError(f"dst {dst}: exists and is not a folder")
     if dst.exists() and any(dst.iterdir()) and not overwrite:
@@ -179,6 +249,26 @@ def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         raise ValueError(f"dst {dst}: exists and is not empty ({', '.join(found[:3])}"
                          f"{', ...' if len(found) > 3 else ''}); pass --overwrite (overwrite=True) to replace it, or "
                          "another folder")
+
+
+# What --overwrite may delete in DST besides the names the conversion writes: any checkpoint's weights, index, model
+# code and configs (an earlier conversion or save_pretrained folder, possibly of another shard count).
+_REPLACEABLE = ("*.safetensors", "model.safetensors.index.json", "*.bin", "*.pt", "*.pth", "*.gguf", "*.py",
+                "config.json", "generation_config.json")
+
+
+def _refuse_foreign_entries(dst: Path, side_folder: Path) -> None:
+    """With ``overwrite``, refuse (before converting anything) a ``dst`` holding an entry that neither the conversion
+    writes (the source's other files, which it copies, and the patterns of :data:`_REPLACEABLE`) nor a checkpoint
+    has: someone's notes or data, which replacing the folder would delete. The other jobs' ``--overwrite`` likewise
+    removes only what their runs write."""
+    written = {path.relative_to(side_folder).parts[0] for path in _iter_files(side_folder)}
+    foreign = sorted(p.name for p in dst.iterdir()
+                     if p.name not in written and not any(Path(p.name).match(pattern) for pattern in _REPLACEABLE))
+    if foreign:
+        raise ValueError(f"dst {dst}: --overwrite would delete {', '.join(foreign[:3])}"
+                         f"{', ...' if len(foreign) > 3 else ''}, which a conversion does not write; move "
+                         f"{'it' if len(foreign) == 1 else 'them'} away or pick another folder")
 
 
 class _ShardWriter:

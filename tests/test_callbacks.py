@@ -170,3 +170,20 @@ def test_a_trainer_without_the_callback_is_warned_once(tmp_path, caplog, with_ca
         assert warned == []
     else:
         assert len(warned) == 1 and "kdamoe.callbacks.add_router_bias_callback(trainer)" in warned[0]
+
+
+def test_callback_says_when_the_models_own_rule_is_none(caplog):
+    """``router_biases: update`` on a model whose ``router_bias_update`` is "none" (a converted Kimi Linear release)
+    moves nothing; the run says so once instead of staying silent."""
+    torch.manual_seed(0)
+    model = KDAMoEForCausalLM(tiny_config(router_bias_update="none")).train()
+    ids = torch.randint(3, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+    callback = RouterBiasUpdateCallback(warn_threshold=100.0)
+    with caplog.at_level("WARNING", logger="kdamoe.callbacks"):
+        for _ in range(2):
+            model(ids, use_cache=False)
+            before = [r.e_score_correction_bias.clone() for r in model._routers()]
+            callback.on_step_end(None, TrainerState(), TrainerControl(), model=model)
+            assert all(torch.equal(b, r.e_score_correction_bias) for b, r in zip(before, model._routers(), strict=True))
+    said = [r.getMessage() for r in caplog.records if "router_bias_update='none'" in r.getMessage()]
+    assert len(said) == 1

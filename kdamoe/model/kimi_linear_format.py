@@ -110,7 +110,9 @@ def kimi_linear_to_kdamoe_config(kimi: dict) -> dict:
             ``attention_bias`` true, ``num_key_value_heads`` ≠ ``num_attention_heads``, ``hidden_act`` not silu,
             ``mla_use_nope`` false (rotary MLA), a router activation other than sigmoid, ``moe_layer_freq`` ≠ 1 without
             ``mlp_layer_types``, multi-token-prediction layers, no shared expert, a quantized checkpoint, a layer that
-            is in neither ``full_attn_layers`` nor ``kda_layers``; or when transformers has no ``kimi_linear``.
+            is in neither ``full_attn_layers`` nor ``kda_layers`` or is numbered outside 1..``num_hidden_layers``, a
+            config transformers' ``KimiLinearConfig`` refuses (its message, on one line); or when transformers has no
+            ``kimi_linear``.
     """
     if not is_kimi_linear_config(kimi):
         raise ValueError(f"model_type is {kimi.get('model_type') if isinstance(kimi, dict) else kimi!r}, "
@@ -122,7 +124,11 @@ def kimi_linear_to_kdamoe_config(kimi: dict) -> dict:
         raise ValueError("reading a kimi_linear config needs a transformers release with KimiLinearConfig "
                          f"(transformers>=5.24): {err}") from err
     fields = {k: v for k, v in kimi.items() if k not in ("auto_map", "architectures", "transformers_version")}
-    c = KimiLinearConfig.from_dict(fields)
+    try:
+        c = KimiLinearConfig.from_dict(fields)
+    except Exception as err:  # transformers' own validation (strict dataclass fields, layer-type lists): one line
+        reason = " ".join(str(err).split())
+        raise ValueError(f"config.json: transformers' KimiLinearConfig refuses it: {reason}") from err
 
     if c.num_key_value_heads != c.num_attention_heads:
         raise ValueError(f"num_key_value_heads is {c.num_key_value_heads}, num_attention_heads "
@@ -217,6 +223,29 @@ def _check_raw_kimi_fields(kimi: dict) -> None:
     if kimi.get("num_nextn_predict_layers") or 0:
         raise ValueError(f"num_nextn_predict_layers is {kimi['num_nextn_predict_layers']!r}: kdamoe has no "
                          "multi-token-prediction layers")
+    linear = kimi.get("linear_attn_config")
+    if "linear_attn_config" in kimi and not isinstance(linear, dict):
+        raise ValueError(f"linear_attn_config is {linear!r}: expected a mapping (num_heads, head_dim, "
+                         "short_conv_kernel_size, full_attn_layers, kda_layers)")
+    n = kimi.get("num_hidden_layers")
+    if kimi.get("layer_types") is None and isinstance(linear, dict) and "full_attn_layers" in linear \
+            and "kda_layers" in linear and isinstance(n, int) and not isinstance(n, bool):
+        # transformers reads these 1-based lists into a list indexed from 0: a layer 0 would land on the last layer
+        # and a layer in neither list would become None, so both are refused here, naming the layer.
+        listed = set()
+        for key in ("full_attn_layers", "kda_layers"):
+            layers = linear[key]
+            if not isinstance(layers, (list, tuple)):
+                raise ValueError(f"linear_attn_config.{key} is {layers!r}: expected a list of 1-based layer numbers")
+            for layer in layers:
+                if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer <= n:
+                    raise ValueError(f"linear_attn_config.{key} holds {layer!r}: layers are numbered 1 to "
+                                     f"num_hidden_layers={n!r}")
+                listed.add(layer)
+        missing = sorted(set(range(1, n + 1)) - listed)
+        if missing:
+            raise ValueError(f"layer {missing[0]} (1-based) is in neither linear_attn_config's full_attn_layers nor "
+                             f"its kda_layers" + (f" (nor are layers {missing[1:]})" if len(missing) > 1 else ""))
 
 
 def kdamoe_to_kimi_linear_config(config: KDAMoEConfig) -> dict:
@@ -671,7 +700,10 @@ def read_config_dict(pretrained, hub_kwargs: dict | None = None) -> dict | None:
     if path is None:
         return None
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err})") from err
 
 
 def checkpoint_files(pretrained, hub_kwargs: dict | None = None) -> list[str]:
@@ -688,7 +720,12 @@ def checkpoint_files(pretrained, hub_kwargs: dict | None = None) -> list[str]:
     index = cached_file(pretrained, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False,
                         **hub_kwargs)
     if index is not None:
-        files, _ = get_checkpoint_shard_files(pretrained, index, **hub_kwargs)
+        try:
+            files, _ = get_checkpoint_shard_files(pretrained, index, **hub_kwargs)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{index}: not valid JSON ({err})") from err
+        except (OSError, KeyError) as err:  # a shard the index lists is absent, or the index has no weight_map
+            raise ValueError(f"{index}: its shards cannot be read ({type(err).__name__}: {err})") from err
         return list(files)
     single = cached_file(pretrained, "model.safetensors", _raise_exceptions_for_missing_entries=False, **hub_kwargs)
     if single is None:
@@ -701,9 +738,20 @@ def iter_safetensors(files: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]
     from safetensors import safe_open  # noqa: PLC0415 (a transformers dependency)
 
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with _open_safetensors(safe_open, file) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def _open_safetensors(safe_open, file):
+    """``safe_open(file)``; a file that is absent or that safetensors cannot read (truncated, not safetensors) is a
+    ``ValueError`` naming it."""
+    if not os.path.isfile(file):
+        raise ValueError(f"{file}: no such file (a shard the checkpoint's index lists)")
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as err:  # safetensors' SafetensorError (not an OSError) says what, not which file
+        raise ValueError(f"{file}: not a readable safetensors file (truncated or corrupt?): {err}") from err
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -717,7 +765,7 @@ def iter_safetensors_shapes(files: Iterable[str]) -> Iterator[tuple[str, torch.T
     from safetensors import safe_open  # noqa: PLC0415 (a transformers dependency)
 
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with _open_safetensors(safe_open, file) as f:
             for name in f.keys():
                 part = f.get_slice(name)
                 dtype = _SAFETENSORS_DTYPES.get(part.get_dtype(), torch.float32)
@@ -747,11 +795,14 @@ def _resolve_dtype(dtype) -> torch.dtype | None:
     """``dtype=`` of ``from_pretrained`` → a ``torch.dtype``, or None for ``"auto"`` / None (as stored)."""
     if dtype is None or dtype == "auto":
         return None
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and isinstance(getattr(torch, dtype.removeprefix("torch."), None), torch.dtype):
-        return getattr(torch, dtype.removeprefix("torch."))
-    raise ValueError(f"dtype is {dtype!r}: expected a torch.dtype, its name (e.g. 'bfloat16') or 'auto'")
+    resolved = dtype
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype.removeprefix("torch."), None)
+    if isinstance(resolved, torch.dtype) and resolved.is_floating_point:
+        return resolved
+    # an integer dtype would fail deep inside load_state_dict; the weights are floating point
+    raise ValueError(f"dtype is {dtype!r}: expected a floating-point torch.dtype, its name (e.g. 'bfloat16') or "
+                     "'auto'")
 
 
 def from_kimi_linear_pretrained(cls, pretrained, kimi_config: dict, kwargs: dict):
@@ -824,8 +875,12 @@ def from_kimi_linear_pretrained(cls, pretrained, kimi_config: dict, kwargs: dict
     state_dict = {}
     for name, tensor in kimi_linear_to_kdamoe_tensors(iter_safetensors(checkpoint_files(pretrained, hub)), config,
                                                       expected, tied):
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(torch.float32 if name.endswith(FP32_TENSOR_SUFFIXES) else dtype)
+        # The float32 tensors are float32 whatever the dtype, also when none is given ("as stored"): transformers'
+        # class upcasts them from a bf16 shard too.
+        if tensor.is_floating_point() and name.endswith(FP32_TENSOR_SUFFIXES):
+            tensor = tensor.to(torch.float32)
+        elif dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
         state_dict[name] = tensor
     # Every name and shape was checked above; `strict` only leaves out a tied head, tied again below.
     model.load_state_dict(state_dict, strict=not (tied - set(state_dict)), assign=True)

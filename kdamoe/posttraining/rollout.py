@@ -271,7 +271,7 @@ def batched_rollout(prompts: list, trainer) -> dict:
     with unwrap as model, torch.no_grad(), gathered:
         lockstep = lockstep_group(trainer, model)
         engine = RolloutEngine(
-            model, trainer.generation_config, num_slots=getattr(trainer, "rollout_slots", 0) or len(specs),
+            model, trainer.generation_config, num_slots=engine_slots(getattr(trainer, "rollout_slots", 0), len(specs)),
             eos_token_ids=trainer.eos_token_ids, max_completion_length=trainer.max_completion_length,
             logprob_temperature=trainer.temperature,
             max_tool_calling_iterations=trainer.max_tool_calling_iterations if has_tools else None,
@@ -300,6 +300,13 @@ def lockstep_group(trainer, model):
     sharded = getattr(trainer, "is_fsdp_enabled", False) or getattr(raw, "is_distributed_loading_by_transformers",
                                                                     False)
     return torch.distributed.group.WORLD if sharded else None
+
+
+def engine_slots(rollout_slots: int, episodes: int) -> int:
+    """The engine's slot count for a batch of ``episodes``: ``rollout_slots``, 0 meaning one per episode, and never
+    more than the episodes (the pool's KDA states are allocated for every slot up front, ~6 MiB each for the 1.68 B
+    shape, so a slot no episode can use is memory for nothing; the episodes and their tokens are the same)."""
+    return min(rollout_slots, episodes) if rollout_slots else episodes
 
 
 def _retire(trainer, i: int):

@@ -103,7 +103,21 @@ def trainer_args(cfg, config_class: type, trainer: dict | None = None, **recipe_
     try:
         return config_class(**kwargs)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"config field trainer ({config_class.__name__}): {err}") from err
+        user = cfg.trainer if trainer is None else trainer
+        raise ValueError(f"config field trainer ({config_class.__name__}): {err}"
+                         f"{_yaml_bool_hint(config_class, user, str(err))}") from err
+
+
+def _yaml_bool_hint(config_class: type, user: dict, message: str) -> str:
+    """A hint for a ``true`` / ``false`` the user gave to a field that is not a plain bool, when the class's message
+    names that value: YAML 1.1 reads the words no, off, yes and on as booleans, so ``--set trainer.save_strategy=no``
+    passes ``False``, not the strategy "no"."""
+    types = {f.name: f.type for f in dataclasses.fields(config_class)}
+    for key, value in user.items():
+        if isinstance(value, bool) and types.get(key) not in (bool, "bool") and str(value) in message:
+            return (f" (trainer.{key} is {value}: YAML reads no / off / yes / on as false / true; quote the word, "
+                    f"e.g. --set \"trainer.{key}='no'\")")
+    return ""
 
 
 def check_aux_loss(cfg, model_config) -> None:
