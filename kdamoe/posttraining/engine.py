@@ -75,7 +75,7 @@ import torch.nn.functional as F
 from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from ..model.kernel_dispatch import causal_conv1d_parts, chunk_kda, fused_recurrent_kda
+from ..model.kernel_dispatch import causal_conv1d_parts, chunk_kda, fused_recurrent_kda, kdamoe_kernels, resolve
 from ..model.modeling_kdamoe import fused_linear
 
 
@@ -239,6 +239,10 @@ class RolloutEngine:
         ValueError: a bad argument (named), a model without KDAMoE decoder layers, or beam search / assisted
             generation in the config.
     """
+
+    # Run the one-token sequences of a step on the slot-pool kernels where :meth:`_slot_kernels` allows it (CUDA with
+    # the kdamoe kernels); False keeps the gather → op → scatter path for every sequence (for a comparison).
+    use_slot_kernels = True
 
     def __init__(self, model, generation_config: GenerationConfig, *, num_slots: int, eos_token_ids,
                  max_completion_length: int, logprob_temperature: float = 1.0,
@@ -581,13 +585,103 @@ class RolloutEngine:
 
     def _kda_mix(self, attn, x: torch.Tensor) -> torch.Tensor:
         """The KDA token mixer over the step's ragged sequences, each continuing its slot's states (the math of
-        ``KDAMoEDeltaAttention.forward``; the conv and the recurrence start from each sequence's own state)."""
+        ``KDAMoEDeltaAttention.forward``; the conv and the recurrence start from each sequence's own state).
+
+        With the slot kernels (:meth:`_slot_kernels`), the one-token sequences run the conv and the recurrence on
+        the pools in place (:meth:`_kda_decode`) and only the longer ones take :meth:`_kda_sequences`' gather → op →
+        scatter; otherwise every sequence does."""
         lay = self._layout
-        S, N = len(lay.episodes), x.shape[1]
+        N = x.shape[1]
         H, K = attn.num_heads, attn.head_dim
-        backend = attn.config.kernel_backend
         qkv, f, beta, gate = fused_linear(
             x, ((attn.q_proj, attn.k_proj, attn.v_proj), attn.f_a_proj, attn.b_proj, attn.g_a_proj))
+        f = attn.f_b_proj(f).view(1, N, H, K)
+        beta = torch.sigmoid(beta.float())
+        rest, o = lay, None
+        if self._slot_kernels(attn, x):
+            decode, rest = self._decode_split()
+            if decode is not None:
+                o = self._kda_decode(attn, qkv[0], f[0], beta[0], decode, N)
+        if rest is not None:
+            o = self._kda_sequences(attn, qkv, f, beta, rest, o)
+        gate = attn.g_b_proj(gate).view(1, N, H, K)
+        return attn.o_proj(attn.o_norm(o[None], gate).reshape(1, N, H * K))
+
+    def _slot_kernels(self, attn, x: torch.Tensor) -> bool:
+        """Whether this step's one-token sequences run the slot-pool kernels (``causal_conv1d_update_slots``,
+        ``fused_recurrent_kda_slots``: the states read and written in place in the pools, no gather / scatter):
+        :attr:`use_slot_kernels`, the bounded gate (the kernels refuse Kimi Linear's unbounded one) and
+        ``kernel_backend`` resolving to the kdamoe kernels on ``x``'s device for both ops (CUDA; CPU only under
+        ``TRITON_INTERPRET=1`` with ``"triton"``, for the tests), as every other op of the model resolves."""
+        if not self.use_slot_kernels or attn.lower_bound is None:
+            return False
+        try:
+            return all(resolve(attn.config.kernel_backend, x.device, op) == "kdamoe"
+                       for op in ("causal_conv1d_update_slots", "fused_recurrent_kda_slots"))
+        except RuntimeError:  # a forced backend that cannot run here: the op path below raises its own error
+            return False
+
+    def _decode_split(self) -> tuple[types.SimpleNamespace | None, types.SimpleNamespace | None]:
+        """``(decode, rest)`` of this step, computed once per forward (every KDA layer reads it): ``decode`` the
+        one-token sequences (``tokens`` their flat positions, None when every sequence is one; ``slots`` int32),
+        ``rest`` the longer ones as a layout of their own (``lengths``, ``slots``, ``row``, ``col``, ``t_max`` and
+        ``tokens``, their flat positions); None where there are none."""
+        lay = self._layout
+        if getattr(lay, "split", None) is None:
+            lengths = lay.lengths.tolist()
+            one = [i for i, n in enumerate(lengths) if n == 1]
+            many = [i for i, n in enumerate(lengths) if n != 1]
+            device = lay.lengths.device
+            decode = rest = None
+            if one:
+                pick = torch.tensor(one, device=device)
+                decode = types.SimpleNamespace(tokens=None if not many else lay.starts[pick],
+                                               slots=lay.slots[pick].to(torch.int32))
+            if many:
+                pick = torch.tensor(many, device=device)
+                sub_lengths = lay.lengths[pick]
+                row = torch.repeat_interleave(torch.arange(len(many), device=device), sub_lengths)
+                ends = sub_lengths.cumsum(0)
+                col = torch.arange(sum(lengths[i] for i in many), device=device) - (ends - sub_lengths)[row]
+                rest = types.SimpleNamespace(lengths=sub_lengths, slots=lay.slots[pick], row=row, col=col,
+                                             t_max=max(lengths[i] for i in many), tokens=lay.starts[pick][row] + col)
+            lay.split = (decode, rest)
+        return lay.split
+
+    def _kda_decode(self, attn, qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, decode, N: int):
+        """One token on each slot of ``decode`` (:meth:`_decode_split`): the short conv and the recurrence on the
+        pools in place. ``qkv [N, 3·H·K]``, ``f [N, H, K]``, ``beta [N, H]`` are the step's rows; returns ``o
+        [N, H, K]`` with the decode rows written (all of it when every sequence is one token)."""
+        kernels = kdamoe_kernels()
+        H, K = attn.num_heads, attn.head_dim
+        if decode.tokens is not None:
+            qkv, f, beta = qkv[decode.tokens], f[decode.tokens], beta[decode.tokens]
+        n = qkv.shape[0]
+        y = kernels.causal_conv1d_update_slots(qkv, self.conv[attn.layer_idx], decode.slots,
+                                               attn.conv1d.weight.squeeze(1), check_slot_ids_values=False)
+        q, k, v = (y[:, i * H * K:(i + 1) * H * K].view(n, H, K) for i in range(3))  # read in place by the kernel
+        out = kernels.fused_recurrent_kda_slots(
+            q, k, v, f, beta, self.recurrent[attn.layer_idx], decode.slots, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, A_log=attn.A_log, dt_bias=attn.dt_bias, lower_bound=attn.lower_bound,
+            check_slot_ids_values=False)
+        if decode.tokens is None:
+            return out
+        o = out.new_empty(N, H, K)
+        o[decode.tokens] = out
+        return o
+
+    def _kda_sequences(self, attn, qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, lay,
+                       o: torch.Tensor | None) -> torch.Tensor:
+        """The conv and the recurrence of the sequences of ``lay`` (the step's layout, or :meth:`_decode_split`'s
+        ``rest``, whose ``tokens`` pick their rows of the step's ``qkv [1, N, 3·H·K]``, ``f``, ``beta``): their
+        slots' states gathered from the pools, the ops of ``kernel_dispatch``, the new states scattered back.
+        Writes their rows of ``o [N, H, K]`` (allocated when None) and returns it."""
+        rows = getattr(lay, "tokens", None)  # None: every row of the step, in order
+        if rows is not None:
+            qkv, f, beta = qkv[:, rows], f[:, rows], beta[:, rows]
+        S, N, total = len(lay.lengths), qkv.shape[1], self._layout.row.shape[0]
+        H, K = attn.num_heads, attn.head_dim
+        backend = attn.config.kernel_backend
         conv_pool, rec_pool = self.conv[attn.layer_idx], self.recurrent[attn.layer_idx]
         conv_state = conv_pool[lay.slots].to(qkv.dtype)  # [S, 3HK, W]
         padded = qkv.new_zeros(S, lay.t_max, qkv.shape[-1])  # right padding: a causal conv never reads it
@@ -598,21 +692,18 @@ class RolloutEngine:
         # the new window: the last W inputs of (old window ++ the sequence's tokens)
         window = torch.cat([conv_state.transpose(1, 2), padded], 1)
         W = conv_state.shape[-1]
-        at = (lay.lengths[:, None] + torch.arange(W, device=x.device))[..., None].expand(S, W, padded.shape[-1])
+        at = (lay.lengths[:, None] + torch.arange(W, device=qkv.device))[..., None].expand(S, W, padded.shape[-1])
         conv_pool[lay.slots] = window.gather(1, at).transpose(1, 2).to(conv_pool.dtype)
 
-        f = attn.f_b_proj(f).view(1, N, H, K)
-        beta = torch.sigmoid(beta.float())
         kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                       A_log=attn.A_log, dt_bias=attn.dt_bias, lower_bound=attn.lower_bound, backend=backend)
         initial = rec_pool[lay.slots]
-        o = None
         one = lay.lengths == 1
         for select, recurrent in ((one, True), (~one, False)):
             seqs = select.nonzero().flatten()
             if not seqs.numel():
                 continue
-            tokens = select[lay.row].nonzero().flatten()  # flat positions of these sequences' tokens
+            tokens = select[lay.row].nonzero().flatten()  # positions of these sequences' tokens among lay's
             parts = [t[0, tokens] for t in (q, k, v, f, beta)]
             if recurrent:  # one token on a state: generate's decode-step op
                 out, final = fused_recurrent_kda(*(p[:, None] for p in parts), initial_state=initial[seqs], **kwargs)
@@ -623,11 +714,10 @@ class RolloutEngine:
                                        chunk_size=attn.config.kda_chunk_size, **kwargs)
                 out = out[0]
             if o is None:
-                o = out.new_empty(N, *out.shape[1:])
-            o[tokens] = out
+                o = out.new_empty(total, *out.shape[1:])
+            o[tokens if rows is None else rows[tokens]] = out
             rec_pool[lay.slots[seqs]] = final.float()
-        gate = attn.g_b_proj(gate).view(1, N, H, K)
-        return attn.o_proj(attn.o_norm(o[None], gate).reshape(1, N, H * K))
+        return o
 
     def _mla_mix(self, attn, x: torch.Tensor) -> torch.Tensor:
         """The MLA token mixer over the step's sequences in the latent space: each sequence attends to its

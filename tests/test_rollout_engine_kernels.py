@@ -1,0 +1,107 @@
+"""The rollout engine with the slot-pool decode kernels (``causal_conv1d_update_slots``, ``fused_recurrent_kda_slots``:
+the one-token sequences of a step update their KDA and conv states in the pools in place) against the same engine
+with them switched off (every sequence gathered from the pools, run through ``kernel_dispatch``'s ops, scattered
+back; that path is checked against the one-at-a-time cached rollout in ``tests/test_rollout_engine.py``).
+
+A tiny model with ``kernel_backend="triton"`` on the CPU interpreter (``TRITON_INTERPRET=1``, tests/conftest.py), in
+float32, with a KDA head dim of 16 (the kernels' smallest): five single-turn episodes on three slots, two of them a
+GRPO group (a fork copies the leader's pools), so slots are refilled and new prompts prefill in the same steps as
+other slots decode. That run takes about 90 s on the interpreter, so it is skipped unless ``KDAMOE_ENGINE_KERNEL_TEST``
+is set (or on a GPU, ``KDAMOE_TEST_ON_GPU``); the always-on test runs the same episodes with the slot kernels forced
+on a model whose other ops run in PyTorch.
+"""
+
+import os
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import kdamoe.kernels as kernels
+from kdamoe import KDAMoEForCausalLM
+from kdamoe.posttraining.engine import EpisodeSpec, RolloutEngine
+from tests.helpers import tiny_config
+
+ON_GPU = bool(os.environ.get("KDAMOE_TEST_ON_GPU")) and torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def _model(backend: str, **overrides) -> KDAMoEForCausalLM:
+    torch.manual_seed(0)
+    config = tiny_config(kda_head_dim=16, kernel_backend=backend, max_position_embeddings=256, **overrides)
+    return KDAMoEForCausalLM(config).eval()
+
+
+def _engine(model, slot_kernels: bool) -> RolloutEngine:
+    engine = RolloutEngine(model, GenerationConfig(do_sample=False, max_new_tokens=5, pad_token_id=0), num_slots=3,
+                           eos_token_ids=[2], max_completion_length=5, prefill_chunk_size=8)
+    engine.use_slot_kernels = slot_kernels
+    return engine
+
+
+def _compare(model, monkeypatch):
+    """Five episodes with the slot kernels and without; checks the kernels ran (on every KDA layer of the steps
+    with decodes, next to prefills in some) and that the episodes are the same."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 97, (n,), generator=gen).tolist() for n in (5, 11, 3, 7)]
+    specs = [EpisodeSpec(prompts[i]) for i in (0, 1, 1, 2, 3)]  # episodes 1 and 2: one group, one prompt
+
+    calls, steps = {"kda": 0, "conv": 0}, []
+    for name, key in (("fused_recurrent_kda_slots", "kda"), ("causal_conv1d_update_slots", "conv")):
+        def spy(*args, _op=getattr(kernels, name), _key=key, **kwargs):
+            calls[_key] += 1
+            return _op(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, spy)
+    split = RolloutEngine._decode_split
+
+    def spy_split(self):
+        decode, rest = split(self)
+        steps.append((decode is not None, rest is not None))
+        return decode, rest
+
+    monkeypatch.setattr(RolloutEngine, "_decode_split", spy_split)
+
+    without = _engine(model, False).run(specs)
+    assert calls == {"kda": 0, "conv": 0} and not steps
+    engine = _engine(model, True)
+    got = engine.run(specs)
+    kda_layers = sum(layer.layer_type == "linear_attention" for layer in model.model.layers)
+    assert len(steps) == kda_layers * engine.stats["steps"]  # every KDA layer of every step asked
+    with_decodes = sum(decode for decode, _ in steps)
+    assert calls["kda"] == calls["conv"] == with_decodes > 0
+    assert (True, True) in steps  # a step where prefills and decodes ran side by side
+    for g, w in zip(got, without, strict=True):
+        assert g["completion_ids"] == w["completion_ids"]
+        assert max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"], strict=True)) <= 1e-5
+    assert [len(g["completion_ids"]) for g in got] == [5] * 5  # every turn ran to its cap: decodes on every slot
+
+
+def test_engine_with_slot_kernels_equals_engine_without(monkeypatch):
+    """The model's other ops on PyTorch (fast on the CPU), the slot kernels forced on (the engine would take them
+    only where ``kernel_backend`` resolves to the kdamoe kernels; the next test runs that set-up)."""
+    monkeypatch.setattr(RolloutEngine, "_slot_kernels",
+                        lambda self, attn, x: self.use_slot_kernels and attn.lower_bound is not None)
+    _compare(_model("torch"), monkeypatch)
+
+
+@pytest.mark.skipif(not (ON_GPU or os.environ.get("KDAMOE_ENGINE_KERNEL_TEST")),
+                    reason="every op on the Triton interpreter: about 90 s on 2 cores; set KDAMOE_ENGINE_KERNEL_TEST=1")
+def test_engine_with_slot_kernels_equals_engine_without_on_the_triton_backend(monkeypatch):
+    """The set-up the engine takes the kernels in: ``kernel_backend="triton"`` (CUDA, or the CPU interpreter)."""
+    _compare(_model("triton").to(DEVICE), monkeypatch)
+
+
+@pytest.mark.parametrize("backend,bounded,expected", [("triton", True, True), ("auto", True, False),
+                                                     ("torch", True, False), ("fla", True, False),
+                                                     ("triton", False, False)])
+def test_slot_kernels_only_where_the_kdamoe_kernels_run(backend, bounded, expected):
+    """On the CPU only ``"triton"`` under the interpreter takes the kernels (``"auto"`` resolves to PyTorch there,
+    as for every op of the model); Kimi Linear's unbounded gate never does (the kernels refuse it)."""
+    model = _model("torch", **({} if bounded else dict(kda_lower_bound=None, kda_use_A_log=True)))
+    engine = _engine(model, True)
+    attn = next(layer.self_attn for layer in model.model.layers if layer.layer_type == "linear_attention")
+    attn.config.kernel_backend = backend  # the engine reads the backend at every step, as the model does
+    assert engine._slot_kernels(attn, torch.zeros(1, 1, 32)) is expected
+    engine.use_slot_kernels = False
+    assert engine._slot_kernels(attn, torch.zeros(1, 1, 32)) is False
