@@ -1,7 +1,9 @@
-"""The rollout engine with the slot-pool decode kernels (``causal_conv1d_update_slots``, ``fused_recurrent_kda_slots``:
-the one-token sequences of a step update their KDA and conv states in the pools in place) against the same engine
-with them switched off (every sequence gathered from the pools, run through ``kernel_dispatch``'s ops, scattered
-back; that path is checked against the one-at-a-time cached rollout in ``tests/test_rollout_engine.py``).
+"""The rollout engine with the slot decode kernels (``causal_conv1d_update_slots``, ``fused_recurrent_kda_slots``: the
+one-token sequences of a step update their KDA and conv states in the pools in place; ``latent_attention_shared_prefix``:
+their MLA queries read a group's prefix once and their own rows where they are) against the same engine with them
+switched off (every sequence gathered from the pools, run through ``kernel_dispatch``'s ops, scattered back, and the
+MLA layers in PyTorch; that path is checked against the one-at-a-time cached rollout in
+``tests/test_rollout_engine.py``).
 
 A tiny model with ``kernel_backend="triton"`` on the CPU interpreter (``TRITON_INTERPRET=1``, tests/conftest.py), in
 float32, with a KDA head dim of 16 (the kernels' smallest): five single-turn episodes on three slots, two of them a
@@ -46,8 +48,9 @@ def _compare(model, monkeypatch):
     prompts = [torch.randint(3, 97, (n,), generator=gen).tolist() for n in (5, 11, 3, 7)]
     specs = [EpisodeSpec(prompts[i]) for i in (0, 1, 1, 2, 3)]  # episodes 1 and 2: one group, one prompt
 
-    calls, steps = {"kda": 0, "conv": 0}, []
-    for name, key in (("fused_recurrent_kda_slots", "kda"), ("causal_conv1d_update_slots", "conv")):
+    calls, steps = {"kda": 0, "conv": 0, "mla": 0}, []
+    for name, key in (("fused_recurrent_kda_slots", "kda"), ("causal_conv1d_update_slots", "conv"),
+                      ("latent_attention_shared_prefix", "mla")):
         def spy(*args, _op=getattr(kernels, name), _key=key, **kwargs):
             calls[_key] += 1
             return _op(*args, **kwargs)
@@ -63,13 +66,15 @@ def _compare(model, monkeypatch):
     monkeypatch.setattr(RolloutEngine, "_decode_split", spy_split)
 
     without = _engine(model, False).run(specs)
-    assert calls == {"kda": 0, "conv": 0} and not steps
+    assert calls == {"kda": 0, "conv": 0, "mla": 0} and not steps
     engine = _engine(model, True)
     got = engine.run(specs)
     kda_layers = sum(layer.layer_type == "linear_attention" for layer in model.model.layers)
+    mla_layers = len(model.model.layers) - kda_layers
     assert len(steps) == kda_layers * engine.stats["steps"]  # every KDA layer of every step asked
     with_decodes = sum(decode for decode, _ in steps)
     assert calls["kda"] == calls["conv"] == with_decodes > 0
+    assert calls["mla"] == with_decodes // kda_layers * mla_layers
     assert (True, True) in steps  # a step where prefills and decodes ran side by side
     for g, w in zip(got, without, strict=True):
         assert g["completion_ids"] == w["completion_ids"]
@@ -77,12 +82,17 @@ def _compare(model, monkeypatch):
     assert [len(g["completion_ids"]) for g in got] == [5] * 5  # every turn ran to its cap: decodes on every slot
 
 
-def test_engine_with_slot_kernels_equals_engine_without(monkeypatch):
+# The MLA options of Kimi Linear: a key part shared by every head (cache rows [c | k_shared], 16 + 8 wide) and a q LoRA
+SHARED_KEY = dict(q_lora_rank=12, qk_head_dim=24, qk_rope_head_dim=8, v_head_dim=12)
+
+
+@pytest.mark.parametrize("options", [{}, SHARED_KEY], ids=["defaults", "shared_key"])
+def test_engine_with_slot_kernels_equals_engine_without(monkeypatch, options):
     """The model's other ops on PyTorch (fast on the CPU), the slot kernels forced on (the engine would take them
     only where ``kernel_backend`` resolves to the kdamoe kernels; the next test runs that set-up)."""
     monkeypatch.setattr(RolloutEngine, "_slot_kernels",
-                        lambda self, attn, x: self.use_slot_kernels and attn.lower_bound is not None)
-    _compare(_model("torch"), monkeypatch)
+                        lambda self, attn, x: self.use_slot_kernels and getattr(attn, "lower_bound", 0) is not None)
+    _compare(_model("torch", **options), monkeypatch)
 
 
 @pytest.mark.skipif(not (ON_GPU or os.environ.get("KDAMOE_ENGINE_KERNEL_TEST")),
@@ -97,11 +107,15 @@ def test_engine_with_slot_kernels_equals_engine_without_on_the_triton_backend(mo
                                                      ("triton", False, False)])
 def test_slot_kernels_only_where_the_kdamoe_kernels_run(backend, bounded, expected):
     """On the CPU only ``"triton"`` under the interpreter takes the kernels (``"auto"`` resolves to PyTorch there,
-    as for every op of the model); Kimi Linear's unbounded gate never does (the kernels refuse it)."""
+    as for every op of the model); Kimi Linear's unbounded gate never does in a KDA layer (the kernels refuse it),
+    while its MLA layers still may."""
     model = _model("torch", **({} if bounded else dict(kda_lower_bound=None, kda_use_A_log=True)))
     engine = _engine(model, True)
-    attn = next(layer.self_attn for layer in model.model.layers if layer.layer_type == "linear_attention")
-    attn.config.kernel_backend = backend  # the engine reads the backend at every step, as the model does
-    assert engine._slot_kernels(attn, torch.zeros(1, 1, 32)) is expected
+    model.config.kernel_backend = backend  # the engine reads the backend at every step, as the model does
+    x = torch.zeros(1, 1, 32)
+    kda, mla = (next(layer.self_attn for layer in model.model.layers if layer.layer_type == kind)
+                for kind in ("linear_attention", "full_attention"))
+    assert engine._slot_kernels(kda, x) is expected
+    assert engine._slot_kernels(mla, x) is (backend == "triton")
     engine.use_slot_kernels = False
-    assert engine._slot_kernels(attn, torch.zeros(1, 1, 32)) is False
+    assert engine._slot_kernels(kda, x) is False and engine._slot_kernels(mla, x) is False

@@ -608,17 +608,28 @@ class RolloutEngine:
         return attn.o_proj(attn.o_norm(o[None], gate).reshape(1, N, H * K))
 
     def _slot_kernels(self, attn, x: torch.Tensor) -> bool:
-        """Whether this step's one-token sequences run the slot-pool kernels (``causal_conv1d_update_slots``,
-        ``fused_recurrent_kda_slots``: the states read and written in place in the pools, no gather / scatter):
-        :attr:`use_slot_kernels`, the bounded gate (the kernels refuse Kimi Linear's unbounded one) and
-        ``kernel_backend`` resolving to the kdamoe kernels on ``x``'s device for both ops (CUDA; CPU only under
-        ``TRITON_INTERPRET=1`` with ``"triton"``, for the tests), as every other op of the model resolves."""
-        if not self.use_slot_kernels or attn.lower_bound is None:
+        """Whether this step's one-token sequences run the slot kernels in ``attn``'s layer: for a KDA layer
+        ``causal_conv1d_update_slots`` and ``fused_recurrent_kda_slots`` (the states read and written in place in the
+        pools, no gather / scatter), for an MLA layer ``latent_attention_shared_prefix`` (a group's prefix read once
+        for its members, every row where it is). Needs :attr:`use_slot_kernels`, ``kernel_backend`` resolving to the
+        kdamoe kernels on ``x``'s device for those ops (CUDA; CPU only under ``TRITON_INTERPRET=1`` with
+        ``"triton"``, for the tests), as every other op of the model resolves, and the kernels' sizes: the bounded
+        KDA gate (they refuse Kimi Linear's unbounded one); a power-of-two ``kv_lora_rank`` in [16, 512] and a
+        shared key part of at most 256 columns."""
+        if not self.use_slot_kernels:
             return False
+        if hasattr(attn, "conv1d"):  # a KDA layer
+            if attn.lower_bound is None:
+                return False
+            ops = ("causal_conv1d_update_slots", "fused_recurrent_kda_slots")
+        else:
+            R, shared = attn.config.kv_lora_rank, getattr(attn.config, "qk_rope_head_dim", 0) or 0
+            if not (16 <= R <= 512 and R & (R - 1) == 0 and shared <= 256):
+                return False
+            ops = ("latent_attention_shared_prefix",)
         try:
-            return all(resolve(attn.config.kernel_backend, x.device, op) == "kdamoe"
-                       for op in ("causal_conv1d_update_slots", "fused_recurrent_kda_slots"))
-        except RuntimeError:  # a forced backend that cannot run here: the op path below raises its own error
+            return all(resolve(attn.config.kernel_backend, x.device, op) == "kdamoe" for op in ops)
+        except RuntimeError:  # a forced backend that cannot run here: the op path raises its own error
             return False
 
     def _decode_split(self) -> tuple[types.SimpleNamespace | None, types.SimpleNamespace | None]:
@@ -744,10 +755,14 @@ class RolloutEngine:
         if shared:
             q_lat = torch.cat([q_lat, q[..., nope:]], -1)  # [N, H, R + shared]
         o_lat = q_lat.new_zeros(N, H, R, dtype=torch.float32)
+        starts, lengths = lay.starts.tolist(), lay.lengths.tolist()
+        decoded = set()
+        if rows.dtype == q_lat.dtype and self._slot_kernels(attn, x):
+            decoded = self._mla_decode(attn, q_lat, rows, o_lat, starts, lengths)
         groups: dict[int, list[int]] = {}
         for s, episode in enumerate(lay.episodes):
-            groups.setdefault(id(episode.prefix) if episode.prefix is not None else -1 - s, []).append(s)
-        starts, lengths = lay.starts.tolist(), lay.lengths.tolist()
+            if s not in decoded:
+                groups.setdefault(id(episode.prefix) if episode.prefix is not None else -1 - s, []).append(s)
         for members in groups.values():
             prefix = lay.episodes[members[0]].prefix
             prefix = prefix[attn.layer_idx] if prefix is not None else rows.new_zeros(0, rows.shape[-1])
@@ -777,3 +792,33 @@ class RolloutEngine:
                 o_lat[tokens] += torch.einsum("nhl,lr->nhr", torch.cat(p_prefix), prefix[:, :R].float())
         out = torch.einsum("nhr,rhv->nhv", o_lat.to(w_uv.dtype), w_uv)
         return attn.o_proj(out.reshape(1, N, H * Dv))
+
+    def _mla_decode(self, attn, q_lat: torch.Tensor, rows: torch.Tensor, o_lat: torch.Tensor, starts: list[int],
+                    lengths: list[int]) -> set[int]:
+        """The one-token sequences of the step on ``latent_attention_shared_prefix``: each appends its new row to
+        its own rows, then one launch attends every such query to its group's prefix (read once for the group's
+        members in the step) and its own rows, where they are. Writes their rows of ``o_lat [N, H, R]`` (float32);
+        returns the sequences it ran."""
+        lay = self._layout
+        picked = [s for s, n in enumerate(lengths) if n == 1]
+        if not picked:
+            return set()
+        prefixes, index, group, own = [], {}, [], []
+        for s in picked:
+            episode = lay.episodes[s]
+            buffer = episode.own.get(attn.layer_idx)
+            if buffer is None:
+                buffer = episode.own[attn.layer_idx] = _Rows(rows.shape[-1], rows)
+            own.append(buffer.append(rows[starts[s]:starts[s] + 1]))  # a view of the buffer: contiguous rows
+            if episode.prefix is None:
+                group.append(-1)
+                continue
+            if id(episode.prefix) not in index:
+                index[id(episode.prefix)] = len(prefixes)
+                prefixes.append(episode.prefix[attn.layer_idx])
+            group.append(index[id(episode.prefix)])
+        tokens = torch.tensor([starts[s] for s in picked], device=q_lat.device)
+        out = kdamoe_kernels().latent_attention_shared_prefix(q_lat[tokens], prefixes, group, own, attn.scaling,
+                                                                value_dim=o_lat.shape[-1])
+        o_lat[tokens] = out.float()
+        return set(picked)
