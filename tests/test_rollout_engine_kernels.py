@@ -1,9 +1,10 @@
-"""The rollout engine with the slot decode kernels (``causal_conv1d_update_slots``, ``fused_recurrent_kda_slots``: the
-one-token sequences of a step update their KDA and conv states in the pools in place; ``latent_attention_shared_prefix``:
-their MLA queries read a group's prefix once and their own rows where they are) against the same engine with them
-switched off (every sequence gathered from the pools, run through ``kernel_dispatch``'s ops, scattered back, and the
-MLA layers in PyTorch; that path is checked against the one-at-a-time cached rollout in
-``tests/test_rollout_engine.py``).
+"""The rollout engine with the slot decode kernels against the same engine with them switched off.
+
+With them, the one-token sequences of a step update their KDA and conv states in the pools in place
+(``causal_conv1d_update_slots``, ``fused_recurrent_kda_slots``) and their MLA queries read a group's prefix once and
+their own rows where they are (``latent_attention_shared_prefix``). Without them, every sequence is gathered from the
+pools, run through ``kernel_dispatch``'s ops and scattered back, and the MLA layers run in PyTorch; that path is
+checked against the one-at-a-time cached rollout in ``tests/test_rollout_engine.py``.
 
 A tiny model with ``kernel_backend="triton"`` on the CPU interpreter (``TRITON_INTERPRET=1``, tests/conftest.py), in
 float32, with a KDA head dim of 16 (the kernels' smallest): five single-turn episodes on three slots, two of them a
@@ -49,13 +50,16 @@ def _compare(model, monkeypatch):
     specs = [EpisodeSpec(prompts[i]) for i in (0, 1, 1, 2, 3)]  # episodes 1 and 2: one group, one prompt
 
     calls, steps = {"kda": 0, "conv": 0, "mla": 0}, []
+    def counted(op, key):
+        def spy(*args, **kwargs):
+            calls[key] += 1
+            return op(*args, **kwargs)
+
+        return spy
+
     for name, key in (("fused_recurrent_kda_slots", "kda"), ("causal_conv1d_update_slots", "conv"),
                       ("latent_attention_shared_prefix", "mla")):
-        def spy(*args, _op=getattr(kernels, name), _key=key, **kwargs):
-            calls[_key] += 1
-            return _op(*args, **kwargs)
-
-        monkeypatch.setattr(kernels, name, spy)
+        monkeypatch.setattr(kernels, name, counted(getattr(kernels, name), key))
     split = RolloutEngine._decode_split
 
     def spy_split(self):
