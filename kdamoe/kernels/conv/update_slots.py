@@ -16,7 +16,9 @@ from ..utils import cdiv, next_power_of_2
 from .update import _UPDATE_CONFIGS
 
 
-@autotune(configs=_UPDATE_CONFIGS, key=["C", "W"])
+# The launch updates the pool in place, so the autotuner's timing runs (each config several times, on the first call
+# at a shape) must put it back after each run: restore_value.
+@autotune(configs=_UPDATE_CONFIGS, key=["C", "W"], restore_value=["pool"])
 @triton.jit
 def _conv_update_slots_kernel(x, pool, slot_ids, weight, y, C, SX, W: tl.constexpr, BW: tl.constexpr,
                               BC: tl.constexpr):

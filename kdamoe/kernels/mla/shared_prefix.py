@@ -40,7 +40,7 @@ def _segment_split_kernel(q, key_ptrs, segments, members, acc_ws, m_ws, l_ws, H,
     n_keys = tl.load(segments + i_s * 3)
     first = tl.load(segments + i_s * 3 + 1)  # the segment's first entry in `members`
     n_rows = tl.load(segments + i_s * 3 + 2) * H  # its query rows: every head of every member
-    if i_m * BLOCK_M >= n_rows or i_p * BLOCK_N >= n_keys:
+    if (i_m * BLOCK_M >= n_rows) | (i_p * BLOCK_N >= n_keys):
         return  # nothing here; the combine skips this split too (it recomputes the split count from n_keys)
     rows = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
