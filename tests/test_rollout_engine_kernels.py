@@ -15,6 +15,7 @@ on a model whose other ops run in PyTorch.
 """
 
 import os
+import types
 
 import pytest
 import torch
@@ -42,9 +43,10 @@ def _engine(model, slot_kernels: bool) -> RolloutEngine:
     return engine
 
 
-def _compare(model, monkeypatch):
+def _compare(model, monkeypatch, index_rows=False):
     """Five episodes with the slot kernels and without; checks the kernels ran (on every KDA layer of the steps
-    with decodes, next to prefills in some) and that the episodes are the same."""
+    with decodes, next to prefills in some) and that the episodes are the same. ``index_rows``: the decode rows of a
+    mixed step are picked by an index tensor, as for a step whose decodes do not come first, instead of a slice."""
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 97, (n,), generator=gen).tolist() for n in (5, 11, 3, 7)]
     specs = [EpisodeSpec(prompts[i]) for i in (0, 1, 1, 2, 3)]  # episodes 1 and 2: one group, one prompt
@@ -65,6 +67,8 @@ def _compare(model, monkeypatch):
     def spy_split(self):
         decode, rest = split(self)
         steps.append((decode is not None, rest is not None))
+        if index_rows and decode is not None and isinstance(decode.tokens, slice):  # the gather path's positions
+            decode.tokens = torch.arange(decode.tokens.stop, device=decode.slots.device)
         return decode, rest
 
     monkeypatch.setattr(RolloutEngine, "_decode_split", spy_split)
@@ -90,13 +94,14 @@ def _compare(model, monkeypatch):
 SHARED_KEY = dict(q_lora_rank=12, qk_head_dim=24, qk_rope_head_dim=8, v_head_dim=12)
 
 
-@pytest.mark.parametrize("options", [{}, SHARED_KEY], ids=["defaults", "shared_key"])
-def test_engine_with_slot_kernels_equals_engine_without(monkeypatch, options):
+@pytest.mark.skipif(ON_GPU, reason="the slot kernels on CPU tensors: a CPU-interpreter test")
+@pytest.mark.parametrize("options,index_rows", [({}, False), (SHARED_KEY, True)], ids=["defaults", "shared_key"])
+def test_engine_with_slot_kernels_equals_engine_without(monkeypatch, options, index_rows):
     """The model's other ops on PyTorch (fast on the CPU), the slot kernels forced on (the engine would take them
     only where ``kernel_backend`` resolves to the kdamoe kernels; the next test runs that set-up)."""
     monkeypatch.setattr(RolloutEngine, "_slot_kernels",
                         lambda self, attn, x: self.use_slot_kernels and getattr(attn, "lower_bound", 0) is not None)
-    _compare(_model("torch", **options), monkeypatch)
+    _compare(_model("torch", **options), monkeypatch, index_rows)
 
 
 @pytest.mark.skipif(not (ON_GPU or os.environ.get("KDAMOE_ENGINE_KERNEL_TEST")),
@@ -109,6 +114,7 @@ def test_engine_with_slot_kernels_equals_engine_without_on_the_triton_backend(mo
 @pytest.mark.parametrize("backend,bounded,expected", [("triton", True, True), ("auto", True, False),
                                                      ("torch", True, False), ("fla", True, False),
                                                      ("triton", False, False)])
+@pytest.mark.skipif(ON_GPU, reason="the CPU's backend choice: a CPU-interpreter test")
 def test_slot_kernels_only_where_the_kdamoe_kernels_run(backend, bounded, expected):
     """On the CPU only ``"triton"`` under the interpreter takes the kernels (``"auto"`` resolves to PyTorch there,
     as for every op of the model); Kimi Linear's unbounded gate never does in a KDA layer (the kernels refuse it),
@@ -123,3 +129,32 @@ def test_slot_kernels_only_where_the_kdamoe_kernels_run(backend, bounded, expect
     assert engine._slot_kernels(mla, x) is (backend == "triton")
     engine.use_slot_kernels = False
     assert engine._slot_kernels(kda, x) is False and engine._slot_kernels(mla, x) is False
+
+
+@pytest.mark.parametrize("lengths", [[3, 1, 2, 1], [1, 1, 4], [1, 2], [2, 5]])
+def test_decode_split_positions(lengths):
+    """The step's one-token sequences and the rest, for any order of the step (the engine puts decodes first today, a
+    scheduler may not): their flat token positions and slots, against positions counted by hand."""
+    engine = _engine(_model("torch"), True)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    lay = types.SimpleNamespace(lengths=torch.tensor(lengths), starts=torch.tensor(starts),
+                                slots=torch.tensor([7, 2, 5, 0][:len(lengths)]))
+    engine._layout = lay
+    decode, rest = engine._decode_split()
+    one = [i for i, n in enumerate(lengths) if n == 1]
+    many = [i for i, n in enumerate(lengths) if n > 1]
+    if one:
+        rows = torch.arange(sum(lengths))[decode.tokens] if decode.tokens is not None else torch.arange(sum(lengths))
+        assert rows.tolist() == [starts[i] for i in one]
+        assert decode.slots.dtype == torch.int32 and decode.slots.tolist() == [lay.slots[i] for i in one]
+    else:
+        assert decode is None
+    if many:
+        assert rest.tokens.tolist() == [starts[i] + c for i in many for c in range(lengths[i])]
+        assert rest.row.tolist() == [j for j, i in enumerate(many) for _ in range(lengths[i])]
+        assert rest.col.tolist() == [c for i in many for c in range(lengths[i])]
+        assert rest.lengths.tolist() == [lengths[i] for i in many] and rest.t_max == max(lengths[i] for i in many)
+        assert rest.slots.tolist() == [lay.slots[i] for i in many]
+    else:
+        assert rest is None
+    assert engine._decode_split() is lay.split  # computed once per forward

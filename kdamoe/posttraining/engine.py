@@ -634,7 +634,8 @@ class RolloutEngine:
 
     def _decode_split(self) -> tuple[types.SimpleNamespace | None, types.SimpleNamespace | None]:
         """``(decode, rest)`` of this step, computed once per forward (every KDA layer reads it): ``decode`` the
-        one-token sequences (``tokens`` their flat positions, None when every sequence is one; ``slots`` int32),
+        one-token sequences (``tokens`` their flat positions, a slice when they are the first rows, None when every
+        sequence is one; ``slots`` int32),
         ``rest`` the longer ones as a layout of their own (``lengths``, ``slots``, ``row``, ``col``, ``t_max`` and
         ``tokens``, their flat positions); None where there are none."""
         lay = self._layout
@@ -646,8 +647,10 @@ class RolloutEngine:
             decode = rest = None
             if one:
                 pick = torch.tensor(one, device=device)
-                decode = types.SimpleNamespace(tokens=None if not many else lay.starts[pick],
-                                               slots=lay.slots[pick].to(torch.int32))
+                tokens = None  # every sequence is one token: all the rows, in order
+                if many:  # the decodes first (the step's order) are rows 0 … n − 1: views, no gather
+                    tokens = slice(0, len(one)) if one[-1] == len(one) - 1 else lay.starts[pick]
+                decode = types.SimpleNamespace(tokens=tokens, slots=lay.slots[pick].to(torch.int32))
             if many:
                 pick = torch.tensor(many, device=device)
                 sub_lengths = lay.lengths[pick]
@@ -817,7 +820,8 @@ class RolloutEngine:
                 index[id(episode.prefix)] = len(prefixes)
                 prefixes.append(episode.prefix[attn.layer_idx])
             group.append(index[id(episode.prefix)])
-        tokens = torch.tensor([starts[s] for s in picked], device=q_lat.device)
+        tokens = slice(0, len(picked)) if picked[-1] == len(picked) - 1 else torch.tensor(
+            [starts[s] for s in picked], device=q_lat.device)  # the decodes first (the step's order): a view
         out = kdamoe_kernels().latent_attention_shared_prefix(q_lat[tokens], prefixes, group, own, attn.scaling,
                                                                 value_dim=o_lat.shape[-1])
         o_lat[tokens] = out.float()
