@@ -101,17 +101,22 @@ def test_multi_turn_grpo_under_fsdp2_is_refused_when_the_config_loads(monkeypatc
     different numbers of sharded forwards. Run on 2 gloo processes with one rank's first turn forced to a tool
     call and the other's to an answer, every such recipe aborted in the second ``generate`` ("Received data size
     doesn't match expected size. Is there a distributed collective mismatch"; NCCL would hang); under DDP the
-    same runs finished (docs/post-training.md, "Several processes")."""
+    same runs finished (docs/post-training.md, "Several processes"). With ``grpo.rollout: batched`` the engines
+    step in lockstep (tests/test_engine_lockstep.py), so the same recipe loads."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match=r"config field grpo\.mode: .* with trainer\.fsdp: .*DDP"):
+    with pytest.raises(ValueError, match=r"config field grpo\.mode: .* with trainer\.fsdp and grpo\.rollout: "
+                                         r"(trl|cached): .*grpo\.rollout: batched.*DDP"):
         load_posttrain_config(recipe, ["trainer.fsdp=true", *overrides])
     load_posttrain_config(recipe, overrides)  # the same recipe under DDP loads
+    batched = load_posttrain_config(recipe, ["trainer.fsdp=true", *overrides, "grpo.rollout=batched"])
+    assert batched.trainer["fsdp"] is True and batched.grpo.mode != "single_turn"
 
 
-@pytest.mark.parametrize("overrides", [[], ["grpo.rollout=cached"]])
+@pytest.mark.parametrize("overrides", [[], ["grpo.rollout=cached"], ["grpo.rollout=batched"]])
 def test_single_turn_grpo_under_fsdp2_loads(monkeypatch, overrides):
     """Single-turn GRPO makes one ``generate`` call per batch (TRL's rollout) or per rollout (the cached one, the
-    same number of rows on every rank), each kept in step by ``synced_gpus``: it stays allowed."""
+    same number of rows on every rank), each kept in step by ``synced_gpus``, or steps lockstep engines
+    (``batched``): it stays allowed."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = load_posttrain_config("grpo_single_turn", ["trainer.fsdp=true", *overrides])
     assert cfg.trainer["fsdp"] is True and cfg.grpo.mode == "single_turn"

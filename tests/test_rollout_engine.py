@@ -532,15 +532,17 @@ def test_engine_refuses_bad_arguments(policy):
         load_posttrain_config("grpo", ["grpo.rollout=batched", "grpo.tool_timeout_s=0"])
 
 
-def test_batched_rollout_is_refused_under_fsdp(monkeypatch):
-    """Each process steps its engine as often as its own episodes need; under FSDP every forward is a collective."""
+def test_batched_rollout_loads_under_fsdp_in_every_mode(monkeypatch):
+    """The engines of a sharded policy step in lockstep (tests/test_engine_lockstep.py): ``batched`` loads under
+    ``trainer.fsdp`` in every GRPO mode, while multi-turn ``cached`` stays refused."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match=r"grpo.rollout: batched with trainer.fsdp"):
-        load_posttrain_config("grpo", ["grpo.rollout=batched", "grpo.mode=single_turn", "data.environment=arithmetic",
+    for mode in ("single_turn", "tools", "environment"):
+        cfg = load_posttrain_config("grpo", ["grpo.rollout=batched", f"grpo.mode={mode}", "data.environment=arithmetic",
+                                             "trainer.fsdp=true"])
+        assert cfg.grpo.rollout == "batched" and cfg.grpo.mode == mode
+    with pytest.raises(ValueError, match=r"with trainer.fsdp and grpo.rollout: cached"):
+        load_posttrain_config("grpo", ["grpo.rollout=cached", "grpo.mode=tools", "data.environment=arithmetic",
                                        "trainer.fsdp=true"])
-    cfg = load_posttrain_config("grpo", ["grpo.rollout=cached", "grpo.mode=single_turn", "data.environment=arithmetic",
-                                         "trainer.fsdp=true"])
-    assert cfg.grpo.rollout == "cached"
 
 
 # ------------------------------------------------------------------------------------------ inside TRL's GRPOTrainer

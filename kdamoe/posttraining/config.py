@@ -117,7 +117,8 @@ class PostTrainConfig:
             keyword arguments of transformers' ``DistributedConfig`` (``fsdp_size``, ``ep_size``, ...): the base is
             then sharded while it loads, by transformers' engine (FSDP2, expert parallelism with ``ep_size``;
             :func:`kdamoe.posttraining.run.load_base`), and the Trainer trains it without wrapping it
-            (docs/post-training.md, "Several processes"). SFT and single-turn GRPO only.
+            (docs/post-training.md, "Several processes"). SFT and GRPO (multi-turn modes with ``grpo.rollout: batched``
+            only).
     """
 
     recipe: str = "sft"
@@ -185,23 +186,18 @@ class PostTrainConfig:
                      f"not run with {key}=true (use grpo.rollout: trl)")
         check_trainer_fsdp(t, self.peft, launched_processes())
         sharded_by = "trainer.fsdp" if t.get("fsdp") else "distributed_config" if self.distributed_config else None
-        if sharded_by and self.recipe == "grpo":
+        if sharded_by and self.recipe == "grpo" and self.grpo.rollout != "batched":
             # Every forward of a sharded model is a collective (FSDP2 all-gathers, EP all-to-alls). One `generate`
             # keeps the ranks in step (transformers sets synced_gpus: torch's fully_shard marks the modules it
             # manages), but TRL's tool loop calls generate again only on the ranks whose completions hold a tool
             # call, and the cached rollout plays each rank's own turns: on 2 gloo processes with a tool call on one
             # rank only, every multi-turn recipe aborted on a collective mismatch (tests/test_posttrain_fsdp.py).
+            # The batched engine steps every rank in lockstep (RolloutEngine's lockstep_group), so it is allowed.
             need(self.grpo.mode == "single_turn", "grpo.mode",
-                 f"{self.grpo.mode!r} with {sharded_by}: the tool loop (grpo.rollout: trl or cached) runs a "
+                 f"{self.grpo.mode!r} with {sharded_by} and grpo.rollout: {self.grpo.rollout}: the tool loop runs a "
                  "different number of generate calls on each process, and every forward of a sharded model is a "
-                 f"collective, so the processes fall out of step; train multi-turn GRPO under DDP (leave {sharded_by} "
-                 "unset) or use grpo.mode: single_turn")
-            # The batched engine steps until this process's own episodes end, so even single-turn episodes of unequal
-            # lengths give each process a different number of (collective) forwards.
-            need(self.grpo.rollout != "batched", "grpo.rollout",
-                 f"batched with {sharded_by}: each process runs as many engine steps as its own episodes need, and "
-                 "every forward of a sharded model is a collective, so the processes would fall out of step; use "
-                 "grpo.rollout: cached or trl, or train under DDP")
+                 "collective, so the processes fall out of step; use grpo.rollout: batched (its engines step every "
+                 f"process in lockstep), train under DDP (leave {sharded_by} unset) or use grpo.mode: single_turn")
         if self.distributed_config is not None:
             self._check_distributed()
         self._check_trainer()
@@ -235,11 +231,11 @@ class PostTrainConfig:
              "optimizer of a model sharded while it loads, so a run could not resume; leave it 'no' (final/ is "
              "written at the end)")
         need(self.recipe in ("sft", "grpo"), "recipe", f"{self.recipe!r} with distributed_config: only sft and grpo "
-             "(grpo.mode: single_turn) run under transformers' engine here")
+             "(grpo.mode: single_turn, or any mode with grpo.rollout: batched) run under transformers' engine here")
         if self.recipe == "grpo":  # grpo.mode is checked in validate, as for trainer.fsdp
-            need(self.grpo.rollout == "trl", "grpo.rollout",
-                 f"{self.grpo.rollout} with distributed_config: each rank steps its own caches (a different number "
-                 "of sharded forwards per rank); use grpo.rollout: trl")
+            need(self.grpo.rollout != "cached", "grpo.rollout",
+                 "cached with distributed_config: each rank steps its own caches (a different number of sharded "
+                 "forwards per rank); use grpo.rollout: batched (lockstep engines) or trl")
             need(not self.grpo.long_context, "grpo.long_context", "not tested with distributed_config")
         model_config = Path(self.model).expanduser() / "config.json"
         if model_config.is_file():  # a Hub id is checked when the base loads (run.load_base)

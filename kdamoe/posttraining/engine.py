@@ -32,9 +32,20 @@ over ``cu_seqlens`` with one initial state per sequence, ``fused_recurrent_kda``
 ``generate`` runs for a prefill and a decode step). The MLA layers attend in the latent space ("absorbed"
 projections, DeepSeek-V2 §2.1.2: ``q·k = (W_ukᵀ q_nope)·c + q_shared·k_shared``, ``Σ p v = W_uv Σ p c``), as the
 model's decode path does. Weights are read from the modules at every step, so the engine always decodes with the
-current weights (after an optimizer step, with PEFT adapters). It runs only as many forwards as this
-process's episodes need, so a model whose forwards are collectives (FSDP2, expert parallelism) cannot use it across
-processes; the GRPO recipe refuses that set-up.
+current weights (after an optimizer step, with PEFT adapters). The step enters the model at its top module (the
+causal LM's own ``forward``, keeping only the rows whose logits are needed), as ``generate`` does, so a model
+sharded by FSDP2 gathers its top-level weights (embeddings, final norm, head) in that module's hooks.
+
+Several processes (``lockstep_group``): a model sharded over processes (FSDP2, expert parallelism) makes every
+forward a collective (an all-gather per sharded module, an all-to-all per expert-parallel MoE layer), so every rank
+must run the same number of forwards while each runs its own engine on its own episodes. Each step then begins with
+one all-reduce (max) of two flags: "this rank has tokens to feed" and "this rank has episodes left". No rank has
+episodes left: every rank stops. Some rank has tokens to feed: every rank runs one forward — its own step, or, with
+nothing to feed (its episodes finished, or all waiting on tool calls), an *idle step*: the model's plain forward of
+one token, thrown away, which issues the same collectives (``stats["idle_steps"]``). No rank has tokens to feed but
+some wait on tools: the waiting ranks block on their tools as alone and nobody runs a forward. A rank's episodes
+therefore play exactly as they would alone (the idle steps touch no slot), and a rank with more tool rounds only
+makes the others idle longer.
 
 What an episode is (the rules of :mod:`.rollout`, which follow TRL 1.16's ``_tool_call_loop``): a first turn of at
 most ``min(max_completion_length, generation_config.max_new_tokens)`` tokens; while the last turn called a tool and
@@ -71,6 +82,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.stopping_criteria import StopStringCriteria
@@ -209,6 +221,26 @@ class _Episode:
         self.generator: torch.Generator | None = None
         self.processors: LogitsProcessorList | None = None
         self.stop: StopStringCriteria | None = None
+        self._ids_buffer: torch.Tensor | None = None  # ids as a [1, capacity] device tensor, the first _ids_synced valid
+        self._ids_synced = 0
+
+    def ids_tensor(self, device: torch.device) -> torch.Tensor:
+        """``ids`` as a ``[1, len(ids)]`` int64 tensor on ``device``, for the logits processors.
+
+        Kept in a buffer that grows by doubling and takes only the ids appended since the last call, so a step costs
+        host work in the new tokens, not in the context: rebuilding the tensor from the whole Python list each step
+        took 17 ms for a 128K-token episode (seen on this project's 2-core CPU), per episode and step."""
+        n = len(self.ids)
+        if self._ids_buffer is None or self._ids_buffer.shape[1] < n:
+            grown = torch.empty(1, max(2 * n, 1024), dtype=torch.long, device=device)
+            if self._ids_buffer is not None:
+                grown[:, : self._ids_synced] = self._ids_buffer[:, : self._ids_synced]
+            self._ids_buffer = grown
+        if self._ids_synced < n:
+            new = torch.tensor(self.ids[self._ids_synced:], dtype=torch.long)
+            self._ids_buffer[0, self._ids_synced: n] = new.to(device)
+            self._ids_synced = n
+        return self._ids_buffer[:, :n]
 
 
 class RolloutEngine:
@@ -235,9 +267,13 @@ class RolloutEngine:
             go first, then prefill pieces in slot order until it is reached (the rest wait for the next step).
         tokenizer: needed only for ``stop_strings``.
         logits_processor: extra processors applied after the generation config's (as ``generate``'s argument).
+        lockstep_group: a ``torch.distributed`` process group (e.g. ``torch.distributed.group.WORLD``) over whose
+            ranks the model's forwards are collectives (FSDP2, expert parallelism); every rank of it must call
+            :meth:`run` at the same time, and each step runs one forward on every rank (module docstring). None:
+            this process steps alone (one process, or DDP, where every rank holds the whole model).
     Raises:
-        ValueError: a bad argument (named), a model without KDAMoE decoder layers, or beam search / assisted
-            generation in the config.
+        ValueError: a bad argument (named), a model without KDAMoE decoder layers, beam search / assisted
+            generation in the config, or a ``lockstep_group`` given while ``torch.distributed`` is not initialized.
     """
 
     # Run the one-token sequences of a step on the slot-pool kernels where :meth:`_slot_kernels` allows it (CUDA with
@@ -249,7 +285,7 @@ class RolloutEngine:
                  max_tool_calling_iterations: int | None = None, max_position_embeddings: int | None = None,
                  parse_turn: Callable | None = None, tool_suffix_ids: Callable | None = None,
                  tool_timeout_s: float | None = None, prefill_chunk_size: int = 512, max_step_tokens: int = 8192,
-                 tokenizer=None, logits_processor: LogitsProcessorList | None = None):
+                 tokenizer=None, logits_processor: LogitsProcessorList | None = None, lockstep_group=None):
         for name, value in (("num_slots", num_slots), ("max_completion_length", max_completion_length),
                             ("prefill_chunk_size", prefill_chunk_size), ("max_step_tokens", max_step_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -260,6 +296,9 @@ class RolloutEngine:
             raise ValueError(f"tool_timeout_s must be None or > 0 seconds, got {tool_timeout_s!r}")
         if max_tool_calling_iterations is not None and max_tool_calling_iterations < 0:
             raise ValueError(f"max_tool_calling_iterations must be >= 0, got {max_tool_calling_iterations!r}")
+        if lockstep_group is not None and not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(f"lockstep_group={lockstep_group!r} but torch.distributed is not initialized (the ranks "
+                             "that step together need a process group)")
         causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         backbone = getattr(causal_lm, "model", None)
         layers = getattr(backbone, "layers", None)
@@ -295,8 +334,10 @@ class RolloutEngine:
         self.do_sample = bool(self.generation_config.do_sample)
         # counters of the cost model (docs/post-training.md): forwards, the sequences and tokens they carried,
         # group forks, tool rounds, seconds idle on tools (nothing else could run) and seconds in forwards
+        # idle_steps: forwards run only to keep in step with the other ranks of lockstep_group (module docstring)
         self.stats = dict(steps=0, sequences=0, tokens=0, prefill_tokens=0, decode_tokens=0, forks=0, tool_rounds=0,
-                          tool_wait_s=0.0, forward_s=0.0)
+                          tool_wait_s=0.0, forward_s=0.0, idle_steps=0)
+        self.lockstep_group = lockstep_group
         self._wake = threading.Event()
         self._allocate()
 
@@ -357,7 +398,7 @@ class RolloutEngine:
         queue = deque(self._groups(episodes))
         free = list(range(self.num_slots))
         running: list[_Episode] = []
-        while queue or running:
+        while queue or running or self.lockstep_group is not None:  # in lockstep, until no rank has episodes left
             while queue and len(queue[0]) <= len(free):  # FIFO: a group waits for all its slots
                 group = queue.popleft()
                 for episode in group:
@@ -366,10 +407,21 @@ class RolloutEngine:
                 self._admit(group)
             self._poll_tools(running)
             runnable = [e for e in running if e.pending and e.ended is None]
-            if runnable:
-                self._step(runnable)
-            elif any(e.job is not None for e in running):
-                self._wait_for_tools(running)
+            if self.lockstep_group is None:
+                if runnable:
+                    self._step(runnable)
+                elif any(e.job is not None for e in running):
+                    self._wait_for_tools(running)
+            else:
+                anyone_feeds, anyone_left = self._agree(bool(runnable), bool(queue or running))
+                if not anyone_left:
+                    break
+                if runnable:
+                    self._step(runnable)
+                elif anyone_feeds:
+                    self._idle_step()  # another rank steps: join its collectives with a forward of our own
+                elif any(e.job is not None for e in running):
+                    self._wait_for_tools(running)
             for episode in [e for e in running if e.ended is not None]:
                 running.remove(episode)
                 free.append(episode.slot)
@@ -378,6 +430,27 @@ class RolloutEngine:
             if not runnable and not any(e.job is not None for e in running) and running:
                 raise RuntimeError("RolloutEngine: episodes are running but none can step")  # a bug, not bad input
         return [self._result(e) for e in episodes]
+
+    def _agree(self, feeds: bool, left: bool) -> tuple[bool, bool]:
+        """One all-reduce (max) over ``lockstep_group``: whether any rank has tokens to feed this step, and whether
+        any rank has episodes left (running or queued)."""
+        group = self.lockstep_group
+        # NCCL reduces CUDA tensors only; gloo (and the others) host tensors
+        device = self.device if dist.get_backend(group) == "nccl" else "cpu"
+        flags = torch.tensor([int(feeds), int(left)], dtype=torch.int64, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        return bool(flags[0]), bool(flags[1])
+
+    def _idle_step(self) -> None:
+        """A forward that keeps this rank in step with the others of ``lockstep_group`` while it has nothing to feed:
+        the model's plain forward (its own token mixers, no cache) of one token, whose output is thrown away. It
+        runs every module the engine's step runs, so it issues the same collectives, and touches no slot."""
+        token = torch.tensor([[min(self.eos)]], dtype=torch.long, device=self.device)
+        start = time.perf_counter()
+        self.causal_lm(input_ids=token, use_cache=False, prefill_chunk_size=0, output_router_logits=False,
+                       logits_to_keep=1)
+        self.stats["forward_s"] += time.perf_counter() - start
+        self.stats["idle_steps"] += 1
 
     def _groups(self, episodes: list[_Episode]) -> list[list[_Episode]]:
         """Episodes with equal prompts, in first-seen order, in groups of at most ``num_slots``."""
@@ -455,8 +528,10 @@ class RolloutEngine:
             if self.generation_config.stop_strings:
                 episode.stop = StopStringCriteria(self.tokenizer, self.generation_config.stop_strings)
         raw = logits.float()
-        ids = torch.tensor([episode.ids], dtype=torch.long, device=self.device)
-        scores = episode.processors(ids, raw[None].clone())
+        if len(episode.processors):
+            scores = episode.processors(episode.ids_tensor(self.device), raw[None].clone())
+        else:  # greedy / plain sampling: no processor reads the ids
+            scores = raw[None]
         if self.do_sample:
             token = int(torch.multinomial(F.softmax(scores, dim=-1), 1, generator=episode.generator)[0, 0])
         else:
@@ -467,7 +542,7 @@ class RolloutEngine:
         episode.turn.append(token)
         ended = "eos" if token in self.eos else "turn_cap" if len(episode.turn) >= episode.turn_cap else None
         if ended is None and episode.stop is not None and bool(
-                episode.stop(torch.tensor([episode.ids], device=self.device), None)[0]):
+                episode.stop(episode.ids_tensor(self.device), None)[0]):
             ended = "stop_string"
         if ended is None:
             episode.pending = [token]
@@ -576,12 +651,15 @@ class RolloutEngine:
             layer._mix = types.MethodType(lambda lay, hidden, *args, _mix=mix, **kwargs: _mix(lay.self_attn, hidden),
                                           layer)
         try:
-            hidden = self.backbone(input_ids=input_ids, use_cache=False, prefill_chunk_size=0).last_hidden_state
+            # through the top module, as generate does: under FSDP2 its hooks gather the embeddings, final norm and
+            # head (the decoder layers gather their own); only the feeds' last rows reach the head
+            logits = self.causal_lm(input_ids=input_ids, use_cache=False, prefill_chunk_size=0,
+                                    output_router_logits=False, logits_to_keep=ends - 1).logits
         finally:
             for layer in layers:
                 del layer._mix
             self._layout = None
-        return self.causal_lm.lm_head(hidden[0, ends - 1])
+        return logits[0]
 
     def _kda_mix(self, attn, x: torch.Tensor) -> torch.Tensor:
         """The KDA token mixer over the step's ragged sequences, each continuing its slot's states (the math of

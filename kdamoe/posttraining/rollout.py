@@ -252,8 +252,10 @@ def batched_rollout(prompts: list, trainer) -> dict:
     Same arguments and return as :func:`cached_rollout`; async tools are awaited. A tool call that times out ends
     its episode and takes its environment out of TRL's pool (a fresh instance replaces it in the next batch). The
     engine's counters (``RolloutEngine.stats``: steps, sequences, prefill / decode tokens, forks, tool rounds,
-    seconds idle on tools, seconds in forwards) go to ``trainer.rollout_engine_stats`` and TRL's logged metrics
-    as ``rollout/<name>``.
+    seconds idle on tools, seconds in forwards, idle steps) go to ``trainer.rollout_engine_stats`` and TRL's logged
+    metrics as ``rollout/<name>``. With the policy sharded over the processes (FSDP2, ``distributed_config``) every
+    process's engine steps in lockstep with the others (:func:`lockstep_group`; each process still plays its own
+    episodes, as alone).
 
     Raises:
         ValueError: vLLM, continuous batching, a vision-language processor, or a trainer that is not a
@@ -267,6 +269,7 @@ def batched_rollout(prompts: list, trainer) -> dict:
     has_tools = bool(trainer.tools)
     unwrap, gathered = _generation_context(trainer)
     with unwrap as model, torch.no_grad(), gathered:
+        lockstep = lockstep_group(trainer, model)
         engine = RolloutEngine(
             model, trainer.generation_config, num_slots=getattr(trainer, "rollout_slots", 0) or len(specs),
             eos_token_ids=trainer.eos_token_ids, max_completion_length=trainer.max_completion_length,
@@ -276,13 +279,27 @@ def batched_rollout(prompts: list, trainer) -> dict:
             parse_turn=lambda ids, prefix, schemas: parse_response(trainer._tokenizer, ids, prefix=prefix,
                                                                    tools=schemas),
             tool_suffix_ids=trainer._get_tool_suffix_ids, tool_timeout_s=getattr(trainer, "tool_timeout_s", None),
-            tokenizer=trainer._tokenizer)
+            tokenizer=trainer._tokenizer, lockstep_group=lockstep)
         episodes = engine.run(specs)
     trainer.rollout_engine_stats = dict(engine.stats)
     metrics = trainer._metrics["train" if trainer.model.training else "eval"]
     for key, value in engine.stats.items():  # logged with TRL's metrics (averaged over the logging interval)
         metrics[f"rollout/{key}"].append(float(value))
     return _rollout_output(trainer, prompt_ids, episodes, has_tools)
+
+
+def lockstep_group(trainer, model):
+    """The process group whose ranks must step their engines together (``RolloutEngine(lockstep_group=...)``), or
+    None: the whole world when the policy is sharded over several processes — by accelerate's FSDP2
+    (``trainer.fsdp``; the Trainer's ``is_fsdp_enabled``) or by transformers' engine while it loaded
+    (``distributed_config``; the model's ``is_distributed_loading_by_transformers``) — since each of its forwards is
+    a collective; None on one process and under DDP (every rank holds the whole model and steps alone)."""
+    if trainer.accelerator.num_processes < 2:
+        return None
+    raw = model.get_base_model() if hasattr(model, "get_base_model") else model
+    sharded = getattr(trainer, "is_fsdp_enabled", False) or getattr(raw, "is_distributed_loading_by_transformers",
+                                                                    False)
+    return torch.distributed.group.WORLD if sharded else None
 
 
 def _retire(trainer, i: int):
