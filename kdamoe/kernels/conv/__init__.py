@@ -9,7 +9,7 @@ step).
 
 References: ``kdamoe.model.kda_torch.causal_conv1d_torch`` in float64 and a brute-force loop over the taps
 (``tests/kernels/test_conv.py``); the slot-pool step against gather → ``causal_conv1d_torch`` → scatter and a
-float64 loop over the taps (``tests/kernels/test_slot_decode.py``)."""
+float64 loop over the taps (``tests/kernels/test_conv_update_slots.py``)."""
 
 from .conv import causal_conv1d, causal_conv1d_parts, causal_conv1d_update, causal_conv1d_update_slots
 

@@ -10,7 +10,7 @@ Reference: ``naive.py``'s token-by-token recurrence with the lower-bounded gate 
 run in float64 (``tests/kernels/test_kda_chunk.py``, ``test_kda_recurrent.py``); the model's
 ``kdamoe.model.kda_torch`` is checked against it too (``tests/test_kda_torch.py``). The slot-pool step against
 ``naive.py``'s ``naive_recurrent_kda_slots`` (gather, recurrence in float64, scatter) and against gather →
-``fused_recurrent_kda`` → scatter (``tests/kernels/test_slot_decode.py``)."""
+``fused_recurrent_kda`` → scatter (``tests/kernels/test_kda_recurrent_slots.py``)."""
 
 from .chunk import chunk_kda
 from .fused_recurrent import fused_recurrent_kda

@@ -8,7 +8,7 @@ the shared-prefix decode) and ``naive.py`` (the shared-prefix reference).
 
 References: ``kdamoe.model.mla_torch.latent_attention_torch`` and a float64 brute-force softmax attention
 (``tests/kernels/test_mla_decode.py``); ``naive.py``'s ``naive_latent_attention_shared_prefix`` in float64
-(``tests/kernels/test_slot_decode.py``)."""
+(``tests/kernels/test_mla_shared_prefix.py``)."""
 
 from .decode import latent_attention
 from .shared_prefix import latent_attention_shared_prefix
