@@ -31,10 +31,14 @@ mixers call the model's own projections and the ops of ``kernel_dispatch`` (``ca
 over ``cu_seqlens`` with one initial state per sequence, ``fused_recurrent_kda`` for one-token sequences — the ops
 ``generate`` runs for a prefill and a decode step). The MLA layers attend in the latent space ("absorbed"
 projections, DeepSeek-V2 §2.1.2: ``q·k = (W_ukᵀ q_nope)·c + q_shared·k_shared``, ``Σ p v = W_uv Σ p c``), as the
-model's decode path does. Weights are read from the modules at every step, so the engine always decodes with the
-current weights (after an optimizer step, with PEFT adapters). The step enters the model at its top module (the
-causal LM's own ``forward``, keeping only the rows whose logits are needed), as ``generate`` does, so a model
-sharded by FSDP2 gathers its top-level weights (embeddings, final norm, head) in that module's hooks.
+model's decode path does. Where ``kernel_backend`` resolves to the kdamoe kernels (CUDA), a step's one-token
+sequences skip the gather → op → scatter and run the slot kernels of ``kdamoe.kernels`` instead
+(:meth:`RolloutEngine._slot_kernels`): the conv and KDA states updated in place in the pools, and the MLA queries read
+their group's prefix once and their own rows where they are. Weights are read from the modules at every step, so the
+engine always decodes with the current weights (after an optimizer step, with PEFT adapters). The step enters the
+model at its top module (the causal LM's own ``forward``, keeping only the rows whose logits are needed), as
+``generate`` does, so a model sharded by FSDP2 gathers its top-level weights (embeddings, final norm, head) in that
+module's hooks.
 
 Several processes (``lockstep_group``): a model sharded over processes (FSDP2, expert parallelism) makes every
 forward a collective (an all-gather per sharded module, an all-to-all per expert-parallel MoE layer), so every rank
@@ -221,7 +225,8 @@ class _Episode:
         self.generator: torch.Generator | None = None
         self.processors: LogitsProcessorList | None = None
         self.stop: StopStringCriteria | None = None
-        self._ids_buffer: torch.Tensor | None = None  # ids as a [1, capacity] device tensor, the first _ids_synced valid
+        # ids as a [1, capacity] device tensor, the first _ids_synced valid
+        self._ids_buffer: torch.Tensor | None = None
         self._ids_synced = 0
 
     def ids_tensor(self, device: torch.device) -> torch.Tensor:
