@@ -137,3 +137,39 @@ def test_reference_delta_rule_write_on_a_hand_case():
     assert torch.equal(new[1, 0, 0], torch.full((16,), 3.0, dtype=torch.float64))  # row 0 overwritten by v
     assert torch.equal(new[1, 0, 1:], torch.ones(15, 16, dtype=torch.float64))  # other rows kept
     assert torch.equal(new[0], pool[0]) and torch.equal(o[0, 0], torch.full((16,), 3.0, dtype=torch.float64))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_kda_and_conv_slots_replay_from_a_cuda_graph():
+    """With ``check_slot_ids_values=False`` neither op reads a device value on the host, so a decode step can be
+    captured once and replayed: two replays equal two eager calls (the pools advance in place)."""
+    from kdamoe.kernels import causal_conv1d_update_slots  # noqa: PLC0415 (only this GPU test uses the conv op)
+
+    x = kda_inputs(3, 91, torch.float32, True)
+    ids = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
+              check_slot_ids_values=False)
+    conv_x = x["qkv"][:, :H * K]
+    weight = torch.randn(H * K, 4, device=DEVICE) / 2
+    pool, conv_pool = x["pool"].clone(), torch.randn(SLOTS, H * K, 4, device=DEVICE)
+    want, want_conv = pool.clone(), conv_pool.clone()
+
+    def step(p, cp):
+        return (fused_recurrent_kda_slots(*args, p, ids, **kw),
+                causal_conv1d_update_slots(conv_x, cp, ids, weight, check_slot_ids_values=False))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and autotune outside the capture, on copies
+        step(pool.clone(), conv_pool.clone())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, y = step(pool, conv_pool)
+    for _ in range(2):
+        graph.replay()
+        want_o, want_y = step(want, want_conv)
+    torch.cuda.synchronize()
+    assert relative_error(pool, want) <= 1e-6 and relative_error(o, want_o) <= 1e-6
+    assert torch.equal(conv_pool, want_conv) and relative_error(y, want_y) <= 1e-6
