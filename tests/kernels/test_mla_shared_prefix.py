@@ -36,6 +36,7 @@ MLA_CASES = [  # dtype, H, R, Dr, prefix lengths, group of each sequence, own le
     (torch.float32, 2, 16, 0, [40, 200], [0, 1, 0, -1, 1], [3, 1, 5, 140, 2], 3, 51),  # round robin over 3 splits
     (torch.float16, 4, 16, 8, [130], [0, 0, 0], [1, 2, 129], 2, 52),  # a shared key part (Dr = 8), 12 query rows
     (torch.float32, 8, 32, 0, [0, 7], [0, 1, -1], [4, 1, 0], 2, 53),  # an empty prefix; a sequence with no row
+    (torch.float32, 2, 16, 0, [10, 30], [1, -1], [2, 3], None, 55),  # prefix 0 has no member in this step
 ]
 
 

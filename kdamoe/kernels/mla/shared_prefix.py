@@ -11,7 +11,8 @@ normed latent ``c`` then the key part shared by every head). One decode query pe
 Design: flash-decoding (Dao et al. 2023) over *segments*: segment ``g < G`` is group g's prefix, its query rows all
 its members' heads (``members · H`` rows, one matrix: every prefix block loaded is used by the whole group, so the
 prefix is read once per group and step, not once per member); segment ``G + n`` is sequence n's own rows with its H
-query rows. Grid ``(segment, row block, split)``: split j takes key blocks ``j, j + P, …`` of the segment (round
+query rows. Two launches, the prefixes' and the own rows', each with the row block its segments need; grid
+``(segment, row block, split)``: split j takes key blocks ``j, j + P, …`` of the segment (round
 robin) and writes its unnormalised accumulator, running max and sum for its rows to a float32 workspace, in the
 prefix half or the own half. ``_combine_kernel`` merges, per query row, the splits of its prefix and of its own
 segment by log-sum-exp (0 when neither has a key). The rows of each segment are reached through a table of
@@ -33,10 +34,10 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 @fast_launch
 @triton.jit
-def _segment_split_kernel(q, key_ptrs, segments, members, acc_ws, m_ws, l_ws, H, NH, P, G, qk_scale,
+def _segment_split_kernel(q, key_ptrs, segments, members, acc_ws, m_ws, l_ws, H, NH, P, G, first_segment, qk_scale,
                           R: tl.constexpr, DR: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    i_s, i_m, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_s, i_m, i_p = first_segment + tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_keys = tl.load(segments + i_s * 3)
     first = tl.load(segments + i_s * 3 + 1)  # the segment's first entry in `members`
     n_rows = tl.load(segments + i_s * 3 + 2) * H  # its query rows: every head of every member
@@ -219,20 +220,26 @@ def latent_attention_shared_prefix(q, prefixes, group, own, scale, value_dim=Non
     seg = torch.tensor(segments, dtype=torch.int32).to(device, non_blocking=True)
     mem = torch.tensor(members, dtype=torch.int32).to(device, non_blocking=True)
     grp = torch.tensor(list(group), dtype=torch.int32).to(device, non_blocking=True)
-    max_rows = max(s[2] for s in segments) * H
-    block_m, block_n, num_warps = block_sizes(max_rows, R)
-    row_blocks = cdiv(max_rows, block_m)
+    # two launches of the split kernel, each with the row block its segments need: the G prefixes (every head of
+    # every member: up to members·H rows) and the N own segments (H rows each), so the latter do not pad H rows to
+    # the prefixes' block. Both use the same key block (it depends on R only) and the same split count P, which the
+    # combine reads.
+    launches = [(0, G, max([s[2] for s in segments[:G]], default=0) * H), (G, N, H)]
+    blocks = [block_sizes(max(rows, 1), R) for _, _, rows in launches]
+    block_n = blocks[0][1]
+    programs = sum(count * cdiv(rows, bm) for (_, count, rows), (bm, _, _) in zip(launches, blocks, strict=True))
     max_keys = max(s[0] for s in segments)
-    P = num_splits or max(1, min(cdiv(max_keys, block_n),
-                                 cdiv(PROGRAMS_PER_SM * sm_count(device), len(segments) * row_blocks)))
+    P = num_splits or max(1, min(cdiv(max_keys, block_n), cdiv(PROGRAMS_PER_SM * sm_count(device), max(programs, 1))))
     NH = N * H
     acc_ws = torch.empty(2, P, NH, R, dtype=torch.float32, device=device)
     m_ws = torch.empty(2, P, NH, dtype=torch.float32, device=device)
     l_ws = torch.empty(2, P, NH, dtype=torch.float32, device=device)
     qc = q.contiguous()
-    if max_keys > 0:
-        _segment_split_kernel[(len(segments), row_blocks, P)](
-            qc, key_ptrs, seg, mem, acc_ws, m_ws, l_ws, H, NH, P, G, scale * 1.4426950408889634,
+    for (first, count, rows), (block_m, _, num_warps) in zip(launches, blocks, strict=True):
+        if count == 0 or rows == 0 or max(s[0] for s in segments[first:first + count]) == 0:
+            continue  # no key in these segments: the combine sees no split of theirs
+        _segment_split_kernel[(count, cdiv(rows, block_m), P)](
+            qc, key_ptrs, seg, mem, acc_ws, m_ws, l_ws, H, NH, P, G, first, scale * 1.4426950408889634,
             R=R, DR=D - R, BLOCK_DR=max(16, next_power_of_2(D - R)), BLOCK_M=block_m, BLOCK_N=block_n,
             IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=NUM_STAGES)
     block_r = min(R, COMBINE_BLOCK_R)
