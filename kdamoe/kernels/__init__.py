@@ -14,10 +14,10 @@ as KDA's ``prepare`` / ``intra`` / ``state`` / ``output``); a family's own refer
 ``__init__`` names the reference its tests compare it with."""
 
 from .attnres import block_attnres
-from .conv import causal_conv1d, causal_conv1d_parts, causal_conv1d_update
-from .kda import chunk_kda, fused_recurrent_kda
+from .conv import causal_conv1d, causal_conv1d_parts, causal_conv1d_update, causal_conv1d_update_slots
+from .kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_slots
 from .loss import causal_lm_loss
-from .mla import latent_attention
+from .mla import latent_attention, latent_attention_shared_prefix
 from .moe import glu, moe_experts, moe_route
 from .norm import add_rms_norm, gated_rms_norm, rms_norm
 
@@ -27,12 +27,15 @@ __all__ = [
     "causal_conv1d",
     "causal_conv1d_parts",
     "causal_conv1d_update",
+    "causal_conv1d_update_slots",
     "causal_lm_loss",
     "chunk_kda",
     "fused_recurrent_kda",
+    "fused_recurrent_kda_slots",
     "gated_rms_norm",
     "glu",
     "latent_attention",
+    "latent_attention_shared_prefix",
     "moe_experts",
     "moe_route",
     "rms_norm",

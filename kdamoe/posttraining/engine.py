@@ -31,10 +31,14 @@ mixers call the model's own projections and the ops of ``kernel_dispatch`` (``ca
 over ``cu_seqlens`` with one initial state per sequence, ``fused_recurrent_kda`` for one-token sequences — the ops
 ``generate`` runs for a prefill and a decode step). The MLA layers attend in the latent space ("absorbed"
 projections, DeepSeek-V2 §2.1.2: ``q·k = (W_ukᵀ q_nope)·c + q_shared·k_shared``, ``Σ p v = W_uv Σ p c``), as the
-model's decode path does. Weights are read from the modules at every step, so the engine always decodes with the
-current weights (after an optimizer step, with PEFT adapters). The step enters the model at its top module (the
-causal LM's own ``forward``, keeping only the rows whose logits are needed), as ``generate`` does, so a model
-sharded by FSDP2 gathers its top-level weights (embeddings, final norm, head) in that module's hooks.
+model's decode path does. Where ``kernel_backend`` resolves to the kdamoe kernels (CUDA), a step's one-token
+sequences skip the gather → op → scatter and run the slot kernels of ``kdamoe.kernels`` instead
+(:meth:`RolloutEngine._slot_kernels`): the conv and KDA states updated in place in the pools, and the MLA queries read
+their group's prefix once and their own rows where they are. Weights are read from the modules at every step, so the
+engine always decodes with the current weights (after an optimizer step, with PEFT adapters). The step enters the
+model at its top module (the causal LM's own ``forward``, keeping only the rows whose logits are needed), as
+``generate`` does, so a model sharded by FSDP2 gathers its top-level weights (embeddings, final norm, head) in that
+module's hooks.
 
 Several processes (``lockstep_group``): a model sharded over processes (FSDP2, expert parallelism) makes every
 forward a collective (an all-gather per sharded module, an all-to-all per expert-parallel MoE layer), so every rank
@@ -87,7 +91,7 @@ import torch.nn.functional as F
 from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from ..model.kernel_dispatch import causal_conv1d_parts, chunk_kda, fused_recurrent_kda
+from ..model.kernel_dispatch import causal_conv1d_parts, chunk_kda, fused_recurrent_kda, kdamoe_kernels, resolve
 from ..model.modeling_kdamoe import fused_linear
 
 
@@ -221,7 +225,8 @@ class _Episode:
         self.generator: torch.Generator | None = None
         self.processors: LogitsProcessorList | None = None
         self.stop: StopStringCriteria | None = None
-        self._ids_buffer: torch.Tensor | None = None  # ids as a [1, capacity] device tensor, the first _ids_synced valid
+        # ids as a [1, capacity] device tensor, the first _ids_synced valid
+        self._ids_buffer: torch.Tensor | None = None
         self._ids_synced = 0
 
     def ids_tensor(self, device: torch.device) -> torch.Tensor:
@@ -275,6 +280,10 @@ class RolloutEngine:
         ValueError: a bad argument (named), a model without KDAMoE decoder layers, beam search / assisted
             generation in the config, or a ``lockstep_group`` given while ``torch.distributed`` is not initialized.
     """
+
+    # Run the one-token sequences of a step on the slot-pool kernels where :meth:`_slot_kernels` allows it (CUDA with
+    # the kdamoe kernels); False keeps the gather → op → scatter path for every sequence (for a comparison).
+    use_slot_kernels = True
 
     def __init__(self, model, generation_config: GenerationConfig, *, num_slots: int, eos_token_ids,
                  max_completion_length: int, logprob_temperature: float = 1.0,
@@ -659,13 +668,117 @@ class RolloutEngine:
 
     def _kda_mix(self, attn, x: torch.Tensor) -> torch.Tensor:
         """The KDA token mixer over the step's ragged sequences, each continuing its slot's states (the math of
-        ``KDAMoEDeltaAttention.forward``; the conv and the recurrence start from each sequence's own state)."""
+        ``KDAMoEDeltaAttention.forward``; the conv and the recurrence start from each sequence's own state).
+
+        With the slot kernels (:meth:`_slot_kernels`), the one-token sequences run the conv and the recurrence on
+        the pools in place (:meth:`_kda_decode`) and only the longer ones take :meth:`_kda_sequences`' gather → op →
+        scatter; otherwise every sequence does."""
         lay = self._layout
-        S, N = len(lay.episodes), x.shape[1]
+        N = x.shape[1]
         H, K = attn.num_heads, attn.head_dim
-        backend = attn.config.kernel_backend
         qkv, f, beta, gate = fused_linear(
             x, ((attn.q_proj, attn.k_proj, attn.v_proj), attn.f_a_proj, attn.b_proj, attn.g_a_proj))
+        f = attn.f_b_proj(f).view(1, N, H, K)
+        beta = torch.sigmoid(beta.float())
+        rest, o = lay, None
+        if self._slot_kernels(attn, x):
+            decode, rest = self._decode_split()
+            if decode is not None:
+                o = self._kda_decode(attn, qkv[0], f[0], beta[0], decode, N)
+        if rest is not None:
+            o = self._kda_sequences(attn, qkv, f, beta, rest, o)
+        gate = attn.g_b_proj(gate).view(1, N, H, K)
+        return attn.o_proj(attn.o_norm(o[None], gate).reshape(1, N, H * K))
+
+    def _slot_kernels(self, attn, x: torch.Tensor) -> bool:
+        """Whether this step's one-token sequences run the slot kernels in ``attn``'s layer: for a KDA layer
+        ``causal_conv1d_update_slots`` and ``fused_recurrent_kda_slots`` (the states read and written in place in the
+        pools, no gather / scatter), for an MLA layer ``latent_attention_shared_prefix`` (a group's prefix read once
+        for its members, every row where it is). Needs :attr:`use_slot_kernels`, ``kernel_backend`` resolving to the
+        kdamoe kernels on ``x``'s device for those ops (CUDA; CPU only under ``TRITON_INTERPRET=1`` with
+        ``"triton"``, for the tests), as every other op of the model resolves, and the kernels' sizes: the bounded
+        KDA gate (they refuse Kimi Linear's unbounded one); a power-of-two ``kv_lora_rank`` in [16, 512] and a
+        shared key part of at most 256 columns."""
+        if not self.use_slot_kernels:
+            return False
+        if hasattr(attn, "conv1d"):  # a KDA layer
+            if attn.lower_bound is None:
+                return False
+            ops = ("causal_conv1d_update_slots", "fused_recurrent_kda_slots")
+        else:
+            R, shared = attn.config.kv_lora_rank, getattr(attn.config, "qk_rope_head_dim", 0) or 0
+            if not (16 <= R <= 512 and R & (R - 1) == 0 and shared <= 256):
+                return False
+            ops = ("latent_attention_shared_prefix",)
+        try:
+            return all(resolve(attn.config.kernel_backend, x.device, op) == "kdamoe" for op in ops)
+        except RuntimeError:  # a forced backend that cannot run here: the op path raises its own error
+            return False
+
+    def _decode_split(self) -> tuple[types.SimpleNamespace | None, types.SimpleNamespace | None]:
+        """``(decode, rest)`` of this step, computed once per forward (every KDA layer reads it): ``decode`` the
+        one-token sequences (``tokens`` their flat positions, a slice when they are the first rows, None when every
+        sequence is one; ``slots`` int32),
+        ``rest`` the longer ones as a layout of their own (``lengths``, ``slots``, ``row``, ``col``, ``t_max`` and
+        ``tokens``, their flat positions); None where there are none."""
+        lay = self._layout
+        if getattr(lay, "split", None) is None:
+            lengths = lay.lengths.tolist()
+            one = [i for i, n in enumerate(lengths) if n == 1]
+            many = [i for i, n in enumerate(lengths) if n != 1]
+            device = lay.lengths.device
+            decode = rest = None
+            if one:
+                pick = torch.tensor(one, device=device)
+                tokens = None  # every sequence is one token: all the rows, in order
+                if many:  # the decodes first (the step's order) are rows 0 … n − 1: views, no gather
+                    tokens = slice(0, len(one)) if one[-1] == len(one) - 1 else lay.starts[pick]
+                decode = types.SimpleNamespace(tokens=tokens, slots=lay.slots[pick].to(torch.int32))
+            if many:
+                pick = torch.tensor(many, device=device)
+                sub_lengths = lay.lengths[pick]
+                row = torch.repeat_interleave(torch.arange(len(many), device=device), sub_lengths)
+                ends = sub_lengths.cumsum(0)
+                col = torch.arange(sum(lengths[i] for i in many), device=device) - (ends - sub_lengths)[row]
+                rest = types.SimpleNamespace(lengths=sub_lengths, slots=lay.slots[pick], row=row, col=col,
+                                             t_max=max(lengths[i] for i in many), tokens=lay.starts[pick][row] + col)
+            lay.split = (decode, rest)
+        return lay.split
+
+    def _kda_decode(self, attn, qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, decode, N: int):
+        """One token on each slot of ``decode`` (:meth:`_decode_split`): the short conv and the recurrence on the
+        pools in place. ``qkv [N, 3·H·K]``, ``f [N, H, K]``, ``beta [N, H]`` are the step's rows; returns ``o
+        [N, H, K]`` with the decode rows written (all of it when every sequence is one token)."""
+        kernels = kdamoe_kernels()
+        H, K = attn.num_heads, attn.head_dim
+        if decode.tokens is not None:
+            qkv, f, beta = qkv[decode.tokens], f[decode.tokens], beta[decode.tokens]
+        n = qkv.shape[0]
+        y = kernels.causal_conv1d_update_slots(qkv, self.conv[attn.layer_idx], decode.slots,
+                                               attn.conv1d.weight.squeeze(1), check_slot_ids_values=False)
+        q, k, v = (y[:, i * H * K:(i + 1) * H * K].view(n, H, K) for i in range(3))  # read in place by the kernel
+        out = kernels.fused_recurrent_kda_slots(
+            q, k, v, f, beta, self.recurrent[attn.layer_idx], decode.slots, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, A_log=attn.A_log, dt_bias=attn.dt_bias, lower_bound=attn.lower_bound,
+            check_slot_ids_values=False)
+        if decode.tokens is None:
+            return out
+        o = out.new_empty(N, H, K)
+        o[decode.tokens] = out
+        return o
+
+    def _kda_sequences(self, attn, qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, lay,
+                       o: torch.Tensor | None) -> torch.Tensor:
+        """The conv and the recurrence of the sequences of ``lay`` (the step's layout, or :meth:`_decode_split`'s
+        ``rest``, whose ``tokens`` pick their rows of the step's ``qkv [1, N, 3·H·K]``, ``f``, ``beta``): their
+        slots' states gathered from the pools, the ops of ``kernel_dispatch``, the new states scattered back.
+        Writes their rows of ``o [N, H, K]`` (allocated when None) and returns it."""
+        rows = getattr(lay, "tokens", None)  # None: every row of the step, in order
+        if rows is not None:
+            qkv, f, beta = qkv[:, rows], f[:, rows], beta[:, rows]
+        S, N, total = len(lay.lengths), qkv.shape[1], self._layout.row.shape[0]
+        H, K = attn.num_heads, attn.head_dim
+        backend = attn.config.kernel_backend
         conv_pool, rec_pool = self.conv[attn.layer_idx], self.recurrent[attn.layer_idx]
         conv_state = conv_pool[lay.slots].to(qkv.dtype)  # [S, 3HK, W]
         padded = qkv.new_zeros(S, lay.t_max, qkv.shape[-1])  # right padding: a causal conv never reads it
@@ -676,21 +789,18 @@ class RolloutEngine:
         # the new window: the last W inputs of (old window ++ the sequence's tokens)
         window = torch.cat([conv_state.transpose(1, 2), padded], 1)
         W = conv_state.shape[-1]
-        at = (lay.lengths[:, None] + torch.arange(W, device=x.device))[..., None].expand(S, W, padded.shape[-1])
+        at = (lay.lengths[:, None] + torch.arange(W, device=qkv.device))[..., None].expand(S, W, padded.shape[-1])
         conv_pool[lay.slots] = window.gather(1, at).transpose(1, 2).to(conv_pool.dtype)
 
-        f = attn.f_b_proj(f).view(1, N, H, K)
-        beta = torch.sigmoid(beta.float())
         kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                       A_log=attn.A_log, dt_bias=attn.dt_bias, lower_bound=attn.lower_bound, backend=backend)
         initial = rec_pool[lay.slots]
-        o = None
         one = lay.lengths == 1
         for select, recurrent in ((one, True), (~one, False)):
             seqs = select.nonzero().flatten()
             if not seqs.numel():
                 continue
-            tokens = select[lay.row].nonzero().flatten()  # flat positions of these sequences' tokens
+            tokens = select[lay.row].nonzero().flatten()  # positions of these sequences' tokens among lay's
             parts = [t[0, tokens] for t in (q, k, v, f, beta)]
             if recurrent:  # one token on a state: generate's decode-step op
                 out, final = fused_recurrent_kda(*(p[:, None] for p in parts), initial_state=initial[seqs], **kwargs)
@@ -701,11 +811,10 @@ class RolloutEngine:
                                        chunk_size=attn.config.kda_chunk_size, **kwargs)
                 out = out[0]
             if o is None:
-                o = out.new_empty(N, *out.shape[1:])
-            o[tokens] = out
+                o = out.new_empty(total, *out.shape[1:])
+            o[tokens if rows is None else rows[tokens]] = out
             rec_pool[lay.slots[seqs]] = final.float()
-        gate = attn.g_b_proj(gate).view(1, N, H, K)
-        return attn.o_proj(attn.o_norm(o[None], gate).reshape(1, N, H * K))
+        return o
 
     def _mla_mix(self, attn, x: torch.Tensor) -> torch.Tensor:
         """The MLA token mixer over the step's sequences in the latent space: each sequence attends to its
@@ -732,10 +841,14 @@ class RolloutEngine:
         if shared:
             q_lat = torch.cat([q_lat, q[..., nope:]], -1)  # [N, H, R + shared]
         o_lat = q_lat.new_zeros(N, H, R, dtype=torch.float32)
+        starts, lengths = lay.starts.tolist(), lay.lengths.tolist()
+        decoded = set()
+        if rows.dtype == q_lat.dtype and self._slot_kernels(attn, x):
+            decoded = self._mla_decode(attn, q_lat, rows, o_lat, starts, lengths)
         groups: dict[int, list[int]] = {}
         for s, episode in enumerate(lay.episodes):
-            groups.setdefault(id(episode.prefix) if episode.prefix is not None else -1 - s, []).append(s)
-        starts, lengths = lay.starts.tolist(), lay.lengths.tolist()
+            if s not in decoded:
+                groups.setdefault(id(episode.prefix) if episode.prefix is not None else -1 - s, []).append(s)
         for members in groups.values():
             prefix = lay.episodes[members[0]].prefix
             prefix = prefix[attn.layer_idx] if prefix is not None else rows.new_zeros(0, rows.shape[-1])
@@ -765,3 +878,34 @@ class RolloutEngine:
                 o_lat[tokens] += torch.einsum("nhl,lr->nhr", torch.cat(p_prefix), prefix[:, :R].float())
         out = torch.einsum("nhr,rhv->nhv", o_lat.to(w_uv.dtype), w_uv)
         return attn.o_proj(out.reshape(1, N, H * Dv))
+
+    def _mla_decode(self, attn, q_lat: torch.Tensor, rows: torch.Tensor, o_lat: torch.Tensor, starts: list[int],
+                    lengths: list[int]) -> set[int]:
+        """The one-token sequences of the step on ``latent_attention_shared_prefix``: each appends its new row to
+        its own rows, then one launch attends every such query to its group's prefix (read once for the group's
+        members in the step) and its own rows, where they are. Writes their rows of ``o_lat [N, H, R]`` (float32);
+        returns the sequences it ran."""
+        lay = self._layout
+        picked = [s for s, n in enumerate(lengths) if n == 1]
+        if not picked:
+            return set()
+        prefixes, index, group, own = [], {}, [], []
+        for s in picked:
+            episode = lay.episodes[s]
+            buffer = episode.own.get(attn.layer_idx)
+            if buffer is None:
+                buffer = episode.own[attn.layer_idx] = _Rows(rows.shape[-1], rows)
+            own.append(buffer.append(rows[starts[s]:starts[s] + 1]))  # a view of the buffer: contiguous rows
+            if episode.prefix is None:
+                group.append(-1)
+                continue
+            if id(episode.prefix) not in index:
+                index[id(episode.prefix)] = len(prefixes)
+                prefixes.append(episode.prefix[attn.layer_idx])
+            group.append(index[id(episode.prefix)])
+        tokens = slice(0, len(picked)) if picked[-1] == len(picked) - 1 else torch.tensor(
+            [starts[s] for s in picked], device=q_lat.device)  # the decodes first (the step's order): a view
+        out = kdamoe_kernels().latent_attention_shared_prefix(q_lat[tokens], prefixes, group, own, attn.scaling,
+                                                                value_dim=o_lat.shape[-1])
+        o_lat[tokens] = out.float()
+        return set(picked)

@@ -17,10 +17,11 @@ launches and one sum of the dweight partials). :func:`causal_conv1d` is its one-
 
 import torch
 
-from ..utils import is_interpreter
+from ..utils import check_slot_ids, is_interpreter
 from .backward import conv_bwd
 from .forward import MAX_PARTS, conv_fwd
 from .update import conv_update
+from .update_slots import conv_update_slots
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 MAX_WIDTH = 8  # the kernels unroll their W shifted tile loads (and the state gradient W²/2 vector loads)
@@ -205,3 +206,49 @@ def causal_conv1d_update(x, conv_state, weight):
         raise ValueError("causal_conv1d_update has no backward; use causal_conv1d for a differentiable step")
     y, new_state = conv_update(x3[:, 0].contiguous(), conv_state.contiguous(), weight.contiguous())
     return y.view(x.shape), new_state
+
+
+def causal_conv1d_update_slots(x, conv_pool, slot_ids, weight, *, check_slot_ids_values=True):
+    r"""One decoding step for N sequences whose conv windows live in a slot pool, updated in place: for sequence n
+    on slot ``s = slot_ids[n]``, ``conv_pool[s] ← [conv_pool[s][:, 1:], x[n]]`` and
+    ``y[n] = SiLU(Σ_m conv_pool[s][:, m] · weight[:, m])`` (the new window), accumulated in float32.
+
+    Equals :func:`causal_conv1d_update` on ``conv_pool[slot_ids]`` followed by ``conv_pool[slot_ids] = new_state``,
+    without the gather and the scatter. Forward only.
+
+    Args:
+        x: ``[N, C]`` float16 / bfloat16 / float32, unit channel stride (any row stride: a column slice of a wider
+            projection output is read in place).
+        conv_pool: ``[num_slots, C, W]`` float16 / bfloat16 / float32, contiguous; rows ``slot_ids`` are read and
+            overwritten (stored in the pool's dtype), the others are not touched.
+        slot_ids: ``[N]`` int32 / int64, distinct, in ``[0, num_slots)``, on x's device.
+        weight: ``[C, W]``, 1 ≤ W ≤ 8.
+        check_slot_ids_values: check the ids' range and distinctness (a device synchronisation; see
+            ``kdamoe.kernels.utils.check_slot_ids``); False for ids valid by construction.
+
+    Returns:
+        ``y [N, C]`` in x's dtype, contiguous.
+
+    Raises:
+        ValueError: wrong shapes, dtypes or devices (naming the argument), a pool that is not contiguous, bad
+            ``slot_ids``, or an input that requires grad while grad mode is on.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be [N, C], got {getattr(x, 'shape', type(x).__name__)}")
+    # the shape / dtype / device checks of causal_conv1d, on x as one token of N rows
+    N, C = x.shape
+    _, _, _, W = _validate(x[:, None], weight, None, None)
+    if not isinstance(conv_pool, torch.Tensor) or conv_pool.dim() != 3 or conv_pool.shape[1:] != (C, W):
+        shape = tuple(conv_pool.shape) if isinstance(conv_pool, torch.Tensor) else type(conv_pool).__name__
+        raise ValueError(f"conv_pool must be [num_slots, C, W] = (num_slots, {C}, {W}), got {shape}")
+    if conv_pool.dtype not in _FLOATS:
+        raise ValueError(f"conv_pool dtype must be float16, bfloat16 or float32, got {conv_pool.dtype}")
+    _check_device("conv_pool", conv_pool, x.device)
+    if not conv_pool.is_contiguous():
+        raise ValueError(f"conv_pool must be contiguous (updated in place), got strides {conv_pool.stride()}")
+    check_slot_ids(slot_ids, N, conv_pool.shape[0], x.device, check_slot_ids_values, "causal_conv1d_update_slots")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight)):
+        raise ValueError("causal_conv1d_update_slots has no backward; use causal_conv1d for a differentiable step")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return conv_update_slots(x, conv_pool, slot_ids, weight.contiguous())

@@ -97,3 +97,32 @@ def naive_kda_lowerbound_gate(f, A_log, dt_bias, lower_bound=-5.0):
 def naive_l2norm(x, eps=1e-6):
     """``x * rsqrt(sum(x²) + eps)`` over the last dimension, in the input's dtype (the kernels' q/k norm)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def naive_recurrent_kda_slots(q, k, v, g, beta, state_pool, slot_ids, scale=None, use_qk_l2norm=False,
+                              gate=None):
+    """Reference of ``fused_recurrent_kda_slots``: gather the slots' states, one step of
+    :func:`naive_recurrent_kda` in float64, scatter the new states into a copy of the pool.
+
+    Args:
+        q, k, g: ``[N, H, K]``; v: ``[N, H, V]``; beta: ``[N, H]`` (one token per sequence).
+        state_pool: ``[num_slots, H, K, V]``; slot_ids: ``[N]`` distinct slots.
+        scale: query scale (None: ``K ** -0.5``).
+        use_qk_l2norm: L2-normalise q and k first (:func:`naive_l2norm`).
+        gate: None (``g`` is the log decay) or ``(A_log, dt_bias, lower_bound)``: ``g`` is the raw gate input,
+            turned into the log decay by :func:`naive_kda_lowerbound_gate`.
+
+    Returns:
+        ``(o [N, H, V] float64, new_pool [num_slots, H, K, V] float64)``; ``state_pool`` itself is not modified.
+    """
+    q, k, v, g, beta = (x.to(torch.float64)[:, None] for x in (q, k, v, g, beta))  # N sequences of one token
+    if use_qk_l2norm:
+        q, k = naive_l2norm(q), naive_l2norm(k)
+    if gate is not None:
+        A_log, dt_bias, lower_bound = gate
+        g = naive_kda_lowerbound_gate(g, A_log, dt_bias, lower_bound)
+    pool = state_pool.to(torch.float64).clone()
+    ids = slot_ids.long()
+    o, final = naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=pool[ids], output_final_state=True)
+    pool[ids] = final
+    return o[:, 0], pool
