@@ -73,7 +73,9 @@ def test_kda_slots_equals_gather_op_scatter_and_float64(dtype, gate, l2, slots, 
     gate_args = None if gate == "precomputed" else (None if A_log is None else A_log.cpu(), x["dt_bias"].cpu(), -5.0)
     ro, rpool = naive_recurrent_kda_slots(*(x[n].cpu() for n in ("q", "k", "v", "g", "beta")), before.cpu(),
                                           ids.cpu(), use_qk_l2norm=l2, gate=gate_args)
-    assert relative_error(o, ro) <= TOL[dtype] and relative_error(pool[ids.long()], rpool[ids.long()]) <= TOL[dtype]
+    # the reference lives on the CPU: index it with CPU ids (on a GPU, CUDA ids cannot index a CPU tensor)
+    rows = ids.long().cpu()
+    assert relative_error(o, ro) <= TOL[dtype] and relative_error(pool[ids.long()], rpool[rows]) <= TOL[dtype]
     others = [s for s in range(SLOTS) if s not in slots]
     assert torch.equal(pool[others], before[others])  # untouched, bit for bit
 
