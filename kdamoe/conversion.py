@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+from huggingface_hub import ModelCard
 from safetensors.torch import save_file
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.utils.hub import convert_file_size_to_int
@@ -163,6 +164,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
         files = checkpoint_files(str(src))
         _write_shards(mapping(iter_safetensors(files), config, expected, optional), tmp, limit)
         _copy_side_files(_side_folder(src), tmp, source_config)
+        _mark_converted_card(tmp / "README.md", src_type, to)
         if to == "kda_moe":
             _write_kdamoe_config(skeleton, tmp)
         else:
@@ -348,6 +350,31 @@ def _copy_side_files(folder: Path, out: Path, source_config: dict) -> None:
         target = out / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, target)
+
+
+# Hub tags that name a checkpoint format (the rest of a card's tags, its license, language, datasets, base model, are
+# facts about the model and stay): what a converted folder's card says instead.
+_FORMAT_TAGS = {"kda_moe": ["custom_code", "kda_moe"], "kimi_linear": ["kimi_linear"], "kimi_k3": ["kimi_k3"]}
+
+
+def _mark_converted_card(card_path: Path, source_type: str, to: str) -> None:
+    """Say on the copied model card (``README.md``, when the source had one) that the folder was converted.
+
+    The card is the source's: its license, language, datasets and description still hold, but its usage text is
+    written for the source format (a kdamoe card shows ``trust_remote_code=True`` and kdamoe's remote code; a Kimi
+    release's card shows its own loaders). So the format tags of the card's YAML header are swapped for the target's
+    (:data:`_FORMAT_TAGS`) and a note naming both formats and the command opens the text, rather than a card that
+    silently describes another format (a push of the folder would publish it as it is).
+    """
+    if not card_path.is_file():
+        return
+    card = ModelCard.load(card_path)
+    tags = [t for t in (card.data.tags or []) if t not in {tag for tags in _FORMAT_TAGS.values() for tag in tags}]
+    card.data.tags = tags + [t for t in _FORMAT_TAGS[to] if t not in tags]
+    note = (f"> Converted from the `{source_type}` checkpoint format to `{to}` by `kdamoe-convert SRC DST --to {to}`. "
+            f"The card below is the source's: its usage instructions are written for the `{source_type}` format.\n\n")
+    card.text = note + card.text.lstrip("\n")
+    card.save(card_path)
 
 
 def _auto_map_refs(config: dict) -> Iterator[str]:

@@ -15,12 +15,14 @@ MLA layers 4, 8, ..., 24, 27, 32 KDA heads of 128, 256 experts top-8 plus 1 shar
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from safetensors import safe_open
 from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
@@ -402,3 +404,22 @@ def test_released_config_translates_with_the_released_parameter_count():
     # the exported config describes the same model again
     back = kdamoe_to_kimi_linear_config(config)
     assert KDAMoEConfig(**kimi_linear_to_kdamoe_config(back)).to_diff_dict() == config.to_diff_dict()
+
+
+def test_converted_card_names_its_format_and_keeps_the_source_facts(case, tmp_path):
+    """A card copied by a conversion keeps its license and other tags, swaps its format tags for the target's and
+    says it was converted (a kdamoe card exported to Kimi Linear would otherwise advertise kdamoe's remote code)."""
+    _, _, folder, model = case
+    src = tmp_path / "kimi"
+    shutil.copytree(folder, src)
+    (src / "README.md").write_text("---\nlicense: mit\ntags:\n- custom_code\n- chat\n---\n\n# A release\n\nUse it.\n")
+    kd = convert_checkpoint(src, tmp_path / "kd", to="kda_moe")
+    card = ModelCard.load(kd / "README.md")
+    assert card.data.license == "mit"
+    assert sorted(card.data.tags) == ["chat", "custom_code", "kda_moe"]
+    assert card.text.startswith("> Converted from the `kimi_linear` checkpoint format to `kda_moe`")
+    assert "# A release" in card.text
+    back = convert_checkpoint(kd, tmp_path / "back", to="kimi_linear")
+    card = ModelCard.load(back / "README.md")
+    assert sorted(card.data.tags) == ["chat", "kimi_linear"]
+    assert card.text.startswith("> Converted from the `kda_moe` checkpoint format to `kimi_linear`")
