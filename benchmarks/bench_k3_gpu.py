@@ -322,7 +322,7 @@ def main(argv=None):
                     results[key] = kdamoe_logits(model, ids).float().cpu()
                     if dtype == bf16:
                         rec.notes["large kdamoe bf16 fwd ms"] = time_ms(lambda m=model: kdamoe_logits(m, ids), True,
-                                                                        warmup=3, rep=10)
+                                                                        warmup=50, rep=200)
                     del model
                 except Exception:
                     rec.error("large", key)
@@ -333,7 +333,7 @@ def main(argv=None):
                 model = load_nemo_native(model, native, a.device)
                 results["NeMo bf16"] = nemo_logits(model, ids, a.device).float().cpu()
                 rec.notes["large NeMo bf16 fwd ms"] = time_ms(lambda m=model: nemo_logits(m, ids, a.device), True,
-                                                              warmup=3, rep=10)
+                                                              warmup=50, rep=200)
                 del model
             except Exception:
                 rec.error("large", "NeMo bf16")
