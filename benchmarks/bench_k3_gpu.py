@@ -66,6 +66,14 @@ NEMO_KDA_SWITCHES = dict(kda_mode="chunk", kda_chunk_impl="fla", kda_use_fused_g
                          kda_use_qk_l2norm_in_kernel=True, kda_conv_backend="triton", situ_backend="torch",
                          attn_res_triton=False)
 NEMO_OPS = ("chunk_kda", "fused_recurrent_kda", "fused_kda_gate", "ShortConvolution", "FusedRMSNormGated")
+LOW_DTYPE = torch.bfloat16  # the dtype of the rows named "bf16"
+
+
+def nemo_runs_on(device: str) -> bool:
+    """Whether NeMo's rows (and the bf16 rows) run on ``device``: CUDA only, fla's Triton kernels need it. A module
+    function, so a CPU check of the plumbing can replace it together with fla's names (the CPU reference's
+    ``patch_fla_names``) and ``LOW_DTYPE``."""
+    return device.startswith("cuda")
 
 
 def parse_args(argv=None):
@@ -112,6 +120,8 @@ class K3Recorder(Recorder):
             for key, entry in entries.items():
                 if not (isinstance(entry, dict) and "rel_max_diff" in entry):
                     lines.append(f"- {group}/{key}: {entry}")
+        lines += ["", *(f"- {key}: {fmt(value) if isinstance(value, float) else value}"
+                        for key, value in doc["notes"].items())]
         return "\n".join(lines) + "\n"
 
 
@@ -134,6 +144,15 @@ def load_kdamoe(folder: str, device: str, dtype: torch.dtype, kernel_backend: st
 
     model = KDAMoEForCausalLM.from_pretrained(folder, dtype=dtype, kernel_backend=kernel_backend)
     return model.to(device).eval()
+
+
+def param_dtypes(model) -> dict:
+    """How many parameters (tensors) of each dtype ``model`` holds: what "bf16" meant for it (each side keeps some
+    tensors in float32, e.g. NeMo's KDA convolutions, ``A_log``, ``dt_bias`` and gated-norm weight)."""
+    counts: dict = {}
+    for p in model.parameters():
+        counts[str(p.dtype).removeprefix("torch.")] = counts.get(str(p.dtype).removeprefix("torch."), 0) + 1
+    return counts
 
 
 def kdamoe_logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -234,7 +253,8 @@ def main(argv=None):
                                                    "kda_heads": a.large_heads, "head_dim": a.large_head_dim,
                                                    "T": a.large_T, "batch": 1}})
     rec.stack = stack_versions(cuda)
-    if cuda:
+    gpu = nemo_runs_on(a.device)
+    if gpu:
         try:
             nemo_automodel = nemo_modules()[0]
             rec.stack["nemo_automodel"] = nemo_automodel.__version__
@@ -242,7 +262,7 @@ def main(argv=None):
         except Exception as err:  # the rows that need NeMo record the same error; kdamoe's rows still run
             rec.stack["nemo_automodel"] = f"import failed: {err!r}"[:300]
     rec.save()
-    bf16 = torch.bfloat16
+    bf16 = LOW_DTYPE
 
     class _Bench:  # what run_part needs: the recorder and a way to free memory
         def __init__(self):
@@ -263,15 +283,16 @@ def main(argv=None):
             except Exception:
                 rec.error("fixture", "kdamoe fp32 vs fixture fp32")
         ours = None
-        if cuda and rec.need("fixture", "kdamoe bf16 vs fixture fp32", 10):
+        if gpu and rec.need("fixture", "kdamoe bf16 vs fixture fp32", 10):
             try:
                 model = load_kdamoe(a.fixture, a.device, bf16, "auto")
                 ours = kdamoe_logits(model, ids)
+                rec.notes["fixture kdamoe bf16 param dtypes"] = param_dtypes(model)
                 rec.put("fixture", "kdamoe bf16 vs fixture fp32", compare(ours, ref_logits))
                 del model
             except Exception:
                 rec.error("fixture", "kdamoe bf16 vs fixture fp32")
-        if not cuda:
+        if not gpu:
             for key in ("NeMo bf16 vs fixture fp32", "kdamoe bf16 vs NeMo bf16"):
                 rec.put("fixture", key, "skipped: NeMo's K3 runs fla's Triton kernels, which need CUDA")
             return
@@ -283,6 +304,7 @@ def main(argv=None):
             state = model.state_dict_adapter.from_hf(load_file(os.path.join(a.fixture, "model.safetensors")))
             model = load_nemo_native(model, state, a.device)
             theirs = nemo_logits(model, ids, a.device)
+            rec.notes["fixture NeMo bf16 param dtypes"] = param_dtypes(model)
             rec.put("fixture", "NeMo bf16 vs fixture fp32", compare(theirs, ref_logits))
             del model
         except Exception:
@@ -292,7 +314,7 @@ def main(argv=None):
             rec.put("fixture", "kdamoe bf16 vs NeMo bf16", compare(ours, theirs))
 
     def large():
-        if not cuda:
+        if not gpu:
             rec.put("large", "part", "skipped: needs CUDA (NeMo's K3 runs fla's Triton kernels)")
             return
         if not rec.need("large", "build", 90):
@@ -320,19 +342,21 @@ def main(argv=None):
                 try:
                     model = load_kdamoe(folder, a.device, dtype, backend)
                     results[key] = kdamoe_logits(model, ids).float().cpu()
+                    rec.notes[f"large {key} param dtypes"] = param_dtypes(model)
                     if dtype == bf16:
-                        rec.notes["large kdamoe bf16 fwd ms"] = time_ms(lambda m=model: kdamoe_logits(m, ids), True,
+                        rec.notes["large kdamoe bf16 fwd ms"] = time_ms(lambda m=model: kdamoe_logits(m, ids), cuda,
                                                                         warmup=50, rep=200)
                     del model
                 except Exception:
                     rec.error("large", key)
-                torch.cuda.empty_cache()
+                _Bench().free()
         if rec.need("large", "NeMo bf16", 30):
             try:
                 model = build_nemo(nemo_text_config(text, bf16), bf16)
                 model = load_nemo_native(model, native, a.device)
                 results["NeMo bf16"] = nemo_logits(model, ids, a.device).float().cpu()
-                rec.notes["large NeMo bf16 fwd ms"] = time_ms(lambda m=model: nemo_logits(m, ids, a.device), True,
+                rec.notes["large NeMo bf16 param dtypes"] = param_dtypes(model)
+                rec.notes["large NeMo bf16 fwd ms"] = time_ms(lambda m=model: nemo_logits(m, ids, a.device), cuda,
                                                               warmup=50, rep=200)
                 del model
             except Exception:
