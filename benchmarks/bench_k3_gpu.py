@@ -27,8 +27,9 @@ dispatcher="torch")`` (eval mode: its MoE takes the per-expert reference order) 
 ``kda_mode="chunk"``, ``kda_chunk_impl="fla"``, ``kda_use_fused_gate=True``, ``kda_use_qk_l2norm_in_kernel=True``,
 ``kda_conv_backend="triton"``: fla's ``chunk_kda``, ``fused_kda_gate`` (with ``lower_bound``), ``ShortConvolution``
 (Triton) and ``FusedRMSNormGated`` — no name of fla is replaced (``stack.nemo_ops`` records the module each name
-of NeMo's ``kimi_k3.model`` comes from). NeMo's other choices are TransformerEngine / DeepEP / QuACK paths, absent
-from the device.
+of NeMo's ``kimi_k3.model`` comes from). In eval mode on one process NeMo's MoE takes its per-expert reference
+order whatever ``experts`` says; its other ``attn`` / ``linear`` / ``rms_norm`` choices are TransformerEngine or QuACK
+paths, absent from the device.
 
 Writes ``k3_gpu.json`` / ``k3_gpu.md`` into ``--out`` after every measurement. ``--device cpu`` (the smoke mode of
 ``tests/test_bench_k3_gpu.py``) runs kdamoe alone on the fixture in float32 on the CPU and records NeMo's rows as
