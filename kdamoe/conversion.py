@@ -34,6 +34,7 @@ from transformers.dynamic_module_utils import custom_object_save
 from transformers.utils.hub import convert_file_size_to_int
 
 from .model import KDAMoEConfig, KDAMoEForCausalLM
+from .model.checkpoint_formats import checkpoint_files, iter_safetensors, read_config_dict
 from .model.kimi_k3_format import (
     EXPERTS_FORMATS,
     KIMI_K3_MODEL_TYPE,
@@ -44,13 +45,10 @@ from .model.kimi_k3_format import (
 )
 from .model.kimi_linear_format import (
     KIMI_LINEAR_MODEL_TYPE,
-    checkpoint_files,
-    iter_safetensors,
     kdamoe_to_kimi_linear_config,
     kdamoe_to_kimi_linear_tensors,
     kimi_linear_to_kdamoe_config,
     kimi_linear_to_kdamoe_tensors,
-    read_config_dict,
 )
 from .model.modeling_kdamoe import AUTO_MAP
 

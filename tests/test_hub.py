@@ -164,8 +164,8 @@ def built(sources, tmp_path_factory):
 MODEL_FILES = {"README.md", "config.json", "generation_config.json", "model.safetensors", "configuration_kdamoe.py",
                "modeling_kdamoe.py", "kernel_dispatch.py", "kda_torch.py", "moe_torch.py", "quantile_balancing.py",
                "cache_kdamoe.py", "decode_graph.py", "mla_torch.py", "norm_torch.py", "attnres_torch.py",
-               "validation.py", "kimi_linear_format.py", "kimi_k3_format.py", "mxfp4.py", "tokenizer.json",
-               "tokenizer_config.json", "chat_template.jinja"}
+               "validation.py", "checkpoint_formats.py", "kimi_linear_format.py", "kimi_k3_format.py", "mxfp4.py",
+               "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
 
 
 def test_detect_source_kinds(sources):

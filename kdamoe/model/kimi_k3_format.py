@@ -43,6 +43,7 @@ rule; decoding then re-encoding a decoded tensor gives back the same bytes, ``te
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Iterator
@@ -50,25 +51,23 @@ from collections.abc import Iterable, Iterator
 import torch
 from transformers.utils import logging
 
-from .configuration_kdamoe import KDAMoEConfig
-from .kimi_linear_format import (
-    _CONV_PARTS,
-    FP32_TENSOR_SUFFIXES,
-    HUB_ARGUMENTS,
+from .checkpoint_formats import (
     LOADED_ROUTER_BIAS_UPDATE,
-    _expected_shape,
-    _Fused,
-    _load_generation_config,
-    _place_conv,
-    _place_down,
-    _place_gate_up,
-    _resolve_dtype,
-    _shape,
-    checkpoint_files,
-    iter_safetensors,
-    iter_safetensors_shapes,
-    read_config_dict,
+    PieceAssembler,
+    build_config,
+    check_all_seen,
+    check_expected_shape,
+    check_folder,
+    fused_source_pattern,
+    incomplete_error,
+    kda_layer_rules,
+    load_streamed,
+    parse_load_kwargs,
+    split_fused,
+    stored_piece_name,
 )
+from .checkpoint_formats import shape_list as _shape  # short: it is in most messages below
+from .configuration_kdamoe import KDAMoEConfig
 from .mxfp4 import MXFP4_BLOCK, mxfp4_decode, mxfp4_encode
 
 logger = logging.get_logger(__name__)
@@ -93,7 +92,6 @@ _FIXED = {"mla_use_nope": True, "latent_moe_use_norm": True, "moe_renormalize": 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight_packed|weight_scale|weight)")
-_FUSED_EXPERT = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -394,13 +392,7 @@ def _k3_text_names(config: KDAMoEConfig) -> dict[str, tuple]:
             same(f"{p}{k3}_norm.weight", f"{p}{ours}.key_norm.weight")
         a = p + "self_attn."
         if layer_type == "linear_attention":
-            for proj in ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj", "o_proj"):
-                same(f"{a}{proj}.weight")
-            same(a + "dt_bias")
-            same(a + "o_norm.weight")
-            names[a + "A_log"] = ("A_log", a + "A_log")
-            for j, part in enumerate(_CONV_PARTS):
-                names[f"{a}{part}_conv1d.weight"] = ("conv", a + "conv1d.weight", j)
+            names.update(kda_layer_rules(a, ("g_proj",)))
         else:
             for name in ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "kv_a_layernorm.weight",
                          "kv_b_proj.weight", "o_proj.weight"):
@@ -453,19 +445,10 @@ def kimi_k3_to_kdamoe_tensors(
     """
     rules = _k3_text_names(config)
     sparse = {i for i, kind in enumerate(config.mlp_layer_types) if kind == "sparse"}
-    E, inter, latent = config.num_experts, config.moe_intermediate_size, config.moe_latent_size
-    H = config.kda_num_heads
-    pending: dict[str, _Fused] = {}
+    E, H = config.num_experts, config.kda_num_heads
+    out = PieceAssembler(config, expected_shapes, expert_width=config.moe_latent_size)
     halves: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}  # an MXFP4 projection waiting for its other half
-    produced: set[str] = set()
     skipped = 0
-
-    def emit(name: str, tensor: torch.Tensor, sources: str):
-        if name in produced:
-            raise ValueError(f"{sources}: {name} is stored twice")
-        _expected_shape(expected_shapes, name, sources, _shape(tensor.shape))
-        produced.add(name)
-        return name, tensor
 
     for full_name, tensor in tensors:
         if full_name.startswith(VISION_PREFIXES):
@@ -477,25 +460,21 @@ def kimi_k3_to_kdamoe_tensors(
         source = full_name[len(TEXT_PREFIX):]
         rule = rules.get(source)
         if rule is not None and rule[0] == "same":
-            yield emit(rule[1], tensor, full_name)
+            yield out.emit(rule[1], tensor, full_name)
             continue
         if rule is not None and rule[0] == "vector":
             if tensor.dim() != 2 or tensor.shape[0] != 1:
                 raise ValueError(f"{full_name}: shape {_shape(tensor.shape)}, expected [1, {config.hidden_size}]")
-            yield emit(rule[1], tensor.reshape(-1), full_name)
+            yield out.emit(rule[1], tensor.reshape(-1), full_name)
             continue
         if rule is not None and rule[0] == "A_log":
             if tensor.dim() != 1 or tensor.shape[0] < H:
                 raise ValueError(f"{full_name}: shape {_shape(tensor.shape)}, expected [n >= {H}] (kda_num_heads={H}, "
                                  f"stored padded to a multiple of {A_LOG_PAD})")
-            yield emit(rule[1], tensor[:H].clone(), full_name)
+            yield out.emit(rule[1], tensor[:H].clone(), full_name)
             continue
         if rule is not None and rule[0] == "conv":
-            target, part = rule[1], rule[2]
-            width, W = config.kda_num_heads * config.kda_head_dim, config.kda_short_conv_kernel_size
-            fused = pending.get(target) or pending.setdefault(
-                target, _Fused(target, list(range(3)), [width, 1, W], _place_conv))
-            fused.add(part, full_name, tensor, [3 * width, 1, W])
+            fused = out.add_conv(rule[1], rule[2], full_name, tensor)
         else:
             match = _LAYER.fullmatch(source)
             expert = _EXPERT.fullmatch(match.group(2)) if match else None
@@ -517,46 +496,20 @@ def kimi_k3_to_kdamoe_tensors(
                 del halves[base]
                 tensor = mxfp4_decode(pair["weight_packed"][1], pair["weight_scale"][1], dtype=experts_dtype,
                                       name=base + ".weight")
-            p = f"model.layers.{layer}.mlp.experts."
-            if which == "w2":
-                target, key, full, piece, place = p + "down_proj", j, [E, latent, inter], [latent, inter], _place_down
-            else:
-                target, key, full, piece = p + "gate_up_proj", (which, j), [E, 2 * inter, latent], [inter, latent]
-                place = _place_gate_up
-            fused = pending.get(target)
-            if fused is None:
-                keys = list(range(E)) if which == "w2" else [(w, e) for w in ("w1", "w3") for e in range(E)]
-                fused = pending[target] = _Fused(target, keys, piece, place)
-            fused.add(key, full_name, tensor, full)
+            fused = out.add_expert(layer, which, j, full_name, tensor)
         if fused.complete:
-            del pending[target]
-            yield emit(target, fused.tensor, ", ".join(str(s) for s in list(fused.sources.values())[:2]) + ", ...")
+            yield out.emit_fused(fused, sources_shown=2)
 
     problems = [f"{base}.{next(iter(pair))} has no {'weight_scale' if 'weight_packed' in pair else 'weight_packed'}"
                 for base, pair in halves.items()]
-    for target, fused in pending.items():
-        missing = [k for k in fused.keys if k not in fused.sources]
-        problems.append(f"{target} lacks {len(missing)} of its {len(fused.keys)} pieces (first: "
-                        f"{TEXT_PREFIX}{_k3_piece_name(target, missing[0])})")
-    if expected_shapes is not None:
-        for name in sorted(set(expected_shapes) - produced - set(pending) - set(optional)):
-            want = _shape(expected_shapes[name])
-            problems.append(f"missing {TEXT_PREFIX}{_k3_name_of(name, rules)} (→ {name} {want})")
+    problems += out.problems(optional,
+                             lambda target, key: TEXT_PREFIX + stored_piece_name(target, key, "weight_packed"),
+                             lambda name: TEXT_PREFIX + _k3_name_of(name, rules))
     if problems:
-        raise ValueError("the Kimi K3 checkpoint is incomplete: " + "; ".join(problems[:6])
-                         + (f"; and {len(problems) - 6} more" if len(problems) > 6 else ""))
+        raise incomplete_error("the Kimi K3 checkpoint", problems)
     if skipped:
         logger.warning(f"Kimi K3 checkpoint: skipped {skipped} vision tensors ({', '.join(VISION_PREFIXES)}): kdamoe "
                        "loads the text model only")
-
-
-def _k3_piece_name(target: str, key) -> str:
-    if target.endswith("conv1d.weight"):
-        return target.replace("conv1d.weight", f"{_CONV_PARTS[key]}_conv1d.weight")
-    base = target.replace(".mlp.experts.", ".block_sparse_moe.experts.").rsplit(".", 1)[0]
-    if isinstance(key, tuple):
-        return f"{base}.{key[1]}.{key[0]}.weight_packed"
-    return f"{base}.{key}.w2.weight_packed"
 
 
 def _k3_name_of(name: str, rules: dict[str, tuple]) -> str:
@@ -564,13 +517,7 @@ def _k3_name_of(name: str, rules: dict[str, tuple]) -> str:
     for source, rule in rules.items():
         if rule[0] != "conv" and rule[1] == name:
             return source
-    if name.endswith("self_attn.conv1d.weight"):
-        return name.replace("conv1d.weight", "{q,k,v}_conv1d.weight")
-    expert = _FUSED_EXPERT.search(name)
-    if expert:
-        base = name[: expert.start()] + "block_sparse_moe.experts.{j}."
-        return base + ("{w1,w3}.weight_packed" if expert.group(1) == "gate_up_proj" else "w2.weight_packed")
-    return name
+    return fused_source_pattern(name, "weight_packed") or name
 
 
 def kdamoe_to_kimi_k3_tensors(
@@ -606,7 +553,7 @@ def kdamoe_to_kimi_k3_tensors(
     for k3_name, rule in _k3_text_names(config).items():
         if rule[0] != "conv":
             reverse.setdefault(rule[1], (rule[0], k3_name))
-    H, K = config.kda_num_heads, config.kda_head_dim
+    H = config.kda_num_heads
     padded = A_LOG_PAD * math.ceil(H / A_LOG_PAD)
     sparse = {i for i, kind in enumerate(config.mlp_layer_types) if kind == "sparse"}
     tied = bool(config.tie_word_embeddings)
@@ -624,7 +571,7 @@ def kdamoe_to_kimi_k3_tensors(
         yield name + ".weight_scale", scale
 
     for name, tensor in tensors:
-        _expected_shape(expected_shapes, name, name, _shape(tensor.shape))
+        check_expected_shape(expected_shapes, name, name, _shape(tensor.shape))
         seen.add(name)
         if tied and name == "lm_head.weight":
             continue
@@ -643,33 +590,12 @@ def kdamoe_to_kimi_k3_tensors(
             if not config.kda_use_A_log and name.endswith("self_attn.dt_bias"):
                 yield out.replace("dt_bias", "A_log"), torch.zeros(padded, dtype=torch.float32)
             continue
-        match = _LAYER.fullmatch(name)
-        rest = match.group(2) if match else ""
-        layer = int(match.group(1)) if match else -1
-        if (rest == "self_attn.conv1d.weight" and 0 <= layer < config.num_hidden_layers
-                and config.layer_types[layer] == "linear_attention"):
-            for part, piece in zip(_CONV_PARTS, tensor.split(H * K, dim=0), strict=True):
-                yield f"{TEXT_PREFIX}model.layers.{layer}.self_attn.{part}_conv1d.weight", piece.clone()
-            continue
-        fused = _FUSED_EXPERT.fullmatch(rest)
-        if fused and layer in sparse:
-            base = f"{TEXT_PREFIX}model.layers.{layer}.block_sparse_moe.experts."
-            if fused.group(1) == "down_proj":
-                for j in range(tensor.shape[0]):
-                    yield from expert(f"{base}{j}.w2", tensor[j])
-            else:
-                gate, up = tensor.chunk(2, dim=1)
-                for j in range(tensor.shape[0]):
-                    yield from expert(f"{base}{j}.w1", gate[j])
-                    yield from expert(f"{base}{j}.w3", up[j])
+        pieces = split_fused(name, tensor, config, sparse, expert, prefix=TEXT_PREFIX)
+        if pieces is not None:
+            yield from pieces
             continue
         raise ValueError(f"unexpected tensor {name} {_shape(tensor.shape)}: it has no Kimi K3 counterpart")
-    if expected_shapes is not None:
-        missing = sorted(set(expected_shapes) - seen - set(optional))
-        if missing:
-            raise ValueError("the kdamoe weights are incomplete: missing "
-                             + ", ".join(f"{k} {_shape(expected_shapes[k])}" for k in missing[:6])
-                             + (f" and {len(missing) - 6} more" if len(missing) > 6 else ""))
+    check_all_seen(expected_shapes, seen, optional)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -684,24 +610,19 @@ def check_kimi_k3_folder(folder, cls) -> None:
         ValueError: naming the field or the tensor, as :func:`kimi_k3_to_kdamoe_config` and
             :func:`kimi_k3_to_kdamoe_tensors`.
     """
-    config = KDAMoEConfig(**kimi_k3_to_kdamoe_config(read_config_dict(str(folder))))
-    with torch.device("meta"):
-        model = cls(config)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    for _ in kimi_k3_to_kdamoe_tensors(iter_safetensors_shapes(checkpoint_files(str(folder))), config, expected, tied):
-        pass
+    check_folder(folder, cls, kimi_k3_to_kdamoe_config, kimi_k3_to_kdamoe_tensors)
 
 
 def from_kimi_k3_pretrained(cls, pretrained, k3_config: dict, kwargs: dict):
     """Load a Kimi K3 folder or Hub id's text model as ``cls`` (``KDAMoEForCausalLM``); what its
     ``from_pretrained`` runs when the ``config.json`` says ``model_type: kimi_k3``.
 
-    As ``kimi_linear_format.from_kimi_linear_pretrained``: the config is translated
+    The pipeline of :mod:`.checkpoint_formats`, as for Kimi Linear: the config is translated
     (:func:`kimi_k3_to_kdamoe_config`; routers frozen unless ``kwargs`` sets ``router_bias_update``), the model built
     on the ``meta`` device, the shards streamed through :func:`kimi_k3_to_kdamoe_tensors` strictly against its names
     and shapes, each tensor cast to ``dtype`` as it comes (when not given, to the dtype the text config names, if
-    any; the router and gate parameters of ``FP32_TENSOR_SUFFIXES`` stay float32; MXFP4 experts are decoded straight
+    any; the router and gate parameters of
+    ``FP32_TENSOR_SUFFIXES`` stay float32; MXFP4 experts are decoded straight
     to ``dtype`` when it is float32, bfloat16 or float64 — exact in each — else to float32), and assigned without a
     second copy. The vision tower's tensors are skipped (one log line counts them). Returned in eval mode.
 
@@ -716,63 +637,19 @@ def from_kimi_k3_pretrained(cls, pretrained, k3_config: dict, kwargs: dict):
         ValueError: a keyword argument not in that list, naming it; ``device_map`` other than None / "cpu";
             ``use_kernels=True``; a config kdamoe cannot represent; a missing, extra or wrongly shaped tensor.
     """
-    if not any(base.__name__ == "KDAMoEForCausalLM" for base in cls.__mro__):
-        raise ValueError(f"{cls.__name__} cannot load a Kimi K3 checkpoint (it holds a causal LM): use "
-                         "KDAMoEForCausalLM")
-    kwargs = dict(kwargs)
-    hub = {k: kwargs.pop(k) for k in HUB_ARGUMENTS if k in kwargs}
-    kwargs.pop("trust_remote_code", None)
-    attn_implementation = kwargs.pop("attn_implementation", None)
-    experts_implementation = kwargs.pop("experts_implementation", None)
-    if kwargs.pop("use_kernels", None):
-        raise ValueError("use_kernels=True: loading a Kimi K3 checkpoint does not kernelize; convert it first "
-                         "(`kdamoe-convert SRC DST --to kda_moe`) and load DST")
-    dtype = kwargs.pop("dtype", None)
-    torch_dtype = kwargs.pop("torch_dtype", None)
-    dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype)
-    device_map = kwargs.pop("device_map", None)
-    if device_map not in (None, "cpu"):
-        raise ValueError(f"device_map={device_map!r}: loading a Kimi K3 checkpoint takes device_map=None or 'cpu' "
-                         "(convert it first with `kdamoe-convert SRC DST --to kda_moe`, then load DST with any "
-                         "device_map)")
+    request = parse_load_kwargs(cls, "Kimi K3", kwargs)
     config_kwargs = kimi_k3_to_kdamoe_config(k3_config)
-    if dtype is None and config_kwargs.get("dtype") in ("float32", "bfloat16", "float16", "float64"):
+    if request.dtype is None and config_kwargs.get("dtype") in ("float32", "bfloat16", "float16", "float64"):
         # "as stored" is the dtype the config names: a folder with bf16 experts beside float32 weights (an export with
         # experts_format="bf16" of a float32 model) then loads as one dtype
-        dtype = getattr(torch, config_kwargs["dtype"])
-    own_fields = set(KDAMoEConfig().to_dict()) | set(config_kwargs)
-    overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in own_fields}
-    if kwargs:
-        raise ValueError(f"from_pretrained of a Kimi K3 checkpoint does not take {sorted(kwargs)}; it takes dtype, "
-                         f"device_map=None, {', '.join(HUB_ARGUMENTS)}, attn_implementation, experts_implementation "
-                         "and KDAMoEConfig fields")
-    config_kwargs.update(overrides)
-    if dtype is not None:
-        config_kwargs["dtype"] = str(dtype).removeprefix("torch.")
-    config = KDAMoEConfig(**config_kwargs)
-    config._name_or_path = str(pretrained)
-
-    with torch.device("meta"):
-        model = cls(config)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        request.dtype = getattr(torch, config_kwargs["dtype"])
+    config = build_config(request, config_kwargs, pretrained)
+    dtype = request.dtype
     experts_dtype = dtype if dtype in (torch.float32, torch.bfloat16, torch.float64) else torch.float32
-    state_dict = {}
-    for name, tensor in kimi_k3_to_kdamoe_tensors(iter_safetensors(checkpoint_files(pretrained, hub)), config,
-                                                  expected, tied, experts_dtype=experts_dtype):
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(torch.float32 if name.endswith(FP32_TENSOR_SUFFIXES) else dtype)
-        state_dict[name] = tensor
-    model.load_state_dict(state_dict, strict=not (tied - set(state_dict)), assign=True)
-    del state_dict
-    if tied:
-        model.tie_weights()
-    if attn_implementation is not None:
-        model.set_attn_implementation(attn_implementation)
-    if experts_implementation is not None:
-        model.set_experts_implementation(experts_implementation)
-    _load_generation_config(model, pretrained, hub)
-    return model.eval()
+    # With no dtype at all (neither asked for nor named by the config) every tensor keeps its stored dtype.
+    return load_streamed(cls, config, request, pretrained,
+                         functools.partial(kimi_k3_to_kdamoe_tensors, experts_dtype=experts_dtype),
+                         upcast_as_stored=False)
 
 
 __all__ = [

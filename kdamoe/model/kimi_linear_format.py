@@ -42,37 +42,36 @@ shard for the offline converter, which ``from_pretrained`` does not offer.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
 from collections.abc import Iterable, Iterator
 
 import torch
 
+from .checkpoint_formats import (
+    LOADED_ROUTER_BIAS_UPDATE,
+    PieceAssembler,
+    build_config,
+    check_all_seen,
+    check_expected_shape,
+    check_folder,
+    fused_source_pattern,
+    incomplete_error,
+    kda_layer_rules,
+    load_streamed,
+    parse_load_kwargs,
+    shape_list,
+    split_fused,
+    stored_piece_name,
+)
 from .configuration_kdamoe import KDAMoEConfig
 
 KIMI_LINEAR_MODEL_TYPE = "kimi_linear"
 # Kimi Linear's MLA norms (``q_a_layernorm``, ``kv_a_layernorm``) are built with the RMSNorm's default eps in
 # transformers' modeling_kimi_linear.py (``KimiLinearRMSNorm(dim)``, eps 1e-6), not ``rms_norm_eps``.
 KIMI_MLA_RMS_NORM_EPS = 1e-6
-# The router rule a loaded release gets unless the caller asks for another: frozen biases. Kimi Linear was trained with
-# its own balancing rule; starting Quantile Balancing (kdamoe's default) on its biases would move them from the first
-# optimizer step on, which nobody asked for (docs/checkpoints.md).
-LOADED_ROUTER_BIAS_UPDATE = "none"
-# Tensors a Kimi Linear checkpoint loads in float32 whatever `dtype` asks for: those of kdamoe's
-# `_keep_in_fp32_modules_strict` (the router's bias, the gate's dt_bias and A_log) and the router weight, which
-# transformers' KimiLinearForCausalLM keeps in float32 too (its `_keep_in_fp32_modules_strict` names `gate.weight`),
-# so a float32-stored router routes as it does there.
-FP32_TENSOR_SUFFIXES = ("e_score_correction_bias", "dt_bias", "A_log", ".mlp.gate.weight")
-
-# `from_pretrained` keyword arguments that locate files (passed to transformers' hub utilities).
-HUB_ARGUMENTS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
-
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
-_FUSED_EXPERT = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)")
-_CONV_PARTS = ("q", "k", "v")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -364,40 +363,6 @@ def _mlp_layer_types(config: KDAMoEConfig) -> list[str]:
 # ----------------------------------------------------------------------------------------------------
 # Tensor maps
 # ----------------------------------------------------------------------------------------------------
-def _shape(shape) -> list[int]:
-    return [int(s) for s in shape]
-
-
-class _Fused:
-    """One fused kdamoe tensor being assembled from its pieces (the KDA short conv, or an expert weight).
-
-    Allocated once, at its full size, when the first piece arrives; each piece is copied into its slice and
-    dropped, so at most the fused tensor is held."""
-
-    def __init__(self, target: str, keys: list, piece_shape: list[int], place):
-        self.target, self.keys, self.piece_shape, self.place = target, keys, piece_shape, place
-        self.tensor = None
-        self.sources: dict = {}
-
-    def add(self, key, source: str, piece: torch.Tensor, full_shape: list[int]) -> None:
-        if key in self.sources:
-            raise ValueError(f"{source}: stored twice (also as {self.sources[key]})")
-        if _shape(piece.shape) != self.piece_shape:
-            raise ValueError(f"{source}: shape {_shape(piece.shape)}, expected {self.piece_shape} (a piece of "
-                             f"{self.target} {full_shape})")
-        if self.tensor is None:
-            self.tensor = torch.empty(full_shape, dtype=piece.dtype, device=piece.device)
-        elif piece.dtype != self.tensor.dtype:
-            raise ValueError(f"{source}: dtype {piece.dtype}, but the other pieces of {self.target} are "
-                             f"{self.tensor.dtype}")
-        self.place(self.tensor, key, piece)
-        self.sources[key] = source
-
-    @property
-    def complete(self) -> bool:
-        return len(self.sources) == len(self.keys)
-
-
 def _kimi_source_names(config: KDAMoEConfig) -> dict[str, tuple]:
     """``{Kimi Linear name: rule}`` for every tensor a Kimi Linear checkpoint of ``config`` holds except the
     per-expert weights (matched by pattern). A rule is ``("same", kdamoe name)``, ``("A_log", kdamoe name)`` or
@@ -417,14 +382,7 @@ def _kimi_source_names(config: KDAMoEConfig) -> dict[str, tuple]:
         same(p + "post_attention_layernorm.weight")
         a = p + "self_attn."
         if layer_type == "linear_attention":
-            for proj in ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj",
-                         "o_proj"):
-                same(f"{a}{proj}.weight")
-            same(a + "dt_bias")
-            same(a + "o_norm.weight")
-            names[a + "A_log"] = ("A_log", a + "A_log")
-            for j, part in enumerate(_CONV_PARTS):
-                names[f"{a}{part}_conv1d.weight"] = ("conv", a + "conv1d.weight", j)
+            names.update(kda_layer_rules(a, ("g_a_proj", "g_b_proj")))
         else:
             if config.q_lora_rank is None:
                 same(a + "q_proj.weight")
@@ -448,17 +406,6 @@ def _kimi_source_names(config: KDAMoEConfig) -> dict[str, tuple]:
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 same(f"{p}block_sparse_moe.shared_experts.{proj}.weight", f"{p}mlp.shared_experts.{proj}.weight")
     return names
-
-
-def _expected_shape(expected_shapes: dict | None, name: str, sources: str, shape: list[int]) -> None:
-    """``ValueError`` when a produced tensor is not in ``expected_shapes`` or has another shape there."""
-    if expected_shapes is None:
-        return
-    if name not in expected_shapes:
-        raise ValueError(f"unexpected tensor {sources} {shape}: the kdamoe model of this config has no {name}")
-    want = _shape(expected_shapes[name])
-    if shape != want:
-        raise ValueError(f"{sources}: shape {shape}, expected {want} ({name} of the kdamoe model of this config)")
 
 
 def kimi_linear_to_kdamoe_tensors(
@@ -490,113 +437,48 @@ def kimi_linear_to_kdamoe_tensors(
     rules = _kimi_source_names(config)
     sparse_layers = {i for i, kind in enumerate(_mlp_layer_types(config)) if kind == "sparse"}
     E = config.num_experts
-    pending: dict[str, _Fused] = {}
-    produced: set[str] = set()
-
-    def emit(name: str, tensor: torch.Tensor, sources: str):
-        if name in produced:  # e.g. a dense MLP stored under both of its names
-            raise ValueError(f"{sources}: {name} is stored twice")
-        _expected_shape(expected_shapes, name, sources, _shape(tensor.shape))
-        produced.add(name)
-        return name, tensor
+    out = PieceAssembler(config, expected_shapes, expert_width=config.hidden_size)
 
     for source, tensor in tensors:
         rule = rules.get(source)
         if rule is not None and rule[0] == "same":
-            yield emit(rule[1], tensor, source)
+            yield out.emit(rule[1], tensor, source)
             continue
         if rule is not None and rule[0] == "A_log":
             H = config.kda_num_heads
-            if _shape(tensor.shape) not in ([1, 1, H, 1], [H]):
-                raise ValueError(f"{source}: shape {_shape(tensor.shape)}, expected [1, 1, {H}, 1] "
+            if shape_list(tensor.shape) not in ([1, 1, H, 1], [H]):
+                raise ValueError(f"{source}: shape {shape_list(tensor.shape)}, expected [1, 1, {H}, 1] "
                                  f"(kda_num_heads={H})")
-            yield emit(rule[1], tensor.reshape(H), source)
+            yield out.emit(rule[1], tensor.reshape(H), source)
             continue
         if rule is not None and rule[0] == "conv":
-            target, part = rule[1], rule[2]
-            width = config.kda_num_heads * config.kda_head_dim
-            W = config.kda_short_conv_kernel_size
-            fused = pending.get(target)
-            if fused is None:
-                fused = pending[target] = _Fused(target, list(range(3)), [width, 1, W], _place_conv)
-            fused.add(part, source, tensor, [3 * width, 1, W])
+            fused = out.add_conv(rule[1], rule[2], source, tensor)
         else:
             match = _LAYER.fullmatch(source)
             expert = _EXPERT.fullmatch(match.group(2)) if match else None
             if expert is None or int(match.group(1)) not in sparse_layers:
-                raise ValueError(f"unexpected tensor {source} {_shape(tensor.shape)}: a Kimi Linear checkpoint of "
+                raise ValueError(f"unexpected tensor {source} {shape_list(tensor.shape)}: a Kimi Linear checkpoint of "
                                  "this config has no such tensor")
             layer, j, which = int(match.group(1)), int(expert.group(1)), expert.group(2)
             if j >= E:
-                raise ValueError(f"unexpected tensor {source} {_shape(tensor.shape)}: expert {j} >= num_experts={E}")
-            inter, d = config.moe_intermediate_size, config.hidden_size
-            p = f"model.layers.{layer}.mlp.experts."
-            if which == "w2":
-                target, key, full, piece = p + "down_proj", j, [E, d, inter], [d, inter]
-                place = _place_down
-            else:
-                target, key, full, piece = p + "gate_up_proj", (which, j), [E, 2 * inter, d], [inter, d]
-                place = _place_gate_up
-            fused = pending.get(target)
-            if fused is None:
-                keys = list(range(E)) if which == "w2" else [(w, e) for w in ("w1", "w3") for e in range(E)]
-                fused = pending[target] = _Fused(target, keys, piece, place)
-            fused.add(key, source, tensor, full)
+                raise ValueError(f"unexpected tensor {source} {shape_list(tensor.shape)}: expert {j} >= "
+                                 f"num_experts={E}")
+            fused = out.add_expert(layer, which, j, source, tensor)
         if fused.complete:
-            del pending[target]
-            yield emit(target, fused.tensor, ", ".join(str(s) for s in fused.sources.values()))
+            yield out.emit_fused(fused)
 
-    problems = []
-    for target, fused in pending.items():
-        missing = [k for k in fused.keys if k not in fused.sources]
-        problems.append(f"{target} lacks {len(missing)} of its {len(fused.keys)} pieces "
-                        f"(first: {_piece_name(target, missing[0])})")
-    if expected_shapes is not None:
-        optional = set(optional)
-        for name in sorted(set(expected_shapes) - produced - set(pending) - optional):
-            problems.append(f"missing {_kimi_name_of(name)} (→ {name} {_shape(expected_shapes[name])})")
+    problems = out.problems(optional, lambda target, key: stored_piece_name(target, key, "weight"), _kimi_name_of)
     if problems:
-        raise ValueError("the Kimi Linear checkpoint is incomplete: " + "; ".join(problems[:6])
-                         + (f"; and {len(problems) - 6} more" if len(problems) > 6 else ""))
-
-
-def _place_conv(full: torch.Tensor, part: int, piece: torch.Tensor) -> None:
-    width = piece.shape[0]  # q, k, v in this order: the order the fused conv's channels (and fla's) are in
-    full[part * width:(part + 1) * width].copy_(piece)
-
-
-def _place_down(full: torch.Tensor, j: int, piece: torch.Tensor) -> None:
-    full[j].copy_(piece)
-
-
-def _place_gate_up(full: torch.Tensor, key: tuple, piece: torch.Tensor) -> None:
-    which, j = key
-    inter = piece.shape[0]
-    # gate (w1) rows first, then up (w3): the order the experts' `chunk(2)` reads in both models
-    rows = slice(0, inter) if which == "w1" else slice(inter, 2 * inter)
-    full[j, rows].copy_(piece)
-
-
-def _piece_name(target: str, key) -> str:
-    """The Kimi Linear name of one missing piece of a fused kdamoe tensor."""
-    if target.endswith("conv1d.weight"):
-        return target.replace("conv1d.weight", f"{_CONV_PARTS[key]}_conv1d.weight")
-    base = target.replace(".mlp.experts.", ".block_sparse_moe.experts.").rsplit(".", 1)[0]
-    if isinstance(key, tuple):
-        return f"{base}.{key[1]}.{key[0]}.weight"
-    return f"{base}.{key}.w2.weight"
+        raise incomplete_error("the Kimi Linear checkpoint", problems)
 
 
 def _kimi_name_of(name: str) -> str:
     """The Kimi Linear name(s) a kdamoe tensor comes from (for messages)."""
-    if name.endswith("self_attn.conv1d.weight"):
-        return name.replace("conv1d.weight", "{q,k,v}_conv1d.weight")
+    fused = fused_source_pattern(name, "weight")
+    if fused is not None:
+        return fused
     if name.endswith("kv_a_proj.weight"):
         return name.replace("kv_a_proj", "kv_a_proj_with_mqa")
-    expert = _FUSED_EXPERT.search(name)
-    if expert:
-        base = name[: expert.start()] + "block_sparse_moe.experts.{j}."
-        return base + ("{w1,w3}.weight" if expert.group(1) == "gate_up_proj" else "w2.weight")
     return name.replace(".mlp.", ".block_sparse_moe.") if ".mlp.gate." in name or ".mlp.shared_experts." in name \
         else name
 
@@ -630,13 +512,13 @@ def kdamoe_to_kimi_linear_tensors(
     for kimi_name, rule in _kimi_source_names(config).items():
         if rule[0] in ("same", "A_log"):
             reverse.setdefault(rule[1], (rule[0], kimi_name))
-    H, K = config.kda_num_heads, config.kda_head_dim
+    H = config.kda_num_heads
     with_A_log = bool(getattr(config, "kda_use_A_log", False))
     sparse_layers = {i for i, kind in enumerate(_mlp_layer_types(config)) if kind == "sparse"}
     seen: set[str] = set()
     tied = bool(config.tie_word_embeddings)
     for name, tensor in tensors:
-        _expected_shape(expected_shapes, name, name, _shape(tensor.shape))
+        check_expected_shape(expected_shapes, name, name, shape_list(tensor.shape))
         seen.add(name)
         if tied and name == "lm_head.weight":
             continue  # written from the embeddings below (a state dict lists the tied head too)
@@ -652,126 +534,18 @@ def kdamoe_to_kimi_linear_tensors(
         if rule is not None and rule[0] == "A_log":
             yield rule[1], tensor.reshape(1, 1, H, 1).clone()
             continue
-        match = _LAYER.fullmatch(name)
-        rest = match.group(2) if match else ""
-        layer = int(match.group(1)) if match else -1
-        if (rest == "self_attn.conv1d.weight" and 0 <= layer < config.num_hidden_layers
-                and config.layer_types[layer] == "linear_attention"):
-            for part, piece in zip(_CONV_PARTS, tensor.split(H * K, dim=0), strict=True):
-                yield f"model.layers.{layer}.self_attn.{part}_conv1d.weight", piece.clone()
+        pieces = split_fused(name, tensor, config, sparse_layers,
+                             lambda base, weight: [(base + ".weight", weight.clone())])
+        if pieces is not None:
+            yield from pieces
             continue
-        expert = _FUSED_EXPERT.fullmatch(rest)
-        if expert and layer in sparse_layers:
-            base = f"model.layers.{layer}.block_sparse_moe.experts."
-            if expert.group(1) == "down_proj":
-                for j in range(tensor.shape[0]):
-                    yield f"{base}{j}.w2.weight", tensor[j].clone()
-            else:
-                gate, up = tensor.chunk(2, dim=1)
-                for j in range(tensor.shape[0]):
-                    yield f"{base}{j}.w1.weight", gate[j].clone()
-                    yield f"{base}{j}.w3.weight", up[j].clone()
-            continue
-        raise ValueError(f"unexpected tensor {name} {_shape(tensor.shape)}: it has no Kimi Linear counterpart")
-    if expected_shapes is not None:
-        missing = sorted(set(expected_shapes) - seen - set(optional))
-        if missing:
-            raise ValueError("the kdamoe weights are incomplete: missing "
-                             + ", ".join(f"{k} {_shape(expected_shapes[k])}" for k in missing[:6])
-                             + (f" and {len(missing) - 6} more" if len(missing) > 6 else ""))
+        raise ValueError(f"unexpected tensor {name} {shape_list(tensor.shape)}: it has no Kimi Linear counterpart")
+    check_all_seen(expected_shapes, seen, optional)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Loading a Kimi Linear folder or Hub id into kdamoe
 # ----------------------------------------------------------------------------------------------------
-def read_config_dict(pretrained, hub_kwargs: dict | None = None) -> dict | None:
-    """The parsed ``config.json`` of a folder or Hub id, or None when there is none (or ``pretrained`` is not a
-    path / id)."""
-    if not isinstance(pretrained, (str, os.PathLike)):
-        return None
-    from transformers.utils import cached_file  # noqa: PLC0415 (transformers' hub utilities, needed only here)
-
-    hub_kwargs = {k: v for k, v in (hub_kwargs or {}).items() if k in HUB_ARGUMENTS and v is not None}
-    try:
-        path = cached_file(pretrained, "config.json", _raise_exceptions_for_missing_entries=False,
-                           _raise_exceptions_for_connection_errors=False, **hub_kwargs)
-    except (OSError, ValueError):  # not a folder nor a valid Hub id: the caller's own loading says so in its words
-        return None
-    if path is None:
-        return None
-    with open(path, encoding="utf-8") as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON ({err})") from err
-
-
-def checkpoint_files(pretrained, hub_kwargs: dict | None = None) -> list[str]:
-    """The safetensors files of a folder or Hub id (one ``model.safetensors`` or the shards its index lists, in the
-    index's order), downloaded when needed.
-
-    Raises:
-        ValueError: when neither ``model.safetensors`` nor ``model.safetensors.index.json`` exists.
-    """
-    from transformers.utils import cached_file  # noqa: PLC0415
-    from transformers.utils.hub import get_checkpoint_shard_files  # noqa: PLC0415
-
-    hub_kwargs = {k: v for k, v in (hub_kwargs or {}).items() if k in HUB_ARGUMENTS and v is not None}
-    index = cached_file(pretrained, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False,
-                        **hub_kwargs)
-    if index is not None:
-        try:
-            files, _ = get_checkpoint_shard_files(pretrained, index, **hub_kwargs)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{index}: not valid JSON ({err})") from err
-        except (OSError, KeyError) as err:  # a shard the index lists is absent, or the index has no weight_map
-            raise ValueError(f"{index}: its shards cannot be read ({type(err).__name__}: {err})") from err
-        return list(files)
-    single = cached_file(pretrained, "model.safetensors", _raise_exceptions_for_missing_entries=False, **hub_kwargs)
-    if single is None:
-        raise ValueError(f"{pretrained}: no model.safetensors or model.safetensors.index.json")
-    return [single]
-
-
-def iter_safetensors(files: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` of every tensor of the files, one file open at a time, one tensor read at a time."""
-    from safetensors import safe_open  # noqa: PLC0415 (a transformers dependency)
-
-    for file in files:
-        with _open_safetensors(safe_open, file) as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
-def _open_safetensors(safe_open, file):
-    """``safe_open(file)``; a file that is absent or that safetensors cannot read (truncated, not safetensors) is a
-    ``ValueError`` naming it."""
-    if not os.path.isfile(file):
-        raise ValueError(f"{file}: no such file (a shard the checkpoint's index lists)")
-    try:
-        return safe_open(str(file), framework="pt")
-    except Exception as err:  # safetensors' SafetensorError (not an OSError) says what, not which file
-        raise ValueError(f"{file}: not a readable safetensors file (truncated or corrupt?): {err}") from err
-
-
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool}
-
-
-def iter_safetensors_shapes(files: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, meta tensor)`` of every tensor of the files: the stored shape and dtype, read from the headers only
-    (nothing is loaded); fed to :func:`kimi_linear_to_kdamoe_tensors` it checks a checkpoint strictly for free."""
-    from safetensors import safe_open  # noqa: PLC0415 (a transformers dependency)
-
-    for file in files:
-        with _open_safetensors(safe_open, file) as f:
-            for name in f.keys():
-                part = f.get_slice(name)
-                dtype = _SAFETENSORS_DTYPES.get(part.get_dtype(), torch.float32)
-                yield name, torch.empty(part.get_shape(), dtype=dtype, device="meta")
-
-
 def check_kimi_linear_folder(folder, cls) -> None:
     """Check a Kimi Linear folder's tensor names and shapes against the ``cls`` model its ``config.json`` translates
     to, reading the safetensors headers only (what :func:`from_kimi_linear_pretrained` checks while it loads).
@@ -780,40 +554,19 @@ def check_kimi_linear_folder(folder, cls) -> None:
         ValueError: naming the field or the tensor, as :func:`kimi_linear_to_kdamoe_config` and
             :func:`kimi_linear_to_kdamoe_tensors`.
     """
-    kimi = read_config_dict(str(folder))
-    config = KDAMoEConfig(**kimi_linear_to_kdamoe_config(kimi))
-    with torch.device("meta"):
-        model = cls(config)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    for _ in kimi_linear_to_kdamoe_tensors(iter_safetensors_shapes(checkpoint_files(str(folder))), config, expected,
-                                           tied):
-        pass
-
-
-def _resolve_dtype(dtype) -> torch.dtype | None:
-    """``dtype=`` of ``from_pretrained`` → a ``torch.dtype``, or None for ``"auto"`` / None (as stored)."""
-    if dtype is None or dtype == "auto":
-        return None
-    resolved = dtype
-    if isinstance(dtype, str):
-        resolved = getattr(torch, dtype.removeprefix("torch."), None)
-    if isinstance(resolved, torch.dtype) and resolved.is_floating_point:
-        return resolved
-    # an integer dtype would fail deep inside load_state_dict; the weights are floating point
-    raise ValueError(f"dtype is {dtype!r}: expected a floating-point torch.dtype, its name (e.g. 'bfloat16') or "
-                     "'auto'")
+    check_folder(folder, cls, kimi_linear_to_kdamoe_config, kimi_linear_to_kdamoe_tensors)
 
 
 def from_kimi_linear_pretrained(cls, pretrained, kimi_config: dict, kwargs: dict):
     """Load a Kimi Linear folder or Hub id as ``cls`` (``KDAMoEForCausalLM``); what its ``from_pretrained`` runs
     when the ``config.json`` says ``model_type: kimi_linear``.
 
-    The config is translated (:func:`kimi_linear_to_kdamoe_config`; routers frozen, ``router_bias_update="none"``,
-    unless ``kwargs`` sets it) and the model built on the ``meta`` device (no memory); the shards are read one at a
-    time and mapped (:func:`kimi_linear_to_kdamoe_tensors`) strictly against that model's tensor names and shapes, each
-    tensor cast to ``dtype`` as it comes (the tensors of :data:`FP32_TENSOR_SUFFIXES` stay float32, as transformers'
-    ``_keep_in_fp32_modules_strict`` keeps them), and the mapped tensors become the model's own
+    The pipeline of :mod:`.checkpoint_formats` with this format's config translation
+    (:func:`kimi_linear_to_kdamoe_config`; routers frozen, ``router_bias_update="none"``, unless ``kwargs`` sets it) and
+    tensor map (:func:`kimi_linear_to_kdamoe_tensors`): the model is built on the ``meta`` device (no memory); the
+    shards are read one at a time and mapped strictly against that model's tensor names and shapes, each tensor cast to
+    ``dtype`` as it comes (the tensors of ``FP32_TENSOR_SUFFIXES`` stay float32, also when loading as stored, as
+    transformers' ``_keep_in_fp32_modules_strict`` keeps them), and the mapped tensors become the model's own
     (``load_state_dict(..., assign=True)``: no second copy). The model is returned in eval mode, with the folder's
     ``generation_config.json`` when it has one.
 
@@ -822,7 +575,7 @@ def from_kimi_linear_pretrained(cls, pretrained, kimi_config: dict, kwargs: dict
         pretrained: folder or Hub id.
         kimi_config: its parsed ``config.json``.
         kwargs: ``from_pretrained``'s keyword arguments. Taken: ``dtype`` / ``torch_dtype`` (a dtype, its name or
-            ``"auto"``: as stored), ``device_map`` (None or ``"cpu"``), the Hub arguments of :data:`HUB_ARGUMENTS`,
+            ``"auto"``: as stored), ``device_map`` (None or ``"cpu"``), the Hub arguments (``HUB_ARGUMENTS``),
             ``trust_remote_code`` (not needed), ``attn_implementation``, ``experts_implementation``, ``use_kernels``
             (off only), and any ``KDAMoEConfig`` field (``router_bias_update``, ``kernel_backend``, ...), which
             overrides the translated value.
@@ -836,73 +589,11 @@ def from_kimi_linear_pretrained(cls, pretrained, kimi_config: dict, kwargs: dict
             extra or wrongly shaped tensor (:func:`kimi_linear_to_kdamoe_tensors`); a ``cls`` that is not a
             ``KDAMoEForCausalLM``.
     """
-    if not any(base.__name__ == "KDAMoEForCausalLM" for base in cls.__mro__):
-        raise ValueError(f"{cls.__name__} cannot load a Kimi Linear checkpoint (it holds a causal LM): use "
-                         "KDAMoEForCausalLM")
-    kwargs = dict(kwargs)
-    hub = {k: kwargs.pop(k) for k in HUB_ARGUMENTS if k in kwargs}
-    kwargs.pop("trust_remote_code", None)
-    attn_implementation = kwargs.pop("attn_implementation", None)
-    experts_implementation = kwargs.pop("experts_implementation", None)
-    if kwargs.pop("use_kernels", None):
-        raise ValueError("use_kernels=True: loading a Kimi Linear checkpoint does not kernelize; convert it first "
-                         "(`kdamoe-convert SRC DST --to kda_moe`) and load DST")
-    dtype = kwargs.pop("dtype", None)
-    torch_dtype = kwargs.pop("torch_dtype", None)
-    dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype)
-    device_map = kwargs.pop("device_map", None)
-    if device_map not in (None, "cpu"):
-        raise ValueError(f"device_map={device_map!r}: loading a Kimi Linear checkpoint takes device_map=None or 'cpu' "
-                         "(convert it first with `kdamoe-convert SRC DST --to kda_moe`, then load DST with any "
-                         "device_map), or move the model with .to() after loading")
-    config_kwargs = kimi_linear_to_kdamoe_config(kimi_config)
-    own_fields = set(KDAMoEConfig().to_dict()) | set(config_kwargs)
-    overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in own_fields}
-    if kwargs:
-        raise ValueError(f"from_pretrained of a Kimi Linear checkpoint does not take {sorted(kwargs)}; it takes dtype, "
-                         f"device_map=None, {', '.join(HUB_ARGUMENTS)}, attn_implementation, experts_implementation "
-                         "and KDAMoEConfig fields")
-    config_kwargs.update(overrides)
-    if dtype is not None:
-        config_kwargs["dtype"] = str(dtype).removeprefix("torch.")
-    config = KDAMoEConfig(**config_kwargs)
-    config._name_or_path = str(pretrained)
-
-    with torch.device("meta"):
-        model = cls(config)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    state_dict = {}
-    for name, tensor in kimi_linear_to_kdamoe_tensors(iter_safetensors(checkpoint_files(pretrained, hub)), config,
-                                                      expected, tied):
-        # The float32 tensors are float32 whatever the dtype, also when none is given ("as stored"): transformers'
-        # class upcasts them from a bf16 shard too.
-        if tensor.is_floating_point() and name.endswith(FP32_TENSOR_SUFFIXES):
-            tensor = tensor.to(torch.float32)
-        elif dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        state_dict[name] = tensor
-    # Every name and shape was checked above; `strict` only leaves out a tied head, tied again below.
-    model.load_state_dict(state_dict, strict=not (tied - set(state_dict)), assign=True)
-    del state_dict
-    if tied:
-        model.tie_weights()
-    if attn_implementation is not None:
-        model.set_attn_implementation(attn_implementation)
-    if experts_implementation is not None:
-        model.set_experts_implementation(experts_implementation)
-    _load_generation_config(model, pretrained, hub)
-    return model.eval()
-
-
-def _load_generation_config(model, pretrained, hub: dict) -> None:
-    """The folder's ``generation_config.json``, when it has one, replaces the one built from the config."""
-    from transformers import GenerationConfig  # noqa: PLC0415
-
-    try:
-        model.generation_config = GenerationConfig.from_pretrained(pretrained, **hub)
-    except OSError:  # none in the folder: keep the default built from the config
-        pass
+    request = parse_load_kwargs(cls, "Kimi Linear", kwargs)
+    config = build_config(request, kimi_linear_to_kdamoe_config(kimi_config), pretrained)
+    # The float32 tensors are float32 whatever the dtype, also when none is given ("as stored"): transformers' class
+    # upcasts them from a bf16 shard too.
+    return load_streamed(cls, config, request, pretrained, kimi_linear_to_kdamoe_tensors, upcast_as_stored=True)
 
 
 __all__ = [

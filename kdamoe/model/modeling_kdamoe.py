@@ -38,6 +38,7 @@ from transformers.utils import can_return_tuple, logging
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_kdamoe import KDAMoECache, KDAMoELatentCacheLayer, attention_seq_length
+from .checkpoint_formats import read_config_dict
 from .configuration_kdamoe import KDAMoEConfig, check_prefill_chunk_size
 from .decode_graph import DecodeGraph
 from .kernel_dispatch import (
@@ -58,7 +59,7 @@ from .kernel_dispatch import (
     rms_norm,
 )
 from .kimi_k3_format import from_kimi_k3_pretrained, is_kimi_k3_config
-from .kimi_linear_format import from_kimi_linear_pretrained, is_kimi_linear_config, read_config_dict
+from .kimi_linear_format import from_kimi_linear_pretrained, is_kimi_linear_config
 from .moe_torch import GLUActivation, moe_experts_torch
 from .quantile_balancing import all_reduce_sum, histogram_range, quantile_balancing_update, sign_update
 from .validation import check_cache_matches, inputs_are_prevalidated, validate_model_inputs
