@@ -49,12 +49,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402  (sys.path above)
     REPO,
+    PartBench,
     Recorder,
     add_run_args,
     check_at_least,
     finish_run_args,
     fmt,
-    run_part,
+    run_parts,
     stack_versions,
     time_ms,
 )
@@ -265,13 +266,7 @@ def main(argv=None):
     rec.save()
     bf16 = LOW_DTYPE
 
-    class _Bench:  # what run_part needs: the recorder and a way to free memory
-        def __init__(self):
-            self.rec = rec
-
-        def free(self):
-            if cuda:
-                torch.cuda.empty_cache()
+    bench = PartBench(a, rec, cuda)
 
     def fixture():
         reference = load_file(os.path.join(a.fixture, "reference.safetensors"))
@@ -350,7 +345,7 @@ def main(argv=None):
                     del model
                 except Exception:
                     rec.error("large", key)
-                _Bench().free()
+                bench.free()
         if rec.need("large", "NeMo bf16", 30):
             try:
                 model = build_nemo(nemo_text_config(text, bf16), bf16)
@@ -370,12 +365,7 @@ def main(argv=None):
                 rec.put("large", f"{ours} vs {theirs}", {**compare(results[ours], results[theirs]), "ms": ms})
 
     runners = {"fixture": fixture, "large": large}
-    for part in a.only:
-        run_part(_Bench(), part, runners[part])
-    rec.save()
-    with open(os.path.join(a.out, f"{rec.stem}.md")) as f:
-        print(f.read())
-    return 0
+    return run_parts(bench, runners)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402  (sys.path above)
+    PartBench,
     Recorder,
     add_run_args,
     check_at_least,
@@ -38,7 +39,7 @@ from harness import (  # noqa: E402  (sys.path above)
     implementation_module,
     ints,
     label,
-    run_part,
+    run_parts,
     stack_versions,
     time_ms,
 )
@@ -242,21 +243,10 @@ def main(argv=None):
                 if cuda:
                     torch.cuda.empty_cache()
 
-    class _Bench:  # what run_part needs: the recorder and a way to free memory
-        def __init__(self):
-            self.rec = rec
-
-        def free(self):
-            if cuda:
-                torch.cuda.empty_cache()
+    bench = PartBench(a, rec, cuda)
 
     runners = {"train": train, "decode": decode}
-    for part in a.only:
-        run_part(_Bench(), part, runners[part])
-    rec.save()
-    with open(os.path.join(a.out, f"{rec.stem}.md")) as f:
-        print(f.read())
-    return 0
+    return run_parts(bench, runners)
 
 
 if __name__ == "__main__":

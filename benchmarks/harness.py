@@ -401,6 +401,19 @@ class Recorder:
         write_text(os.path.join(self.out_dir, f"{self.stem}.md"), self.markdown(doc))
 
 
+class PartBench:
+    """What :func:`run_part` / :func:`run_parts` need, for a benchmark that builds its own models rather than a
+    :class:`Bench`'s: the parsed ``args`` (``args.only``: the parts), the recorder, and a way to free memory."""
+
+    def __init__(self, args, rec: Recorder, cuda: bool):
+        self.args, self.rec, self.cuda = args, rec, cuda
+
+    def free(self):
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
 def run_part(bench: "Bench", part: str, fn) -> None:
     """Run one part of a benchmark: an exception is recorded under ``part`` (the run goes on with the next part),
     memory is freed after it, and the time it took is printed. Shared by the device benchmarks."""
