@@ -18,44 +18,23 @@
 # Environment: K3GPU_TOTAL_S (400: the whole call, s), K3GPU_PACK (1; 0 returns no Triton cache). Files back:
 # k3_gpu.json, k3_gpu.md, k3_gpu.log and the Triton cache parts.
 set -u
-source "$(dirname "$0")/tcache.sh"  # tcache_restore / tcache_pack: the Triton cache between calls
-T0=$(date +%s)
-END=$(( T0 + ${K3GPU_TOTAL_S:-400} - (${K3GPU_PACK:-1} == 1 ? 45 : 5) ))  # the last 45 s pack the Triton cache
-SCRATCH=$(mktemp -d)
-OUT=${OUT:-benchmarks/results}
-LOG=$OUT/k3_gpu.log
-mkdir -p "$OUT" "$SCRATCH/tcache"
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 HF_HOME=$SCRATCH/hf
-export TRITON_CACHE_DIR=$SCRATCH/tcache TRITON_CACHE_AUTOTUNING=1
-tcache_restore "$TRITON_CACHE_DIR" || true
-PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SCRATCH/site"
+source "$(dirname "$0")/tcache.sh"  # the Triton cache between calls; device_start / _wheels / _bench / _finish
+device_start "${K3GPU_TOTAL_S:-400}" "${K3GPU_PACK:-1}" k3_gpu.log
 if ! ls .whl/nemo_automodel-0.7.0-*.whl .whl/fla_core-*.whl >/dev/null 2>&1; then
     echo "no .whl/nemo_automodel-0.7.0 or fla_core wheel carried: NeMo's rows will record the import error" >> "$LOG"
 fi
 if ls .whl/*.whl >/dev/null 2>&1; then
-    if ! $PIP .whl/*.whl >> "$LOG" 2>&1; then  # one wheel for another Python fails the whole command
+    if ! device_wheels .whl/*.whl; then  # one wheel for another Python fails the whole command
         echo "installing every carried wheel failed; trying the ones this script needs alone" >> "$LOG"
-        $PIP $(ls .whl/nemo_automodel-*.whl .whl/fla_core-*.whl .whl/einops-*.whl .whl/transformers-*.whl \
+        device_wheels $(ls .whl/nemo_automodel-*.whl .whl/fla_core-*.whl .whl/einops-*.whl .whl/transformers-*.whl \
             .whl/huggingface_hub-*.whl .whl/httpx2-*.whl .whl/httpcore2-*.whl .whl/truststore-*.whl \
-            .whl/kernels-*.whl .whl/dill-*.whl 2>/dev/null) >> "$LOG" 2>&1
+            .whl/kernels-*.whl .whl/dill-*.whl 2>/dev/null)
     fi
 fi
 export PYTHONPATH=$SCRATCH/site:$PWD  # nemo_automodel and fla import from here
 python3 -c "import nemo_automodel, fla, transformers, torch; print('nemo_automodel', nemo_automodel.__version__, \
 'fla', fla.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)" >> "$LOG" 2>&1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$LOG" 2>&1
-budget=$(( END - $(date +%s) ))
-echo "== bench, budget $budget s" >> "$LOG"
-# the bench's own deadline is 20 s before the kill, so a measurement that runs past its estimate is still saved
-timeout "$budget" python3 benchmarks/bench_k3_gpu.py --out "$OUT" --budget-s $(( budget - 20 )) "$@" >> "$LOG" 2>&1
-echo "bench exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
-rm -f "$OUT"/*.tmp  # a JSON write cut short by a timeout
-if [ "${K3GPU_PACK:-1}" = 1 ]; then
-    tcache_pack "$TRITON_CACHE_DIR" "$OUT"
-fi
-if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then
-    rm -f "$OUT"/tcache.part.*
-    echo "more than the 8 files a call returns: the Triton cache is not returned" >> "$LOG"
-fi
-tail -n 12 "$LOG"
+device_bench benchmarks/bench_k3_gpu.py "$@"
+device_finish "${K3GPU_PACK:-1}"
 if [ -f "$OUT/k3_gpu.md" ]; then head -c 6000 "$OUT/k3_gpu.md"; fi

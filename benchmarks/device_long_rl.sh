@@ -15,19 +15,10 @@
 # Files back: long_rl.json, long_rl.md, long_rl.log (every step's output), and at most four 15 MB parts of the
 # Triton cache (fewer when more would pass the 8 files a call returns).
 set -u
-source "$(dirname "$0")/tcache.sh"  # tcache_restore / tcache_pack: the Triton cache between calls
-T0=$(date +%s)
-END=$(( T0 + ${RL_TOTAL_S:-570} - 45 ))  # the last 45 s pack the Triton cache
-left() { echo $(( END - $(date +%s) )); }
-SCRATCH=$(mktemp -d)
-OUT=${OUT:-benchmarks/results}
-LOG=$OUT/long_rl.log
-mkdir -p "$OUT" "$SCRATCH/tcache"
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 HF_HOME=$SCRATCH/hf TRL_EXPERIMENTAL_SILENCE=1
-export TRITON_CACHE_DIR=$SCRATCH/tcache TRITON_CACHE_AUTOTUNING=1
-if tcache_restore "$TRITON_CACHE_DIR"; then echo "Triton cache restored" >> "$LOG"; fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SCRATCH/site" \
-    .whl/*.whl >> "$LOG" 2>&1 || { echo "wheel install failed" >> "$LOG"; exit 1; }
+source "$(dirname "$0")/tcache.sh"  # the Triton cache between calls; device_start / _wheels / _bench / _finish
+device_start "${RL_TOTAL_S:-570}" 1 long_rl.log  # the last 45 s pack the Triton cache
+export TRL_EXPERIMENTAL_SILENCE=1
+device_wheels .whl/*.whl || { echo "wheel install failed" >> "$LOG"; exit 1; }
 export PYTHONPATH=$SCRATCH/site:$PWD
 python3 -c "import trl, datasets, transformers; print('trl', trl.__version__, 'datasets', datasets.__version__, \
 'transformers', transformers.__version__)" >> "$LOG" 2>&1 || { echo "trl / datasets missing from .whl/" >> "$LOG"; exit 1; }
@@ -40,18 +31,6 @@ if [ -n "${RL_PYTEST_TESTS:-}" ]; then
     echo "GPU tests exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
 fi
 
-budget=$(left)
-echo "== bench, budget $budget s" >> "$LOG"
-timeout "$budget" python3 benchmarks/bench_long_rl.py --out "$OUT" --budget-s $(( budget - 20 )) \
-    --only "${RL_ONLY:-turns,update,trajectory}" "$@" >> "$LOG" 2>&1
-echo "bench exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
-
-rm -f "$OUT"/*.tmp
-tcache_pack "$TRITON_CACHE_DIR" "$OUT"
-if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then
-    rm -f "$OUT"/tcache.part.*
-    echo "more than the 8 files a call returns: the Triton cache is not returned" >> "$LOG"
-fi
-echo "done at $(( $(date +%s) - T0 )) s; Triton cache parts: $(ls "$OUT"/tcache.part.* 2>/dev/null | wc -l)" >> "$LOG"
-tail -n 12 "$LOG"
+device_bench benchmarks/bench_long_rl.py --only "${RL_ONLY:-turns,update,trajectory}" "$@"
+device_finish 1
 head -c 9000 "$OUT/long_rl.md"

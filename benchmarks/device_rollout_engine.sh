@@ -13,39 +13,16 @@
 # (every line the bench printed, with tracebacks) and the Triton cache parts (fewer when more would pass the 8 files
 # a call returns).
 set -u
-source "$(dirname "$0")/tcache.sh"  # tcache_restore / tcache_pack: the Triton cache between calls
-T0=$(date +%s)
-END=$(( T0 + ${ENGINE_TOTAL_S:-470} - (${ENGINE_PACK:-1} == 1 ? 45 : 5) ))
-SCRATCH=$(mktemp -d)
-OUT=${OUT:-benchmarks/results}
-LOG=$OUT/rollout_engine.log
-mkdir -p "$OUT" "$SCRATCH/tcache"
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 HF_HOME=$SCRATCH/hf TRL_EXPERIMENTAL_SILENCE=1
-export TRITON_CACHE_DIR=$SCRATCH/tcache TRITON_CACHE_AUTOTUNING=1
-if tcache_restore "$TRITON_CACHE_DIR"; then echo "Triton cache restored" >> "$LOG"; fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SCRATCH/site" \
-    .whl/*.whl >> "$LOG" 2>&1 || { echo "wheel install failed" >> "$LOG"; tail -n 20 "$LOG"; exit 1; }
+source "$(dirname "$0")/tcache.sh"  # the Triton cache between calls; device_start / _wheels / _bench / _finish
+device_start "${ENGINE_TOTAL_S:-470}" "${ENGINE_PACK:-1}" rollout_engine.log
+export TRL_EXPERIMENTAL_SILENCE=1
+device_wheels .whl/*.whl || { echo "wheel install failed" >> "$LOG"; tail -n 20 "$LOG"; exit 1; }
 export PYTHONPATH=$SCRATCH/site:$PWD
 python3 -c "import trl, datasets, transformers, accelerate; print('trl', trl.__version__, 'transformers', \
 transformers.__version__, 'accelerate', accelerate.__version__)" >> "$LOG" 2>&1 \
     || { echo "trl / datasets / accelerate missing from .whl/ or the image" >> "$LOG"; tail -n 20 "$LOG"; exit 1; }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv >> "$LOG" 2>&1
 
-budget=$(( END - $(date +%s) ))
-echo "== bench, budget $budget s" >> "$LOG"
-# the bench's own deadline is 20 s before the kill, so a measurement that runs past its estimate is still saved
-timeout "$budget" python3 benchmarks/bench_rollout_engine.py --out "$OUT" --budget-s $(( budget - 20 )) \
-    --only "${ENGINE_ONLY:-steps,round}" "$@" >> "$LOG" 2>&1
-echo "bench exit $? at $(( $(date +%s) - T0 )) s" >> "$LOG"
-
-rm -f "$OUT"/*.tmp  # a JSON write cut short by the timeout
-if [ "${ENGINE_PACK:-1}" = 1 ]; then
-    tcache_pack "$TRITON_CACHE_DIR" "$OUT"
-fi
-if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then
-    rm -f "$OUT"/tcache.part.*
-    echo "more than the 8 files a call returns: the Triton cache is not returned" >> "$LOG"
-fi
-echo "done at $(( $(date +%s) - T0 )) s; Triton cache parts: $(ls "$OUT"/tcache.part.* 2>/dev/null | wc -l)" >> "$LOG"
-tail -n 12 "$LOG"
+device_bench benchmarks/bench_rollout_engine.py --only "${ENGINE_ONLY:-steps,round}" "$@"
+device_finish "${ENGINE_PACK:-1}"
 if [ -f "$OUT/rollout_engine.md" ]; then head -c 9000 "$OUT/rollout_engine.md"; fi
