@@ -133,3 +133,21 @@ def test_from_pretrained_of_a_folder_of_another_model_type_names_it(tmp_path, fi
     folder = _folder(tmp_path, fixture_tensors, config)
     with pytest.raises(ValueError, match=rf"model_type is {model_type!r}"):
         KDAMoEForCausalLM.from_pretrained(str(folder))
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_training(tmp_path):
+    """The fixture's vocabulary has 256 ids; a Kimi-style tokenizer saved beside it has 300 + 256. The recipe used
+    to build its data and stop at the first step on an id past the embedding (``input_ids contains 417``)."""
+    from kdamoe.posttraining.config import load_posttrain_config  # noqa: PLC0415 (only this test needs TRL)
+    from kdamoe.posttraining.run import load_base  # noqa: PLC0415
+    from tests.kimi_tokenizer import build_kimi_tokenizer  # noqa: PLC0415
+
+    folder = tmp_path / "k3"
+    shutil.copytree(FIXTURE, folder)
+    tokenizer = build_kimi_tokenizer(["the key is under the mat", "add 3 and 4"], base_vocab_size=300)
+    tokenizer.save_pretrained(folder)
+    assert len(tokenizer) > 256
+    cfg = load_posttrain_config("sft", [f"model={folder}", f"output_dir={tmp_path / 'sft'}"])
+    match = rf"tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size 256"
+    with pytest.raises(ValueError, match=match):
+        load_base(cfg)
