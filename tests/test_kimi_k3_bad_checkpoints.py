@@ -151,3 +151,14 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_trainin
     match = rf"tokenizer has {len(tokenizer)} tokens, more than the model's vocab_size 256"
     with pytest.raises(ValueError, match=match):
         load_base(cfg)
+
+
+def test_a_config_json_that_is_not_an_object_is_refused(tmp_path, fixture_tensors):
+    """Valid JSON that is not an object (a string here) used to give an AttributeError in the converter ('str' object
+    has no attribute 'get') and a TypeError inside transformers in ``from_pretrained``."""
+    folder = _folder(tmp_path, fixture_tensors)
+    (folder / "config.json").write_text('"kimi_k3"')
+    with pytest.raises(ValueError, match=r"config\.json holds str 'kimi_k3', not a JSON object"):
+        KDAMoEForCausalLM.from_pretrained(str(folder))
+    with pytest.raises(ValueError, match=r"config\.json holds str 'kimi_k3', not a JSON object"):
+        convert_checkpoint(folder, tmp_path / "out", to="kda_moe")

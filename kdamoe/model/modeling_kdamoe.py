@@ -1000,9 +1000,10 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
             if kimi is not None and (not isinstance(kimi, dict) or kimi.get("model_type") != own):
                 # transformers only warns about another model type and then fails inside its config code (an
                 # AttributeError for a multimodal config's text_config dict), naming neither the folder nor the type
-                found = kimi.get("model_type") if isinstance(kimi, dict) else kimi
-                raise ValueError(f"{pretrained}: config.json's model_type is {found!r}; {cls.__name__} loads "
-                                 f"{own!r} folders and Moonshot's 'kimi_linear' and 'kimi_k3' checkpoints")
+                found = (f"config.json's model_type is {kimi.get('model_type')!r}" if isinstance(kimi, dict) else
+                         f"config.json holds {type(kimi).__name__} {str(kimi)[:40]!r}, not a JSON object")
+                raise ValueError(f"{pretrained}: {found}; {cls.__name__} loads {own!r} folders and Moonshot's "
+                                 "'kimi_linear' and 'kimi_k3' checkpoints")
         return super().from_pretrained(*args, **kwargs)
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
