@@ -89,7 +89,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
         ``dst`` as a ``Path``.
 
     Raises:
-        ValueError: ``to`` not in :data:`FORMATS`; ``src`` without a ``config.json``, of a format other than the one
+        ValueError: ``to`` not in :data:`FORMATS`; ``src`` without a ``config.json`` (or one that is not a JSON
+            object), of a format other than the one
             ``to`` converts from; ``dst`` non-empty without ``overwrite``, or with ``overwrite`` holding files a
             conversion does not write; ``dst`` holding ``src`` or inside it; a
             config the target format cannot represent (naming the field); a missing, extra or wrongly shaped tensor
@@ -111,6 +112,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, to: st
             "not a local folder, and as a Hub id its config.json could not be fetched: check the id, the network, "
             "HF_HUB_OFFLINE and the token")
         raise ValueError(f"{src}: no config.json ({where})")
+    if not isinstance(source_config, dict):
+        raise ValueError(f"{src}: config.json holds {type(source_config).__name__} {str(source_config)[:40]!r}, not a "
+                         "JSON object")
     src_type = source_config.get("model_type")
     wants = (KIMI_LINEAR_MODEL_TYPE, KIMI_K3_MODEL_TYPE) if to == "kda_moe" else (KDAMoEConfig.model_type,)
     if src_type not in wants:

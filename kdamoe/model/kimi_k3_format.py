@@ -110,6 +110,58 @@ def _field(text: dict, name: str, default=None, required: bool = True):
     return default
 
 
+def _int_field(text: dict, name: str, default=None, required: bool = True, minimum: int = 1) -> int:
+    """A text-config integer the translation computes with (sums, ranges, comparisons): anything else would fail
+    there with a TypeError naming no field, or build a wrong layer list (``True`` is an ``int`` to Python)."""
+    value = _field(text, name, default, required)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"text_config.{name} is {value!r}: expected an integer >= {minimum}")
+    return value
+
+
+def _layer_numbers(linear: dict, name: str) -> set[int]:
+    """``linear_attn_config.full_attn_layers`` / ``kda_layers``: a list of 1-based layer numbers (absent: none)."""
+    value = linear.get(name)
+    if value is None:
+        return set()
+    if not isinstance(value, list) or any(not isinstance(i, int) or isinstance(i, bool) for i in value):
+        raise ValueError(f"text_config.linear_attn_config.{name} is {value!r}: expected a list of 1-based layer "
+                         "numbers (integers)")
+    return set(value)
+
+
+# compressed-tensors' name of the scheme the routed experts are stored in (its CompressionFormat
+# "mxfp4-pack-quantized"; sglang reads K3's quantization_config as a compressed-tensors config whose format names
+# mxfp4, docs/checkpoints.md): another scheme's tensors are not decoded here.
+_QUANT_METHOD = "compressed-tensors"
+
+
+def _check_quantization_config(config, where: str) -> None:
+    """Refuse a ``quantization_config`` naming a scheme other than compressed-tensors' MXFP4. The loader reads the
+    storage from the tensor names (``weight_packed`` / ``weight_scale`` decoded as MXFP4, ``weight`` as is), so a
+    config of another scheme means tensors it would misread had they the same names. Fields other than
+    ``quant_method`` and ``format`` (top level, or per ``config_groups`` entry) are not read: the released values are
+    not known (docs/checkpoints.md, "The released config")."""
+    if config is None:
+        return
+    if not isinstance(config, dict):
+        raise ValueError(f"{where} is {config!r}: expected a dict (compressed-tensors' MXFP4 config) or none")
+    method = config.get("quant_method")
+    if method != _QUANT_METHOD:
+        raise ValueError(f"{where}.quant_method is {method!r}: kdamoe reads Kimi K3's routed experts as "
+                         f"{_QUANT_METHOD!r} MXFP4 (weight_packed / weight_scale) or unquantized only")
+    groups = config.get("config_groups") or {}
+    formats = {f"{where}.format": config.get("format")}
+    if isinstance(groups, dict):
+        formats.update({f"{where}.config_groups.{k}.format": g.get("format") for k, g in groups.items()
+                        if isinstance(g, dict)})
+    named = {k: v for k, v in formats.items() if v is not None}
+    if named and not any(isinstance(v, str) and "mxfp4" in v for v in named.values()):
+        key, value = next(iter(named.items()))
+        raise ValueError(f"{key} is {value!r}: kdamoe decodes compressed-tensors' MXFP4 "
+                         "('mxfp4-pack-quantized') only")
+
+
 def kimi_k3_to_kdamoe_config(k3: dict) -> dict:
     """The ``KDAMoEConfig`` keyword arguments of a Kimi K3 ``config.json`` (its ``text_config``).
 
@@ -134,7 +186,10 @@ def kimi_k3_to_kdamoe_config(k3: dict) -> dict:
             tensors are not known here), ``q_lora_rank`` None, no ``routed_expert_hidden_size`` (no latent), no shared
             expert, grouped routing, a field of :data:`_FIXED` at another value, MTP layers, a layer in neither or both
             layer lists, an ``attn_res_block_size`` that ``ceil(L / N)`` cannot give, an unknown
-            ``routed_experts_format``.
+            ``routed_experts_format``; a value of the wrong type (``num_hidden_layers``, ``first_k_dense_replace``,
+            ``qk_nope_head_dim`` / ``qk_rope_head_dim`` not integers, layer lists not lists of integers, a ``dtype``
+            that names no floating-point torch dtype); a ``quantization_config`` (top level or in ``text_config``)
+            of another scheme than compressed-tensors' MXFP4.
     """
     if not is_kimi_k3_config(k3):
         raise ValueError(f"model_type is {k3.get('model_type') if isinstance(k3, dict) else k3!r}, "
@@ -144,6 +199,8 @@ def kimi_k3_to_kdamoe_config(k3: dict) -> dict:
         raise ValueError(f"text_config is {text!r}: a Kimi K3 config.json holds its text model's config there")
     if text.get("model_type", "kimi_linear") != "kimi_linear":
         raise ValueError(f"text_config.model_type is {text['model_type']!r}, expected 'kimi_linear'")
+    _check_quantization_config(k3.get("quantization_config"), "quantization_config")
+    _check_quantization_config(text.get("quantization_config"), "text_config.quantization_config")
     experts_format = k3.get(EXPERTS_FORMAT_KEY, "mxfp4")
     if experts_format not in EXPERTS_FORMATS:
         raise ValueError(f"{EXPERTS_FORMAT_KEY} is {experts_format!r}; expected one of {EXPERTS_FORMATS}")
@@ -182,9 +239,8 @@ def kimi_k3_to_kdamoe_config(k3: dict) -> dict:
     if linear.get("use_full_rank_gate", True) is not True:
         raise ValueError(f"text_config.linear_attn_config.use_full_rank_gate is {linear['use_full_rank_gate']!r}: "
                          "kdamoe reads Kimi K3 with the full-rank KDA output gate (g_proj) only")
-    L = _field(text, "num_hidden_layers")
-    full = {int(i) for i in linear.get("full_attn_layers") or []}
-    kda = {int(i) for i in linear.get("kda_layers") or []}
+    L = _int_field(text, "num_hidden_layers")
+    full, kda = _layer_numbers(linear, "full_attn_layers"), _layer_numbers(linear, "kda_layers")
     layer_types = []
     for i in range(1, L + 1):
         if (i in full) == (i in kda):
@@ -201,7 +257,7 @@ def kimi_k3_to_kdamoe_config(k3: dict) -> dict:
     if math.ceil(L / num_blocks) != block:
         raise ValueError(f"text_config.attn_res_block_size is {block} with {L} layers: kdamoe's Block AttnRes blocks "
                          f"are ceil(num_hidden_layers / attnres_num_blocks) layers, and no block count gives {block}")
-    first_dense = _field(text, "first_k_dense_replace", 0, required=False)
+    first_dense = _int_field(text, "first_k_dense_replace", 0, required=False, minimum=0)
 
     kwargs = dict(
         vocab_size=_field(text, "vocab_size"),
@@ -211,7 +267,7 @@ def kimi_k3_to_kdamoe_config(k3: dict) -> dict:
         num_attention_heads=heads,
         kv_lora_rank=_field(text, "kv_lora_rank"),
         q_lora_rank=text["q_lora_rank"],
-        qk_head_dim=_field(text, "qk_nope_head_dim") + _field(text, "qk_rope_head_dim"),
+        qk_head_dim=_int_field(text, "qk_nope_head_dim") + _int_field(text, "qk_rope_head_dim", minimum=0),
         qk_rope_head_dim=text["qk_rope_head_dim"],
         v_head_dim=_field(text, "v_head_dim"),
         mla_rms_norm_eps=KIMI_K3_MLA_RMS_NORM_EPS,
@@ -247,7 +303,12 @@ def kimi_k3_to_kdamoe_config(k3: dict) -> dict:
         eos_token_id=text.get("eos_token_id"),
     )
     dtype = text.get("dtype", text.get("torch_dtype"))
-    if isinstance(dtype, str):
+    if dtype is not None:
+        # checked here: transformers' config resolves the name with getattr(torch, name), an AttributeError for 'bf16'
+        resolved = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
+        if not (isinstance(resolved, torch.dtype) and resolved.is_floating_point):
+            raise ValueError(f"text_config.dtype is {dtype!r}: expected the name of a floating-point torch dtype "
+                             "(e.g. 'bfloat16')")
         kwargs["dtype"] = dtype
     return kwargs
 
@@ -441,7 +502,9 @@ def kimi_k3_to_kdamoe_tensors(
     Raises:
         ValueError: naming the tensor: a name no K3 checkpoint of this config holds, a wrong shape, a piece or an
             MXFP4 half stored twice, an MXFP4 half without its other half, an expert index ``≥ num_experts``, an
-            ``A_log`` shorter than the heads, and at the end every tensor that never came (missing).
+            ``A_log`` shorter than the heads, an MXFP4 projection that decodes to NaN (scale byte 255) or infinity
+            (beyond ``experts_dtype``'s range; not checked for meta tensors), and at the end every tensor that never
+            came (missing).
     """
     rules = _k3_text_names(config)
     sparse = {i for i, kind in enumerate(config.mlp_layer_types) if kind == "sparse"}
@@ -496,6 +559,8 @@ def kimi_k3_to_kdamoe_tensors(
                 del halves[base]
                 tensor = mxfp4_decode(pair["weight_packed"][1], pair["weight_scale"][1], dtype=experts_dtype,
                                       name=base + ".weight")
+                if not tensor.is_meta:  # a header-only check (check_kimi_k3_folder) has no values to read
+                    _refuse_non_finite(base, pair["weight_scale"][1], tensor)
             fused = out.add_expert(layer, which, j, full_name, tensor)
         if fused.complete:
             yield out.emit_fused(fused, sources_shown=2)
@@ -510,6 +575,28 @@ def kimi_k3_to_kdamoe_tensors(
     if skipped:
         logger.warning(f"Kimi K3 checkpoint: skipped {skipped} vision tensors ({', '.join(VISION_PREFIXES)}): kdamoe "
                        "loads the text model only")
+
+
+def _refuse_non_finite(base: str, scale: torch.Tensor, decoded: torch.Tensor) -> None:
+    """Refuse an MXFP4 projection that decodes to NaN or infinity: a scale byte 255 (E8M0's NaN, a whole block of
+    NaN) or a block beyond the decode dtype's range (magnitude 4 or 6 at scale byte 254, 6 at 253, in float32 and
+    bfloat16). Either would load as a model whose logits are NaN wherever a token reaches the expert; quantisation-
+    aware training produces neither, so the checkpoint is damaged. Names the first bad block / element."""
+    nan_scale = scale == 255
+    if bool(nan_scale.any()):
+        row, block = (int(i) for i in nan_scale.nonzero()[0])
+        raise ValueError(f"{base}.weight_scale[{row}, {block}] is 255, E8M0's NaN ({int(nan_scale.sum())} such "
+                         "bytes in the tensor): its block of 32 weights would be NaN; the checkpoint is damaged")
+    # only scale bytes >= 253 (2^126) can overflow float32 / bfloat16 (largest finite just under 2^128: 6 · 2^126
+    # is above it, 6 · 2^125 below): reading the bytes (1/32 of the elements) spares a pass over every decoded value
+    if not bool((scale >= 253).any()):
+        return
+    bad = ~torch.isfinite(decoded)
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{base}: decodes to {decoded[row, col].item()} at [{row}, {col}] in {decoded.dtype} (scale "
+                         f"byte {int(scale[row, col // MXFP4_BLOCK])} = 2^{int(scale[row, col // MXFP4_BLOCK]) - 127}, "
+                         "beyond the dtype's range): a damaged checkpoint, or weights only float64 holds")
 
 
 def _k3_name_of(name: str, rules: dict[str, tuple]) -> str:

@@ -982,6 +982,10 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         caller passes another rule, taking ``dtype`` / ``torch_dtype``, ``device_map=None`` and the Hub arguments.
         A ``model_type: kimi_k3`` folder (Kimi K3's released layout, MXFP4 experts) loads its text model the same way
         through :mod:`.kimi_k3_format` (:func:`~.kimi_k3_format.from_kimi_k3_pretrained`).
+
+        Raises:
+            ValueError: the folder's ``config.json`` names another ``model_type`` (or none), naming it; and what the
+                Kimi loaders raise.
         """
         kwargs = hub_kernels_off_by_default(kwargs)
         pretrained = args[0] if args else kwargs.get("pretrained_model_name_or_path")
@@ -993,6 +997,14 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
             if is_kimi_k3_config(kimi):
                 kwargs.pop("pretrained_model_name_or_path", None)
                 return from_kimi_k3_pretrained(cls, pretrained, kimi, kwargs)
+            own = cls.config_class.model_type
+            if kimi is not None and (not isinstance(kimi, dict) or kimi.get("model_type") != own):
+                # transformers only warns about another model type and then fails inside its config code (an
+                # AttributeError for a multimodal config's text_config dict), naming neither the folder nor the type
+                found = (f"config.json's model_type is {kimi.get('model_type')!r}" if isinstance(kimi, dict) else
+                         f"config.json holds {type(kimi).__name__} {str(kimi)[:40]!r}, not a JSON object")
+                raise ValueError(f"{pretrained}: {found}; {cls.__name__} loads {own!r} folders and Moonshot's "
+                                 "'kimi_linear' and 'kimi_k3' checkpoints")
         return super().from_pretrained(*args, **kwargs)
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:

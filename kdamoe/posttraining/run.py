@@ -348,7 +348,8 @@ def load_base(cfg, sharded: bool = True):
 
     Raises:
         ValueError: see :func:`check_base`, or ``distributed_config`` does not fit the model
-            (:func:`kdamoe.common.parallel.check_distributed_config`).
+            (:func:`kdamoe.common.parallel.check_distributed_config`), or the tokenizer has more tokens than the
+            model's ``vocab_size``.
     """
     check_base(cfg)
     if sharded and cfg.distributed_config is not None:
@@ -356,6 +357,11 @@ def load_base(cfg, sharded: bool = True):
     else:
         model = KDAMoEForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    if len(tokenizer) > model.config.vocab_size:
+        # else the first training step stops on an id past the embedding, after the data is built, naming neither
+        raise ValueError(f"model={cfg.model}: its tokenizer has {len(tokenizer)} tokens, more than the model's "
+                         f"vocab_size {model.config.vocab_size}; save the model's own tokenizer in the folder, or "
+                         "resize the model (model.resize_token_embeddings(len(tokenizer)), then save_pretrained)")
     return model, tokenizer
 
 
