@@ -249,3 +249,12 @@ def test_overwrite_replaces_a_checkpoint_but_not_someone_elses_files(kimi_folder
                          "move them away or pick another folder")
     assert sorted(p.name for p in dst.iterdir()) == before
     assert (dst / "notes.txt").read_text() == "mine" and (dst / "data" / "rows.csv").read_text() == "1,2"
+
+
+@pytest.mark.parametrize("stored", ["bf16", "int8", 3])
+def test_config_dtype_that_names_no_float_dtype(kimi_folder, tmp_path, stored):
+    """A config.json whose ``dtype`` names no floating-point torch dtype: one ValueError naming it (before, 'bf16'
+    raised an AttributeError from transformers' config, which resolves the name with getattr(torch, name))."""
+    src = _copy_with_config(kimi_folder, tmp_path / "src", dtype=stored)
+    with pytest.raises(ValueError, match=re.escape(f"dtype is {stored!r}")):
+        KDAMoEForCausalLM.from_pretrained(src)

@@ -642,3 +642,12 @@ __all__ = [
     "split_fused",
     "stored_piece_name",
 ]
+
+
+def check_dtype_name(dtype, field: str) -> None:
+    """``ValueError`` unless ``dtype`` (a config's ``dtype`` / ``torch_dtype`` value, named ``field`` in the message)
+    names a floating-point torch dtype (``"bfloat16"``, ``"torch.float32"``): transformers' config resolves the name
+    with ``getattr(torch, name)``, an ``AttributeError`` deep inside for a ``"bf16"``."""
+    resolved = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if not (isinstance(resolved, torch.dtype) and resolved.is_floating_point):
+        raise ValueError(f"{field} is {dtype!r}: expected the name of a floating-point torch dtype (e.g. 'bfloat16')")

@@ -56,6 +56,7 @@ from .checkpoint_formats import (
     PieceAssembler,
     build_config,
     check_all_seen,
+    check_dtype_name,
     check_expected_shape,
     check_folder,
     fused_source_pattern,
@@ -304,11 +305,7 @@ def kimi_k3_to_kdamoe_config(k3: dict) -> dict:
     )
     dtype = text.get("dtype", text.get("torch_dtype"))
     if dtype is not None:
-        # checked here: transformers' config resolves the name with getattr(torch, name), an AttributeError for 'bf16'
-        resolved = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
-        if not (isinstance(resolved, torch.dtype) and resolved.is_floating_point):
-            raise ValueError(f"text_config.dtype is {dtype!r}: expected the name of a floating-point torch dtype "
-                             "(e.g. 'bfloat16')")
+        check_dtype_name(dtype, "text_config.dtype")
         kwargs["dtype"] = dtype
     return kwargs
 

@@ -53,6 +53,7 @@ from .checkpoint_formats import (
     PieceAssembler,
     build_config,
     check_all_seen,
+    check_dtype_name,
     check_expected_shape,
     check_folder,
     fused_source_pattern,
@@ -117,6 +118,9 @@ def kimi_linear_to_kdamoe_config(kimi: dict) -> dict:
         raise ValueError(f"model_type is {kimi.get('model_type') if isinstance(kimi, dict) else kimi!r}, "
                          f"expected {KIMI_LINEAR_MODEL_TYPE!r}")
     _check_raw_kimi_fields(kimi)
+    for field in ("dtype", "torch_dtype"):
+        if kimi.get(field) is not None:  # before transformers' config, which fails on 'bf16' with an AttributeError
+            check_dtype_name(kimi[field], field)
     try:
         from transformers import KimiLinearConfig  # noqa: PLC0415 (only a Kimi Linear checkpoint needs it)
     except ImportError as err:
@@ -200,7 +204,7 @@ def kimi_linear_to_kdamoe_config(kimi: dict) -> dict:
         eos_token_id=c.eos_token_id,
     )
     dtype = kimi.get("dtype", kimi.get("torch_dtype"))
-    if isinstance(dtype, str):
+    if dtype is not None:
         kwargs["dtype"] = dtype
     return kwargs
 
