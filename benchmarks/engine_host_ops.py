@@ -15,6 +15,7 @@ next to prefill pieces); the table gives the median over the steps of each kind 
 import os
 import statistics
 import sys
+import traceback
 from collections import Counter
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -44,6 +45,15 @@ class Count(TorchDispatchMode):
 COUNTER = Count()
 
 
+def _where(kind):
+    """Counts a host event ``kind`` and, under ``@``, the function that caused it (outside torch)."""
+    COUNTER.ops[kind] += 1
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "/torch/" not in frame.filename:
+            COUNTER.ops[f"{kind} @ {os.path.basename(frame.filename)}:{frame.name}"] += 1
+            return
+
+
 def _paused(fn, name):
     def wrapped(*args, **kwargs):
         COUNTER.ops[f"slot kernel {name}"] += 1
@@ -57,7 +67,8 @@ def _paused(fn, name):
 
 def _synced(method):
     def counted(self, *args):
-        COUNTER.ops["item (sync)"] += 1
+        if not COUNTER.paused:
+            _where("item (sync)")
         return method(self, *args)
     return counted
 
@@ -69,7 +80,8 @@ def _patch():
     tolist = torch.Tensor.tolist
 
     def counted_tolist(self):
-        COUNTER.ops["item (sync)"] += 1
+        if not COUNTER.paused:
+            _where("item (sync)")
         return tolist(self)
 
     torch.Tensor.tolist = counted_tolist
@@ -78,8 +90,8 @@ def _patch():
     build = torch.tensor
 
     def counted_tensor(data, *args, **kwargs):
-        if not isinstance(data, torch.Tensor):
-            COUNTER.ops["torch.tensor (host data)"] += 1
+        if not isinstance(data, torch.Tensor) and not COUNTER.paused:
+            _where("torch.tensor (host data)")
         return build(data, *args, **kwargs)
 
     torch.tensor = counted_tensor
@@ -97,9 +109,9 @@ def _patch():
 
     def layer_spy(inner, key):
         def spy(self, attn, x):
-            before = sum(COUNTER.ops.values())
+            before = sum(n for k, n in COUNTER.ops.items() if "@" not in k)
             out = inner(self, attn, x)
-            self._layer_ops[key].append(sum(COUNTER.ops.values()) - before)
+            self._layer_ops[key].append(sum(n for k, n in COUNTER.ops.items() if "@" not in k) - before)
             return out
         return spy
 
@@ -155,12 +167,17 @@ def main():
                     continue
                 def med(f):
                     return statistics.median(f(r) for r in picked)
-                total = med(lambda r: sum(n for k, n in r[2].items() if not k.endswith(")")))
+                total = med(lambda r: sum(n for k, n in r[2].items() if not k.endswith(")") and "@" not in k))
                 lift = med(lambda r: r[2]["torch.tensor (host data)"])
                 syncs = med(lambda r: r[2]["item (sync)"])
+                if slots == 64 and kind == "decode" and not do_sample:
+                    where = {k: n for k, n in picked[0][2].items() if "@" in k}
                 print(f"| {'sample T=0.7' if do_sample else 'greedy'} | {slots} | {picked[0][1] if kind == 'decode' else '—'} | "
                       f"{kind} | {total:g} | {lift:g} | {syncs:g} | {med(lambda r: r[3]['kda']):g} | "
                       f"{med(lambda r: r[3]['mla']):g} | {len(picked)} |")
+    print("\nHost data and syncs of one greedy 64-slot decode step, by the function that caused them:")
+    for k, n in sorted(where.items()):
+        print(f"- {k}: {n}")
     sys.stdout.flush()
 
 
