@@ -153,6 +153,7 @@ def _run(model, slots, do_sample):
 def main():
     _patch()
     model = _model()
+    where = {}
     print("| sampling | slots | fed | step | aten ops / step | from host data (torch.tensor) | syncs (item + tolist) | "
           "ops / KDA layer | ops / MLA layer | steps |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -170,14 +171,15 @@ def main():
                 total = med(lambda r: sum(n for k, n in r[2].items() if not k.endswith(")") and "@" not in k))
                 lift = med(lambda r: r[2]["torch.tensor (host data)"])
                 syncs = med(lambda r: r[2]["item (sync)"])
-                if slots == 64 and kind == "decode" and not do_sample:
-                    where = {k: n for k, n in picked[0][2].items() if "@" in k}
+                if slots == 64 and not do_sample:
+                    where[kind] = {k: n for k, n in picked[0][2].items() if "@" in k}
                 print(f"| {'sample T=0.7' if do_sample else 'greedy'} | {slots} | {picked[0][1] if kind == 'decode' else '—'} | "
                       f"{kind} | {total:g} | {lift:g} | {syncs:g} | {med(lambda r: r[3]['kda']):g} | "
                       f"{med(lambda r: r[3]['mla']):g} | {len(picked)} |")
-    print("\nHost data and syncs of one greedy 64-slot decode step, by the function that caused them:")
-    for k, n in sorted(where.items()):
-        print(f"- {k}: {n}")
+    for kind, counts in where.items():
+        print(f"\nHost data and syncs of one greedy 64-slot {kind} step, by the function that caused them:")
+        for k, n in sorted(counts.items()):
+            print(f"- {k}: {n}")
     sys.stdout.flush()
 
 

@@ -867,7 +867,8 @@ class RolloutEngine:
                     tokens = slice(0, len(one)) if contiguous else pieces[0]
                     decode = types.SimpleNamespace(tokens=tokens, slots=pieces[1].to(torch.int32))
                 rest = types.SimpleNamespace(lengths=pieces[2], slots=pieces[3], row=pieces[4], col=pieces[5],
-                                             t_max=max(lengths[i] for i in many), tokens=pieces[6])
+                                             t_max=max(lengths[i] for i in many), tokens=pieces[6],
+                                             host_lengths=[lengths[i] for i in many])
             lay.split = (decode, rest)
         return lay.split
 
@@ -921,12 +922,19 @@ class RolloutEngine:
         kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                       A_log=attn.A_log, dt_bias=attn.dt_bias, lower_bound=attn.lower_bound, backend=backend)
         initial = rec_pool[lay.slots]
-        one = lay.lengths == 1
-        for select, recurrent in ((one, True), (~one, False)):
-            seqs = select.nonzero().flatten()
-            if not seqs.numel():
-                continue
-            tokens = select[lay.row].nonzero().flatten()  # positions of these sequences' tokens among lay's
+        host = getattr(lay, "host_lengths", None)
+        if host is not None and (min(host) > 1 or max(host) == 1):
+            # one kind of sequence only (known on the host): all of them, no nonzero (a device read each)
+            every = slice(None)
+            splits = [(every, every, max(host) == 1)]
+        else:
+            one = lay.lengths == 1
+            splits = []
+            for select, recurrent in ((one, True), (~one, False)):
+                seqs = select.nonzero().flatten()
+                if seqs.numel():  # positions of these sequences' tokens among lay's
+                    splits.append((seqs, select[lay.row].nonzero().flatten(), recurrent))
+        for seqs, tokens, recurrent in splits:
             parts = [t[0, tokens] for t in (q, k, v, f, beta)]
             if recurrent:  # one token on a state: generate's decode-step op
                 out, final = fused_recurrent_kda(*(p[:, None] for p in parts), initial_state=initial[seqs], **kwargs)
@@ -938,7 +946,10 @@ class RolloutEngine:
                 out = out[0]
             if o is None:
                 o = out.new_empty(total, *out.shape[1:])
-            o[tokens if rows is None else rows[tokens]] = out
+            if rows is None:
+                o[tokens] = out
+            else:
+                o[rows if isinstance(tokens, slice) else rows[tokens]] = out
             rec_pool[lay.slots[seqs]] = final.float()
         return o
 
