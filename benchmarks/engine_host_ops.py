@@ -166,14 +166,15 @@ def main():
                     picked = [r for r in picked if r[1] == max(q[1] for q in picked)]
                 if not picked:
                     continue
-                def med(f):
+                def med(f, picked=picked):
                     return statistics.median(f(r) for r in picked)
                 total = med(lambda r: sum(n for k, n in r[2].items() if not k.endswith(")") and "@" not in k))
                 lift = med(lambda r: r[2]["torch.tensor (host data)"])
                 syncs = med(lambda r: r[2]["item (sync)"])
                 if slots == 64 and not do_sample:
                     where[kind] = {k: n for k, n in picked[0][2].items() if "@" in k}
-                print(f"| {'sample T=0.7' if do_sample else 'greedy'} | {slots} | {picked[0][1] if kind == 'decode' else '—'} | "
+                fed = picked[0][1] if kind == "decode" else "—"
+                print(f"| {'sample T=0.7' if do_sample else 'greedy'} | {slots} | {fed} | "
                       f"{kind} | {total:g} | {lift:g} | {syncs:g} | {med(lambda r: r[3]['kda']):g} | "
                       f"{med(lambda r: r[3]['mla']):g} | {len(picked)} |")
     for kind, counts in where.items():

@@ -49,7 +49,12 @@ nothing to feed (its episodes finished, or all waiting on tool calls), an *idle 
 one token, thrown away, which issues the same collectives (``stats["idle_steps"]``). No rank has tokens to feed but
 some wait on tools: the waiting ranks block on their tools as alone and nobody runs a forward. A rank's episodes
 therefore play exactly as they would alone (the idle steps touch no slot), and a rank with more tool rounds only
-makes the others idle longer.
+makes the others idle longer. The same all-reduce carries a third number, the failed rank (plus one; 0: none): a
+rank whose ``run`` raises (bad input, a tool-turn or processor error, an error of its step before the step's
+forward, in which case it first joins the others' forward with an idle step) announces it there before raising
+its own error, and every other rank raises a ``RuntimeError`` naming it at that all-reduce, within one step, instead
+of waiting in it until the process group times out. A rank that fails inside a forward (after the forward's first
+collective) or inside the all-reduce cannot announce it: the others are then inside a collective it has left.
 
 What an episode is (the rules of :mod:`.rollout`, which follow TRL 1.16's ``_tool_call_loop``): a first turn of at
 most ``min(max_completion_length, generation_config.max_new_tokens)`` tokens; while the last turn called a tool and
@@ -62,11 +67,21 @@ its episode at once (``ended = "tool_timeout"``; ``EpisodeSpec.on_timeout`` is c
 environment): Python cannot stop a thread, so the call keeps running on its abandoned worker, but no slot waits
 for it.
 
+Host work of a step (on a GPU the host, not the kernels, set a decode step's time: docs/post-training.md, "Host
+work of a step"): the step's layout (token ids, lengths, starts, rows to keep, slots, row / column of every token)
+is built on the host and copied to the device as one tensor; the decode / prefill split likewise (one copy, none
+for a decode-only step); the ids the engine feeds are checked on the host, so the model's forward skips its own
+check (a device read); the decodes' new MLA rows go to their buffers in one ``torch._foreach_copy_``; and sampling
+reads the device once per step, for every episode's token and log-prob together.
+
 Sampling per episode, as ``generate`` does it: the logits processors ``generate`` builds from the generation config
 (repetition penalty, temperature, top-k, top-p, min-p, …; plus any ``logits_processor`` passed) on the episode's
 whole sequence so far, then ``argmax`` or ``torch.multinomial`` with the episode's own ``torch.Generator`` seeded
 from ``EpisodeSpec.seed`` — the same draws a one-at-a-time ``generate`` makes after ``torch.manual_seed(seed)``, so
-an episode's tokens do not depend on which other episodes shared its steps. Log-probabilities:
+an episode's tokens do not depend on which other episodes shared its steps. Where every processor of the episodes
+only transforms scores row by row (temperature, top-k, top-p, min-p; greedy has none) one call covers the rows of
+all of a step's episodes, then one ``argmax``, or one ``softmax`` and a ``multinomial`` per episode with its own
+generator (a single draw over ``[N, V]`` would take every row's numbers from one generator). Log-probabilities:
 ``log_softmax(raw logits / logprob_temperature)`` at the sampled token, float32, 0.0 on tool-turn tokens.
 
 This module imports no TRL: :mod:`.rollout` plugs it into ``GRPOTrainer`` (``grpo.rollout: batched``).
@@ -88,8 +103,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import (GenerationConfig, LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
-                          TopKLogitsWarper, TopPLogitsWarper)
+from transformers import (
+    GenerationConfig,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..model.kernel_dispatch import causal_conv1d_parts, chunk_kda, fused_recurrent_kda, kdamoe_kernels, resolve
@@ -752,9 +773,9 @@ class RolloutEngine:
         decode_only = total == S  # every sequence one token: row is 0 … S − 1 and col is 0
         row = list(range(S)) if decode_only else [i for i, n in enumerate(lengths) for _ in range(n)]
         col = [0] * S if decode_only else [c for n in lengths for c in range(n)]
-        host = torch.tensor([t for _, tokens in feeds for t in tokens] + lengths + starts
-                            + [a + n - 1 for a, n in zip(starts, lengths)] + [e.slot for e, _ in feeds] + row + col,
-                            dtype=torch.long)
+        keep = [a + n - 1 for a, n in zip(starts, lengths, strict=True)]
+        host = torch.tensor([t for _, tokens in feeds for t in tokens] + lengths + starts + keep
+                            + [e.slot for e, _ in feeds] + row + col, dtype=torch.long)
         on_device = host.to(self.device, non_blocking=True)
         input_ids, lengths_d, starts_d, last, slots, row_d, col_d = on_device.split([total, S, S, S, S, total, total])
         self._layout = types.SimpleNamespace(
@@ -991,7 +1012,10 @@ class RolloutEngine:
             prefix = lay.episodes[members[0]].prefix
             prefix = prefix[attn.layer_idx] if prefix is not None else rows.new_zeros(0, rows.shape[-1])
             spans = [range(starts[s], starts[s] + lengths[s]) for s in members]
-            tokens = torch.tensor([i for span in spans for i in span], device=x.device)
+            if len(spans) == 1:  # one sequence (no group, or one member in the step): a view, no host data
+                tokens = slice(spans[0].start, spans[0].stop)
+            else:
+                tokens = torch.tensor([i for span in spans for i in span], device=x.device)
             queries = q_lat[tokens].float()
             # the group's prefix: read once for every query of the group (scores, then values)
             s_prefix = torch.einsum("nhr,lr->nhl", queries, prefix.float()) * attn.scaling
