@@ -633,7 +633,7 @@ class RolloutEngine:
         # the processors are built from one config (plus the same extra ones), so in practice either every episode
         # of the step has row-wise ones only (greedy: none) or none has; both kinds side by side still work
         row_wise = [i for i, (e, _) in enumerate(picks) if all(type(p) in self._ROW_WISE for p in e.processors)]
-        others = [i for i in range(len(picks)) if i not in set(row_wise)]
+        others = sorted(set(range(len(picks))) - set(row_wise))
         scores = raw
         if row_wise and len(picks[row_wise[0]][0].processors):
             processors = picks[row_wise[0]][0].processors
