@@ -49,7 +49,12 @@ nothing to feed (its episodes finished, or all waiting on tool calls), an *idle 
 one token, thrown away, which issues the same collectives (``stats["idle_steps"]``). No rank has tokens to feed but
 some wait on tools: the waiting ranks block on their tools as alone and nobody runs a forward. A rank's episodes
 therefore play exactly as they would alone (the idle steps touch no slot), and a rank with more tool rounds only
-makes the others idle longer.
+makes the others idle longer. The same all-reduce carries a third number, the failed rank (plus one; 0: none): a
+rank whose ``run`` raises (bad input, a tool-turn or processor error, an error of its step before the step's
+forward, in which case it first joins the others' forward with an idle step) announces it there before raising
+its own error, and every other rank raises a ``RuntimeError`` naming it at that all-reduce, within one step, instead
+of waiting in it until the process group times out. A rank that fails inside a forward (after the forward's first
+collective) or inside the all-reduce cannot announce it: the others are then inside a collective it has left.
 
 What an episode is (the rules of :mod:`.rollout`, which follow TRL 1.16's ``_tool_call_loop``): a first turn of at
 most ``min(max_completion_length, generation_config.max_new_tokens)`` tokens; while the last turn called a tool and
@@ -62,11 +67,21 @@ its episode at once (``ended = "tool_timeout"``; ``EpisodeSpec.on_timeout`` is c
 environment): Python cannot stop a thread, so the call keeps running on its abandoned worker, but no slot waits
 for it.
 
+Host work of a step (on a GPU the host, not the kernels, set a decode step's time: docs/post-training.md, "Host
+work of a step"): the step's layout (token ids, lengths, starts, rows to keep, slots, row / column of every token)
+is built on the host and copied to the device as one tensor; the decode / prefill split likewise (one copy, none
+for a decode-only step); the ids the engine feeds are checked on the host, so the model's forward skips its own
+check (a device read); the decodes' new MLA rows go to their buffers in one ``torch._foreach_copy_``; and sampling
+reads the device once per step, for every episode's token and log-prob together.
+
 Sampling per episode, as ``generate`` does it: the logits processors ``generate`` builds from the generation config
 (repetition penalty, temperature, top-k, top-p, min-p, …; plus any ``logits_processor`` passed) on the episode's
 whole sequence so far, then ``argmax`` or ``torch.multinomial`` with the episode's own ``torch.Generator`` seeded
 from ``EpisodeSpec.seed`` — the same draws a one-at-a-time ``generate`` makes after ``torch.manual_seed(seed)``, so
-an episode's tokens do not depend on which other episodes shared its steps. Log-probabilities:
+an episode's tokens do not depend on which other episodes shared its steps. Where every processor of the episodes
+only transforms scores row by row (temperature, top-k, top-p, min-p; greedy has none) one call covers the rows of
+all of a step's episodes, then one ``argmax``, or one ``softmax`` and a ``multinomial`` per episode with its own
+generator (a single draw over ``[N, V]`` would take every row's numbers from one generator). Log-probabilities:
 ``log_softmax(raw logits / logprob_temperature)`` at the sampled token, float32, 0.0 on tool-turn tokens.
 
 This module imports no TRL: :mod:`.rollout` plugs it into ``GRPOTrainer`` (``grpo.rollout: batched``).
@@ -88,11 +103,19 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..model.kernel_dispatch import causal_conv1d_parts, chunk_kda, fused_recurrent_kda, kdamoe_kernels, resolve
 from ..model.modeling_kdamoe import fused_linear
+from ..model.validation import inputs_prevalidated
 
 
 def episode_seed(*parts: int) -> int:
@@ -186,14 +209,19 @@ class _Rows:
 
     def append(self, rows: torch.Tensor) -> torch.Tensor:
         """Write ``rows [t, width]`` after the valid ones; returns the valid rows (a view)."""
-        need = self.length + rows.shape[0]
+        self.extend(rows.shape[0])[...] = rows
+        return self.data[: self.length]
+
+    def extend(self, t: int) -> torch.Tensor:
+        """Make room for ``t`` more rows and count them valid; returns them, ``[t, width]`` (a view, unwritten), for
+        the caller to fill (e.g. many buffers in one ``torch._foreach_copy_``)."""
+        need = self.length + t
         if need > self.data.shape[0]:
             grown = self.data.new_empty(max(need, 2 * self.data.shape[0]), self.data.shape[1])
             grown[: self.length] = self.data[: self.length]
             self.data = grown
-        self.data[self.length : need] = rows
-        self.length = need
-        return self.data[:need]
+        start, self.length = self.length, need
+        return self.data[start:need]
 
     def valid(self) -> torch.Tensor:
         return self.data[: self.length]
@@ -387,13 +415,38 @@ class RolloutEngine:
         tool turn) or ``"tool_timeout"``).
 
         Raises:
-            ValueError: an empty prompt; a sampling config without an episode seed; tools without
-                ``parse_turn`` / ``tool_suffix_ids``.
+            ValueError: an empty prompt or a token id outside ``[0, vocab_size)`` (in a prompt or a tool turn); a
+                sampling config without an episode seed; tools without ``parse_turn`` / ``tool_suffix_ids``.
+            RuntimeError: under ``lockstep_group``, another rank of the group failed in its ``run`` (naming it);
+                this rank raises it at the step the failure is announced, within one step (module docstring).
         """
+        self._phase = None
+        try:
+            return self._run(specs)
+        except Exception:
+            if self.lockstep_group is not None:
+                self._announce_failure()
+            raise
+
+    def _announce_failure(self) -> None:
+        """This rank's ``run`` raised: tell the other ranks of ``lockstep_group`` in the all-reduce they wait in,
+        so they raise too instead of waiting until the process group times out (module docstring)."""
+        phase, self._phase = self._phase, None
+        if phase in ("agree", "forward", "peer"):
+            return  # the all-reduce itself failed, a forward's collectives broke off, or another rank failed first
+        try:
+            if phase == "step":  # the others run this step's forward (its collectives): join it first
+                self._idle_step()
+            self._agree(False, False, failed=True)
+        except Exception:  # noqa: BLE001  the rank's own error is the one to raise; the announcement is best effort
+            pass
+
+    def _run(self, specs: list[EpisodeSpec]) -> list[dict]:
         episodes = []
         for i, spec in enumerate(specs):
             if not spec.prompt_ids:
                 raise ValueError(f"episode {i}: empty prompt_ids")
+            self._check_ids(spec.prompt_ids, f"episode {i}: prompt_ids")
             if self.do_sample and spec.seed is None:
                 raise ValueError(f"episode {i}: the generation config samples (do_sample=True) but the episode has "
                                  "no seed")
@@ -410,6 +463,7 @@ class RolloutEngine:
                     episode.slot = free.pop(0)
                     running.append(episode)
                 self._admit(group)
+            self._phase = None
             self._poll_tools(running)
             runnable = [e for e in running if e.pending and e.ended is None]
             if self.lockstep_group is None:
@@ -422,6 +476,7 @@ class RolloutEngine:
                 if not anyone_left:
                     break
                 if runnable:
+                    self._phase = "step"  # until the forward starts, a failure can still join the others' forward
                     self._step(runnable)
                 elif anyone_feeds:
                     self._idle_step()  # another rank steps: join its collectives with a forward of our own
@@ -436,15 +491,37 @@ class RolloutEngine:
                 raise RuntimeError("RolloutEngine: episodes are running but none can step")  # a bug, not bad input
         return [self._result(e) for e in episodes]
 
-    def _agree(self, feeds: bool, left: bool) -> tuple[bool, bool]:
-        """One all-reduce (max) over ``lockstep_group``: whether any rank has tokens to feed this step, and whether
-        any rank has episodes left (running or queued)."""
+    def _check_ids(self, ids: list[int], what: str) -> None:
+        """Token ids in ``[0, vocab_size)`` or a ValueError naming ``what`` and the first bad id: the engine checks
+        every id it feeds on the host (prompts here, tool turns when they come; sampled ids are in range by
+        construction), so the model's forward can skip its own check, a device sync per step."""
+        vocab = self.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{what}: token id {bad!r} is outside [0, vocab_size={vocab})")
+
+    def _agree(self, feeds: bool, left: bool, failed: bool = False) -> tuple[bool, bool]:
+        """One all-reduce (max) over ``lockstep_group``: whether any rank has tokens to feed this step, whether any
+        rank has episodes left (running or queued), and which rank (if any) failed (``failed``: this one did; its
+        ``1 + rank``, 0 for none, so the max names a failed rank).
+
+        Raises:
+            RuntimeError: another rank announced a failure (naming the highest such rank of the group).
+        """
         group = self.lockstep_group
         # NCCL reduces CUDA tensors only; gloo (and the others) host tensors
         device = self.device if dist.get_backend(group) == "nccl" else "cpu"
-        flags = torch.tensor([int(feeds), int(left)], dtype=torch.int64, device=device)
+        rank = dist.get_rank(group)
+        flags = torch.tensor([int(feeds), int(left), rank + 1 if failed else 0], dtype=torch.int64, device=device)
+        phase, self._phase = self._phase, "agree"
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        return bool(flags[0]), bool(flags[1])
+        feeds_any, left_any, failed_rank = flags.tolist()  # one host read for the three
+        self._phase = phase
+        if failed_rank and not failed:
+            self._phase = "peer"
+            raise RuntimeError(f"RolloutEngine: rank {failed_rank - 1} of lockstep_group failed in run() (its own "
+                               f"error is in its log); rank {rank} stops with it")
+        return bool(feeds_any), bool(left_any)
 
     def _idle_step(self) -> None:
         """A forward that keeps this rank in step with the others of ``lockstep_group`` while it has nothing to feed:
@@ -452,8 +529,10 @@ class RolloutEngine:
         runs every module the engine's step runs, so it issues the same collectives, and touches no slot."""
         token = torch.tensor([[min(self.eos)]], dtype=torch.long, device=self.device)
         start = time.perf_counter()
+        phase, self._phase = self._phase, "forward"
         self.causal_lm(input_ids=token, use_cache=False, prefill_chunk_size=0, output_router_logits=False,
                        logits_to_keep=1)
+        self._phase = phase
         self.stats["forward_s"] += time.perf_counter() - start
         self.stats["idle_steps"] += 1
 
@@ -503,14 +582,16 @@ class RolloutEngine:
         self.stats["tokens"] += sum(lengths)
         self.stats["decode_tokens"] += sum(n for n in lengths if n == 1)
         self.stats["prefill_tokens"] += sum(n for n in lengths if n > 1)
+        picks = []  # (episode, its row of logits): who samples a token this step
         for row, (episode, _) in enumerate(feeds):
             if episode.pending:
                 continue  # more of its prompt / tool turn to feed
             if episode.followers or (episode.turn_index == 0 and not episode.turn and episode.prefix is None):
                 self._fork(episode)
-            for member in [episode, *episode.followers]:
-                self._sample(member, logits[row])
+            picks += [(member, row) for member in [episode, *episode.followers]]
             episode.followers = []
+        if picks:
+            self._sample(picks, logits)
 
     def _fork(self, leader: _Episode) -> None:
         """The leader has prefilled the group's prompt: its MLA rows become the group's prefix, its KDA and conv
@@ -523,25 +604,65 @@ class RolloutEngine:
                     pool[member.slot].copy_(pool[leader.slot])
         self.stats["forks"] += 1
 
-    def _sample(self, episode: _Episode, logits: torch.Tensor) -> None:
-        """Pick the episode's next token from its raw logits ``[V]`` (module docstring) and advance its turn."""
-        if episode.processors is None or not episode.turn:  # a new turn: generate builds its processors per call
-            episode.processors = self.causal_lm._get_logits_processor(
-                generation_config=self.generation_config, input_ids_seq_length=len(episode.ids),
-                encoder_input_ids=None, prefix_allowed_tokens_fn=None,
-                logits_processor=self.extra_processors or LogitsProcessorList(), device=self.device, model_kwargs={})
-            if self.generation_config.stop_strings:
-                episode.stop = StopStringCriteria(self.tokenizer, self.generation_config.stop_strings)
+    # Logits processors that read only the scores (never the ids) and hold no per-sequence state: built from the one
+    # generation config, they are the same for every episode, so one call on the rows of every such episode of a
+    # step gives each row what its own call gives (each works row by row).
+    _ROW_WISE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+    def _sample(self, picks: list[tuple[_Episode, int]], logits: torch.Tensor) -> None:
+        """Pick the next token of every episode of ``picks`` (``(episode, row)``: its raw logits are ``logits[row]``,
+        ``logits [F, V]``; a group's members share their leader's row) as the module docstring says, and advance
+        their turns. One batched op per stage where the processors allow it (module docstring): the log-softmax of
+        every row, the row-wise processors on every row that has only those, one ``argmax`` (greedy) or one
+        ``softmax`` and a ``multinomial`` per episode with its own generator (one batched draw cannot reproduce
+        per-episode generator streams); then one host sync for every token and log-prob of the step."""
+        for episode, _ in picks:
+            if episode.processors is None or not episode.turn:  # a new turn: generate builds its processors per call
+                episode.processors = self.causal_lm._get_logits_processor(
+                    generation_config=self.generation_config, input_ids_seq_length=len(episode.ids),
+                    encoder_input_ids=None, prefix_allowed_tokens_fn=None,
+                    logits_processor=self.extra_processors or LogitsProcessorList(), device=self.device,
+                    model_kwargs={})
+                if self.generation_config.stop_strings:
+                    episode.stop = StopStringCriteria(self.tokenizer, self.generation_config.stop_strings)
+        rows = [row for _, row in picks]
         raw = logits.float()
-        if len(episode.processors):
-            scores = episode.processors(episode.ids_tensor(self.device), raw[None].clone())
-        else:  # greedy / plain sampling: no processor reads the ids
-            scores = raw[None]
+        if rows != list(range(logits.shape[0])):  # a fork's members share a row, a prefilling feed samples nothing
+            raw = torch.stack([raw[row] for row in rows])  # views, one copy
+        logprobs = torch.log_softmax(raw / self.logprob_temperature, dim=-1)  # [M, V]
+        # the processors are built from one config (plus the same extra ones), so in practice either every episode
+        # of the step has row-wise ones only (greedy: none) or none has; both kinds side by side still work
+        row_wise = [i for i, (e, _) in enumerate(picks) if all(type(p) in self._ROW_WISE for p in e.processors)]
+        others = sorted(set(range(len(picks))) - set(row_wise))
+        scores = raw
+        if row_wise and len(picks[row_wise[0]][0].processors):
+            processors = picks[row_wise[0]][0].processors
+            no_ids = raw.new_zeros(len(row_wise), 0, dtype=torch.long)  # they read no ids
+            if not others:  # the row-wise processors return new tensors (none writes its input)
+                scores = processors(no_ids, raw)
+            else:
+                scores = raw.clone()
+                scores[row_wise] = processors(no_ids, raw[row_wise])
+        if others:
+            scores = scores.clone() if scores is raw else scores
+            for i in others:
+                episode = picks[i][0]
+                scores[i] = episode.processors(episode.ids_tensor(self.device), raw[i:i + 1].clone())[0]
         if self.do_sample:
-            token = int(torch.multinomial(F.softmax(scores, dim=-1), 1, generator=episode.generator)[0, 0])
+            probs = F.softmax(scores, dim=-1)
+            tokens = torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=e.generator)[0]
+                                for i, (e, _) in enumerate(picks)])
         else:
-            token = int(scores[0].argmax())
-        episode.logprobs.append(float(torch.log_softmax(raw / self.logprob_temperature, dim=-1)[token]))
+            tokens = scores.argmax(-1)
+        picked = logprobs.gather(1, tokens[:, None])[:, 0]
+        # the step's one host sync: every token and log-prob (float32 and ids below 2**53 are exact in float64)
+        tokens_host, logprobs_host = torch.stack([tokens.double(), picked.double()]).tolist()
+        for (episode, _), token, logprob in zip(picks, tokens_host, logprobs_host, strict=True):
+            self._advance(episode, int(token), logprob)
+
+    def _advance(self, episode: _Episode, token: int, logprob: float) -> None:
+        """Append the episode's sampled ``token`` (its log-prob ``logprob``) and end its turn where it ends."""
+        episode.logprobs.append(logprob)
         episode.ids.append(token)
         episode.mask.append(1)
         episode.turn.append(token)
@@ -613,6 +734,7 @@ class RolloutEngine:
     def _tool_results(self, episode: _Episode, job: _ToolJob) -> None:
         episode.failures += job.failures
         suffix = list(self.tool_suffix_ids(job.messages))
+        self._check_ids(suffix, f"episode {episode.index}: tool_suffix_ids(...)")
         completion_len = len(episode.ids) - episode.prompt_len
         if completion_len + len(suffix) > self.budget or len(episode.ids) + len(suffix) >= self.max_model_len:
             episode.ended = "budget"  # TRL drops this tool result; the episode ends with its completion as it is
@@ -640,15 +762,27 @@ class RolloutEngine:
     def _forward(self, feeds: list[tuple[_Episode, list[int]]]) -> torch.Tensor:
         """One forward of the model over every feed's tokens (flattened into one row); returns the raw logits at
         each feed's last token, ``[len(feeds), V]``."""
-        lengths = torch.tensor([len(t) for _, t in feeds], device=self.device)
-        ends = lengths.cumsum(0)
-        starts = ends - lengths
-        row = torch.repeat_interleave(torch.arange(len(feeds), device=self.device), lengths)
-        col = torch.arange(int(ends[-1]), device=self.device) - starts[row]
+        # the step's layout built on the host and copied in one transfer (a handful of small tensors each copied
+        # alone cost a host→device copy and a launch apiece per step); the host lists stay for the host's own use
+        lengths = [len(t) for _, t in feeds]
+        starts, total = [], 0
+        for n in lengths:
+            starts.append(total)
+            total += n
+        S = len(feeds)
+        decode_only = total == S  # every sequence one token: row is 0 … S − 1 and col is 0
+        row = list(range(S)) if decode_only else [i for i, n in enumerate(lengths) for _ in range(n)]
+        col = [0] * S if decode_only else [c for n in lengths for c in range(n)]
+        keep = [a + n - 1 for a, n in zip(starts, lengths, strict=True)]
+        host = torch.tensor([t for _, tokens in feeds for t in tokens] + lengths + starts + keep
+                            + [e.slot for e, _ in feeds] + row + col, dtype=torch.long)
+        on_device = host.to(self.device, non_blocking=True)
+        input_ids, lengths_d, starts_d, last, slots, row_d, col_d = on_device.split([total, S, S, S, S, total, total])
         self._layout = types.SimpleNamespace(
-            episodes=[e for e, _ in feeds], lengths=lengths, starts=starts, row=row, col=col,
-            slots=torch.tensor([e.slot for e, _ in feeds], device=self.device), t_max=int(lengths.max()))
-        input_ids = torch.tensor([[t for _, tokens in feeds for t in tokens]], device=self.device)
+            episodes=[e for e, _ in feeds], lengths=lengths_d, starts=starts_d, row=row_d, col=col_d, slots=slots,
+            t_max=max(lengths), host_lengths=lengths, host_starts=starts,
+            host_slots=[e.slot for e, _ in feeds])
+        input_ids = input_ids[None]
         layers = self.backbone.layers
         for layer in layers:
             mix = self._kda_mix if layer.layer_type == "linear_attention" else self._mla_mix
@@ -658,8 +792,14 @@ class RolloutEngine:
         try:
             # through the top module, as generate does: under FSDP2 its hooks gather the embeddings, final norm and
             # head (the decoder layers gather their own); only the feeds' last rows reach the head
-            logits = self.causal_lm(input_ids=input_ids, use_cache=False, prefill_chunk_size=0,
-                                    output_router_logits=False, logits_to_keep=ends - 1).logits
+            # every fed id was checked on the host (_check_ids): the model's own check would read the ids back
+            with inputs_prevalidated():
+                if self._phase == "step":
+                    self._phase = "forward"  # from here the forward's collectives may have started
+                logits = self.causal_lm(input_ids=input_ids, use_cache=False, prefill_chunk_size=0,
+                                        output_router_logits=False, logits_to_keep=last).logits
+                if self._phase == "forward":
+                    self._phase = "after"  # the others are past this forward: a failure now meets their next agree
         finally:
             for layer in layers:
                 del layer._mix
@@ -723,25 +863,33 @@ class RolloutEngine:
         ``tokens``, their flat positions); None where there are none."""
         lay = self._layout
         if getattr(lay, "split", None) is None:
-            lengths = lay.lengths.tolist()
+            # the host's lists of the step (a layout built elsewhere, e.g. by a test, has only the tensors)
+            lengths = getattr(lay, "host_lengths", None) or lay.lengths.tolist()
+            starts = getattr(lay, "host_starts", None) or lay.starts.tolist()
             one = [i for i, n in enumerate(lengths) if n == 1]
             many = [i for i, n in enumerate(lengths) if n != 1]
             device = lay.lengths.device
             decode = rest = None
-            if one:
-                pick = torch.tensor(one, device=device)
-                tokens = None  # every sequence is one token: all the rows, in order
-                if many:  # the decodes first (the step's order) are rows 0 … n − 1: views, no gather
-                    tokens = slice(0, len(one)) if one[-1] == len(one) - 1 else lay.starts[pick]
-                decode = types.SimpleNamespace(tokens=tokens, slots=lay.slots[pick].to(torch.int32))
-            if many:
-                pick = torch.tensor(many, device=device)
-                sub_lengths = lay.lengths[pick]
-                row = torch.repeat_interleave(torch.arange(len(many), device=device), sub_lengths)
-                ends = sub_lengths.cumsum(0)
-                col = torch.arange(sum(lengths[i] for i in many), device=device) - (ends - sub_lengths)[row]
-                rest = types.SimpleNamespace(lengths=sub_lengths, slots=lay.slots[pick], row=row, col=col,
-                                             t_max=max(lengths[i] for i in many), tokens=lay.starts[pick][row] + col)
+            if one and not many:  # every sequence is one token: all the rows, in order, every slot
+                decode = types.SimpleNamespace(tokens=None, slots=lay.slots.to(torch.int32))
+            else:
+                # every index either side needs, built on the host as one tensor and copied once
+                contiguous = bool(one) and one[-1] == len(one) - 1  # the decodes first (the step's order): a view
+                d_tokens = [] if contiguous else [starts[i] for i in one]
+                r_row = [j for j, i in enumerate(many) for _ in range(lengths[i])]
+                r_col = [c for i in many for c in range(lengths[i])]
+                r_tokens = [starts[i] + c for i in many for c in range(lengths[i])]
+                slots_host = getattr(lay, "host_slots", None) or lay.slots.tolist()
+                parts = [d_tokens, [slots_host[i] for i in one], [lengths[i] for i in many],
+                         [slots_host[i] for i in many], r_row, r_col, r_tokens]
+                pieces = torch.tensor([v for part in parts for v in part], dtype=torch.long).to(
+                    device, non_blocking=True).split([len(p) for p in parts])
+                if one:
+                    tokens = slice(0, len(one)) if contiguous else pieces[0]
+                    decode = types.SimpleNamespace(tokens=tokens, slots=pieces[1].to(torch.int32))
+                rest = types.SimpleNamespace(lengths=pieces[2], slots=pieces[3], row=pieces[4], col=pieces[5],
+                                             t_max=max(lengths[i] for i in many), tokens=pieces[6],
+                                             host_lengths=[lengths[i] for i in many])
             lay.split = (decode, rest)
         return lay.split
 
@@ -795,12 +943,19 @@ class RolloutEngine:
         kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                       A_log=attn.A_log, dt_bias=attn.dt_bias, lower_bound=attn.lower_bound, backend=backend)
         initial = rec_pool[lay.slots]
-        one = lay.lengths == 1
-        for select, recurrent in ((one, True), (~one, False)):
-            seqs = select.nonzero().flatten()
-            if not seqs.numel():
-                continue
-            tokens = select[lay.row].nonzero().flatten()  # positions of these sequences' tokens among lay's
+        host = getattr(lay, "host_lengths", None)
+        if host is not None and (min(host) > 1 or max(host) == 1):
+            # one kind of sequence only (known on the host): all of them, no nonzero (a device read each)
+            every = slice(None)
+            splits = [(every, every, max(host) == 1)]
+        else:
+            one = lay.lengths == 1
+            splits = []
+            for select, recurrent in ((one, True), (~one, False)):
+                seqs = select.nonzero().flatten()
+                if seqs.numel():  # positions of these sequences' tokens among lay's
+                    splits.append((seqs, select[lay.row].nonzero().flatten(), recurrent))
+        for seqs, tokens, recurrent in splits:
             parts = [t[0, tokens] for t in (q, k, v, f, beta)]
             if recurrent:  # one token on a state: generate's decode-step op
                 out, final = fused_recurrent_kda(*(p[:, None] for p in parts), initial_state=initial[seqs], **kwargs)
@@ -812,7 +967,10 @@ class RolloutEngine:
                 out = out[0]
             if o is None:
                 o = out.new_empty(total, *out.shape[1:])
-            o[tokens if rows is None else rows[tokens]] = out
+            if rows is None:
+                o[tokens] = out
+            else:
+                o[rows if isinstance(tokens, slice) else rows[tokens]] = out
             rec_pool[lay.slots[seqs]] = final.float()
         return o
 
@@ -841,7 +999,8 @@ class RolloutEngine:
         if shared:
             q_lat = torch.cat([q_lat, q[..., nope:]], -1)  # [N, H, R + shared]
         o_lat = q_lat.new_zeros(N, H, R, dtype=torch.float32)
-        starts, lengths = lay.starts.tolist(), lay.lengths.tolist()
+        starts = getattr(lay, "host_starts", None) or lay.starts.tolist()
+        lengths = getattr(lay, "host_lengths", None) or lay.lengths.tolist()
         decoded = set()
         if rows.dtype == q_lat.dtype and self._slot_kernels(attn, x):
             decoded = self._mla_decode(attn, q_lat, rows, o_lat, starts, lengths)
@@ -853,7 +1012,10 @@ class RolloutEngine:
             prefix = lay.episodes[members[0]].prefix
             prefix = prefix[attn.layer_idx] if prefix is not None else rows.new_zeros(0, rows.shape[-1])
             spans = [range(starts[s], starts[s] + lengths[s]) for s in members]
-            tokens = torch.tensor([i for span in spans for i in span], device=x.device)
+            if len(spans) == 1:  # one sequence (no group, or one member in the step): a view, no host data
+                tokens = slice(spans[0].start, spans[0].stop)
+            else:
+                tokens = torch.tensor([i for span in spans for i in span], device=x.device)
             queries = q_lat[tokens].float()
             # the group's prefix: read once for every query of the group (scores, then values)
             s_prefix = torch.einsum("nhr,lr->nhl", queries, prefix.float()) * attn.scaling
@@ -889,13 +1051,14 @@ class RolloutEngine:
         picked = [s for s, n in enumerate(lengths) if n == 1]
         if not picked:
             return set()
-        prefixes, index, group, own = [], {}, [], []
+        prefixes, index, group, own, new = [], {}, [], [], []
         for s in picked:
             episode = lay.episodes[s]
             buffer = episode.own.get(attn.layer_idx)
             if buffer is None:
                 buffer = episode.own[attn.layer_idx] = _Rows(rows.shape[-1], rows)
-            own.append(buffer.append(rows[starts[s]:starts[s] + 1]))  # a view of the buffer: contiguous rows
+            new.append(buffer.extend(1)[0])
+            own.append(buffer.valid())  # a view of the buffer: contiguous rows
             if episode.prefix is None:
                 group.append(-1)
                 continue
@@ -903,8 +1066,10 @@ class RolloutEngine:
                 index[id(episode.prefix)] = len(prefixes)
                 prefixes.append(episode.prefix[attn.layer_idx])
             group.append(index[id(episode.prefix)])
-        tokens = slice(0, len(picked)) if picked[-1] == len(picked) - 1 else torch.tensor(
-            [starts[s] for s in picked], device=q_lat.device)  # the decodes first (the step's order): a view
+        # the decodes first (the step's order): a view; else their flat positions, copied once per step
+        tokens = slice(0, len(picked)) if picked[-1] == len(picked) - 1 else self._decode_split()[0].tokens
+        # every decode's new row into its own buffer in one op (a copy per episode was a launch per episode)
+        torch._foreach_copy_(new, list(rows[tokens].unbind(0)))
         out = kdamoe_kernels().latent_attention_shared_prefix(q_lat[tokens], prefixes, group, own, attn.scaling,
                                                                 value_dim=o_lat.shape[-1])
         o_lat[tokens] = out.float()
