@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.utils.hub import convert_file_size_to_int
 
+from .common.run_folder import pid_alive
 from .model import KDAMoEConfig, KDAMoEForCausalLM
 from .model.checkpoint_formats import checkpoint_files, iter_safetensors, read_config_dict
 from .model.kimi_k3_format import (
@@ -191,20 +192,10 @@ def _remove_stale_partial_folders(dst: Path) -> None:
         return
     for path in dst.parent.glob(f"{prefix}*"):
         pid = path.name[len(prefix):]
-        if not pid.isdigit() or _process_alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         logger.warning("removing %s, the partial output of an interrupted conversion (process %s)", path, pid)
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
 
 
 def _move_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:

@@ -74,7 +74,9 @@ class RunFolderError(ValueError):
     """A run cannot use its output folder (another writer, another job's run, files it did not write)."""
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (``kill(pid, 0)``; a live process of another user counts).
+    Used to tell a stale lock or partial folder, left by a killed process, from one still being written."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -123,7 +125,7 @@ class RunFolderLock:
                         self.say(f"{self.path}: unreadable lock (a crash while it was written); taking it over")
                         self.path.unlink(missing_ok=True)
                     continue
-                if holder.get("host") == me["host"] and not _pid_alive(int(holder.get("pid", -1))):
+                if holder.get("host") == me["host"] and not pid_alive(int(holder.get("pid", -1))):
                     self.say(f"{self.path}: stale lock of pid {holder.get('pid')} (no longer running); taking it over")
                     self.path.unlink(missing_ok=True)
                     continue
