@@ -45,13 +45,29 @@ def train_main(argv: list[str] | None = None) -> int:
 def _user_errors_exit_2(parser: argparse.ArgumentParser, fn, *args, **kwargs):
     """``fn(*args, **kwargs)``; a ``ValueError`` raised by kdamoe's own checks (a value, path or folder the user gave:
     its message names it and the fix) becomes ``parser.error`` (one line, exit 2). A ``ValueError`` from inside a
-    library, and every other exception, keeps its traceback."""
+    library, and every other exception, keeps its traceback.
+
+    Whatever happens, a process group the job set up (accelerate / TRL under ``torchrun``) is destroyed before the
+    process exits: left to interpreter shutdown, gloo's worker threads can still hold work objects and the process
+    dies of ``terminate called without an active exception`` (SIGABRT) after a finished run (pytorch/pytorch#190489;
+    seen on a 4-process CPU run).
+    """
     try:
         return fn(*args, **kwargs)
     except ValueError as err:
         if not _raised_by_kdamoe(err):
             raise
         parser.error(str(err))
+    finally:
+        _destroy_process_group()
+
+
+def _destroy_process_group() -> None:
+    """``torch.distributed.destroy_process_group()`` when a default group exists; a no-op otherwise."""
+    import torch.distributed as dist  # noqa: PLC0415 (deferred like every torch import of this module)
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 _THREADS_HELP = ("torch intra-op threads on the CPU (default 1: the small models gain ~20%% from a second thread "
