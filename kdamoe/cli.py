@@ -47,27 +47,39 @@ def _user_errors_exit_2(parser: argparse.ArgumentParser, fn, *args, **kwargs):
     its message names it and the fix) becomes ``parser.error`` (one line, exit 2). A ``ValueError`` from inside a
     library, and every other exception, keeps its traceback.
 
-    Whatever happens, a process group the job set up (accelerate / TRL under ``torchrun``) is destroyed before the
-    process exits: left to interpreter shutdown, gloo's worker threads can still hold work objects and the process
-    dies of ``terminate called without an active exception`` (SIGABRT) after a finished run (pytorch/pytorch#190489;
-    seen on a 4-process CPU run).
+    A process group the job sets up (accelerate / TRL under ``torchrun``) is destroyed at interpreter exit
+    (:func:`_destroy_process_group_at_exit`), not here: a process may run several jobs in turn in one group (the
+    multi-run test harnesses do), and accelerate keeps its process state for the process's lifetime.
     """
+    _destroy_process_group_at_exit()
     try:
         return fn(*args, **kwargs)
     except ValueError as err:
         if not _raised_by_kdamoe(err):
             raise
         parser.error(str(err))
-    finally:
-        _destroy_process_group()
 
 
-def _destroy_process_group() -> None:
-    """``torch.distributed.destroy_process_group()`` when a default group exists; a no-op otherwise."""
-    import torch.distributed as dist  # noqa: PLC0415 (deferred like every torch import of this module)
+_EXIT_HOOK = []
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+
+def _destroy_process_group_at_exit() -> None:
+    """Register (once per process) an ``atexit`` hook that calls ``torch.distributed.destroy_process_group()`` when a
+    default group exists. Left to interpreter finalization, gloo's worker threads can still hold work objects and a
+    finished rank dies of ``terminate called without an active exception`` (SIGABRT; pytorch/pytorch#190489, seen
+    on a 4-process CPU run); ``atexit`` hooks run while the interpreter is still whole."""
+    if _EXIT_HOOK:
+        return
+    import atexit  # noqa: PLC0415 (deferred like the rest of this module's imports)
+
+    def destroy() -> None:
+        import torch.distributed as dist  # noqa: PLC0415 (only a process that ran a job gets here)
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(destroy)
+    _EXIT_HOOK.append(destroy)
 
 
 _THREADS_HELP = ("torch intra-op threads on the CPU (default 1: the small models gain ~20%% from a second thread "

@@ -20,6 +20,7 @@ histograms count the same tokens in the same bins unless a margin lies within ro
 ``(max b − min b + 2) / qb_num_bins`` ≈ 2e-3 wide), so the biases came out bitwise equal; ``BIAS_ATOL = 1e-6``.
 """
 
+import atexit
 import json
 import os
 import random
@@ -63,9 +64,9 @@ def _launch(tmp_path, name: str, processes: int) -> dict:
     launch_processes(args, processes, DEADLINE_S)
     progress = json.loads((tmp_path / name / "checkpoints" / f"stage0-step{STEPS:06d}" / "progress.json").read_text())
     ranks = [torch.load(dump / f"rank{rank}.pt") for rank in range(processes)]
-    # kdamoe-train destroys the process group it set up: one left to interpreter shutdown can abort a finished rank
-    # (gloo threads; seen as SIGABRT on a 4-process run in CI)
-    assert not any(rank["group_left"] for rank in ranks)
+    # kdamoe-train destroys the process group it set up before the interpreter finalizes: one left to finalization
+    # can abort a finished rank (gloo threads; seen as SIGABRT on a 4-process run in CI)
+    assert [(dump / f"exit{rank}.txt").read_text() for rank in range(processes)] == ["False"] * processes
     return {"losses": [loss for _, loss in progress["losses"]], "ranks": ranks}
 
 
@@ -137,9 +138,11 @@ def _train_recording(dump: Path, argv: list[str]) -> int:
         biases.append(torch.stack([r.e_score_correction_bias.clone() for r in self._routers()]))
 
     KDAMoEForCausalLM.forward, KDAMoEForCausalLM.update_router_biases = recording_forward, recording_update
+    # registered before kdamoe-train registers its own hook, so it runs after it (atexit runs hooks last-in first-out)
+    atexit.register(lambda: (dump / f"exit{os.environ.get('RANK', '0')}.txt").write_text(
+        str(torch.distributed.is_initialized())))
     status = train_main(argv)
-    torch.save({"rows": torch.stack(rows), "biases": torch.stack(biases),
-                "group_left": torch.distributed.is_initialized()},
+    torch.save({"rows": torch.stack(rows), "biases": torch.stack(biases)},
                dump / f"rank{os.environ.get('RANK', '0')}.pt")
     return status
 
