@@ -1,8 +1,9 @@
 """latent_attention_shared_prefix (one MLA decode query per sequence over its group's shared prefix rows, read once
 for the group's members, and its own rows) against a float64 softmax over each sequence's rows concatenated
-(``naive_latent_attention_shared_prefix``) and against ``latent_attention`` on them; argument errors. ``SharedPrefixPlan`` (the same kernels on fixed-capacity
-tables, refilled step after step, as the rollout engine's captured decode steps use them) against the same float64
-reference, and ``write_rows_at`` (rows written to addresses read from a device table) against plain copies.
+(``naive_latent_attention_shared_prefix``) and against ``latent_attention`` on them; argument errors.
+``SharedPrefixPlan`` (the same kernels on fixed-capacity tables, refilled step after step, as the rollout engine's
+captured decode steps use them) against the same float64 reference, and ``write_rows_at`` (rows written to
+addresses read from a device table) against plain copies.
 
 Runs on the CPU interpreter (tests/conftest.py) in float32 and float16; with KDAMOE_TEST_ON_GPU=1 on a CUDA
 machine the same tests run on the GPU.
