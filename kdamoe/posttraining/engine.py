@@ -68,11 +68,22 @@ environment): Python cannot stop a thread, so the call keeps running on its aban
 for it.
 
 Host work of a step (on a GPU the host, not the kernels, set a decode step's time: docs/post-training.md, "Host
-work of a step"): the step's layout (token ids, lengths, starts, rows to keep, slots, row / column of every token)
-is built on the host and copied to the device as one tensor; the decode / prefill split likewise (one copy, none
-for a decode-only step); the ids the engine feeds are checked on the host, so the model's forward skips its own
-check (a device read); the decodes' new MLA rows go to their buffers in one ``torch._foreach_copy_``; and sampling
-reads the device once per step, for every episode's token and log-prob together.
+work of a step"): the ids the engine feeds are checked on the host, so the model's forward skips its own check (a
+device read), and sampling reads the device once per step, for every episode's token and log-prob together.
+
+* A step of one-token sequences whose every layer runs the slot kernels (the decode-only steps on a GPU) runs on the
+  *static inputs* of its batch-size bucket ``B`` (the next power of two of its sequence count, at most
+  ``num_slots``; :class:`_StaticStep`): one device buffer holding the token ids, the slot ids, and per MLA layer the
+  tables of a ``kdamoe.kernels.SharedPrefixPlan`` and the addresses of the step's new rows, filled from the host
+  as one tensor and copied once. Padding rows feed token 0 on a scratch slot (the pools have ``num_slots + 1``
+  rows), have no MLA keys and write no row; their logits are never read, and no op mixes rows. The forward then
+  reads only fixed addresses: on CUDA (``cuda_graphs=True``, not under ``lockstep_group``) the bucket's first such
+  step runs eagerly, the next captures a CUDA graph of the forward and every later one replays it
+  (:class:`_StepGraphs`: captured again when a parameter is replaced or moved, or the pools' or buffers' addresses
+  change). The same static path runs eagerly on every other device, so the CPU tests run what a GPU captures.
+* Any other step builds its layout (token ids, lengths, starts, rows to keep, slots, row / column of every token) on
+  the host and copies it to the device as one tensor; the decode / prefill split likewise; the decodes' new MLA
+  rows go to their buffers in one ``torch._foreach_copy_``.
 
 Sampling per episode, as ``generate`` does it: the logits processors ``generate`` builds from the generation config
 (repetition penalty, temperature, top-k, top-p, min-p, …; plus any ``logits_processor`` passed) on the episode's
