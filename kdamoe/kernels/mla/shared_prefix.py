@@ -18,6 +18,14 @@ prefix half or the own half. ``_combine_kernel`` merges, per query row, the spli
 segment by log-sum-exp (0 when neither has a key). The rows of each segment are reached through a table of
 addresses (``data_ptr``) so no row is copied: the engine's buffers are read where they are.
 
+Static form: :class:`SharedPrefixPlan` holds the tables (addresses, segments, members, groups) in one int64 device
+tensor of a fixed capacity (``max_sequences``, ``max_groups``), the float32 workspaces and the output, with a fixed
+split count P; ``update`` (or a caller's own copy of ``host_tables``) refills the tables from the host in one
+host→device copy and ``launch`` reads only the plan's tensors and q, on grids set by the capacity (a segment with no
+key or no row returns at once). A CUDA graph of the rollout engine's decode step captures ``launch``; the rows of the
+next step travel in the refilled tables. :func:`latent_attention_shared_prefix` is a plan sized to its call, updated,
+launched: one path.
+
 Reference: ``naive.naive_latent_attention_shared_prefix`` (float64, the rows of each sequence concatenated).
 """
 
