@@ -432,7 +432,9 @@ class _StepGraphs:
             self.entries.pop(key, None)  # its old graph's memory goes back to the pool first
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                # thread_local: the tool calls run on worker threads, whose CUDA calls (if any) must not break the
+                # capture (PyTorch's default, "global", refuses unsafe calls from every thread while capturing)
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
                     logits = forward()
             except RuntimeError as error:  # an op that cannot be captured: say so once, run the steps eagerly
                 warnings.warn(f"RolloutEngine: capturing a decode step failed ({error}); decoding without CUDA graphs",
