@@ -9,6 +9,10 @@ capture, first replay), ``torch.cuda.synchronize()`` before and after; the media
 forward, sampling, bookkeeping) and forward. ``<out>/engine_graphs.json`` is rewritten after every run, so a time
 limit leaves what was measured; the checks fail (exit 1) only after everything was written.
 
+Compiles: the Triton cache may be cold, so the steps that carry prompt pieces (the prefills, and the mixed steps
+beside them) run with ``kernel_backend="torch"`` (``--prefill-backend``; the engine reads the backend at every step),
+and only the decode steps' kernels compile; the decode-only steps run on ``"auto"`` (the kdamoe kernels).
+
 Model: the engine benchmark's shape (``harness.Shape``) reduced to 4 layers (3 KDA, 1 MLA), 64 experts top-8, random
 weights, bf16, ``kernel_backend="auto"`` (the kdamoe kernels on CUDA). Needs torch, triton, transformers and this
 checkout's ``kdamoe`` (not TRL: ``kdamoe.posttraining``'s package init, which imports the recipes, is skipped).
@@ -50,6 +54,8 @@ def parse_args(argv):
     p.add_argument("--context", type=int, default=None, help="prompt tokens (default 2048; smoke: 12)")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per run (default 20; smoke: 2)")
     p.add_argument("--budget-s", type=float, default=62.0, help="start no run after this many seconds")
+    p.add_argument("--prefill-backend", default="torch",
+                   help="kernel_backend of the steps carrying prompt pieces (default torch: no prefill compiles)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: a check of the script")
     a = p.parse_args(argv)
     a.slots = a.slots or ([1, 2] if a.smoke else [1, 8, 64, 32])
@@ -68,9 +74,10 @@ def build_model(smoke: bool):
     return build_kdamoe(Shape(num_hidden_layers=4), "cuda", torch.bfloat16)
 
 
-def play(model, specs, slots: int, graphs: bool, new_tokens: int, do_sample: bool) -> dict:
+def play(model, specs, slots: int, graphs: bool, new_tokens: int, do_sample: bool, prefill_backend: str) -> dict:
     """One engine run; returns its results, stats and the timings of its decode steps of ``slots`` sequences."""
     cuda = model.device.type == "cuda"
+    decode_backend = model.config.kernel_backend
     config = GenerationConfig(do_sample=do_sample, temperature=1.0 if do_sample else None, max_new_tokens=new_tokens,
                               pad_token_id=0)
     # an eos id the random model is unlikely to pick, so turns run to their cap (the steps stay full)
@@ -84,11 +91,14 @@ def play(model, specs, slots: int, graphs: bool, new_tokens: int, do_sample: boo
             torch.cuda.synchronize()
 
     def timed_forward(feeds):
+        decode = all(len(t) == 1 for _, t in feeds)
+        model.config.kernel_backend = decode_backend if decode else prefill_backend
         sync()
         start = time.perf_counter()
         out = forward(feeds)
         sync()
-        forwards.append((len(feeds), all(len(t) == 1 for _, t in feeds), time.perf_counter() - start))
+        forwards.append((len(feeds), decode, time.perf_counter() - start))
+        model.config.kernel_backend = decode_backend
         return out
 
     def timed_step(runnable):
@@ -137,7 +147,8 @@ def main(argv=None) -> int:
                          config={k: getattr(model.config, k) for k in (
                              "vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_experts",
                              "num_experts_per_tok", "kv_lora_rank", "kda_num_heads", "kda_head_dim")},
-                         context=a.context, timed_steps=a.steps, skipped_steps=SKIPPED_STEPS,
+                         context=a.context, prefill_backend=a.prefill_backend, timed_steps=a.steps,
+                         skipped_steps=SKIPPED_STEPS,
                          command=" ".join(["python", "benchmarks/check_engine_graphs.py", *(argv or sys.argv[1:])])),
                runs=[], checks=[])
     write_json(path, doc)
@@ -153,7 +164,7 @@ def main(argv=None) -> int:
         specs = episodes(model, count, context, group, seed=slots)
         runs = {}
         for graphs in (False, True):
-            run = play(model, specs, slots, graphs, new_tokens, sample)
+            run = play(model, specs, slots, graphs, new_tokens, sample, a.prefill_backend)
             runs[graphs] = run
             row = dict(case=name, slots=slots, episodes=count, context=context, graphs=graphs,
                        static_path=run["static_path"], steps_timed=len(run["step_ms"]),
