@@ -152,7 +152,9 @@ def main(argv=None) -> int:
                          command=" ".join(["python", "benchmarks/check_engine_graphs.py", *(argv or sys.argv[1:])])),
                runs=[], checks=[])
     write_json(path, doc)
-    cases = [("greedy", n, n, min(n, 8), a.context, a.steps + SKIPPED_STEPS + 1, False) for n in a.slots]
+    # + 3 tokens: the groups admitted in the first step start decoding up to two steps before the last group, and
+    # end as many steps before it (those steps have fewer than N sequences)
+    cases = [("greedy", n, n, min(n, 8), a.context, a.steps + SKIPPED_STEPS + 3, False) for n in a.slots]
     # 6 sampled episodes (3 prompts) on 8 slots: the bucket of 8 with padding rows; short prompts
     padding = ("sampled, padding rows", 8 if not a.smoke else 4, 6 if not a.smoke else 3, 2, 16, 8, True)
     cases.insert(1, padding)
