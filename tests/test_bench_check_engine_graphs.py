@@ -23,7 +23,7 @@ from harness import load_script  # noqa: E402  (the benchmarks folder is not a p
 def test_check_engine_graphs_smoke(tmp_path, monkeypatch):
     monkeypatch.setattr(RolloutEngine, "_slot_kernels",
                         lambda self, attn, x: self.use_slot_kernels and getattr(attn, "lower_bound", 0) is not None)
-    assert load_script("check_engine_graphs").main(["--smoke", "--out", str(tmp_path)]) == 0
+    assert load_script("check_engine_graphs").main(["--smoke", "--steps", "1", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "engine_graphs.json").read_text())
     assert doc["passed"] and doc["meta"]["smoke"]
     cases = {(c["case"], c["slots"]) for c in doc["checks"]}
@@ -33,4 +33,4 @@ def test_check_engine_graphs_smoke(tmp_path, monkeypatch):
     for row in doc["runs"]:
         assert row["static_path"] and row["graph_captures"] == row["graph_replays"] == 0
         if row["case"] == "greedy":
-            assert row["steps_timed"] == 2 and row["step_ms"] > 0
+            assert row["steps_timed"] >= 1 and row["step_ms"] > 0
