@@ -239,6 +239,7 @@ class SharedPrefixPlan:
         self.l_ws = torch.empty(2, P, N * H, dtype=torch.float32, device=device)
         self.out = torch.zeros(N, H, R, dtype=dtype, device=device)
         self._staging = self._copied = None  # update()'s pinned host buffer and the event of its last copy
+        self._updated = False
 
     @staticmethod
     def table_size(max_sequences: int, max_groups: int) -> int:
@@ -297,11 +298,13 @@ class SharedPrefixPlan:
         return key_ptrs + segments + members + list(group) + [-1] * (N_cap - N)
 
     def update(self, prefixes, group, own) -> None:
-        """Fill the device tables for one step (arguments and errors: :meth:`host_tables`) in one host→device copy,
-        through a pinned buffer on CUDA (reused once its previous copy has run)."""
+        """Fill the device tables for one step (arguments and errors: :meth:`host_tables`) in one host→device copy;
+        on CUDA from the plan's second update on through a pinned buffer of its own (reused once its previous copy
+        has run), so a plan made for one call (:func:`latent_attention_shared_prefix`) allocates no pinned memory."""
         values = torch.tensor(self.host_tables(prefixes, group, own), dtype=torch.int64)
-        if self.device.type != "cuda":
-            self.tables.copy_(values)
+        if self.device.type != "cuda" or not self._updated:
+            self._updated = True
+            self.tables.copy_(values, non_blocking=True)  # from pageable memory: the copy is staged before it returns
             return
         if self._staging is None:
             self._staging = torch.empty(values.shape, dtype=torch.int64, pin_memory=True)
