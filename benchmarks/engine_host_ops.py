@@ -74,8 +74,11 @@ def _synced(method):
 
 
 def _patch():
-    for name in ("fused_recurrent_kda_slots", "causal_conv1d_update_slots", "latent_attention_shared_prefix"):
+    for name in ("fused_recurrent_kda_slots", "causal_conv1d_update_slots", "latent_attention_shared_prefix",
+                 "write_rows_at"):
         setattr(kernels, name, _paused(getattr(kernels, name), name))
+    # the static decode steps' MLA attention (a method of the plan)
+    kernels.SharedPrefixPlan.launch = _paused(kernels.SharedPrefixPlan.launch, "SharedPrefixPlan.launch")
     RolloutEngine._slot_kernels = lambda self, attn, x: True
     tolist = torch.Tensor.tolist
 

@@ -72,16 +72,25 @@ def _compare(model, monkeypatch, index_rows=False):
         return decode, rest
 
     monkeypatch.setattr(RolloutEngine, "_decode_split", spy_split)
+    static_forward, static = RolloutEngine._static_forward, []
+
+    def spy_static(self, feeds):
+        static.append(len(feeds))
+        return static_forward(self, feeds)
+
+    monkeypatch.setattr(RolloutEngine, "_static_forward", spy_static)
 
     without = _engine(model, False).run(specs)
-    assert calls == {"kda": 0, "conv": 0, "mla": 0} and not steps
+    assert calls == {"kda": 0, "conv": 0, "mla": 0} and not steps and not static
     engine = _engine(model, True)
     got = engine.run(specs)
     kda_layers = sum(layer.layer_type == "linear_attention" for layer in model.model.layers)
     mla_layers = len(model.model.layers) - kda_layers
-    assert len(steps) == kda_layers * engine.stats["steps"]  # every KDA layer of every step asked
+    # the decode-only steps take the static path (tests/test_engine_static_steps.py), every other step asks every
+    # KDA layer for its split
+    assert static and len(steps) == kda_layers * (engine.stats["steps"] - len(static))
     with_decodes = sum(decode for decode, _ in steps)
-    assert calls["kda"] == calls["conv"] == with_decodes > 0
+    assert calls["kda"] == calls["conv"] == with_decodes + kda_layers * len(static) and with_decodes > 0
     assert calls["mla"] == with_decodes // kda_layers * mla_layers
     assert (True, True) in steps  # a step where prefills and decodes ran side by side
     for g, w in zip(got, without, strict=True):

@@ -40,5 +40,6 @@ def test_engine_gets_no_more_slots_than_episodes(base, tmp_path, monkeypatch):  
         (_, completion_ids, *_), _ = _play(trainer, _rows(trainer, [tasks[0], tasks[0], tasks[1], tasks[1]]))
         completions[slots] = completion_ids
     assert [engine.num_slots for engine in built] == [4, 2]  # four episodes; 2 is fewer, so it stays
-    assert built[0].recurrent and all(state.shape[0] == 4 for state in built[0].recurrent.values())
+    # four episodes' slots plus the scratch slot of the static steps' padding rows
+    assert built[0].recurrent and all(state.shape[0] == 4 + 1 for state in built[0].recurrent.values())
     assert completions[1000] == completions[2]

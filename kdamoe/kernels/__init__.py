@@ -17,11 +17,12 @@ from .attnres import block_attnres
 from .conv import causal_conv1d, causal_conv1d_parts, causal_conv1d_update, causal_conv1d_update_slots
 from .kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_slots
 from .loss import causal_lm_loss
-from .mla import latent_attention, latent_attention_shared_prefix
+from .mla import SharedPrefixPlan, latent_attention, latent_attention_shared_prefix, write_rows_at
 from .moe import glu, moe_experts, moe_route
 from .norm import add_rms_norm, gated_rms_norm, rms_norm
 
 __all__ = [
+    "SharedPrefixPlan",
     "add_rms_norm",
     "block_attnres",
     "causal_conv1d",
@@ -39,4 +40,5 @@ __all__ = [
     "moe_experts",
     "moe_route",
     "rms_norm",
+    "write_rows_at",
 ]

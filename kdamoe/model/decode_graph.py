@@ -55,18 +55,11 @@ class DecodeGraph:
 
     def watch_parameters(self, model) -> None:
         """Record the model (weakly: the cache holds its graphs) and its parameter slots and their addresses."""
-        self.model = weakref.ref(model)
-        self.param_slots = [(module, name) for module in model.modules() for name, p in module._parameters.items()
-                            if p is not None]
-        self.param_ptrs = self._param_ptrs()
+        self.watch = ParameterWatch(model)
 
     def valid_for(self, model) -> bool:
         """Whether ``model`` is the captured one and every parameter slot still holds storage at the same address."""
-        return model is self.model() and self.param_ptrs == self._param_ptrs()
-
-    def _param_ptrs(self) -> list[int]:
-        params = (module._parameters.get(name) for module, name in self.param_slots)
-        return [-1 if p is None else p.data_ptr() for p in params]
+        return self.watch.valid_for(model)
 
     def replay(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """Run one step: ``input_ids [B, 1]`` int64, ``attention_mask [B, past + 1]`` (or None) → logits (a copy)."""
@@ -79,3 +72,33 @@ class DecodeGraph:
         self.graph.replay()
         cache.end_forward(1)
         return self.logits.clone()
+
+
+class ParameterWatch:
+    """What a captured graph read its weights from: a model's parameter slots (module, name), the ``Parameter`` each
+    held and its storage address, recorded once at capture.
+
+    A CUDA graph reads every weight at the address it had during the capture. In-place updates (an optimizer step,
+    ``load_state_dict``, an FSDP2 all-gather into the same buffer) keep it valid; a slot that now holds another
+    ``Parameter`` or storage at another address (``param.data = ...``, a re-gather into a new buffer, a replaced
+    module weight) makes it stale. Checking the recorded slots costs one attribute read per parameter instead of a walk
+    of the module tree; modules added after the recording (a newly injected adapter) are not seen.
+
+    Used by :class:`DecodeGraph` and by the rollout engine's step graphs (``kdamoe.posttraining.engine``).
+    """
+
+    def __init__(self, model):
+        self.model = weakref.ref(model)  # weak: the owner of the graph may be held by the model (a cache)
+        self.param_slots = [(module, name) for module in model.modules() for name, p in module._parameters.items()
+                            if p is not None]
+        self.params = self._params()
+
+    def _params(self) -> list[tuple[int, int]]:
+        """``(id(parameter), data_ptr)`` of every recorded slot (``(0, -1)`` for a slot emptied since)."""
+        params = (module._parameters.get(name) for module, name in self.param_slots)
+        return [(0, -1) if p is None else (id(p), p.data_ptr()) for p in params]
+
+    def valid_for(self, model) -> bool:
+        """Whether ``model`` is the recorded one and every slot still holds the same ``Parameter`` at the same
+        address."""
+        return model is self.model() and self.params == self._params()

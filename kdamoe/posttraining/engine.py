@@ -68,11 +68,22 @@ environment): Python cannot stop a thread, so the call keeps running on its aban
 for it.
 
 Host work of a step (on a GPU the host, not the kernels, set a decode step's time: docs/post-training.md, "Host
-work of a step"): the step's layout (token ids, lengths, starts, rows to keep, slots, row / column of every token)
-is built on the host and copied to the device as one tensor; the decode / prefill split likewise (one copy, none
-for a decode-only step); the ids the engine feeds are checked on the host, so the model's forward skips its own
-check (a device read); the decodes' new MLA rows go to their buffers in one ``torch._foreach_copy_``; and sampling
-reads the device once per step, for every episode's token and log-prob together.
+work of a step"): the ids the engine feeds are checked on the host, so the model's forward skips its own check (a
+device read), and sampling reads the device once per step, for every episode's token and log-prob together.
+
+* A step of one-token sequences whose every layer runs the slot kernels (the decode-only steps on a GPU) runs on the
+  *static inputs* of its batch-size bucket ``B`` (the next power of two of its sequence count, at most
+  ``num_slots``; :class:`_StaticStep`): one device buffer holding the token ids, the slot ids, and per MLA layer the
+  tables of a ``kdamoe.kernels.SharedPrefixPlan`` and the addresses of the step's new rows, filled from the host
+  as one tensor and copied once. Padding rows feed token 0 on a scratch slot (the pools have ``num_slots + 1``
+  rows), have no MLA keys and write no row; their logits are never read, and no op mixes rows. The forward then
+  reads only fixed addresses: on CUDA (``cuda_graphs=True``, not under ``lockstep_group``) the bucket's first such
+  step runs eagerly, the next captures a CUDA graph of the forward and every later one replays it
+  (:class:`_StepGraphs`: captured again when a parameter is replaced or moved, or the pools' or buffers' addresses
+  change). The same static path runs eagerly on every other device, so the CPU tests run what a GPU captures.
+* Any other step builds its layout (token ids, lengths, starts, rows to keep, slots, row / column of every token) on
+  the host and copies it to the device as one tensor; the decode / prefill split likewise; the decodes' new MLA
+  rows go to their buffers in one ``torch._foreach_copy_``.
 
 Sampling per episode, as ``generate`` does it: the logits processors ``generate`` builds from the generation config
 (repetition penalty, temperature, top-k, top-p, min-p, …; plus any ``logits_processor`` passed) on the episode's
@@ -96,6 +107,7 @@ import inspect
 import threading
 import time
 import types
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -113,7 +125,15 @@ from transformers import (
 )
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from ..model.kernel_dispatch import causal_conv1d_parts, chunk_kda, fused_recurrent_kda, kdamoe_kernels, resolve
+from ..model.decode_graph import ParameterWatch
+from ..model.kernel_dispatch import (
+    causal_conv1d_parts,
+    chunk_kda,
+    decode_graphs_supported,
+    fused_recurrent_kda,
+    kdamoe_kernels,
+    resolve,
+)
 from ..model.modeling_kdamoe import fused_linear
 from ..model.validation import inputs_prevalidated
 
@@ -276,6 +296,161 @@ class _Episode:
         return self._ids_buffer[:, :n]
 
 
+class _StaticStep:
+    """The static inputs of the engine's decode steps of one batch-size bucket ``B`` (module docstring, "Host work of a
+    step"): one int64 device buffer allocated once, whose sections every such step refills from the host in one copy
+    (through a pinned buffer on CUDA) and which a CUDA graph of the step reads at fixed addresses.
+
+    Sections (each starting on a 128-byte boundary, Triton's pointer alignment): the token ids ``[B]`` (padding rows:
+    id 0), the slot ids ``[B]`` (padding rows: the scratch slot ``num_slots``), then per MLA layer the tables of its
+    :class:`kdamoe.kernels.SharedPrefixPlan` (capacity ``B`` sequences and ``B`` groups; padding rows have no keys,
+    so their output is 0) and the addresses ``[B]`` its new rows go to (``write_rows_at``; padding rows: 0, nothing
+    written). The padding rows' logits are computed and never read; no op of the step mixes rows, so they change
+    neither a real row's logits nor a real slot's state.
+    """
+
+    _ALIGN = 16  # int64 elements per section boundary (128 bytes)
+
+    def __init__(self, engine: RolloutEngine, B: int):
+        kernels = kdamoe_kernels()
+        self.B, self.device = B, engine.device
+        self.mla = [layer.self_attn for layer in engine.backbone.layers if layer.layer_type == "full_attention"]
+        table = kernels.SharedPrefixPlan.table_size(B, B)
+        sizes = [B, B] + [table, B] * len(self.mla)
+        padded = [-(-n // self._ALIGN) * self._ALIGN for n in sizes]
+        self.gaps = [[0] * (p - n) for n, p in zip(sizes, padded, strict=True)]
+        self.buffer = torch.zeros(sum(padded), dtype=torch.long, device=self.device)
+        self.pinned = self.device.type == "cuda"
+        self.host = torch.zeros(sum(padded), dtype=torch.long, pin_memory=self.pinned)
+        self.copied = torch.cuda.Event() if self.pinned else None  # the last copy out of the pinned buffer
+        views = [v[:n] for v, n in zip(self.buffer.split(padded), sizes, strict=True)]
+        self.ids = views[0]
+        self.decode = types.SimpleNamespace(tokens=None, slots=views[1])  # what _kda_decode reads
+        self.width = engine._row_width()
+        self.row_like = torch.empty(0, dtype=engine._dtype, device=self.device)  # the own buffers' dtype and device
+        self.plans, self.new_rows = {}, {}
+        for i, attn in enumerate(self.mla):
+            self.plans[attn.layer_idx] = kernels.SharedPrefixPlan(
+                max_sequences=B, max_groups=B, num_heads=attn.num_heads, key_dim=self.width,
+                value_dim=attn.config.kv_lora_rank, dtype=engine._dtype, device=self.device, tables=views[2 + 2 * i])
+            self.new_rows[attn.layer_idx] = views[3 + 2 * i]
+
+    def fill(self, engine: RolloutEngine, feeds: list[tuple[_Episode, list[int]]]) -> None:
+        """Write the step's inputs for ``feeds`` (one token each, at most ``B``): every episode's MLA buffers get
+        room for the new row here (a buffer that grows moves: its new address is in the tables), then one host
+        tensor, one copy."""
+        pad = self.B - len(feeds)
+        episodes = [episode for episode, _ in feeds]
+        values = [tokens[0] for _, tokens in feeds] + [0] * pad + self.gaps[0]
+        values += [e.slot for e in episodes] + [engine.num_slots] * pad + self.gaps[1]
+        for i, attn in enumerate(self.mla):
+            layer = attn.layer_idx
+            prefixes, index, group, own, new = [], {}, [], [], []
+            for episode in episodes:
+                buffer = episode.own.get(layer)
+                if buffer is None:
+                    buffer = episode.own[layer] = _Rows(self.width, self.row_like)
+                new.append(buffer.extend(1).data_ptr())
+                own.append(buffer.valid())  # a view of the buffer: contiguous rows, the new one included
+                if episode.prefix is None:
+                    group.append(-1)
+                    continue
+                if id(episode.prefix) not in index:
+                    index[id(episode.prefix)] = len(prefixes)
+                    prefixes.append(episode.prefix[layer])
+                group.append(index[id(episode.prefix)])
+            values += self.plans[layer].host_tables(prefixes, group, own) + self.gaps[2 + 2 * i]
+            values += new + [0] * pad + self.gaps[3 + 2 * i]
+        host = torch.tensor(values, dtype=torch.long)
+        if not self.pinned:
+            self.buffer.copy_(host)
+            return
+        self.copied.synchronize()  # the previous step's copy out of the pinned buffer has run
+        self.host.copy_(host)
+        self.buffer.copy_(self.host, non_blocking=True)
+        self.copied.record()
+
+    def mla_decode(self, attn, q_lat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """An MLA layer's decode on the static inputs: ``rows [B, D]`` appended at the addresses of the step's
+        table, then the plan's launch over ``q_lat [B, H, D]``; returns ``o_lat [B, H, R]`` (the model's dtype)."""
+        kernels = kdamoe_kernels()
+        plan = self.plans[attn.layer_idx]
+        kernels.write_rows_at(rows.to(plan.dtype), self.new_rows[attn.layer_idx])
+        return plan.launch(q_lat.to(plan.dtype), attn.scaling)
+
+    def addresses(self) -> list[int]:
+        """The addresses a graph of this step reads besides the model's parameters and the pools."""
+        plans = self.plans.values()
+        return [self.buffer.data_ptr()] + [t.data_ptr() for p in plans for t in (p.acc_ws, p.m_ws, p.l_ws, p.out)]
+
+
+class _StepGraphs:
+    """CUDA graphs of the engine's static decode steps, one per batch-size bucket, in one graph memory pool.
+
+    The first step of a bucket runs eagerly (on the capture stream: it autotunes and compiles the kernels and
+    initialises cuBLAS there, as PyTorch's warm-up before a capture wants); the next captures the step's forward and
+    replays it; later ones replay. A graph is captured again when the model's parameters moved or were replaced
+    (:class:`kdamoe.model.decode_graph.ParameterWatch`: a slot holding another ``Parameter`` or storage at another
+    address) or the other addresses it read changed (the pools, the bucket's buffers and plan workspaces).
+    :meth:`action` is the decision alone (host state only, no CUDA needed).
+    """
+
+    def __init__(self):
+        self.entries: dict[int, types.SimpleNamespace] = {}  # bucket → graph, logits, watch, addresses
+        self.warm: set[int] = set()
+        self.pool = self.stream = None
+        self.disabled = False  # a capture failed: the static steps run eagerly from then on
+
+    def action(self, key: int, model, addresses: list[int]) -> str:
+        """``"warm_up"`` (run eagerly), ``"capture"`` (no valid graph: capture one, then replay it) or
+        ``"replay"`` for a step of bucket ``key`` on ``model`` reading ``addresses``."""
+        if key not in self.warm:
+            return "warm_up"
+        entry = self.entries.get(key)
+        if entry is None or entry.addresses != addresses or not entry.watch.valid_for(model):
+            return "capture"
+        return "replay"
+
+    def run(self, key: int, model, addresses: list[int], forward: Callable[[], torch.Tensor],
+            stats: dict) -> torch.Tensor | None:
+        """The logits of ``forward()`` (the step, its inputs already in the static buffers): eagerly, or from the
+        bucket's graph (the graph's output buffer, overwritten by its next replay). None when a capture failed
+        (warned once; the caller runs the step eagerly)."""
+        action = self.action(key, model, addresses)
+        if self.stream is None:
+            self.stream, self.pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+        if action == "warm_up":
+            self.stream.wait_stream(torch.cuda.current_stream())  # after the inputs' copy
+            with torch.cuda.stream(self.stream):
+                logits = forward()
+            # the sampling reads the logits on the current stream (and the step ends with a host read, before the
+            # capture stream allocates again)
+            torch.cuda.current_stream().wait_stream(self.stream)
+            self.warm.add(key)
+            return logits
+        if action == "capture":
+            self.entries.pop(key, None)  # its old graph's memory goes back to the pool first
+            graph = torch.cuda.CUDAGraph()
+            try:
+                # thread_local: the tool calls run on worker threads, whose CUDA calls (if any) must not break the
+                # capture (PyTorch's default, "global", refuses unsafe calls from every thread while capturing)
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                    logits = forward()
+            except RuntimeError as error:  # an op that cannot be captured: say so once, run the steps eagerly
+                warnings.warn(f"RolloutEngine: capturing a decode step failed ({error}); decoding without CUDA graphs",
+                              stacklevel=2)
+                self.disabled = True
+                self.entries.clear()
+                return None
+            self.entries[key] = types.SimpleNamespace(graph=graph, logits=logits, watch=ParameterWatch(model),
+                                                      addresses=list(addresses))
+            stats["graph_captures"] += 1
+        entry = self.entries[key]
+        entry.graph.replay()  # a capture records the step without running it: this replay runs it
+        stats["graph_replays"] += 1
+        return entry.logits
+
+
 class RolloutEngine:
     """Plays :class:`EpisodeSpec` episodes on ``num_slots`` cache slots (module docstring).
 
@@ -304,6 +479,10 @@ class RolloutEngine:
             ranks the model's forwards are collectives (FSDP2, expert parallelism); every rank of it must call
             :meth:`run` at the same time, and each step runs one forward on every rank (module docstring). None:
             this process steps alone (one process, or DDP, where every rank holds the whole model).
+        cuda_graphs: on CUDA without ``lockstep_group``, replay the static decode steps from a CUDA graph per
+            batch-size bucket (module docstring, "Host work of a step"; ``stats["graph_captures"]``,
+            ``stats["graph_replays"]``); False runs the same static steps eagerly. Ignored elsewhere (on the CPU, and
+            under ``lockstep_group``, whose FSDP2 hooks gather weights inside the forward).
     Raises:
         ValueError: a bad argument (named), a model without KDAMoE decoder layers, beam search / assisted
             generation in the config, or a ``lockstep_group`` given while ``torch.distributed`` is not initialized.
@@ -318,7 +497,8 @@ class RolloutEngine:
                  max_tool_calling_iterations: int | None = None, max_position_embeddings: int | None = None,
                  parse_turn: Callable | None = None, tool_suffix_ids: Callable | None = None,
                  tool_timeout_s: float | None = None, prefill_chunk_size: int = 512, max_step_tokens: int = 8192,
-                 tokenizer=None, logits_processor: LogitsProcessorList | None = None, lockstep_group=None):
+                 tokenizer=None, logits_processor: LogitsProcessorList | None = None, lockstep_group=None,
+                 cuda_graphs: bool = True):
         for name, value in (("num_slots", num_slots), ("max_completion_length", max_completion_length),
                             ("prefill_chunk_size", prefill_chunk_size), ("max_step_tokens", max_step_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -329,6 +509,8 @@ class RolloutEngine:
             raise ValueError(f"tool_timeout_s must be None or > 0 seconds, got {tool_timeout_s!r}")
         if max_tool_calling_iterations is not None and max_tool_calling_iterations < 0:
             raise ValueError(f"max_tool_calling_iterations must be >= 0, got {max_tool_calling_iterations!r}")
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
         if lockstep_group is not None and not (dist.is_available() and dist.is_initialized()):
             raise ValueError(f"lockstep_group={lockstep_group!r} but torch.distributed is not initialized (the ranks "
                              "that step together need a process group)")
@@ -368,25 +550,35 @@ class RolloutEngine:
         # counters of the cost model (docs/post-training.md): forwards, the sequences and tokens they carried,
         # group forks, tool rounds, seconds idle on tools (nothing else could run) and seconds in forwards
         # idle_steps: forwards run only to keep in step with the other ranks of lockstep_group (module docstring)
+        # graph_captures / graph_replays: static decode steps captured into / replayed from a CUDA graph
         self.stats = dict(steps=0, sequences=0, tokens=0, prefill_tokens=0, decode_tokens=0, forks=0, tool_rounds=0,
-                          tool_wait_s=0.0, forward_s=0.0, idle_steps=0)
+                          tool_wait_s=0.0, forward_s=0.0, idle_steps=0, graph_captures=0, graph_replays=0)
         self.lockstep_group = lockstep_group
+        self.cuda_graphs = cuda_graphs
+        self._graphs = _StepGraphs()
+        self._static_steps: dict[int, _StaticStep] = {}  # per batch-size bucket
+        self._static: _StaticStep | None = None  # the static step whose forward runs now (its mixers read it)
+        self._layout = None
+        self._probe = torch.empty(0, device=self.device)  # a tensor on the model's device for _slot_kernels
         self._wake = threading.Event()
         self._allocate()
 
     # ------------------------------------------------------------------------------------------ slot pool
     def _allocate(self) -> None:
-        """The KDA pools (recurrent ``[S, H, K, V]`` float32, conv ``[S, 3·H·K, W]`` model dtype) per KDA layer."""
+        """The KDA pools (recurrent ``[S + 1, H, K, V]`` float32, conv ``[S + 1, 3·H·K, W]`` model dtype) per KDA
+        layer, ``S = num_slots``: row ``S`` is the scratch slot the padding rows of a static decode step update (a
+        real slot's state never sees them)."""
         dtype = next(self.causal_lm.parameters()).dtype
+        self._dtype = dtype
         self.recurrent, self.conv = {}, {}
         for layer in self.backbone.layers:
             if layer.layer_type != "linear_attention":
                 continue
             attn = layer.self_attn
             H, K = attn.num_heads, attn.head_dim
-            self.recurrent[attn.layer_idx] = torch.zeros(self.num_slots, H, K, K, dtype=torch.float32,
+            self.recurrent[attn.layer_idx] = torch.zeros(self.num_slots + 1, H, K, K, dtype=torch.float32,
                                                          device=self.device)
-            self.conv[attn.layer_idx] = torch.zeros(self.num_slots, attn.conv1d.weight.shape[0],
+            self.conv[attn.layer_idx] = torch.zeros(self.num_slots + 1, attn.conv1d.weight.shape[0],
                                                     attn.conv1d.weight.shape[-1], dtype=dtype, device=self.device)
 
     def slot_bytes(self, own_tokens: int = 0) -> int:
@@ -761,7 +953,10 @@ class RolloutEngine:
     # ------------------------------------------------------------------------------------------ the forward
     def _forward(self, feeds: list[tuple[_Episode, list[int]]]) -> torch.Tensor:
         """One forward of the model over every feed's tokens (flattened into one row); returns the raw logits at
-        each feed's last token, ``[len(feeds), V]``."""
+        each feed's last token, ``[len(feeds), V]``. A step of one-token feeds whose every layer runs the slot kernels
+        takes the static path (:meth:`_static_forward`), every other step the ragged layout below."""
+        if all(len(tokens) == 1 for _, tokens in feeds) and self._static_applies():
+            return self._static_forward(feeds)
         # the step's layout built on the host and copied in one transfer (a handful of small tensors each copied
         # alone cost a host→device copy and a launch apiece per step); the host lists stay for the host's own use
         lengths = [len(t) for _, t in feeds]
@@ -782,7 +977,15 @@ class RolloutEngine:
             episodes=[e for e, _ in feeds], lengths=lengths_d, starts=starts_d, row=row_d, col=col_d, slots=slots,
             t_max=max(lengths), host_lengths=lengths, host_starts=starts,
             host_slots=[e.slot for e, _ in feeds])
-        input_ids = input_ids[None]
+        try:
+            return self._run_model(input_ids[None], last)
+        finally:
+            self._layout = None
+
+    def _run_model(self, input_ids: torch.Tensor, keep) -> torch.Tensor:
+        """The model's forward over ``input_ids [1, T]`` with every decoder layer's token mixer replaced by the
+        engine's (reading :attr:`_layout` or :attr:`_static`); logits ``[kept rows, V]`` (``keep``: the forward's
+        ``logits_to_keep``)."""
         layers = self.backbone.layers
         for layer in layers:
             mix = self._kda_mix if layer.layer_type == "linear_attention" else self._mla_mix
@@ -797,14 +1000,61 @@ class RolloutEngine:
                 if self._phase == "step":
                     self._phase = "forward"  # from here the forward's collectives may have started
                 logits = self.causal_lm(input_ids=input_ids, use_cache=False, prefill_chunk_size=0,
-                                        output_router_logits=False, logits_to_keep=last).logits
+                                        output_router_logits=False, logits_to_keep=keep).logits
                 if self._phase == "forward":
                     self._phase = "after"  # the others are past this forward: a failure now meets their next agree
         finally:
             for layer in layers:
                 del layer._mix
-            self._layout = None
         return logits[0]
+
+    # ------------------------------------------------------------------------------------------ static decode steps
+    def _static_applies(self) -> bool:
+        """Whether every layer runs the slot kernels (:meth:`_slot_kernels`): the condition of the static path."""
+        return all(self._slot_kernels(layer.self_attn, self._probe) for layer in self.backbone.layers)
+
+    def _bucket(self, n: int) -> int:
+        """The batch-size bucket of a static step of ``n`` sequences: the next power of two, at most ``num_slots``."""
+        return min(1 << (n - 1).bit_length(), self.num_slots)
+
+    def _static_forward(self, feeds: list[tuple[_Episode, list[int]]]) -> torch.Tensor:
+        """A step of one-token feeds on the static inputs of its bucket ``B`` (:class:`_StaticStep`): the host fills
+        them (token ids, slots — padding rows on the scratch slot —, each MLA layer's plan tables and new-row
+        addresses) and copies them in one transfer; then the forward runs eagerly or a CUDA graph of it replays
+        (:class:`_StepGraphs`). Returns the real rows' logits ``[len(feeds), V]``."""
+        n = len(feeds)
+        B = self._bucket(n)
+        step = self._static_steps.get(B)
+        if step is None:
+            step = self._static_steps[B] = _StaticStep(self, B)
+        step.fill(self, feeds)
+
+        def forward() -> torch.Tensor:
+            self._static = step
+            try:  # every row's logits (the bucket's rows are the feeds', in order, then padding)
+                return self._run_model(step.ids[None], 0)
+            finally:
+                self._static = None
+
+        if not self._graphs_apply():
+            return forward()[:n]
+        logits = self._graphs.run(B, self.causal_lm, self._graph_addresses(step), forward, self.stats)
+        if logits is None:  # the capture failed: the graphs are off for this engine, the step runs eagerly
+            logits = forward()
+        return logits[:n]
+
+    def _graphs_apply(self) -> bool:
+        """CUDA graphs for the static steps: asked for (``cuda_graphs``), on CUDA, not under ``lockstep_group`` (its
+        FSDP2 hooks gather the weights inside the forward), every op of the step a kdamoe kernel, no failed
+        capture."""
+        return (self.cuda_graphs and self.device.type == "cuda" and self.lockstep_group is None
+                and not self._graphs.disabled
+                and decode_graphs_supported(self.config.kernel_backend, self.device,
+                                            bounded_gate=self.config.kda_lower_bound is not None))
+
+    def _graph_addresses(self, step: _StaticStep) -> list[int]:
+        """The addresses a graph of ``step`` bakes in besides the parameters: the pools and the step's buffers."""
+        return [t.data_ptr() for t in (*self.recurrent.values(), *self.conv.values())] + step.addresses()
 
     def _kda_mix(self, attn, x: torch.Tensor) -> torch.Tensor:
         """The KDA token mixer over the step's ragged sequences, each continuing its slot's states (the math of
@@ -821,7 +1071,10 @@ class RolloutEngine:
         f = attn.f_b_proj(f).view(1, N, H, K)
         beta = torch.sigmoid(beta.float())
         rest, o = lay, None
-        if self._slot_kernels(attn, x):
+        if self._static is not None:  # a static step: every row one token, on the static slot ids
+            rest = None
+            o = self._kda_decode(attn, qkv[0], f[0], beta[0], self._static.decode, N)
+        elif self._slot_kernels(attn, x):
             decode, rest = self._decode_split()
             if decode is not None:
                 o = self._kda_decode(attn, qkv[0], f[0], beta[0], decode, N)
@@ -978,6 +1231,31 @@ class RolloutEngine:
         """The MLA token mixer over the step's sequences in the latent space: each sequence attends to its
         group's prefix rows (read once per group), its own earlier rows and, causally, its new ones."""
         lay = self._layout
+        N, H, Dv = x.shape[1], attn.num_heads, attn.v_head_dim
+        R = attn.config.kv_lora_rank
+        q_lat, rows, w_uv = self._mla_latent(attn, x)
+        if self._static is not None:
+            o_lat = self._static.mla_decode(attn, q_lat, rows)
+            out = torch.einsum("nhr,rhv->nhv", o_lat.to(w_uv.dtype), w_uv)
+            return attn.o_proj(out.reshape(1, N, H * Dv))
+        o_lat = q_lat.new_zeros(N, H, R, dtype=torch.float32)
+        starts = getattr(lay, "host_starts", None) or lay.starts.tolist()
+        lengths = getattr(lay, "host_lengths", None) or lay.lengths.tolist()
+        decoded = set()
+        if rows.dtype == q_lat.dtype and self._slot_kernels(attn, x):
+            decoded = self._mla_decode(attn, q_lat, rows, o_lat, starts, lengths)
+        groups: dict[int, list[int]] = {}
+        for s, episode in enumerate(lay.episodes):
+            if s not in decoded:
+                groups.setdefault(id(episode.prefix) if episode.prefix is not None else -1 - s, []).append(s)
+        for members in groups.values():
+            self._mla_group(attn, members, q_lat, rows, o_lat, starts, lengths)
+        out = torch.einsum("nhr,rhv->nhv", o_lat.to(w_uv.dtype), w_uv)
+        return attn.o_proj(out.reshape(1, N, H * Dv))
+
+    def _mla_latent(self, attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's MLA projections in the latent space: ``q_lat [N, H, R + Dr]`` (absorbed queries), ``rows
+        [N, R + Dr]`` (the new cache rows: the normed latent then the shared key part) and ``w_uv [R, H, Dv]``."""
         config = attn.config
         N, H, Dv = x.shape[1], attn.num_heads, attn.v_head_dim
         R = config.kv_lora_rank
@@ -998,48 +1276,45 @@ class RolloutEngine:
         q_lat = torch.einsum("nhd,rhd->nhr", q[..., :nope], w_uk)
         if shared:
             q_lat = torch.cat([q_lat, q[..., nope:]], -1)  # [N, H, R + shared]
-        o_lat = q_lat.new_zeros(N, H, R, dtype=torch.float32)
-        starts = getattr(lay, "host_starts", None) or lay.starts.tolist()
-        lengths = getattr(lay, "host_lengths", None) or lay.lengths.tolist()
-        decoded = set()
-        if rows.dtype == q_lat.dtype and self._slot_kernels(attn, x):
-            decoded = self._mla_decode(attn, q_lat, rows, o_lat, starts, lengths)
-        groups: dict[int, list[int]] = {}
-        for s, episode in enumerate(lay.episodes):
-            if s not in decoded:
-                groups.setdefault(id(episode.prefix) if episode.prefix is not None else -1 - s, []).append(s)
-        for members in groups.values():
-            prefix = lay.episodes[members[0]].prefix
-            prefix = prefix[attn.layer_idx] if prefix is not None else rows.new_zeros(0, rows.shape[-1])
-            spans = [range(starts[s], starts[s] + lengths[s]) for s in members]
-            if len(spans) == 1:  # one sequence (no group, or one member in the step): a view, no host data
-                tokens = slice(spans[0].start, spans[0].stop)
-            else:
-                tokens = torch.tensor([i for span in spans for i in span], device=x.device)
-            queries = q_lat[tokens].float()
-            # the group's prefix: read once for every query of the group (scores, then values)
-            s_prefix = torch.einsum("nhr,lr->nhl", queries, prefix.float()) * attn.scaling
-            p_prefix, offset = [], 0
-            for s, span in zip(members, spans, strict=True):
-                episode = lay.episodes[s]
-                own = episode.own.get(attn.layer_idx)
-                if own is None:
-                    own = episode.own[attn.layer_idx] = _Rows(rows.shape[-1], rows)
-                keys = own.append(rows[span.start:span.stop]).float()  # [L_own + t, width]
-                t = len(span)
-                mine = queries[offset:offset + t]
-                s_own = torch.einsum("thr,lr->thl", mine, keys) * attn.scaling
-                visible = torch.arange(keys.shape[0], device=x.device)[None] <= (
-                    keys.shape[0] - t + torch.arange(t, device=x.device))[:, None]
-                s_own = s_own.masked_fill(~visible[:, None, :], float("-inf"))
-                p = torch.softmax(torch.cat([s_prefix[offset:offset + t], s_own], -1), dim=-1)
-                p_prefix.append(p[..., : prefix.shape[0]])
-                o_lat[span.start:span.stop] = torch.einsum("thl,lr->thr", p[..., prefix.shape[0]:], keys[:, :R])
-                offset += t
-            if prefix.shape[0]:
-                o_lat[tokens] += torch.einsum("nhl,lr->nhr", torch.cat(p_prefix), prefix[:, :R].float())
-        out = torch.einsum("nhr,rhv->nhv", o_lat.to(w_uv.dtype), w_uv)
-        return attn.o_proj(out.reshape(1, N, H * Dv))
+        return q_lat, rows, w_uv
+
+    def _mla_group(self, attn, members: list[int], q_lat: torch.Tensor, rows: torch.Tensor, o_lat: torch.Tensor,
+                   starts: list[int], lengths: list[int]) -> None:
+        """The sequences ``members`` of the step's layout (one group, or one sequence alone) in PyTorch: each
+        appends its new rows to its own, attends to the group's prefix (read once for the members) and its own rows
+        (causally over the new ones); writes their rows of ``o_lat [N, H, R]`` (float32)."""
+        lay = self._layout
+        R = attn.config.kv_lora_rank
+        x_device = q_lat.device
+        prefix = lay.episodes[members[0]].prefix
+        prefix = prefix[attn.layer_idx] if prefix is not None else rows.new_zeros(0, rows.shape[-1])
+        spans = [range(starts[s], starts[s] + lengths[s]) for s in members]
+        if len(spans) == 1:  # one sequence (no group, or one member in the step): a view, no host data
+            tokens = slice(spans[0].start, spans[0].stop)
+        else:
+            tokens = torch.tensor([i for span in spans for i in span], device=x_device)
+        queries = q_lat[tokens].float()
+        # the group's prefix: read once for every query of the group (scores, then values)
+        s_prefix = torch.einsum("nhr,lr->nhl", queries, prefix.float()) * attn.scaling
+        p_prefix, offset = [], 0
+        for s, span in zip(members, spans, strict=True):
+            episode = lay.episodes[s]
+            own = episode.own.get(attn.layer_idx)
+            if own is None:
+                own = episode.own[attn.layer_idx] = _Rows(rows.shape[-1], rows)
+            keys = own.append(rows[span.start:span.stop]).float()  # [L_own + t, width]
+            t = len(span)
+            mine = queries[offset:offset + t]
+            s_own = torch.einsum("thr,lr->thl", mine, keys) * attn.scaling
+            visible = torch.arange(keys.shape[0], device=x_device)[None] <= (
+                keys.shape[0] - t + torch.arange(t, device=x_device))[:, None]
+            s_own = s_own.masked_fill(~visible[:, None, :], float("-inf"))
+            p = torch.softmax(torch.cat([s_prefix[offset:offset + t], s_own], -1), dim=-1)
+            p_prefix.append(p[..., : prefix.shape[0]])
+            o_lat[span.start:span.stop] = torch.einsum("thl,lr->thr", p[..., prefix.shape[0]:], keys[:, :R])
+            offset += t
+        if prefix.shape[0]:
+            o_lat[tokens] += torch.einsum("nhl,lr->nhr", torch.cat(p_prefix), prefix[:, :R].float())
 
     def _mla_decode(self, attn, q_lat: torch.Tensor, rows: torch.Tensor, o_lat: torch.Tensor, starts: list[int],
                     lengths: list[int]) -> set[int]:

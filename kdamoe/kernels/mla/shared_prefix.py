@@ -18,6 +18,14 @@ prefix half or the own half. ``_combine_kernel`` merges, per query row, the spli
 segment by log-sum-exp (0 when neither has a key). The rows of each segment are reached through a table of
 addresses (``data_ptr``) so no row is copied: the engine's buffers are read where they are.
 
+Static form: :class:`SharedPrefixPlan` holds the tables (addresses, segments, members, groups) in one int64 device
+tensor of a fixed capacity (``max_sequences``, ``max_groups``), the float32 workspaces and the output, with a fixed
+split count P; ``update`` (or a caller's own copy of ``host_tables``) refills the tables from the host in one
+host→device copy and ``launch`` reads only the plan's tensors and q, on grids set by the capacity (a segment with no
+key or no row returns at once). A CUDA graph of the rollout engine's decode step captures ``launch``; the rows of the
+next step travel in the refilled tables. :func:`latent_attention_shared_prefix` is a plan sized to its call, updated,
+launched: one path.
+
 Reference: ``naive.naive_latent_attention_shared_prefix`` (float64, the rows of each sequence concatenated).
 """
 
@@ -125,17 +133,232 @@ def _combine_kernel(acc_ws, m_ws, l_ws, o, segments, group, H, NH, P, G, R: tl.c
     tl.store(o + row.to(tl.int64) * R + cols, out.to(o.dtype.element_ty))
 
 
-def _check_rows(name, t, q):
-    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != q.shape[2]:
+def _check_rows(name, t, width, dtype, device):
+    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != width:
         shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{name} must be [L, D] with D = {q.shape[2]} (q's last dim), got {shape}")
-    if t.dtype != q.dtype:
-        raise ValueError(f"{name} dtype {t.dtype} differs from q dtype {q.dtype}")
-    if t.device != q.device:
-        raise ValueError(f"{name} is on {t.device}, expected {q.device} like q")
+        raise ValueError(f"{name} must be [L, D] with D = {width} (q's last dim), got {shape}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} dtype {t.dtype} differs from q dtype {dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} like q")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (its rows are read through its address), got strides "
                          f"{t.stride()}")
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_value_dim(value_dim, D):
+    R = D if value_dim is None else value_dim
+    if isinstance(R, bool) or not isinstance(R, int) or R < 16 or R > 512 or R & (R - 1) or R > D:
+        raise ValueError(f"value_dim (the value width R, kv_lora_rank) must be a power of two in [16, 512] and at most "
+                         f"q's last dim {D}, got {value_dim!r}")
+    if D - R > MAX_SHARED_DIM:
+        raise ValueError(f"the shared key part (q's last dim {D} − value_dim {R}) must be at most {MAX_SHARED_DIM} "
+                         f"columns, got {D - R}")
+    return R
+
+
+class SharedPrefixPlan:
+    r"""A static launch of :func:`latent_attention_shared_prefix`: device tables and workspaces of a fixed capacity,
+    refilled from the host at every step, and launches whose grids depend on the capacity only — what a CUDA graph of
+    a decode step can capture (every launch argument is a fixed address or a constant; the rows of the step travel in
+    the tables, not in the graph).
+
+    Capacity: ``max_sequences`` query sequences (``N_cap``) and ``max_groups`` prefixes (``G_cap``), each sequence
+    one decode query of ``num_heads`` heads. The tables hold ``G_cap + N_cap`` segments: segment ``g < G_cap`` is
+    group g's prefix (its members' query rows, one matrix), segment ``G_cap + n`` sequence n's own rows. A segment
+    without keys (an unused group, a sequence past the step's ``N``, an empty buffer) has ``n_keys = 0``: its split
+    programs return at once and the combine writes 0 for a sequence none of whose segments has a key.
+
+    Tables (one int64 tensor of :meth:`table_size` elements, filled by one host→device copy):
+    ``key_ptrs [G_cap + N_cap]`` (each segment's rows' address, ``data_ptr``), ``segments [G_cap + N_cap, 3]``
+    (``n_keys``, first entry in ``members``, member count), ``members [2·N_cap]`` (the prefixes' members grouped by
+    prefix, then ``n`` at ``N_cap + n``), ``group [N_cap]`` (−1: no prefix).
+
+    Args:
+        max_sequences: ``N_cap`` ≥ 1.
+        max_groups: ``G_cap`` ≥ 1 (a step's groups each have a member in it, so ``G_cap = N_cap`` always suffices).
+        num_heads: ``H`` ≥ 1.
+        key_dim: ``D = R + Dr``, the width of q and of every row.
+        value_dim: ``R``, a power of two in [16, 512] (None: ``D``); ``D − R`` at most ``MAX_SHARED_DIM``.
+        dtype: q's and the rows' dtype (float16 / bfloat16 / float32).
+        device: a CUDA device, or the CPU under ``TRITON_INTERPRET=1``.
+        num_splits: splits ``P`` of each segment's keys (round robin over its key blocks); None: about
+            ``PROGRAMS_PER_SM`` programs per SM over the programs a full step has (``N_cap`` own segments and one
+            group holding every sequence), at most 64. Fixed: the workspaces and the grid depend on it.
+        tables: where the device tables live: a contiguous 1-D int64 tensor of :meth:`table_size` elements on
+            ``device`` (e.g. a slice of a caller's step buffer that the caller fills, with its other inputs, in one
+            copy); None allocates it.
+
+    Raises:
+        ValueError: a bad capacity, width, dtype, device, ``num_splits`` or ``tables`` (naming it).
+    """
+
+    def __init__(self, *, max_sequences, max_groups, num_heads, key_dim, value_dim=None, dtype, device,
+                 num_splits=None, tables=None):
+        for name, value in (("max_sequences", max_sequences), ("max_groups", max_groups), ("num_heads", num_heads),
+                            ("key_dim", key_dim)):
+            _positive_int(name, value)
+        self.R = _check_value_dim(value_dim, key_dim)
+        if dtype not in _FLOATS:
+            raise ValueError(f"dtype must be one of {_FLOATS}, got {dtype}")
+        device = torch.device(device)
+        if device.type != "cuda" and not (device.type == "cpu" and is_interpreter()):
+            raise ValueError(f"device {device}: the Triton kernels need a CUDA device (or CPU with TRITON_INTERPRET=1)")
+        if num_splits is not None:
+            _positive_int("num_splits", num_splits)
+        self.max_sequences, self.max_groups = max_sequences, max_groups
+        self.num_heads, self.key_dim = num_heads, key_dim
+        self.dtype, self.device = dtype, device
+        N, G, H, R = max_sequences, max_groups, num_heads, self.R
+        # the prefix launch's rows: every head of every member, up to all N_cap sequences in one group; the own
+        # launch's: H per sequence (so they do not pad H rows to the prefixes' block)
+        self._blocks = (block_sizes(N * H, R), block_sizes(H, R))
+        self._block_n = self._blocks[0][1]
+        if num_splits is None:
+            useful = cdiv(N * H, self._blocks[0][0]) + N * cdiv(H, self._blocks[1][0])
+            num_splits = max(1, min(64, cdiv(PROGRAMS_PER_SM * sm_count(device), useful)))
+        self.num_splits = P = num_splits
+        size = self.table_size(N, G)
+        if tables is None:
+            tables = torch.zeros(size, dtype=torch.int64, device=device)
+        elif not (isinstance(tables, torch.Tensor) and tables.dtype == torch.int64 and tables.shape == (size,)
+                  and tables.device == device and tables.is_contiguous()):
+            got = (tables.dtype, tuple(tables.shape), tables.device) if isinstance(tables, torch.Tensor) else tables
+            raise ValueError(f"tables must be a contiguous int64 tensor of {size} elements on {device}, got {got}")
+        self.tables = tables
+        S = G + N
+        self.key_ptrs, segments, self.members, self.group = tables.split([S, 3 * S, 2 * N, N])
+        self.segments = segments.view(S, 3)
+        self.acc_ws = torch.empty(2, P, N * H, R, dtype=torch.float32, device=device)
+        self.m_ws = torch.empty(2, P, N * H, dtype=torch.float32, device=device)
+        self.l_ws = torch.empty(2, P, N * H, dtype=torch.float32, device=device)
+        self.out = torch.zeros(N, H, R, dtype=dtype, device=device)
+        self._staging = self._copied = None  # update()'s pinned host buffer and the event of its last copy
+        self._updated = False
+
+    @staticmethod
+    def table_size(max_sequences: int, max_groups: int) -> int:
+        """Elements (int64) of the tables of a plan of this capacity."""
+        return 4 * (max_groups + max_sequences) + 3 * max_sequences
+
+    def host_tables(self, prefixes, group, own) -> list[int]:
+        """The tables for one step as a list of :meth:`table_size` ints (the host half of :meth:`update`, for a
+        caller that copies them with its other inputs in one transfer to :attr:`tables`).
+
+        Args:
+            prefixes: list of ``G ≤ max_groups`` tensors ``[L_g, D]`` (the plan's dtype and device, contiguous).
+            group: list of ``N ≤ max_sequences`` ints in ``[-1, G)`` (−1: no prefix).
+            own: list of N tensors ``[L_n, D]`` (the plan's dtype and device, contiguous), each sequence's own rows,
+                the new token's row included.
+
+        The tensors are read at their addresses when the plan launches: they must stay alive (and in place) until
+        then.
+
+        Raises:
+            ValueError: a list of the wrong type or length, more sequences or prefixes than the capacity, a tensor of
+                the wrong shape, dtype, device or contiguity (naming it), a ``group`` entry outside ``[-1, G)``.
+        """
+        if not isinstance(prefixes, (list, tuple)) or not isinstance(own, (list, tuple)) or \
+                not isinstance(group, (list, tuple)):
+            raise ValueError("prefixes, group and own must be lists")
+        N, G = len(own), len(prefixes)
+        if len(group) != N:
+            raise ValueError(f"group and own must have one entry per sequence, got {len(group)} and {N}")
+        if N > self.max_sequences:
+            raise ValueError(f"{N} sequences exceed the plan's max_sequences={self.max_sequences}")
+        if G > self.max_groups:
+            raise ValueError(f"{G} prefixes exceed the plan's max_groups={self.max_groups}")
+        for i, t in enumerate(prefixes):
+            _check_rows(f"prefixes[{i}]", t, self.key_dim, self.dtype, self.device)
+        for i, t in enumerate(own):
+            _check_rows(f"own[{i}]", t, self.key_dim, self.dtype, self.device)
+        bad = [g for g in group if isinstance(g, bool) or not isinstance(g, int) or not -1 <= g < G]
+        if bad:
+            raise ValueError(f"group entries must be ints in [-1, {G}) (G = len(prefixes)), got {bad[0]!r}")
+        N_cap, G_cap = self.max_sequences, self.max_groups
+        by_group = [[] for _ in range(G)]
+        for n, g in enumerate(group):
+            if g >= 0:
+                by_group[g].append(n)
+        key_ptrs = [t.data_ptr() for t in prefixes] + [0] * (G_cap - G) + [t.data_ptr() for t in own] + \
+            [0] * (N_cap - N)
+        segments, members = [], []
+        for g in range(G):
+            segments += (prefixes[g].shape[0], len(members), len(by_group[g]))
+            members += by_group[g]
+        segments += [0, 0, 0] * (G_cap - G)
+        for n in range(N_cap):
+            segments += (own[n].shape[0] if n < N else 0, N_cap + n, 1)
+        members += [0] * (N_cap - len(members)) + list(range(N_cap))
+        return key_ptrs + segments + members + list(group) + [-1] * (N_cap - N)
+
+    def update(self, prefixes, group, own) -> None:
+        """Fill the device tables for one step (arguments and errors: :meth:`host_tables`) in one host→device copy;
+        on CUDA from the plan's second update on through a pinned buffer of its own (reused once its previous copy
+        has run), so a plan made for one call (:func:`latent_attention_shared_prefix`) allocates no pinned memory."""
+        values = torch.tensor(self.host_tables(prefixes, group, own), dtype=torch.int64)
+        if self.device.type != "cuda" or not self._updated:
+            self._updated = True
+            self.tables.copy_(values, non_blocking=True)  # from pageable memory: the copy is staged before it returns
+            return
+        if self._staging is None:
+            self._staging = torch.empty(values.shape, dtype=torch.int64, pin_memory=True)
+            self._copied = torch.cuda.Event()
+        self._copied.synchronize()  # the last copy out of the pinned buffer has run: it may be overwritten
+        self._staging.copy_(values)
+        self.tables.copy_(self._staging, non_blocking=True)
+        self._copied.record()
+
+    def launch(self, q, scale):
+        r"""``o = softmax(scale · q · keysᵀ) · keys[:, :R]`` per sequence over the rows the tables name (module
+        docstring), float32 accumulation, 0 for a sequence without keys; reads only the plan's device tensors and
+        ``q``, so it can be captured in a CUDA graph (the tables are refilled before each replay).
+
+        Args:
+            q: ``[N, H, D]`` (the plan's dtype and device), ``N ≤ max_sequences``; its first N rows are the
+                sequences of the last update (rows past them, if any, are sequences without keys).
+            scale: softmax scale (Python float).
+
+        Returns:
+            ``o [N, H, R]``: a view of :attr:`out` (overwritten by the next launch).
+
+        Raises:
+            ValueError: a wrong shape, dtype or device of ``q``, q requiring grad while grad mode is on.
+        """
+        N_cap, G_cap, H, D, R = self.max_sequences, self.max_groups, self.num_heads, self.key_dim, self.R
+        if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] > N_cap or q.shape[1:] != (H, D):
+            raise ValueError(f"q must be [N, {H}, {D}] with N <= {N_cap}, got {getattr(q, 'shape', type(q).__name__)}")
+        if q.dtype != self.dtype or q.device != self.device:
+            raise ValueError(f"q is {q.dtype} on {q.device}, the plan was made for {self.dtype} on {self.device}")
+        if torch.is_grad_enabled() and q.requires_grad:
+            raise ValueError("latent_attention_shared_prefix has no backward: q requires grad; run it under "
+                             "torch.no_grad()")
+        N = q.shape[0]
+        if N == 0:
+            return self.out[:0]
+        P, NH = self.num_splits, N_cap * H
+        qc = q.contiguous()
+        # two launches of the split kernel, each with the row block its segments need (both the same key block, a
+        # function of R only, and the same P, which the combine reads); grids from the capacity: the programs of a
+        # segment without keys or rows return at once
+        for first, count, rows, (block_m, _, num_warps) in ((0, G_cap, N_cap * H, self._blocks[0]),
+                                                           (G_cap, N_cap, H, self._blocks[1])):
+            _segment_split_kernel[(count, cdiv(rows, block_m), P)](
+                qc, self.key_ptrs, self.segments, self.members, self.acc_ws, self.m_ws, self.l_ws, H, NH, P, G_cap,
+                first, scale * 1.4426950408889634, R=R, DR=D - R, BLOCK_DR=max(16, next_power_of_2(D - R)),
+                BLOCK_M=block_m, BLOCK_N=self._block_n, IEEE=self.dtype == torch.float32, num_warps=num_warps,
+                num_stages=NUM_STAGES)
+        block_r = min(R, COMBINE_BLOCK_R)
+        # only the rows of q's N sequences (the tables give the others no key: they would be 0)
+        _combine_kernel[(N * H, R // block_r)](self.acc_ws, self.m_ws, self.l_ws, self.out, self.segments,
+                                               self.group, H, NH, P, G_cap, R=R, BLOCK_N=self._block_n,
+                                               BLOCK_P=next_power_of_2(P), BLOCK_R=block_r, num_warps=4)
+        return self.out[:N]
 
 
 def latent_attention_shared_prefix(q, prefixes, group, own, scale, value_dim=None, *, num_splits=None):
@@ -148,7 +371,8 @@ def latent_attention_shared_prefix(q, prefixes, group, own, scale, value_dim=Non
 
     float32 accumulation; 0 for a sequence with no row at all. Forward only. No row is copied: the kernels read
     each tensor of ``prefixes`` and ``own`` at its address (the tensors must stay alive until the kernels ran,
-    as any argument does).
+    as any argument does). A :class:`SharedPrefixPlan` sized to this call (``N`` sequences, ``G`` prefixes),
+    updated, launched: the one path the rollout engine's captured steps take too.
 
     Args:
         q: ``[N, H, R + Dr]`` float16 / bfloat16 / float32 absorbed queries (``[W_ukᵀ q_nope | q_shared]``).
@@ -160,7 +384,7 @@ def latent_attention_shared_prefix(q, prefixes, group, own, scale, value_dim=Non
         value_dim: ``R``, a power of two in [16, 512]; None → q's whole last dim (then ``Dr = 0``); ``Dr`` at most
             ``MAX_SHARED_DIM``.
         num_splits: splits ``P`` of each segment's keys (None: about ``PROGRAMS_PER_SM`` programs per SM, at most one
-            per key block); for tests and tuning.
+            per key block of the longest segment); for tests and tuning.
 
     Returns:
         ``o [N, H, R]`` in q's dtype.
@@ -177,72 +401,28 @@ def latent_attention_shared_prefix(q, prefixes, group, own, scale, value_dim=Non
         raise ValueError(f"q dtype must be one of {_FLOATS}, got {q.dtype}")
     if q.device.type != "cuda" and not (q.device.type == "cpu" and is_interpreter()):
         raise ValueError(f"q is on {q.device}: the Triton kernels need a CUDA tensor (or CPU with TRITON_INTERPRET=1)")
-    R = D if value_dim is None else value_dim
-    if isinstance(R, bool) or not isinstance(R, int) or R < 16 or R > 512 or R & (R - 1) or R > D:
-        raise ValueError(f"value_dim (the value width R, kv_lora_rank) must be a power of two in [16, 512] and at most "
-                         f"q's last dim {D}, got {value_dim!r}")
-    if D - R > MAX_SHARED_DIM:
-        raise ValueError(f"the shared key part (q's last dim {D} − value_dim {R}) must be at most {MAX_SHARED_DIM} "
-                         f"columns, got {D - R}")
+    R = _check_value_dim(value_dim, D)
     if not isinstance(prefixes, (list, tuple)) or not isinstance(own, (list, tuple)) or \
             not isinstance(group, (list, tuple)):
         raise ValueError("prefixes, group and own must be lists")
     if len(group) != N or len(own) != N:
         raise ValueError(f"group and own must have N = {N} entries (q's first dim), got {len(group)} and {len(own)}")
-    G = len(prefixes)
-    for i, t in enumerate(prefixes):
-        _check_rows(f"prefixes[{i}]", t, q)
-    for i, t in enumerate(own):
-        _check_rows(f"own[{i}]", t, q)
-    bad = [g for g in group if isinstance(g, bool) or not isinstance(g, int) or not -1 <= g < G]
-    if bad:
-        raise ValueError(f"group entries must be ints in [-1, {G}) (G = len(prefixes)), got {bad[0]!r}")
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
     if torch.is_grad_enabled() and q.requires_grad:
         raise ValueError("latent_attention_shared_prefix has no backward: q requires grad; run it under "
                          "torch.no_grad()")
-    o = q.new_empty(N, H, R)
     if N == 0:
-        return o
-    # segments: G prefixes (their members in `members`), then one per sequence; rows (n_keys, first member, count)
-    members, segments = [], []
-    for g in range(G):
-        mine = [n for n in range(N) if group[n] == g]
-        segments.append((prefixes[g].shape[0], len(members), len(mine)))
-        members += mine
-    for n in range(N):
-        segments.append((own[n].shape[0], len(members), 1))
-        members.append(n)
-    device = q.device
-    host = torch.tensor([t.data_ptr() for t in (*prefixes, *own)], dtype=torch.int64)
-    key_ptrs = host.to(device, non_blocking=True)
-    seg = torch.tensor(segments, dtype=torch.int32).to(device, non_blocking=True)
-    mem = torch.tensor(members, dtype=torch.int32).to(device, non_blocking=True)
-    grp = torch.tensor(list(group), dtype=torch.int32).to(device, non_blocking=True)
-    # two launches of the split kernel, each with the row block its segments need: the G prefixes (every head of
-    # every member: up to members·H rows) and the N own segments (H rows each), so the latter do not pad H rows to
-    # the prefixes' block. Both use the same key block (it depends on R only) and the same split count P, which the
-    # combine reads.
-    launches = [(0, G, max([s[2] for s in segments[:G]], default=0) * H), (G, N, H)]
-    blocks = [block_sizes(max(rows, 1), R) for _, _, rows in launches]
-    block_n = blocks[0][1]
-    programs = sum(count * cdiv(rows, bm) for (_, count, rows), (bm, _, _) in zip(launches, blocks, strict=True))
-    max_keys = max(s[0] for s in segments)
-    P = num_splits or max(1, min(cdiv(max_keys, block_n), cdiv(PROGRAMS_PER_SM * sm_count(device), max(programs, 1))))
-    NH = N * H
-    acc_ws = torch.empty(2, P, NH, R, dtype=torch.float32, device=device)
-    m_ws = torch.empty(2, P, NH, dtype=torch.float32, device=device)
-    l_ws = torch.empty(2, P, NH, dtype=torch.float32, device=device)
-    qc = q.contiguous()
-    for (first, count, rows), (block_m, _, num_warps) in zip(launches, blocks, strict=True):
-        if count == 0 or rows == 0 or max(s[0] for s in segments[first:first + count]) == 0:
-            continue  # no key in these segments: the combine sees no split of theirs
-        _segment_split_kernel[(count, cdiv(rows, block_m), P)](
-            qc, key_ptrs, seg, mem, acc_ws, m_ws, l_ws, H, NH, P, G, first, scale * 1.4426950408889634,
-            R=R, DR=D - R, BLOCK_DR=max(16, next_power_of_2(D - R)), BLOCK_M=block_m, BLOCK_N=block_n,
-            IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=NUM_STAGES)
-    block_r = min(R, COMBINE_BLOCK_R)
-    _combine_kernel[(NH, R // block_r)](acc_ws, m_ws, l_ws, o, seg, grp, H, NH, P, G, R=R, BLOCK_N=block_n,
-                                        BLOCK_P=next_power_of_2(P), BLOCK_R=block_r, num_warps=4)
-    return o
+        return q.new_empty(0, H, R)
+    G = len(prefixes)
+    if num_splits is None:  # sized to this call's data: the programs it has, at most one split per key block
+        members = [sum(g == i for g in group) for i in range(G)] if G else [0]
+        (bm_p, block_n, _), (bm_o, _, _) = block_sizes(max(max(members), 1) * H, R), block_sizes(H, R)
+        programs = sum(cdiv(m * H, bm_p) for m in members) + N * cdiv(H, bm_o)
+        lengths = [t.shape[0] for t in (*prefixes, *own) if isinstance(t, torch.Tensor) and t.dim() == 2]
+        num_splits = max(1, min(cdiv(max(lengths, default=0), block_n),
+                                cdiv(PROGRAMS_PER_SM * sm_count(q.device), max(programs, 1))))
+    plan = SharedPrefixPlan(max_sequences=N, max_groups=max(G, 1), num_heads=H, key_dim=D, value_dim=R, dtype=q.dtype,
+                            device=q.device, num_splits=num_splits)
+    plan.update(prefixes, group, own)
+    return plan.launch(q, scale)
