@@ -24,7 +24,14 @@ additions (cuBLAS splits K differently from the CPU's sgemm); the same products 
 to float32 (``*_exact_acc``) bound what any accumulation order can do. If the two agree, the rounding of the inputs,
 not the accumulation, decides the top-k changes. TF32 rounds both operands to a 10-bit mantissa (emulated: round to
 nearest even) and accumulates in float32. ``bf16_out`` is a bf16 GEMM that also rounds its output to bf16 (what a
-plain ``F.linear`` on bf16 tensors, e.g. under autocast, returns).
+plain ``F.linear`` on bf16 tensors, e.g. under autocast, returns). ``bf16x3`` splits both operands into a bf16 high
+part and a bf16 remainder and adds three of the four products (about 16 significant bits per operand; the dropped
+``lo·lo`` term is ~2^-16 relative): on a GPU one bf16 GEMM over K = 3d (``bench_moe.RouterLinearBF16x3``).
+
+For scale, how far training moved the routers: the same measurement on the model at initialisation (same config and
+seed), and per layer the expert-load spread and the gap between the k-th and (k+1)-th biased score (the margin a
+rounding must cover). Quantile Balancing keeps the load near uniform by design, so the load spread shows balance;
+the margins show how decisive the trained routers are.
 
 Not measured: Kimi K3's or any released Kimi model's router (d = 7,168, E = 896 top-16): their weights and
 activations are not on this machine, and random ones would measure near-ties that a trained router does not have.
@@ -33,7 +40,7 @@ comparison on a trained checkpoint of that shape.
 
 Usage::
 
-    python benchmarks/router_precision.py                 # train (~3-5 min on 2 cores), collect, compare, write
+    python benchmarks/router_precision.py                 # train (~2-4 min on 2 cores), collect, compare, write
     python benchmarks/router_precision.py --model DIR     # an exported model folder instead of training
     python benchmarks/router_precision.py --steps 50 --tokens 4096 --out /tmp/x   # a quick look
 
@@ -121,6 +128,19 @@ def _fp16(x, w):
 @_candidate("tf32", "x and W rounded to TF32 (10-bit mantissa), float32 accumulation")
 def _tf32(x, w):
     return round_tf32(x.float()) @ round_tf32(w.float()).T
+
+
+def _split_bf16(t):
+    hi = t.bfloat16().float()
+    return hi, (t - hi).bfloat16().float()
+
+
+@_candidate("bf16x3", "x = x_hi + x_lo, W = W_hi + W_lo in bf16; x_hi·W_hi + x_hi·W_lo + x_lo·W_hi, float32 "
+            "accumulation (3 bf16 products: one bf16 GEMM over K = 3d)")
+def _bf16x3(x, w):
+    x_hi, x_lo = _split_bf16(x.float())
+    w_hi, w_lo = _split_bf16(w.float())
+    return torch.cat([x_hi, x_hi, x_lo], 1) @ torch.cat([w_hi, w_lo, w_hi], 1).T
 
 
 @_candidate("bf16x_fp32w", "bf16 x · float32 W, float32 accumulation")
@@ -227,14 +247,29 @@ def load_spread(index: torch.Tensor, num_experts: int) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 # model and activations
 # ----------------------------------------------------------------------------------------------------------
+def train_config(work: str, steps: int, data_path: str):
+    """The run config of the model this script trains (``cpu_default.yaml`` + :data:`TRAIN_OVERRIDES`, one stage)."""
+    stage = (f"train.stages=[{{name: router, seq_len: 128, batch_size: 8, steps: {steps}, lr: 5.0e-3, "
+             f"warmup_steps: {max(1, steps // 20)}}}]")
+    return load_config(None, [*TRAIN_OVERRIDES, stage, f"output_dir={work}", f"data.path={data_path}"])
+
+
+def untrained_model(cfg, tokenizer):
+    """The model of ``cfg`` at initialisation (the pretraining job's ``build_model`` after seeding with
+    ``cfg.seed``), eval mode: the routers' starting point, for comparison."""
+    from transformers import set_seed  # noqa: PLC0415  (as train_model)
+
+    from kdamoe.training.trainer import build_model  # noqa: PLC0415  (as train_model)
+
+    set_seed(cfg.seed)
+    return build_model(cfg, tokenizer).float().eval()
+
+
 def train_model(work: str, steps: int, data_path: str) -> tuple[str, dict]:
     """Train the small model with the pretraining job; return its exported folder and the job's summary."""
     from kdamoe.training import run  # noqa: PLC0415  (the training stack is imported only when training)
 
-    stage = (f"train.stages=[{{name: router, seq_len: 128, batch_size: 8, steps: {steps}, lr: 5.0e-3, "
-             f"warmup_steps: {max(1, steps // 20)}}}]")
-    cfg = load_config(None, [*TRAIN_OVERRIDES, stage, f"output_dir={work}", f"data.path={data_path}"])
-    summary = run(cfg, resume=False, overwrite=True)
+    summary = run(train_config(work, steps, data_path), resume=False, overwrite=True)
     print(f"trained: val ppl {summary['before']['ppl']:.1f} -> {summary['after']['ppl']:.1f} "
           f"(bigram {summary['bigram']['ppl']:.1f}) in {summary['seconds']:.0f} s", flush=True)
     return summary["final_dir"], summary
@@ -356,6 +391,20 @@ def report(result: dict, header: str) -> str:
                      f"{ld['cv']:.3f} | [{layer['bias_range'][0]:.3g}, {layer['bias_range'][1]:.3g}] | "
                      f"{q['0.001']:.2e} / {q['0.01']:.2e} / {q['0.5']:.2e} | "
                      f"{_pct(m['1e-5'])} / {_pct(m['1e-4'])} / {_pct(m['1e-3'])} |")
+    if "untrained" in result:
+        u = result["untrained"]
+        lines += ["", "The same model at initialisation (same config and seed, routers untrained, bias 0), on the same "
+                  "text: sets changed against float32, all layers, and the margins per layer.", "",
+                  "| candidate | sets changed vs float32, trained | untrained |", "|---|---|---|"]
+        for name in u["total"]["vs_float32"]:
+            a, b = total["vs_float32"][name], u["total"]["vs_float32"][name]
+            lines.append(f"| `{name}` | {_pct(a['set_change_frac'])} | {_pct(b['set_change_frac'])} |")
+        lines += ["", "| layer (untrained) | load max / uniform | load CV | margin 0.1 % / 1 % / 50 % quantile |",
+                  "|---|---|---|---|"]
+        for layer in u["per_layer"]:
+            q = layer["margin_quantiles"]
+            lines.append(f"| {layer['layer']} | {layer['load']['max_over_uniform']:.2f} | {layer['load']['cv']:.3f} | "
+                         f"{q['0.001']:.2e} / {q['0.01']:.2e} / {q['0.5']:.2e} |")
     if meta.get("training"):
         t = meta["training"]
         lines += ["", f"Training: {t['steps']} steps of 8 × 128 tokens; validation perplexity {t['ppl_before']:.1f} "
@@ -368,7 +417,7 @@ def report(result: dict, header: str) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="an exported model folder (kdamoe-train's final/); default: train one")
-    parser.add_argument("--steps", type=int, default=300, help="training steps of 8 × 128 tokens (default 300)")
+    parser.add_argument("--steps", type=int, default=400, help="training steps of 8 × 128 tokens (default 400)")
     parser.add_argument("--data", default="data/shakespeare", help="the corpus folder (make data)")
     parser.add_argument("--work", default="runs/router_precision", help="the training run's folder (overwritten)")
     parser.add_argument("--tokens", type=int, default=65536, help="held-out tokens per layer, at most (default 65536)")
@@ -397,6 +446,11 @@ def main(argv=None):
     print(f"collected {len(layers)} routers × {layers[0]['x'].shape[0]} tokens in {time.time() - t0:.0f} s",
           flush=True)
     result = measure(layers)
+    if training:
+        # the same measurement on the routers at initialisation: how far training moved them
+        init_layers = collect_router_inputs(untrained_model(train_config(args.work, args.steps, args.data),
+                                                            tokenizer), rows)
+        result["untrained"] = measure(init_layers)
     result["meta"] = {"model": "trained here with kdamoe.training.run (cpu_default.yaml + "
                                + ", ".join(TRAIN_OVERRIDES) + f", {args.steps} steps)" if training else
                       f"the exported folder given by --model ({os.path.basename(os.path.normpath(folder))})",
