@@ -328,11 +328,14 @@ def measure(layers: list[dict]) -> dict:
                  "margin_quantiles": {q: torch.quantile(gap, float(q)).item() for q in ("0.001", "0.01", "0.5")},
                  "margin_below": {t: (gap < float(t)).double().mean().item() for t in ("1e-5", "1e-4", "1e-3")},
                  "vs_float64": {}, "vs_float32": {}}
+        logits = {}
         for name, (_, fn) in CANDIDATES.items():
-            cand = fn(x, w)
+            logits[name] = cand = fn(x, w)
             entry["vs_float64"][name] = compare_topk(ref64, cand, b, k, c)
             if name != "float32":
                 entry["vs_float32"][name] = compare_topk(ref32, cand, b, k, c)
+        # the same bf16 products summed in float32 vs summed exactly: what the order of the additions alone changes
+        entry["accumulation_only"] = compare_topk(logits["bf16_exact_acc"], logits["bf16_fp32_acc"], b, k, c)
         per_layer.append(entry)
     total = {}
     for ref in ("vs_float64", "vs_float32"):
@@ -381,6 +384,11 @@ def report(result: dict, header: str) -> str:
     for layer in per_layer:
         lines.append(f"| {layer['layer']} | {layer['tokens']} | " + " | ".join(
             f"{v['sets_changed']} ({_pct(v['set_change_frac'])})" for v in layer["vs_float32"].values()) + " |")
+    acc = [layer["accumulation_only"] for layer in per_layer]
+    lines += ["", f"Accumulation alone: `bf16_fp32_acc` against `bf16_exact_acc` (the same bf16 products, summed in "
+              f"float32 or exactly) changes {sum(a['sets_changed'] for a in acc)} of "
+              f"{sum(a['tokens'] for a in acc)} sets (logits rel. L2 at most "
+              f"{max(a['logits_rel_l2'] for a in acc):.1e}): the rounding of the inputs decides."]
     lines += ["", "## Are the routers trained? Load and margins per layer (float64 selection)", "",
               "| layer | load max / uniform | load min / uniform | load CV | bias range | margin k vs k+1: "
               "0.1 % / 1 % / 50 % quantile | tokens with margin < 1e-5 / 1e-4 / 1e-3 |",
@@ -435,6 +443,7 @@ def main(argv=None):
     folder = args.model
     if folder is None:
         folder, summary = train_model(args.work, args.steps, args.data)
+        torch.set_num_threads(args.threads)  # the training job set its own (train.num_threads)
         training = {"steps": args.steps, "ppl_before": summary["before"]["ppl"],
                     "ppl_after": summary["after"]["ppl"], "ppl_bigram": summary["bigram"]["ppl"],
                     "seconds": summary["seconds"]}
