@@ -40,7 +40,7 @@ comparison on a trained checkpoint of that shape.
 
 Usage::
 
-    python benchmarks/router_precision.py                 # train (~2-4 min on 2 cores), collect, compare, write
+    python benchmarks/router_precision.py                 # train, collect, compare, write (4-9 min, 1 thread)
     python benchmarks/router_precision.py --model DIR     # an exported model folder instead of training
     python benchmarks/router_precision.py --steps 50 --tokens 4096 --out /tmp/x   # a quick look
 
@@ -432,7 +432,7 @@ def main(argv=None):
     parser.add_argument("--seq-len", type=int, default=512, help="held-out row length (default 512)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                         help="results folder (default benchmarks/results)")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, as the training job)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.tokens < args.seq_len:
         parser.error(f"--steps must be >= 1 and --tokens >= --seq-len, got {args.steps}, {args.tokens}")
