@@ -40,7 +40,7 @@ comparison on a trained checkpoint of that shape.
 
 Usage::
 
-    python benchmarks/router_precision.py                 # train, collect, compare, write (4-9 min, 1 thread)
+    python benchmarks/router_precision.py                 # train, collect, compare, write (3-9 min, 1 thread)
     python benchmarks/router_precision.py --model DIR     # an exported model folder instead of training
     python benchmarks/router_precision.py --steps 50 --tokens 4096 --out /tmp/x   # a quick look
 

@@ -103,3 +103,17 @@ def test_bad_inputs_raise_naming_the_value():
         rp.select_topk(torch.zeros(2, 4), torch.zeros(3), 2)
     with pytest.raises(ValueError, match="float32"):
         rp.round_tf32(torch.zeros(2, dtype=torch.float64))
+
+
+def test_margins_and_load_spread_by_hand():
+    # token 0: biased scores σ(2)+0, σ(1)+1e-6, σ(1.0039)+0, σ(-2.0039): the 2nd and 3rd are the k-th and (k+1)-th
+    x, w, bias = torch.tensor(X, dtype=torch.float64), torch.tensor(W, dtype=torch.float64), torch.tensor(BIAS)
+    got = rp.margins(x @ w.T, bias, TOP_K)
+    sig = [1 / (1 + math.exp(-v)) for v in (1.0039, 1.0)]
+    assert got[0].item() == pytest.approx(sig[0] - (sig[1] + 1e-6), rel=1e-6)
+    # 4 experts, 3 tokens × top-2: counts 3, 2, 1, 0 of 6 → shares 1/2, 1/3, 1/6, 0 against 1/4
+    spread = rp.load_spread(torch.tensor([[0, 1], [0, 1], [0, 2]]), 4)
+    assert spread["max_over_uniform"] == pytest.approx(2.0) and spread["min_over_uniform"] == 0.0
+    shares = [1 / 2, 1 / 3, 1 / 6, 0.0]
+    std = math.sqrt(sum((s - 0.25) ** 2 for s in shares) / 4)
+    assert spread["cv"] == pytest.approx(std / 0.25)
