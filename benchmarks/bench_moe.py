@@ -177,13 +177,20 @@ def router_report(rows, info, out):
 ROUTER_LINEAR_SHAPES = [("ours", 32768, 1024, 64), ("K3", 32768, 7168, 896)]
 
 
-def _mm_fp32_out(a, b):
-    """``a @ b`` of two bf16 matrices with a float32 result: one tensor-core GEMM writing float32
-    (``torch.mm(..., out_dtype=torch.float32)``, CUDA only); elsewhere (CPU smoke runs) the same products in
-    float32 from the bf16 values."""
-    if a.is_cuda:
+def _mm_fp32_out(a, b, acc=None):
+    """``a @ b`` (plus ``acc``) of two bf16 matrices with a float32 result: tensor-core GEMMs writing float32
+    (``torch.mm`` / ``torch.addmm`` with ``out_dtype=torch.float32``, CUDA only; a float32 add after the GEMM where
+    this torch's ``addmm`` refuses it); elsewhere (CPU smoke runs) the same products in float32 from the bf16
+    values."""
+    if not a.is_cuda:
+        out = a.float() @ b.float()
+        return out if acc is None else acc + out
+    if acc is None:
         return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
+    try:
+        return torch.addmm(acc, a, b, out_dtype=torch.float32)
+    except (RuntimeError, TypeError):
+        return acc + torch.mm(a, b, out_dtype=torch.float32)
 
 
 class RouterLinearBF16(torch.autograd.Function):
@@ -217,17 +224,21 @@ def split_bf16(t):
 
 
 class RouterLinearBF16x3(RouterLinearBF16):
-    """:class:`RouterLinearBF16` with a more precise forward: ``x_hi W_hiᵀ + x_hi W_loᵀ + x_lo W_hiᵀ`` as ONE bf16
-    GEMM over K = 3d (``[x_hi | x_hi | x_lo] · [W_hi | W_lo | W_hi]ᵀ``, float32 output). The backward is the bf16
-    one (the gradients need no more than bf16; the top-k sets need the precise logits)."""
+    """:class:`RouterLinearBF16` with a more precise forward: ``x_hi W_hiᵀ + x_hi W_loᵀ + x_lo W_hiᵀ`` (the hi/lo
+    bf16 splits of :func:`split_bf16`), three bf16 GEMMs summed into the float32 logits; two when ``x`` is already
+    bf16 (``x_lo = 0``). The backward is the bf16 one (the gradients need no more than bf16; the top-k sets need the
+    precise logits)."""
 
     @staticmethod
     def forward(ctx, x, weight):
-        x_hi, x_lo = split_bf16(x)
         w_hi, w_lo = split_bf16(weight)
         ctx.save_for_backward(x, w_hi)
         ctx.weight_dtype = weight.dtype
-        return _mm_fp32_out(torch.cat([x_hi, x_hi, x_lo], 1), torch.cat([w_hi, w_lo, w_hi], 1).t())
+        if x.dtype == torch.bfloat16:
+            return _mm_fp32_out(x, w_lo.t(), _mm_fp32_out(x, w_hi.t()))
+        x_hi, x_lo = split_bf16(x)
+        out = _mm_fp32_out(x_hi, w_hi.t())
+        return _mm_fp32_out(x_lo, w_hi.t(), _mm_fp32_out(x_hi, w_lo.t(), out))
 
 
 def router_linear_variants():
@@ -238,8 +249,8 @@ def router_linear_variants():
         "tf32": ("the same float32 tensors with TF32 tensor cores allowed",
                  lambda x, w: F.linear(x.float(), w.float()), True),
         "bf16_fp32_out": ("bf16 GEMMs with float32 logits and ∂W (RouterLinearBF16)", RouterLinearBF16.apply, False),
-        "bf16x3_fwd": ("forward as one bf16 GEMM over K = 3d of the hi/lo splits (RouterLinearBF16x3), float32 "
-                       "logits; backward as bf16_fp32_out", RouterLinearBF16x3.apply, False),
+        "bf16x3_fwd": ("forward from the hi/lo bf16 splits (RouterLinearBF16x3: 2 GEMMs on bf16 x, 3 on float32 x), "
+                       "float32 logits; backward as bf16_fp32_out", RouterLinearBF16x3.apply, False),
         "bf16_out": ("F.linear on bf16, logits rounded to bf16, then float32",
                      lambda x, w: F.linear(x, w.bfloat16()).float(), False),
     }

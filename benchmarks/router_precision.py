@@ -26,7 +26,8 @@ not the accumulation, decides the top-k changes. TF32 rounds both operands to a 
 nearest even) and accumulates in float32. ``bf16_out`` is a bf16 GEMM that also rounds its output to bf16 (what a
 plain ``F.linear`` on bf16 tensors, e.g. under autocast, returns). ``bf16x3`` splits both operands into a bf16 high
 part and a bf16 remainder and adds three of the four products (about 16 significant bits per operand; the dropped
-``lo·lo`` term is ~2^-16 relative): on a GPU one bf16 GEMM over K = 3d (``bench_moe.RouterLinearBF16x3``).
+``lo·lo`` term is ~2^-16 relative): on a GPU one bf16 GEMM over K = 3d, as emulated here, or three summed in
+float32 (``bench_moe.RouterLinearBF16x3``; two when x is already bf16).
 
 For scale, how far training moved the routers: the same measurement on the model at initialisation (same config and
 seed), and per layer the expert-load spread and the gap between the k-th and (k+1)-th biased score (the margin a
