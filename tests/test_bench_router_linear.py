@@ -39,6 +39,17 @@ def test_router_linear_functions_match_float64_products(cls, fwd_tol):
         assert _rel(out.detach(), x64 @ w64.T) * 100 < _rel(plain, x64 @ w64.T)
 
 
+def test_bf16x3_on_float32_x_uses_the_split_of_x():
+    # float32 x (not bf16 values): the third product x_lo·W_hi is what keeps the error near 2^-16, not 2^-9
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 96, generator=g)
+    w = torch.randn(16, 96, generator=g) / 96 ** 0.5
+    ref = x.double() @ w.double().T
+    err3 = _rel(bench_moe.RouterLinearBF16x3.apply(x, w), ref)
+    err_w_only = _rel(bench_moe.RouterLinearBF16x3.apply(x.bfloat16(), w), ref)  # x rounded first: bf16-level
+    assert err3 < 5e-5 and err_w_only > 1e-3, (err3, err_w_only)
+
+
 def test_router_linear_smoke_writes_every_variant(tmp_path):
     bench_moe.main(["--smoke", "--router-linear", "--out", str(tmp_path)])
     doc = json.loads((tmp_path / "router_linear.json").read_text())
