@@ -43,7 +43,7 @@ Usage::
 
     python benchmarks/router_precision.py                 # train, collect, compare, write (3-9 min, 1 thread)
     python benchmarks/router_precision.py --model DIR     # an exported model folder instead of training
-    python benchmarks/router_precision.py --steps 50 --tokens 4096 --out /tmp/x   # a quick look
+    python benchmarks/router_precision.py --steps 50 --tokens 4096 --out bench_out   # a quick look
 
 Writes ``router_precision_cpu.{json,md}`` into ``--out`` (default ``benchmarks/results``).
 """
