@@ -248,11 +248,13 @@ def load_spread(index: torch.Tensor, num_experts: int) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 # model and activations
 # ----------------------------------------------------------------------------------------------------------
-def train_config(work: str, steps: int, data_path: str):
-    """The run config of the model this script trains (``cpu_default.yaml`` + :data:`TRAIN_OVERRIDES`, one stage)."""
+def train_config(work: str, steps: int, data_path: str, extra: list[str] | None = None):
+    """The run config of the model this script trains (``cpu_default.yaml`` + :data:`TRAIN_OVERRIDES`, one stage,
+    then ``extra`` overrides such as ``model.num_experts=256``)."""
     stage = (f"train.stages=[{{name: router, seq_len: 128, batch_size: 8, steps: {steps}, lr: 5.0e-3, "
              f"warmup_steps: {max(1, steps // 20)}}}]")
-    return load_config(None, [*TRAIN_OVERRIDES, stage, f"output_dir={work}", f"data.path={data_path}"])
+    return load_config(None, [*TRAIN_OVERRIDES, stage, f"output_dir={work}", f"data.path={data_path}",
+                              *(extra or [])])
 
 
 def untrained_model(cfg, tokenizer):
@@ -266,11 +268,11 @@ def untrained_model(cfg, tokenizer):
     return build_model(cfg, tokenizer).float().eval()
 
 
-def train_model(work: str, steps: int, data_path: str) -> tuple[str, dict]:
+def train_model(work: str, steps: int, data_path: str, extra: list[str] | None = None) -> tuple[str, dict]:
     """Train the small model with the pretraining job; return its exported folder and the job's summary."""
     from kdamoe.training import run  # noqa: PLC0415  (the training stack is imported only when training)
 
-    summary = run(train_config(work, steps, data_path), resume=False, overwrite=True)
+    summary = run(train_config(work, steps, data_path, extra), resume=False, overwrite=True)
     print(f"trained: val ppl {summary['before']['ppl']:.1f} -> {summary['after']['ppl']:.1f} "
           f"(bigram {summary['bigram']['ppl']:.1f}) in {summary['seconds']:.0f} s", flush=True)
     return summary["final_dir"], summary
@@ -433,17 +435,21 @@ def main(argv=None):
     parser.add_argument("--seq-len", type=int, default=512, help="held-out row length (default 512)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                         help="results folder (default benchmarks/results)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="one more override of the trained model's config, e.g. model.num_experts=256 (repeatable)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, as the training job)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.tokens < args.seq_len:
         parser.error(f"--steps must be >= 1 and --tokens >= --seq-len, got {args.steps}, {args.tokens}")
+    if args.model and args.set:
+        parser.error(f"--set {args.set} changes the model this script trains; --model {args.model} is trained already")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     t0 = time.time()
     training = None
     folder = args.model
     if folder is None:
-        folder, summary = train_model(args.work, args.steps, args.data)
+        folder, summary = train_model(args.work, args.steps, args.data, args.set)
         torch.set_num_threads(args.threads)  # the training job set its own (train.num_threads)
         training = {"steps": args.steps, "ppl_before": summary["before"]["ppl"],
                     "ppl_after": summary["after"]["ppl"], "ppl_bigram": summary["bigram"]["ppl"],
@@ -458,11 +464,11 @@ def main(argv=None):
     result = measure(layers)
     if training:
         # the same measurement on the routers at initialisation: how far training moved them
-        init_layers = collect_router_inputs(untrained_model(train_config(args.work, args.steps, args.data),
-                                                            tokenizer), rows)
+        init_cfg = train_config(args.work, args.steps, args.data, args.set)
+        init_layers = collect_router_inputs(untrained_model(init_cfg, tokenizer), rows)
         result["untrained"] = measure(init_layers)
     result["meta"] = {"model": "trained here with kdamoe.training.run (cpu_default.yaml + "
-                               + ", ".join(TRAIN_OVERRIDES) + f", {args.steps} steps)" if training else
+                               + ", ".join([*TRAIN_OVERRIDES, *args.set]) + f", {args.steps} steps)" if training else
                       f"the exported folder given by --model ({os.path.basename(os.path.normpath(folder))})",
                       "held_out": names, "tokens": int(rows.numel()), "seq_len": args.seq_len,
                       "training": training, "seconds": time.time() - t0,
