@@ -1,10 +1,12 @@
 """MoE on one GPU: the router (Triton route kernel vs the model's PyTorch router op) and the routed experts.
 
     python benchmarks/bench_moe.py --router-only      # router case only (about a minute on an H200)
+    python benchmarks/bench_moe.py --router-linear    # the router linear: float32 vs TF32 / bf16 GEMMs
     python benchmarks/bench_moe.py [--quick] [--profile]
     TRITON_INTERPRET=1 python benchmarks/bench_moe.py --smoke [--router-only]   # CPU check of the runner
 
 Writes ``moe_router.{json,md}`` and (unless ``--router-only``) ``moe_experts.{json,md}`` into ``$OUT``
+(``--router-linear``: ``router_linear.{json,md}`` only)
 (default ``./bench_out``) and prints the tables. Every file names the stack it measured: torch, triton, GPU,
 CUDA, the commit (``$KDAMOE_COMMIT``, else ``git rev-parse HEAD``) and a hash of the measured sources.
 
@@ -14,6 +16,10 @@ router: what ``KDAMoETopkRouter.forward`` runs, both paths from ``kdamoe.model.k
   ``kernels.moe_route``: one pass), then the float64 accumulation. Modes: ``train_fwd`` (statistics on),
   ``train_fwdbwd`` (plus the backward through the gate weights to the router weight and the activations)
   and ``eval_fwd`` (no statistics, no grad).
+router linear (``--router-linear``, issue #40 Deliver 2): the router's ``x Wᵀ`` and its ∂x and ∂W at our 1.68 B shape
+  and K3's (T = 32K; d = 1,024, E = 64 and d = 7,168, E = 896): float32 as today, TF32, bf16 GEMMs with float32
+  logits (``RouterLinearBF16``), and a plain bf16 ``F.linear``. Which of them keep the top-k sets is measured on
+  the CPU by ``router_precision.py``; this times them.
 experts: ours = ``moe_route`` + ``moe_experts``; peer = ``moe_peers.grouped_mm_moe`` (two
   ``torch._grouped_mm``); loop = the model's PyTorch path (``moe_route_torch`` + ``moe_experts_torch``).
   Errors: bf16 against the PyTorch path in float32. FLOPs 6·N·k·ℓ·I forward, 18·N·k·ℓ·I forward+backward.
@@ -164,6 +170,155 @@ def router_report(rows, info, out):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# router linear: float32 (today) against cheaper GEMMs (issue #40, Deliver 2; precision: router_precision.py)
+# ----------------------------------------------------------------------------------------------------------
+# (name, tokens, hidden d, experts E): our 1.68 B shape and K3's (floors.py: hidden 7,168 assumed, the router
+# scores all 896 experts on every rank)
+ROUTER_LINEAR_SHAPES = [("ours", 32768, 1024, 64), ("K3", 32768, 7168, 896)]
+
+
+def _mm_fp32_out(a, b, acc=None):
+    """``a @ b`` (plus ``acc``) of two bf16 matrices with a float32 result: tensor-core GEMMs writing float32
+    (``torch.mm`` / ``torch.addmm`` with ``out_dtype=torch.float32``, CUDA only; a float32 add after the GEMM where
+    this torch's ``addmm`` refuses it); elsewhere (CPU smoke runs) the same products in float32 from the bf16
+    values."""
+    if not a.is_cuda:
+        out = a.float() @ b.float()
+        return out if acc is None else acc + out
+    if acc is None:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    try:
+        return torch.addmm(acc, a, b, out_dtype=torch.float32)
+    except (RuntimeError, TypeError):
+        return acc + torch.mm(a, b, out_dtype=torch.float32)
+
+
+class RouterLinearBF16(torch.autograd.Function):
+    """Router logits ``x Wᵀ`` on bf16 operands with float32 logits; the backward on bf16 operands too.
+
+    Forward: ``[T, d] bf16 x`` and ``[E, d] W`` (the float32 master or bf16, cast to bf16) → ``[T, E]`` float32.
+    Backward, with the float32 ``∂logits`` rounded to bf16 (what a tensor-core GEMM reads): ``∂x = ∂logits · W``
+    (bf16, x's dtype) and ``∂W = ∂logitsᵀ · x`` (float32 output, cast to W's dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        w = weight.bfloat16()
+        ctx.save_for_backward(x, w)
+        ctx.weight_dtype = weight.dtype
+        return _mm_fp32_out(x.bfloat16(), w.t())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        g = grad.bfloat16()
+        dx = (g @ w).to(x.dtype)
+        dw = _mm_fp32_out(g.t().contiguous(), x.bfloat16()).to(ctx.weight_dtype)
+        return dx, dw
+
+
+def split_bf16(t):
+    """``t ≈ hi + lo`` with ``hi = bf16(t)`` and ``lo = bf16(t − hi)``: about 16 significant bits in two bf16
+    tensors (the split of the 3-pass bf16 GEMM trick; the dropped ``lo·lo`` product is ~2^-16 relative)."""
+    hi = t.bfloat16()
+    return hi, (t.float() - hi.float()).bfloat16()
+
+
+class RouterLinearBF16x3(RouterLinearBF16):
+    """:class:`RouterLinearBF16` with a more precise forward: ``x_hi W_hiᵀ + x_hi W_loᵀ + x_lo W_hiᵀ`` (the hi/lo
+    bf16 splits of :func:`split_bf16`), three bf16 GEMMs summed into the float32 logits; two when ``x`` is already
+    bf16 (``x_lo = 0``). The backward is the bf16 one (the gradients need no more than bf16; the top-k sets need the
+    precise logits)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        w_hi, w_lo = split_bf16(weight)
+        ctx.save_for_backward(x, w_hi)
+        ctx.weight_dtype = weight.dtype
+        if x.dtype == torch.bfloat16:
+            return _mm_fp32_out(x, w_lo.t(), _mm_fp32_out(x, w_hi.t()))
+        x_hi, x_lo = split_bf16(x)
+        out = _mm_fp32_out(x_hi, w_hi.t())
+        return _mm_fp32_out(x_lo, w_hi.t(), _mm_fp32_out(x_hi, w_lo.t(), out))
+
+
+def router_linear_variants():
+    """name -> (what it is, ``fn(x bf16 [T, d], W float32 [E, d]) -> float32 logits [T, E]``, TF32 on)."""
+    return {
+        "float32": ("x.float() · W.float(), float32 GEMMs (today's router)",
+                    lambda x, w: F.linear(x.float(), w.float()), False),
+        "tf32": ("the same float32 tensors with TF32 tensor cores allowed",
+                 lambda x, w: F.linear(x.float(), w.float()), True),
+        "bf16_fp32_out": ("bf16 GEMMs with float32 logits and ∂W (RouterLinearBF16)", RouterLinearBF16.apply, False),
+        "bf16x3_fwd": ("forward from the hi/lo bf16 splits (RouterLinearBF16x3: 2 GEMMs on bf16 x, 3 on float32 x), "
+                       "float32 logits; backward as bf16_fp32_out", RouterLinearBF16x3.apply, False),
+        "bf16_out": ("F.linear on bf16, logits rounded to bf16, then float32",
+                     lambda x, w: F.linear(x, w.bfloat16()).float(), False),
+    }
+
+
+def router_linear_rows(shapes, dev, rep):
+    """Forward and forward + ∂x + ∂W of every variant at every shape (median ms), with each variant's relative
+    errors of the logits, ∂x and ∂W against float64 products of the same bf16 x and float32 W."""
+    rows = []
+    for name, n, d, e in shapes:
+        g = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(n, d, device=dev, generator=g).bfloat16().requires_grad_()
+        w = (torch.randn(e, d, device=dev, generator=g) * d ** -0.5).requires_grad_()
+        dy = torch.randn(n, e, device=dev, generator=g)
+        with torch.no_grad():
+            x64, w64, dy64 = x.double(), w.double(), dy.double()
+            ref = (x64 @ w64.T, dy64 @ w64, dy64.T @ x64)
+        flop = 2 * n * d * e
+        for vname, (_, fn, tf32) in router_linear_variants().items():
+            old = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            try:
+                x.grad = w.grad = None  # the previous variant's timed backward left its gradients
+                out = fn(x, w)
+                out.backward(dy)
+                errs = [relative_error(a.double(), r) for a, r in zip((out.detach(), x.grad, w.grad), ref,
+                                                                       strict=True)]
+                x.grad = w.grad = None
+                with torch.no_grad():
+                    fwd = bench(lambda fn=fn, x=x, w=w: fn(x, w), dev, rep=rep)
+                fwdbwd = bench(lambda fn=fn, x=x, w=w, dy=dy: fn(x, w).backward(dy), dev, [x, w], rep)
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = old
+            rows.append({"shape": name, "tokens": n, "d": d, "experts": e, "variant": vname,
+                         "fwd_ms": round(fwd, 4), "fwdbwd_ms": round(fwdbwd, 4),
+                         "fwdbwd_tflops": round(3 * flop / fwdbwd / 1e9, 1),
+                         "rel_err_logits": errs[0], "rel_err_dx": errs[1], "rel_err_dw": errs[2]})
+            print(json.dumps(rows[-1]), flush=True)
+        del x, w, dy, ref, x64, w64, dy64
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    base = {(r["shape"], r["variant"]): r for r in rows}
+    for r in rows:
+        f32 = base[r["shape"], "float32"]
+        r["fwd_over_float32"] = round(r["fwd_ms"] / f32["fwd_ms"], 3)
+        r["fwdbwd_over_float32"] = round(r["fwdbwd_ms"] / f32["fwdbwd_ms"], 3)
+    return rows
+
+
+def router_linear_report(rows, info, out):
+    lines = ["# Router linear: float32 (today) against cheaper GEMMs, forward and forward + ∂x + ∂W", ""] \
+        + stack_lines(info) + [
+        "bf16 x `[T, d]`, float32 router weight `[E, d]` (the master weight of mixed-precision training), float32 "
+        "`∂logits`. Median ms; '/ float32' below 1 = faster than today. TFLOP/s from 3 · 2·T·d·E. Relative L2 "
+        "errors against float64 products of the same inputs. Which variants keep the top-k sets: "
+        "`benchmarks/router_precision.py` (`router_precision_cpu.md`).", "",
+        "| shape | variant | fwd ms | fwd / float32 | fwd+bwd ms | fwd+bwd / float32 | TFLOP/s | err logits | "
+        "err ∂x | err ∂W |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} T{r['tokens']} d{r['d']} E{r['experts']} | {r['variant']} | {r['fwd_ms']:.4f} | "
+                     f"{r['fwd_over_float32']:.3f} | {r['fwdbwd_ms']:.4f} | {r['fwdbwd_over_float32']:.3f} | "
+                     f"{r['fwdbwd_tflops']} | {r['rel_err_logits']:.2e} | {r['rel_err_dx']:.2e} | "
+                     f"{r['rel_err_dw']:.2e} |")
+    lines += ["", "Variants:", ""] + [f"- `{k}`: {v[0]}" for k, v in router_linear_variants().items()]
+    write(out, "router_linear", {"stack": info, "rows": rows}, lines)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # experts
 # ----------------------------------------------------------------------------------------------------------
 SITU = GLUActivation("situ")
@@ -305,6 +460,8 @@ def experts_bench(args, dev, info):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--router-only", action="store_true", help="only the router case")
+    parser.add_argument("--router-linear", action="store_true",
+                        help="only the router linear: float32 against TF32 and bf16 GEMMs (router_linear.*)")
     parser.add_argument("--quick", action="store_true", help="three experts cases, no loop peer")
     parser.add_argument("--profile", action="store_true", help="per-kernel profile of the experts (CUDA)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; runs on the CPU under TRITON_INTERPRET=1")
@@ -317,6 +474,11 @@ def main(argv=None):
     info = stack(dev)
     print(json.dumps(info), flush=True)
     t0 = time.time()
+    if args.router_linear:
+        shapes = [("tiny", 48, 32, 16), ("tiny_wide", 40, 64, 24)] if args.smoke else ROUTER_LINEAR_SHAPES
+        router_linear_report(router_linear_rows(shapes, dev, rep=3 if args.smoke else 100), info, args.out)
+        print(f"router linear took {time.time() - t0:.1f} s", flush=True)
+        return
     if args.smoke:
         cases = [(64, 32, 16, 4), (40, 32, 32, 8)]
     else:
