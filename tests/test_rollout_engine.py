@@ -320,6 +320,35 @@ def test_engine_raising_tool_and_budget_drop(policy):
     assert got[0]["ended"] == "budget"
 
 
+@pytest.mark.parametrize("kind", ["sync", "async", "malformed"])
+def test_engine_raises_what_a_tool_round_raises_outside_a_tool_error(policy, kind):
+    """A tool's own ``Exception`` is the tool's result (TRL's loop); a ``KeyboardInterrupt`` raised in a tool, or a
+    call dict without ``"function"``, stops TRL's loop, which runs the calls on the main thread. The engine runs them
+    on a worker thread: it must raise the same from ``run`` (it swallowed them, found by a user's probe), and play
+    the next ``run`` as if nothing happened."""
+    model, tokenizer = policy
+
+    def interrupted(a: int, b: int) -> int:
+        raise KeyboardInterrupt
+
+    async def interrupted_async(a: int, b: int) -> int:
+        raise KeyboardInterrupt
+
+    tool = {"sync": interrupted, "async": interrupted_async, "malformed": add}[kind]
+    plan = {0: [_call("add", a=2, b=3)]}
+    spec = EpisodeSpec(_prompt(tokenizer, 0), tools={"add": tool}, schemas=SCHEMAS, seed=0)
+    config = _greedy(tokenizer)
+    engine = _engine(model, tokenizer, plan, config, slots=1, budget=80, rounds=3)
+    if kind == "malformed":
+        engine.parse_turn = lambda ids, prefix, schemas: {"role": "assistant", "content": "",
+                                                          "tool_calls": [{"type": "function"}]}
+    with pytest.raises(KeyError if kind == "malformed" else KeyboardInterrupt):
+        engine.run([spec])
+    engine.parse_turn = _engine(model, tokenizer, plan, config, slots=1, budget=80, rounds=3).parse_turn
+    ok = EpisodeSpec(spec.prompt_ids, tools={"add": add}, schemas=SCHEMAS, seed=0)
+    _assert_same(engine.run([ok])[0], _reference(model, tokenizer, plan, config, [ok], budget=80, rounds=3)[0])
+
+
 def test_engine_seeded_sampling_equals_cached_rollout(policy):
     model, tokenizer = policy
     plan = {0: [_call("add", a=2, b=3)], 1: [None, None]}
@@ -522,8 +551,38 @@ def test_engine_refuses_bad_arguments(policy):
     engine = RolloutEngine(model, GREEDY, num_slots=1, eos_token_ids=[2], max_completion_length=8)
     with pytest.raises(ValueError, match="parse_turn"):
         engine.run([EpisodeSpec([5, 6], tools={"add": add})])
-    with pytest.raises(ValueError, match="empty prompt_ids"):
+    with pytest.raises(ValueError, match="prompt_ids must be a non-empty list"):
         engine.run([EpisodeSpec([])])
+    # each refused before a step runs, naming the value (a user's probe found these passing or failing deep inside)
+    for kwargs, needle in [
+            (dict(cuda_graphs="yes"), "cuda_graphs"), (dict(logprob_temperature=None), "logprob_temperature"),
+            (dict(logprob_temperature=float("inf")), "logprob_temperature"),
+            (dict(logprob_temperature=float("nan")), "logprob_temperature"),
+            (dict(tool_timeout_s="5"), "tool_timeout_s"),
+            (dict(max_tool_calling_iterations=1.5), "max_tool_calling_iterations"),
+            (dict(max_position_embeddings=0), "max_position_embeddings"),
+            (dict(parse_turn="x"), "parse_turn must be None or callable"),
+            (dict(eos_token_ids=None), "eos_token_ids must be a list"),
+            (dict(eos_token_ids=[-1]), r"eos_token_ids: -1 is not a token id"),
+            (dict(eos_token_ids=[10 ** 9]), r"eos_token_ids: 1000000000 is not a token id"),
+            (dict(generation_config={"do_sample": False}), "GenerationConfig"),
+            (dict(generation_config=GenerationConfig(do_sample=True, temperature=0.0, max_new_tokens=4)),
+             "generation_config: .*temperature")]:
+        args = dict(generation_config=GREEDY, num_slots=1, eos_token_ids=[2], max_completion_length=8) | kwargs
+        with pytest.raises(ValueError, match=needle):
+            RolloutEngine(model, **args)
+    for specs, needle in [
+            (EpisodeSpec([5, 6]), "specs must be a list"), ([[5, 6]], "episode 0: expected an EpisodeSpec"),
+            ([EpisodeSpec([5, 6.7])], r"token id 6.7 is not an integer"),
+            ([EpisodeSpec([5, True])], r"token id True is not an integer"),
+            ([EpisodeSpec(torch.tensor([[5, 6]]))], "1-D integer ids"),
+            ([EpisodeSpec([5, 6], seed=2 ** 64)], r"episode 0: seed must be .* got 18446744073709551616"),
+            ([EpisodeSpec([5, 6]), EpisodeSpec([5, 6], seed="7")], r"episode 1: seed must be .* got '7'"),
+            ([EpisodeSpec([5] * model.config.max_position_embeddings)], "no room for a reply")]:
+        with pytest.raises(ValueError, match=needle):
+            engine.run(specs)
+    # a 1-D tensor of ids is what a transformers user holds: taken as its list
+    assert engine.run([EpisodeSpec(torch.tensor([5, 6]))]) == engine.run([EpisodeSpec([5, 6])])
     with pytest.raises(ValueError, match="rollout_slots"):
         load_posttrain_config("grpo", ["grpo.rollout=batched", "grpo.rollout_slots=-1"])
     with pytest.raises(ValueError, match="only grpo.rollout: batched"):

@@ -104,6 +104,8 @@ import asyncio
 import copy
 import hashlib
 import inspect
+import math
+import numbers
 import threading
 import time
 import types
@@ -136,6 +138,18 @@ from ..model.kernel_dispatch import (
 )
 from ..model.modeling_kdamoe import fused_linear
 from ..model.validation import inputs_prevalidated
+
+_SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
+
+
+def _is_int(value) -> bool:
+    """A Python or NumPy integer, not a bool (``True`` would pass as 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    """A real number, not a bool, not NaN."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == value
 
 
 def episode_seed(*parts: int) -> int:
@@ -172,6 +186,7 @@ class _ToolJob:
         self.calls, self.tools, self.wake = calls, tools, wake
         self.messages: list[dict] = []
         self.failures = 0
+        self.error: BaseException | None = None  # raised by the worker outside a tool's own error handling
         self.started = time.monotonic()  # start of the call (or the async gather) now running
         self.done = False
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -180,6 +195,8 @@ class _ToolJob:
     def _run(self):
         try:
             self.messages, self.failures = self._play()
+        except BaseException as err:  # noqa: BLE001  handed to the engine's thread, which raises it (_tool_results)
+            self.error = err
         finally:
             self.done = True
             self.wake.set()
@@ -212,6 +229,8 @@ class _ToolJob:
                 return await asyncio.gather(*(c for _, c in coroutines), return_exceptions=True)
 
             for (name, _), result in zip(coroutines, asyncio.run(gather()), strict=True):
+                if isinstance(result, BaseException) and not isinstance(result, Exception):
+                    raise result  # an interrupt / cancellation, not a tool's error: the run stops, as TRL's would
                 if isinstance(result, Exception):
                     failures += 1
                     result = {"error": str(result)}
@@ -503,12 +522,24 @@ class RolloutEngine:
                             ("prefill_chunk_size", prefill_chunk_size), ("max_step_tokens", max_step_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not logprob_temperature > 0:
-            raise ValueError(f"logprob_temperature must be > 0, got {logprob_temperature!r}")
-        if tool_timeout_s is not None and not tool_timeout_s > 0:
-            raise ValueError(f"tool_timeout_s must be None or > 0 seconds, got {tool_timeout_s!r}")
-        if max_tool_calling_iterations is not None and max_tool_calling_iterations < 0:
-            raise ValueError(f"max_tool_calling_iterations must be >= 0, got {max_tool_calling_iterations!r}")
+        if not (_is_real(logprob_temperature) and 0 < logprob_temperature < math.inf):
+            raise ValueError(f"logprob_temperature must be a finite number > 0, got {logprob_temperature!r}")
+        if tool_timeout_s is not None and not (_is_real(tool_timeout_s) and tool_timeout_s > 0):
+            raise ValueError(f"tool_timeout_s must be None or a number of seconds > 0, got {tool_timeout_s!r}")
+        if max_tool_calling_iterations is not None and not (_is_int(max_tool_calling_iterations)
+                                                            and max_tool_calling_iterations >= 0):
+            raise ValueError(f"max_tool_calling_iterations must be None or an integer >= 0, got "
+                             f"{max_tool_calling_iterations!r}")
+        if max_position_embeddings is not None and not (_is_int(max_position_embeddings)
+                                                        and max_position_embeddings >= 1):
+            raise ValueError(f"max_position_embeddings must be None or a positive integer, got "
+                             f"{max_position_embeddings!r}")
+        for name, value in (("parse_turn", parse_turn), ("tool_suffix_ids", tool_suffix_ids)):
+            if value is not None and not callable(value):
+                raise ValueError(f"{name} must be None or callable, got {value!r}")
+        if not isinstance(generation_config, GenerationConfig):
+            raise ValueError(f"generation_config must be a transformers GenerationConfig, got "
+                             f"{type(generation_config).__name__}")
         if not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
         if lockstep_group is not None and not (dist.is_available() and dist.is_initialized()):
@@ -529,13 +560,21 @@ class RolloutEngine:
             raise ValueError(f"stop_strings={config.stop_strings!r} needs the tokenizer (tokenizer=...)")
         self.causal_lm, self.backbone, self.config = causal_lm, backbone, causal_lm.config
         self.num_slots = num_slots
-        self.eos = {int(t) for t in eos_token_ids}
+        if isinstance(eos_token_ids, (str, bytes)) or not hasattr(eos_token_ids, "__iter__"):
+            raise ValueError(f"eos_token_ids must be a list of token ids, got {eos_token_ids!r}")
+        eos = [t.item() if isinstance(t, torch.Tensor) and t.numel() == 1 else t for t in eos_token_ids]
+        bad = next((t for t in eos if not (_is_int(t) and 0 <= t < causal_lm.config.vocab_size)), None)
+        if bad is not None:  # an id the model never samples would leave every turn to its token cap
+            raise ValueError(f"eos_token_ids: {bad!r} is not a token id in [0, vocab_size="
+                             f"{causal_lm.config.vocab_size})")
+        self.eos = set(eos)
         if not self.eos:
             raise ValueError("eos_token_ids is empty: a turn would only end at its token cap")
         self.budget = max_completion_length
         self.logprob_temperature = float(logprob_temperature)
         self.max_rounds = max_tool_calling_iterations
-        self.max_model_len = max_position_embeddings or self.config.max_position_embeddings
+        self.max_model_len = (self.config.max_position_embeddings if max_position_embeddings is None
+                              else max_position_embeddings)
         self.parse_turn, self.tool_suffix_ids = parse_turn, tool_suffix_ids
         self.tool_timeout_s = tool_timeout_s
         self.chunk = prefill_chunk_size
@@ -545,6 +584,14 @@ class RolloutEngine:
         self.device = next(causal_lm.parameters()).device
         self.generation_config, _ = causal_lm._prepare_generation_config(config)
         causal_lm._prepare_special_tokens(self.generation_config, True, device=self.device)
+        try:  # the processors a turn builds, built once here: a bad value (temperature=0 while sampling, top_p=2)
+            # is refused now, by transformers' own checks, not at an episode's first token
+            self.causal_lm._get_logits_processor(
+                generation_config=self.generation_config, input_ids_seq_length=1, encoder_input_ids=None,
+                prefix_allowed_tokens_fn=None, logits_processor=self.extra_processors or LogitsProcessorList(),
+                device=self.device, model_kwargs={})
+        except ValueError as err:
+            raise ValueError(f"generation_config: {err}") from err
         self.per_turn = self.generation_config.max_new_tokens or max_completion_length
         self.do_sample = bool(self.generation_config.do_sample)
         # counters of the cost model (docs/post-training.md): forwards, the sequences and tokens they carried,
@@ -607,8 +654,14 @@ class RolloutEngine:
         tool turn) or ``"tool_timeout"``).
 
         Raises:
-            ValueError: an empty prompt or a token id outside ``[0, vocab_size)`` (in a prompt or a tool turn); a
-                sampling config without an episode seed; tools without ``parse_turn`` / ``tool_suffix_ids``.
+            ValueError: ``specs`` not a list of :class:`EpisodeSpec`; an empty prompt, one that leaves no room
+                below ``max_position_embeddings``, or a token id that is not an integer in ``[0, vocab_size)`` (in a
+                prompt or a tool turn; a 1-D integer tensor of prompt ids is taken as its list); a seed outside
+                ``torch.Generator.manual_seed``'s range, or none while sampling; tools without ``parse_turn`` /
+                ``tool_suffix_ids``.
+            BaseException: what a tool round raised outside a tool's own ``Exception`` (which becomes the tool's
+                result, as in TRL): a ``KeyboardInterrupt`` from a tool, a malformed call dict — raised here, as TRL's
+                loop, which runs the calls on the main thread, raises it.
             RuntimeError: under ``lockstep_group``, another rank of the group failed in its ``run`` (naming it);
                 this rank raises it at the step the failure is announced, within one step (module docstring).
         """
@@ -634,11 +687,27 @@ class RolloutEngine:
             pass
 
     def _run(self, specs: list[EpisodeSpec]) -> list[dict]:
+        if isinstance(specs, EpisodeSpec) or not isinstance(specs, (list, tuple)):
+            raise ValueError(f"specs must be a list of EpisodeSpec, got {type(specs).__name__}")
         episodes = []
         for i, spec in enumerate(specs):
-            if not spec.prompt_ids:
-                raise ValueError(f"episode {i}: empty prompt_ids")
+            if not isinstance(spec, EpisodeSpec):
+                raise ValueError(f"episode {i}: expected an EpisodeSpec, got {type(spec).__name__}")
+            if isinstance(spec.prompt_ids, torch.Tensor):  # what a transformers user holds: a 1-D tensor of ids
+                if spec.prompt_ids.dim() != 1 or spec.prompt_ids.is_floating_point():
+                    raise ValueError(f"episode {i}: prompt_ids as a tensor must be 1-D integer ids, got "
+                                     f"{spec.prompt_ids.dtype} of shape {tuple(spec.prompt_ids.shape)}")
+                spec.prompt_ids = spec.prompt_ids.tolist()
+            if not isinstance(spec.prompt_ids, (list, tuple)) or not spec.prompt_ids:
+                raise ValueError(f"episode {i}: prompt_ids must be a non-empty list of token ids, got "
+                                 f"{spec.prompt_ids!r}")
             self._check_ids(spec.prompt_ids, f"episode {i}: prompt_ids")
+            if len(spec.prompt_ids) >= self.max_model_len:
+                raise ValueError(f"episode {i}: the prompt has {len(spec.prompt_ids)} tokens, no room for a reply "
+                                 f"within max_position_embeddings={self.max_model_len}")
+            if spec.seed is not None and not (_is_int(spec.seed) and _SEED_MIN <= spec.seed <= _SEED_MAX):
+                raise ValueError(f"episode {i}: seed must be None or an integer in [{_SEED_MIN}, {_SEED_MAX}] "
+                                 f"(torch.Generator.manual_seed's range), got {spec.seed!r}")
             if self.do_sample and spec.seed is None:
                 raise ValueError(f"episode {i}: the generation config samples (do_sample=True) but the episode has "
                                  "no seed")
@@ -688,9 +757,9 @@ class RolloutEngine:
         every id it feeds on the host (prompts here, tool turns when they come; sampled ids are in range by
         construction), so the model's forward can skip its own check, a device sync per step."""
         vocab = self.config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        bad = next((t for t in ids if not (_is_int(t) and 0 <= t < vocab)), None)
         if bad is not None:
-            raise ValueError(f"{what}: token id {bad!r} is outside [0, vocab_size={vocab})")
+            raise ValueError(f"{what}: token id {bad!r} is not an integer in [0, vocab_size={vocab})")
 
     def _agree(self, feeds: bool, left: bool, failed: bool = False) -> tuple[bool, bool]:
         """One all-reduce (max) over ``lockstep_group``: whether any rank has tokens to feed this step, whether any
@@ -924,6 +993,10 @@ class RolloutEngine:
         self.stats["tool_wait_s"] += time.perf_counter() - start
 
     def _tool_results(self, episode: _Episode, job: _ToolJob) -> None:
+        if job.error is not None:
+            # TRL's loop runs the calls on the main thread: a KeyboardInterrupt from a tool, or a call dict without
+            # "function", stops the run there; here the worker hands it over and the engine's thread raises it
+            raise job.error
         episode.failures += job.failures
         suffix = list(self.tool_suffix_ids(job.messages))
         self._check_ids(suffix, f"episode {episode.index}: tool_suffix_ids(...)")
