@@ -1,7 +1,8 @@
 """The rollout engine with the slot decode kernels against the same engine with them switched off.
 
 With them, the one-token sequences of a step update their KDA and conv states in the pools in place
-(``causal_conv1d_update_slots``, ``fused_recurrent_kda_slots``) and their MLA queries read a group's prefix once and
+(``causal_conv1d_update_slots``, ``fused_recurrent_kda_slots``), the longer ones too (``causal_conv1d_varlen_slots``,
+``chunk_kda`` with ``initial_state_indices``), and the MLA queries read a group's prefix once and
 their own rows where they are (``latent_attention_shared_prefix``). Without them, every sequence is gathered from the
 pools, run through ``kernel_dispatch``'s ops and scattered back, and the MLA layers run in PyTorch; that path is
 checked against the one-at-a-time cached rollout in ``tests/test_rollout_engine.py``.
@@ -51,7 +52,7 @@ def _compare(model, monkeypatch, index_rows=False):
     prompts = [torch.randint(3, 97, (n,), generator=gen).tolist() for n in (5, 11, 3, 7)]
     specs = [EpisodeSpec(prompts[i]) for i in (0, 1, 1, 2, 3)]  # episodes 1 and 2: one group, one prompt
 
-    calls, steps = {"kda": 0, "conv": 0, "mla": 0}, []
+    calls, steps = {"kda": 0, "conv": 0, "mla": 0, "chunk_kda": 0, "conv_varlen": 0}, []
     def counted(op, key):
         def spy(*args, **kwargs):
             calls[key] += 1
@@ -60,7 +61,8 @@ def _compare(model, monkeypatch, index_rows=False):
         return spy
 
     for name, key in (("fused_recurrent_kda_slots", "kda"), ("causal_conv1d_update_slots", "conv"),
-                      ("latent_attention_shared_prefix", "mla")):
+                      ("latent_attention_shared_prefix", "mla"), ("chunk_kda", "chunk_kda"),
+                      ("causal_conv1d_varlen_slots", "conv_varlen")):
         monkeypatch.setattr(kernels, name, counted(getattr(kernels, name), key))
     split = RolloutEngine._decode_split
 
@@ -81,7 +83,7 @@ def _compare(model, monkeypatch, index_rows=False):
     monkeypatch.setattr(RolloutEngine, "_static_forward", spy_static)
 
     without = _engine(model, False).run(specs)
-    assert calls == {"kda": 0, "conv": 0, "mla": 0} and not steps and not static
+    assert calls == {"kda": 0, "conv": 0, "mla": 0, "chunk_kda": 0, "conv_varlen": 0} and not steps and not static
     engine = _engine(model, True)
     got = engine.run(specs)
     kda_layers = sum(layer.layer_type == "linear_attention" for layer in model.model.layers)
@@ -92,6 +94,12 @@ def _compare(model, monkeypatch, index_rows=False):
     with_decodes = sum(decode for decode, _ in steps)
     assert calls["kda"] == calls["conv"] == with_decodes + kda_layers * len(static) and with_decodes > 0
     assert calls["mla"] == with_decodes // kda_layers * mla_layers
+    # the multi-token sequences (prompt chunks) on the pools in place: one varlen conv and one chunk_kda per KDA layer
+    # of every step that has them (the model's own ops run in PyTorch here, so no other call reaches the kernels)
+    with_chunks = sum(rest for _, rest in steps)
+    assert with_chunks > 0 and calls["conv_varlen"] == with_chunks
+    if model.config.kernel_backend == "torch":
+        assert calls["chunk_kda"] == with_chunks
     assert (True, True) in steps  # a step where prefills and decodes ran side by side
     for g, w in zip(got, without, strict=True):
         assert g["completion_ids"] == w["completion_ids"]
