@@ -2,7 +2,7 @@
 
 With them, the one-token sequences of a step update their KDA and conv states in the pools in place
 (``causal_conv1d_update_slots``, ``fused_recurrent_kda_slots``), the longer ones too (``causal_conv1d_varlen_slots``,
-``chunk_kda`` with ``initial_state_indices``), and the MLA queries read a group's prefix once and
+``chunk_kda`` with ``initial_state_indices``), and the one-token MLA queries read a group's prefix once and
 their own rows where they are (``latent_attention_shared_prefix``). Without them, every sequence is gathered from the
 pools, run through ``kernel_dispatch``'s ops and scattered back, and the MLA layers run in PyTorch; that path is
 checked against the one-at-a-time cached rollout in ``tests/test_rollout_engine.py``.

@@ -31,12 +31,14 @@ mixers call the model's own projections and the ops of ``kernel_dispatch`` (``ca
 over ``cu_seqlens`` with one initial state per sequence, ``fused_recurrent_kda`` for one-token sequences — the ops
 ``generate`` runs for a prefill and a decode step). The MLA layers attend in the latent space ("absorbed"
 projections, DeepSeek-V2 §2.1.2: ``q·k = (W_ukᵀ q_nope)·c + q_shared·k_shared``, ``Σ p v = W_uv Σ p c``), as the
-model's decode path does. Where ``kernel_backend`` resolves to the kdamoe kernels (CUDA), a step's one-token
-sequences skip the gather → op → scatter and run the slot kernels of ``kdamoe.kernels`` instead
-(:meth:`RolloutEngine._slot_kernels`): the conv and KDA states updated in place in the pools, and the MLA queries read
-their group's prefix once and their own rows where they are. Weights are read from the modules at every step, so the
-engine always decodes with the current weights (after an optimizer step, with PEFT adapters). The step enters the
-model at its top module (the causal LM's own ``forward``, keeping only the rows whose logits are needed), as
+model's decode path does. Where ``kernel_backend`` resolves to the kdamoe kernels (CUDA), a step's sequences skip the
+gather → op → scatter and run the slot kernels of ``kdamoe.kernels`` instead (:meth:`RolloutEngine._slot_kernels`):
+the conv and KDA states updated in place in the pools — one-token sequences by ``causal_conv1d_update_slots`` and
+``fused_recurrent_kda_slots``, the prompt chunks and tool turns of the same step by ``causal_conv1d_varlen_slots``
+(``cache_indices``) and ``chunk_kda`` (``initial_state_indices``) over their packed rows —, and the one-token MLA
+queries read their group's prefix once and their own rows where they are. Weights are read from the modules at every
+step, so the engine always decodes with the current weights (after an optimizer step, with PEFT adapters). The step
+enters the model at its top module (the causal LM's own ``forward``, keeping only the rows whose logits are needed), as
 ``generate`` does, so a model sharded by FSDP2 gathers its top-level weights (embeddings, final norm, head) in that
 module's hooks.
 
@@ -1090,12 +1092,12 @@ class RolloutEngine:
         """Whether this step's sequences run the slot kernels in ``attn``'s layer: for a KDA layer
         ``causal_conv1d_update_slots`` and ``fused_recurrent_kda_slots`` (one-token sequences),
         ``causal_conv1d_varlen_slots`` and ``chunk_kda`` with ``initial_state_indices`` (longer ones; the states read
-        and written in place in the pools, no gather / scatter), for an MLA layer (its one-token sequences) ``latent_attention_shared_prefix`` (a group's prefix read once
-        for its members, every row where it is). Needs :attr:`use_slot_kernels`, ``kernel_backend`` resolving to the
-        kdamoe kernels on ``x``'s device for those ops (CUDA; CPU only under ``TRITON_INTERPRET=1`` with
-        ``"triton"``, for the tests), as every other op of the model resolves, and the kernels' sizes: the bounded
-        KDA gate (they refuse Kimi Linear's unbounded one); a power-of-two ``kv_lora_rank`` in [16, 512] and a
-        shared key part of at most 256 columns."""
+        and written in place in the pools, no gather / scatter), for an MLA layer (its one-token sequences)
+        ``latent_attention_shared_prefix`` (a group's prefix read once for its members, every row where it is).
+        Needs :attr:`use_slot_kernels`, ``kernel_backend`` resolving to the kdamoe kernels on ``x``'s device for
+        those ops (CUDA; CPU only under ``TRITON_INTERPRET=1`` with ``"triton"``, for the tests), as every other op
+        of the model resolves, and the kernels' sizes: the bounded KDA gate (they refuse Kimi Linear's unbounded
+        one); a power-of-two ``kv_lora_rank`` in [16, 512] and a shared key part of at most 256 columns."""
         if not self.use_slot_kernels:
             return False
         if hasattr(attn, "conv1d"):  # a KDA layer

@@ -14,8 +14,13 @@ References: ``kdamoe.model.kda_torch.causal_conv1d_torch`` in float64 and a brut
 float64 loop over the taps (``tests/kernels/test_conv_update_slots.py``); the slot-pool packed sequences against a
 float64 direct convolution of each sequence from its pool row (``tests/kernels/test_conv_varlen_slots.py``)."""
 
-from .conv import (causal_conv1d, causal_conv1d_parts, causal_conv1d_update, causal_conv1d_update_slots,
-                   causal_conv1d_varlen_slots)
+from .conv import (
+    causal_conv1d,
+    causal_conv1d_parts,
+    causal_conv1d_update,
+    causal_conv1d_update_slots,
+    causal_conv1d_varlen_slots,
+)
 
 __all__ = ["causal_conv1d", "causal_conv1d_parts", "causal_conv1d_update", "causal_conv1d_update_slots",
            "causal_conv1d_varlen_slots"]

@@ -8,13 +8,16 @@ first), an optional ``seq_idx [B, T]`` that keeps packed sequences apart.
 
 Stages (one file each): ``forward`` (conv + SiLU), ``backward`` (dx, dweight, dstate), ``update`` (one decode
 step), ``update_slots`` / ``varlen_slots`` (a decode step / packed sequences on windows kept in a slot pool, updated
-in place: :func:`causal_conv1d_update_slots`, :func:`causal_conv1d_varlen_slots`). The returned state (the last W inputs) is gathered in PyTorch, so autograd differentiates it.
+in place: :func:`causal_conv1d_update_slots`, :func:`causal_conv1d_varlen_slots`). The returned state (the last W
+inputs) is gathered in PyTorch, so autograd differentiates it.
 
 :func:`causal_conv1d_parts` is the same op over channels made of 1 to 3 equal parts (the KDA layer's q|k|v, one
 column slice ``[B, T, 3·width]`` of its fused projection): one launch forward writes each part's output to its own
 contiguous tensor, the backward takes the parts' gradients as they come and writes one ``dx [B, T, C]`` (two
 launches and one sum of the dweight partials). :func:`causal_conv1d` is its one-part case.
 """
+
+from itertools import pairwise
 
 import torch
 
@@ -318,7 +321,7 @@ def causal_conv1d_varlen_slots(x, weight, conv_states, cache_indices, cu_seqlens
                    "causal_conv1d_varlen_slots", name="cache_indices")
     if check_cache_indices_values:
         cl = cu_seqlens.tolist()
-        if cl[0] != 0 or cl[-1] != T or any(b < a for a, b in zip(cl, cl[1:])):
+        if cl[0] != 0 or cl[-1] != T or any(b < a for a, b in pairwise(cl)):
             raise ValueError(f"cu_seqlens must rise from 0 to T={T} without decreasing, got {cl}")
     flags = None
     if has_initial_state is not None:
