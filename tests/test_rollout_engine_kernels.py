@@ -47,7 +47,8 @@ def _engine(model, slot_kernels: bool) -> RolloutEngine:
 def _compare(model, monkeypatch, index_rows=False):
     """Five episodes with the slot kernels and without; checks the kernels ran (on every KDA layer of the steps
     with decodes, next to prefills in some) and that the episodes are the same. ``index_rows``: the decode rows of a
-    mixed step are picked by an index tensor, as for a step whose decodes do not come first, instead of a slice."""
+    mixed step (and the longer sequences' rows) are picked by an index tensor, as for a step whose decodes do not come
+    first, instead of a slice."""
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 97, (n,), generator=gen).tolist() for n in (5, 11, 3, 7)]
     specs = [EpisodeSpec(prompts[i]) for i in (0, 1, 1, 2, 3)]  # episodes 1 and 2: one group, one prompt
@@ -72,6 +73,8 @@ def _compare(model, monkeypatch, index_rows=False):
         steps.append((decode is not None, rest is not None))
         if index_rows and decode is not None and isinstance(decode.tokens, slice):  # the gather path's positions
             decode.tokens = torch.arange(decode.tokens.stop, device=decode.slots.device)
+        if index_rows and rest is not None:  # the longer sequences' rows by rest.tokens too, not a view
+            rest.span = None
         return decode, rest
 
     monkeypatch.setattr(RolloutEngine, "_decode_split", spy_split)
@@ -171,6 +174,9 @@ def test_decode_split_positions(lengths):
         assert rest.col.tolist() == [c for i in many for c in range(lengths[i])]
         assert rest.lengths.tolist() == [lengths[i] for i in many] and rest.t_max == max(lengths[i] for i in many)
         assert rest.slots.tolist() == [lay.slots[i] for i in many]
+        assert rest.cu_seqlens.tolist() == [sum(lengths[i] for i in many[:j]) for j in range(len(many) + 1)]
+        if rest.span is not None:  # a view of the step's rows: the same positions
+            assert torch.arange(sum(lengths))[rest.span].tolist() == rest.tokens.tolist()
     else:
         assert rest is None
     assert engine._decode_split() is lay.split  # computed once per forward

@@ -1120,7 +1120,9 @@ class RolloutEngine:
         one-token sequences (``tokens`` their flat positions, a slice when they are the first rows, None when every
         sequence is one; ``slots`` int32),
         ``rest`` the longer ones as a layout of their own (``lengths``, ``slots``, ``row``, ``col``, ``t_max``,
-        ``tokens``, their flat positions, and ``cu_seqlens`` int32 over those tokens); None where there are none."""
+        ``tokens``, their flat positions, ``cu_seqlens`` int32 over those tokens, and ``span``, the slice of the
+        step's rows they fill when they come after the decodes, as the engine orders a step, else None); None where
+        there are none."""
         lay = self._layout
         if getattr(lay, "split", None) is None:
             # the host's lists of the step (a layout built elsewhere, e.g. by a test, has only the tensors)
@@ -1153,6 +1155,8 @@ class RolloutEngine:
                 rest = types.SimpleNamespace(lengths=pieces[2], slots=pieces[3], row=pieces[4], col=pieces[5],
                                              t_max=max(lengths[i] for i in many), tokens=pieces[6],
                                              cu_seqlens=pieces[7].to(torch.int32),
+                                             span=slice(len(one), len(r_tokens) + len(one))
+                                             if contiguous or not one else None,
                                              host_lengths=[lengths[i] for i in many])
             lay.split = (decode, rest)
         return lay.split
@@ -1189,7 +1193,9 @@ class RolloutEngine:
         kernels = kdamoe_kernels()
         H, K = attn.num_heads, attn.head_dim
         N = qkv.shape[0]
-        qkv, f, beta = qkv[rest.tokens], f[rest.tokens], beta[rest.tokens]  # the sequences' rows, packed
+        # the sequences' rows, packed: a view where they follow the decodes (the conv reads x through its row stride)
+        rows = rest.span if rest.span is not None else rest.tokens
+        qkv, f, beta = qkv[rows], f[rows], beta[rows]
         n = qkv.shape[0]
         # the engine's slots are distinct and in range, and cu_seqlens is built from the host's lengths
         ys = kernels.causal_conv1d_varlen_slots(qkv, attn.conv1d.weight.squeeze(1), self.conv[attn.layer_idx],
@@ -1203,7 +1209,7 @@ class RolloutEngine:
             lower_bound=attn.lower_bound, check_initial_state_indices_values=False)
         if o is None:
             o = out.new_empty(N, H, K)
-        o[rest.tokens] = out[0]
+        o[rows] = out[0]
         return o
 
     def _kda_sequences(self, attn, qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, lay,
