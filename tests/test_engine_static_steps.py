@@ -6,7 +6,8 @@ filled in one copy) — on a GPU, the step a CUDA graph captures and replays.
 Checked on the CPU (the kernels under the Triton interpreter, tests/conftest.py): episodes on the static path equal
 the engine's plain gather → op → scatter path (``use_slot_kernels=False``, which uses no kernel), greedy and sampled,
 with GRPO groups, tool turns of uneven lengths and episodes ending at different steps, so the buckets change and
-padding rows occur; the capture decisions (warm-up, capture, replay, recapture after a parameter is replaced or moved
+padding rows occur (the steps with prompt chunks or tool turns run those on the pools in place, next to the
+decodes); the capture decisions (warm-up, capture, replay, recapture after a parameter is replaced or moved
 or an address the graph read changed) and the buckets. The capture itself needs CUDA (skipped without it).
 """
 
@@ -69,6 +70,13 @@ def test_static_steps_equal_the_plain_path(model, monkeypatch, do_sample):
         return fill(self, engine, feeds)
 
     monkeypatch.setattr(engine_module._StaticStep, "fill", spy_fill)
+    chunks, kda_chunks = [], RolloutEngine._kda_chunks
+
+    def spy_chunks(self, attn, qkv, f, beta, rest, o):
+        chunks.append(o is not None)  # o is given when the step's decodes ran first: a mixed step
+        return kda_chunks(self, attn, qkv, f, beta, rest, o)
+
+    monkeypatch.setattr(RolloutEngine, "_kda_chunks", spy_chunks)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 80, (n,), generator=gen).tolist() for n in (6, 3, 9)]
     # a group of three (two tool rounds), a group of two (none), two episodes alone with one and three rounds
@@ -91,6 +99,9 @@ def test_static_steps_equal_the_plain_path(model, monkeypatch, do_sample):
             assert got[key] == want[key], key
         assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)) <= 1e-5
     assert sum(g["tool_calls"] for g in results[True]) >= 4  # tool turns were played
+    # prompt chunks and tool turns ran on the pools in place (causal_conv1d_varlen_slots, chunk_kda with
+    # initial_state_indices), in some steps next to decodes
+    assert any(chunks) and not all(chunks)
     buckets = {B for B, _ in filled}
     assert len(buckets) >= 2 and any(n < B for B, n in filled)  # the bucket changed and padding rows ran
     assert all(B == min(1 << (n - 1).bit_length(), 4) for B, n in filled)

@@ -1,7 +1,8 @@
 """The rollout engine with the slot decode kernels against the same engine with them switched off.
 
 With them, the one-token sequences of a step update their KDA and conv states in the pools in place
-(``causal_conv1d_update_slots``, ``fused_recurrent_kda_slots``) and their MLA queries read a group's prefix once and
+(``causal_conv1d_update_slots``, ``fused_recurrent_kda_slots``), the longer ones too (``causal_conv1d_varlen_slots``,
+``chunk_kda`` with ``initial_state_indices``), and the one-token MLA queries read a group's prefix once and
 their own rows where they are (``latent_attention_shared_prefix``). Without them, every sequence is gathered from the
 pools, run through ``kernel_dispatch``'s ops and scattered back, and the MLA layers run in PyTorch; that path is
 checked against the one-at-a-time cached rollout in ``tests/test_rollout_engine.py``.
@@ -46,21 +47,24 @@ def _engine(model, slot_kernels: bool) -> RolloutEngine:
 def _compare(model, monkeypatch, index_rows=False):
     """Five episodes with the slot kernels and without; checks the kernels ran (on every KDA layer of the steps
     with decodes, next to prefills in some) and that the episodes are the same. ``index_rows``: the decode rows of a
-    mixed step are picked by an index tensor, as for a step whose decodes do not come first, instead of a slice."""
+    mixed step (and the longer sequences' rows) are picked by an index tensor, as for a step whose decodes do not come
+    first, instead of a slice."""
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 97, (n,), generator=gen).tolist() for n in (5, 11, 3, 7)]
     specs = [EpisodeSpec(prompts[i]) for i in (0, 1, 1, 2, 3)]  # episodes 1 and 2: one group, one prompt
 
-    calls, steps = {"kda": 0, "conv": 0, "mla": 0}, []
+    calls, steps = {"kda": 0, "conv": 0, "mla": 0, "chunk_kda": 0, "conv_varlen": 0}, []
     def counted(op, key):
         def spy(*args, **kwargs):
-            calls[key] += 1
+            # chunk_kda: only its pool-indexed calls (on the triton backend the ops of kernel_dispatch call it too)
+            calls[key] += key != "chunk_kda" or kwargs.get("initial_state_indices") is not None
             return op(*args, **kwargs)
 
         return spy
 
     for name, key in (("fused_recurrent_kda_slots", "kda"), ("causal_conv1d_update_slots", "conv"),
-                      ("latent_attention_shared_prefix", "mla")):
+                      ("latent_attention_shared_prefix", "mla"), ("chunk_kda", "chunk_kda"),
+                      ("causal_conv1d_varlen_slots", "conv_varlen")):
         monkeypatch.setattr(kernels, name, counted(getattr(kernels, name), key))
     split = RolloutEngine._decode_split
 
@@ -69,6 +73,8 @@ def _compare(model, monkeypatch, index_rows=False):
         steps.append((decode is not None, rest is not None))
         if index_rows and decode is not None and isinstance(decode.tokens, slice):  # the gather path's positions
             decode.tokens = torch.arange(decode.tokens.stop, device=decode.slots.device)
+        if index_rows and rest is not None:  # the longer sequences' rows by rest.tokens too, not a view
+            rest.span = None
         return decode, rest
 
     monkeypatch.setattr(RolloutEngine, "_decode_split", spy_split)
@@ -81,7 +87,7 @@ def _compare(model, monkeypatch, index_rows=False):
     monkeypatch.setattr(RolloutEngine, "_static_forward", spy_static)
 
     without = _engine(model, False).run(specs)
-    assert calls == {"kda": 0, "conv": 0, "mla": 0} and not steps and not static
+    assert calls == {"kda": 0, "conv": 0, "mla": 0, "chunk_kda": 0, "conv_varlen": 0} and not steps and not static
     engine = _engine(model, True)
     got = engine.run(specs)
     kda_layers = sum(layer.layer_type == "linear_attention" for layer in model.model.layers)
@@ -92,6 +98,10 @@ def _compare(model, monkeypatch, index_rows=False):
     with_decodes = sum(decode for decode, _ in steps)
     assert calls["kda"] == calls["conv"] == with_decodes + kda_layers * len(static) and with_decodes > 0
     assert calls["mla"] == with_decodes // kda_layers * mla_layers
+    # the multi-token sequences (prompt chunks) on the pools in place: one varlen conv and one pool-indexed chunk_kda
+    # per KDA layer of every step that has them
+    with_chunks = sum(rest for _, rest in steps)
+    assert with_chunks > 0 and calls["conv_varlen"] == calls["chunk_kda"] == with_chunks
     assert (True, True) in steps  # a step where prefills and decodes ran side by side
     for g, w in zip(got, without, strict=True):
         assert g["completion_ids"] == w["completion_ids"]
@@ -164,6 +174,9 @@ def test_decode_split_positions(lengths):
         assert rest.col.tolist() == [c for i in many for c in range(lengths[i])]
         assert rest.lengths.tolist() == [lengths[i] for i in many] and rest.t_max == max(lengths[i] for i in many)
         assert rest.slots.tolist() == [lay.slots[i] for i in many]
+        assert rest.cu_seqlens.tolist() == [sum(lengths[i] for i in many[:j]) for j in range(len(many) + 1)]
+        if rest.span is not None:  # a view of the step's rows: the same positions
+            assert torch.arange(sum(lengths))[rest.span].tolist() == rest.tokens.tolist()
     else:
         assert rest is None
     assert engine._decode_split() is lay.split  # computed once per forward

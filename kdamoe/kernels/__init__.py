@@ -14,7 +14,13 @@ as KDA's ``prepare`` / ``intra`` / ``state`` / ``output``); a family's own refer
 ``__init__`` names the reference its tests compare it with."""
 
 from .attnres import block_attnres
-from .conv import causal_conv1d, causal_conv1d_parts, causal_conv1d_update, causal_conv1d_update_slots
+from .conv import (
+    causal_conv1d,
+    causal_conv1d_parts,
+    causal_conv1d_update,
+    causal_conv1d_update_slots,
+    causal_conv1d_varlen_slots,
+)
 from .kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_slots
 from .loss import causal_lm_loss
 from .mla import SharedPrefixPlan, latent_attention, latent_attention_shared_prefix, write_rows_at
@@ -29,6 +35,7 @@ __all__ = [
     "causal_conv1d_parts",
     "causal_conv1d_update",
     "causal_conv1d_update_slots",
+    "causal_conv1d_varlen_slots",
     "causal_lm_loss",
     "chunk_kda",
     "fused_recurrent_kda",

@@ -117,29 +117,30 @@ def relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
     return float((a - b).norm() / norm)
 
 
-def check_slot_ids(slot_ids, n: int, num_slots: int, device: torch.device, check_values: bool, op: str) -> None:
+def check_slot_ids(slot_ids, n: int, num_slots: int, device: torch.device, check_values: bool, op: str,
+                   name: str = "slot_ids") -> None:
     """Argument checks of the slot-indexed decode ops: ``slot_ids`` a 1-D int32 / int64 tensor of ``n`` entries on
     ``device``; with ``check_values`` also every id in ``[0, num_slots)`` and no id twice (two programs would
     update the same state at once). That value check copies one flag to the host, a device synchronisation (and is
     skipped during CUDA graph capture, where it cannot run); pass False for ids distinct and in range by
-    construction (the engine's slots).
+    construction (the engine's slots). ``name``: the argument's name in the messages (e.g. ``cache_indices``).
 
     Raises:
         ValueError: naming the bad shape, dtype, device or value.
     """
     if not isinstance(slot_ids, torch.Tensor):
-        raise ValueError(f"{op}: slot_ids must be a torch.Tensor, got {type(slot_ids).__name__}")
+        raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(slot_ids).__name__}")
     if slot_ids.dim() != 1 or slot_ids.shape[0] != n:
-        raise ValueError(f"{op}: slot_ids must be [N] = [{n}], got shape {tuple(slot_ids.shape)}")
+        raise ValueError(f"{op}: {name} must be [N] = [{n}], got shape {tuple(slot_ids.shape)}")
     if slot_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{op}: slot_ids dtype must be int32 or int64, got {slot_ids.dtype}")
+        raise ValueError(f"{op}: {name} dtype must be int32 or int64, got {slot_ids.dtype}")
     if slot_ids.device != device:
-        raise ValueError(f"{op}: slot_ids is on {slot_ids.device}, expected {device}")
+        raise ValueError(f"{op}: {name} is on {slot_ids.device}, expected {device}")
     if check_values and n > 0 and not (slot_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
         ids = slot_ids.long()
         if bool(((ids < 0) | (ids >= num_slots)).any()):
-            raise ValueError(f"{op}: slot_ids must lie in [0, num_slots={num_slots}), got min {int(ids.min())} "
+            raise ValueError(f"{op}: {name} must lie in [0, num_slots={num_slots}), got min {int(ids.min())} "
                              f"max {int(ids.max())}")
         if torch.unique(ids).numel() != n:
-            raise ValueError(f"{op}: slot_ids must be distinct (two sequences on one slot would race on its "
+            raise ValueError(f"{op}: {name} must be distinct (two sequences on one slot would race on its "
                              f"state), got {slot_ids.tolist()}")

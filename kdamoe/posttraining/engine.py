@@ -31,12 +31,14 @@ mixers call the model's own projections and the ops of ``kernel_dispatch`` (``ca
 over ``cu_seqlens`` with one initial state per sequence, ``fused_recurrent_kda`` for one-token sequences — the ops
 ``generate`` runs for a prefill and a decode step). The MLA layers attend in the latent space ("absorbed"
 projections, DeepSeek-V2 §2.1.2: ``q·k = (W_ukᵀ q_nope)·c + q_shared·k_shared``, ``Σ p v = W_uv Σ p c``), as the
-model's decode path does. Where ``kernel_backend`` resolves to the kdamoe kernels (CUDA), a step's one-token
-sequences skip the gather → op → scatter and run the slot kernels of ``kdamoe.kernels`` instead
-(:meth:`RolloutEngine._slot_kernels`): the conv and KDA states updated in place in the pools, and the MLA queries read
-their group's prefix once and their own rows where they are. Weights are read from the modules at every step, so the
-engine always decodes with the current weights (after an optimizer step, with PEFT adapters). The step enters the
-model at its top module (the causal LM's own ``forward``, keeping only the rows whose logits are needed), as
+model's decode path does. Where ``kernel_backend`` resolves to the kdamoe kernels (CUDA), a step's sequences skip the
+gather → op → scatter and run the slot kernels of ``kdamoe.kernels`` instead (:meth:`RolloutEngine._slot_kernels`):
+the conv and KDA states updated in place in the pools — one-token sequences by ``causal_conv1d_update_slots`` and
+``fused_recurrent_kda_slots``, the prompt chunks and tool turns of the same step by ``causal_conv1d_varlen_slots``
+(``cache_indices``) and ``chunk_kda`` (``initial_state_indices``) over their packed rows —, and the one-token MLA
+queries read their group's prefix once and their own rows where they are. Weights are read from the modules at every
+step, so the engine always decodes with the current weights (after an optimizer step, with PEFT adapters). The step
+enters the model at its top module (the causal LM's own ``forward``, keeping only the rows whose logits are needed), as
 ``generate`` does, so a model sharded by FSDP2 gathers its top-level weights (embeddings, final norm, head) in that
 module's hooks.
 
@@ -1134,8 +1136,8 @@ class RolloutEngine:
         ``KDAMoEDeltaAttention.forward``; the conv and the recurrence start from each sequence's own state).
 
         With the slot kernels (:meth:`_slot_kernels`), the one-token sequences run the conv and the recurrence on
-        the pools in place (:meth:`_kda_decode`) and only the longer ones take :meth:`_kda_sequences`' gather → op →
-        scatter; otherwise every sequence does."""
+        the pools in place (:meth:`_kda_decode`) and the longer ones too (:meth:`_kda_chunks`); otherwise every
+        sequence takes :meth:`_kda_sequences`' gather → op → scatter."""
         lay = self._layout
         N = x.shape[1]
         H, K = attn.num_heads, attn.head_dim
@@ -1151,26 +1153,31 @@ class RolloutEngine:
             decode, rest = self._decode_split()
             if decode is not None:
                 o = self._kda_decode(attn, qkv[0], f[0], beta[0], decode, N)
+            if rest is not None:
+                o = self._kda_chunks(attn, qkv[0], f[0], beta[0], rest, o)
+                rest = None
         if rest is not None:
             o = self._kda_sequences(attn, qkv, f, beta, rest, o)
         gate = attn.g_b_proj(gate).view(1, N, H, K)
         return attn.o_proj(attn.o_norm(o[None], gate).reshape(1, N, H * K))
 
     def _slot_kernels(self, attn, x: torch.Tensor) -> bool:
-        """Whether this step's one-token sequences run the slot kernels in ``attn``'s layer: for a KDA layer
-        ``causal_conv1d_update_slots`` and ``fused_recurrent_kda_slots`` (the states read and written in place in the
-        pools, no gather / scatter), for an MLA layer ``latent_attention_shared_prefix`` (a group's prefix read once
-        for its members, every row where it is). Needs :attr:`use_slot_kernels`, ``kernel_backend`` resolving to the
-        kdamoe kernels on ``x``'s device for those ops (CUDA; CPU only under ``TRITON_INTERPRET=1`` with
-        ``"triton"``, for the tests), as every other op of the model resolves, and the kernels' sizes: the bounded
-        KDA gate (they refuse Kimi Linear's unbounded one); a power-of-two ``kv_lora_rank`` in [16, 512] and a
-        shared key part of at most 256 columns."""
+        """Whether this step's sequences run the slot kernels in ``attn``'s layer: for a KDA layer
+        ``causal_conv1d_update_slots`` and ``fused_recurrent_kda_slots`` (one-token sequences),
+        ``causal_conv1d_varlen_slots`` and ``chunk_kda`` with ``initial_state_indices`` (longer ones; the states read
+        and written in place in the pools, no gather / scatter), for an MLA layer (its one-token sequences)
+        ``latent_attention_shared_prefix`` (a group's prefix read once for its members, every row where it is).
+        Needs :attr:`use_slot_kernels`, ``kernel_backend`` resolving to the kdamoe kernels on ``x``'s device for
+        those ops (CUDA; CPU only under ``TRITON_INTERPRET=1`` with ``"triton"``, for the tests), as every other op
+        of the model resolves, and the kernels' sizes: the bounded KDA gate (they refuse Kimi Linear's unbounded
+        one); a power-of-two ``kv_lora_rank`` in [16, 512] and a shared key part of at most 256 columns."""
         if not self.use_slot_kernels:
             return False
         if hasattr(attn, "conv1d"):  # a KDA layer
             if attn.lower_bound is None:
                 return False
-            ops = ("causal_conv1d_update_slots", "fused_recurrent_kda_slots")
+            ops = ("causal_conv1d_update_slots", "fused_recurrent_kda_slots", "causal_conv1d_varlen_slots",
+                   "chunk_kda")
         else:
             R, shared = attn.config.kv_lora_rank, getattr(attn.config, "qk_rope_head_dim", 0) or 0
             if not (16 <= R <= 512 and R & (R - 1) == 0 and shared <= 256):
@@ -1185,8 +1192,10 @@ class RolloutEngine:
         """``(decode, rest)`` of this step, computed once per forward (every KDA layer reads it): ``decode`` the
         one-token sequences (``tokens`` their flat positions, a slice when they are the first rows, None when every
         sequence is one; ``slots`` int32),
-        ``rest`` the longer ones as a layout of their own (``lengths``, ``slots``, ``row``, ``col``, ``t_max`` and
-        ``tokens``, their flat positions); None where there are none."""
+        ``rest`` the longer ones as a layout of their own (``lengths``, ``slots``, ``row``, ``col``, ``t_max``,
+        ``tokens``, their flat positions, ``cu_seqlens`` int32 over those tokens, and ``span``, the slice of the
+        step's rows they fill when they come after the decodes, as the engine orders a step, else None); None where
+        there are none."""
         lay = self._layout
         if getattr(lay, "split", None) is None:
             # the host's lists of the step (a layout built elsewhere, e.g. by a test, has only the tensors)
@@ -1206,8 +1215,11 @@ class RolloutEngine:
                 r_col = [c for i in many for c in range(lengths[i])]
                 r_tokens = [starts[i] + c for i in many for c in range(lengths[i])]
                 slots_host = getattr(lay, "host_slots", None) or lay.slots.tolist()
+                r_cu = [0]
+                for i in many:
+                    r_cu.append(r_cu[-1] + lengths[i])
                 parts = [d_tokens, [slots_host[i] for i in one], [lengths[i] for i in many],
-                         [slots_host[i] for i in many], r_row, r_col, r_tokens]
+                         [slots_host[i] for i in many], r_row, r_col, r_tokens, r_cu]
                 pieces = torch.tensor([v for part in parts for v in part], dtype=torch.long).to(
                     device, non_blocking=True).split([len(p) for p in parts])
                 if one:
@@ -1215,6 +1227,9 @@ class RolloutEngine:
                     decode = types.SimpleNamespace(tokens=tokens, slots=pieces[1].to(torch.int32))
                 rest = types.SimpleNamespace(lengths=pieces[2], slots=pieces[3], row=pieces[4], col=pieces[5],
                                              t_max=max(lengths[i] for i in many), tokens=pieces[6],
+                                             cu_seqlens=pieces[7].to(torch.int32),
+                                             span=slice(len(one), len(r_tokens) + len(one))
+                                             if contiguous or not one else None,
                                              host_lengths=[lengths[i] for i in many])
             lay.split = (decode, rest)
         return lay.split
@@ -1239,6 +1254,35 @@ class RolloutEngine:
             return out
         o = out.new_empty(N, H, K)
         o[decode.tokens] = out
+        return o
+
+    def _kda_chunks(self, attn, qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, rest, o: torch.Tensor | None):
+        """The multi-token sequences of ``rest`` (:meth:`_decode_split`: prompt chunks, tool-result turns) on the
+        pools in place: ``causal_conv1d_varlen_slots`` reads each sequence's conv window from ``conv_pool[slot]``
+        over the packed rows (``cu_seqlens``) and writes its new one back, ``chunk_kda`` with
+        ``initial_state_indices`` starts each from ``rec_pool[slot]`` and writes its final state there; no gather,
+        no scatter, no padded copy. ``qkv [N, 3·H·K]``, ``f [N, H, K]``, ``beta [N, H]`` are the step's rows; writes
+        the sequences' rows of ``o [N, H, K]`` (allocated when None) and returns it."""
+        kernels = kdamoe_kernels()
+        H, K = attn.num_heads, attn.head_dim
+        N = qkv.shape[0]
+        # the sequences' rows, packed: a view where they follow the decodes (the conv reads x through its row stride)
+        rows = rest.span if rest.span is not None else rest.tokens
+        qkv, f, beta = qkv[rows], f[rows], beta[rows]
+        n = qkv.shape[0]
+        # the engine's slots are distinct and in range, and cu_seqlens is built from the host's lengths
+        ys = kernels.causal_conv1d_varlen_slots(qkv, attn.conv1d.weight.squeeze(1), self.conv[attn.layer_idx],
+                                                rest.slots, rest.cu_seqlens, parts=3,
+                                                check_cache_indices_values=False)
+        q, k, v = (y.view(1, n, H, K) for y in ys)
+        out, _ = kernels.chunk_kda(
+            q, k, v, f[None], beta[None], initial_state=self.recurrent[attn.layer_idx],
+            initial_state_indices=rest.slots, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            cu_seqlens=rest.cu_seqlens, use_gate_in_kernel=True, A_log=attn.A_log, dt_bias=attn.dt_bias,
+            lower_bound=attn.lower_bound, check_initial_state_indices_values=False)
+        if o is None:
+            o = out.new_empty(N, H, K)
+        o[rows] = out[0]
         return o
 
     def _kda_sequences(self, attn, qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, lay,

@@ -7,13 +7,17 @@ the current token), an optional cached ``conv_state [B, C, W]`` holding the W in
 first), an optional ``seq_idx [B, T]`` that keeps packed sequences apart.
 
 Stages (one file each): ``forward`` (conv + SiLU), ``backward`` (dx, dweight, dstate), ``update`` (one decode
-step). The returned state (the last W inputs) is gathered in PyTorch, so autograd differentiates it.
+step), ``update_slots`` / ``varlen_slots`` (a decode step / packed sequences on windows kept in a slot pool, updated
+in place: :func:`causal_conv1d_update_slots`, :func:`causal_conv1d_varlen_slots`). The returned state (the last W
+inputs) is gathered in PyTorch, so autograd differentiates it.
 
 :func:`causal_conv1d_parts` is the same op over channels made of 1 to 3 equal parts (the KDA layer's q|k|v, one
 column slice ``[B, T, 3·width]`` of its fused projection): one launch forward writes each part's output to its own
 contiguous tensor, the backward takes the parts' gradients as they come and writes one ``dx [B, T, C]`` (two
 launches and one sum of the dweight partials). :func:`causal_conv1d` is its one-part case.
 """
+
+from itertools import pairwise
 
 import torch
 
@@ -22,6 +26,7 @@ from .backward import conv_bwd
 from .forward import MAX_PARTS, conv_fwd
 from .update import conv_update
 from .update_slots import conv_update_slots
+from .varlen_slots import conv_varlen_slots
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 MAX_WIDTH = 8  # the kernels unroll their W shifted tile loads (and the state gradient W²/2 vector loads)
@@ -252,3 +257,85 @@ def causal_conv1d_update_slots(x, conv_pool, slot_ids, weight, *, check_slot_ids
     if x.stride(-1) != 1:
         x = x.contiguous()
     return conv_update_slots(x, conv_pool, slot_ids, weight.contiguous())
+
+
+def causal_conv1d_varlen_slots(x, weight, conv_states, cache_indices, cu_seqlens, *, parts=1, has_initial_state=None,
+                               check_cache_indices_values=True):
+    r"""The short conv of packed sequences of any length whose conv windows live in a slot pool, read and updated in
+    place (forward only): the prompt chunks and tool-result turns of a rollout-engine step.
+
+    For sequence n (tokens ``cu_seqlens[n] … cu_seqlens[n+1] − 1`` of x) on slot ``s = cache_indices[n]``, the values
+    of ``causal_conv1d(x_n[None], weight, conv_states[s][None])`` split into ``parts`` column blocks, and afterwards
+    ``conv_states[s]`` holds the last W inputs of (old window ++ the sequence's tokens), oldest first: what
+    gather → :func:`causal_conv1d_parts` → scatter computes, without the gather, the scatter or a padded copy of the
+    ragged rows (Mamba, Gu & Dao 2023 §3.4; the names ``conv_states``, ``cache_indices``, ``has_initial_state`` are
+    those of the causal-conv1d / vLLM varlen op, whose ``query_start_loc`` is ``cu_seqlens`` here). Accumulated in
+    float32.
+
+    Args:
+        x: ``[T, C]`` float16 / bfloat16 / float32, the sequences' tokens packed one after another, unit channel
+            stride (any row stride: a column slice of a wider projection output is read in place).
+        weight: ``[C, W]`` depthwise kernel, 1 ≤ W ≤ 8.
+        conv_states: ``[P, C, W]`` float16 / bfloat16 / float32 pool, contiguous; rows ``cache_indices`` are read
+            and overwritten (in the pool's dtype), the others are not touched.
+        cache_indices: ``[N]`` int32 / int64, distinct, in ``[0, P)``, on x's device.
+        cu_seqlens: ``[N+1]`` int32 / int64 cumulative lengths (FlashAttention convention), from 0 to T,
+            non-decreasing, on x's device. A sequence of length 0 keeps its window.
+        parts: 1, 2 or 3 (an int dividing C); part i holds channels ``[i·C/parts, (i+1)·C/parts)``.
+        has_initial_state: optional ``[N]`` bool on x's device; False: the sequence starts from a zero window
+            (its slot's old window is ignored). None: every sequence continues its slot's window.
+        check_cache_indices_values: check the values of ``cache_indices`` (range, distinctness) and
+            ``cu_seqlens`` (from 0 to T, non-decreasing): a device synchronisation; False for values valid by
+            construction (the engine's).
+
+    Returns:
+        ``ys``: a tuple of ``parts`` contiguous ``[T, C / parts]`` tensors in x's dtype.
+
+    Raises:
+        ValueError: wrong shapes, dtypes or devices (naming the argument), a pool that is not contiguous, bad
+            ``cache_indices`` / ``cu_seqlens`` values (when checked, naming them), ``parts`` not an int in [1, 3]
+            dividing C, or an input requiring grad while grad mode is on (there is no backward).
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be [T, C], got {getattr(x, 'shape', type(x).__name__)}")
+    T, C = x.shape
+    _, _, _, W = _validate(x[None], weight, None, None)
+    if isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= MAX_PARTS or C % parts:
+        raise ValueError(f"parts must be an int in [1, {MAX_PARTS}] dividing the C = {C} channels, got {parts!r}")
+    if not isinstance(conv_states, torch.Tensor) or conv_states.dim() != 3 or conv_states.shape[1:] != (C, W):
+        shape = tuple(conv_states.shape) if isinstance(conv_states, torch.Tensor) else type(conv_states).__name__
+        raise ValueError(f"conv_states must be [P, C, W] = (P, {C}, {W}), got {shape}")
+    if conv_states.dtype not in _FLOATS:
+        raise ValueError(f"conv_states dtype must be float16, bfloat16 or float32, got {conv_states.dtype}")
+    _check_device("conv_states", conv_states, x.device)
+    if not conv_states.is_contiguous():
+        raise ValueError(f"conv_states must be contiguous (updated in place), got strides {conv_states.stride()}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 \
+            or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be a 1-D int32 / int64 tensor [N+1], got "
+                         f"{getattr(cu_seqlens, 'shape', type(cu_seqlens).__name__)} "
+                         f"{getattr(cu_seqlens, 'dtype', '')}")
+    _check_device("cu_seqlens", cu_seqlens, x.device)
+    N = cu_seqlens.numel() - 1
+    check_slot_ids(cache_indices, N, conv_states.shape[0], x.device, check_cache_indices_values,
+                   "causal_conv1d_varlen_slots", name="cache_indices")
+    if check_cache_indices_values:
+        cl = cu_seqlens.tolist()
+        if cl[0] != 0 or cl[-1] != T or any(b < a for a, b in pairwise(cl)):
+            raise ValueError(f"cu_seqlens must rise from 0 to T={T} without decreasing, got {cl}")
+    flags = None
+    if has_initial_state is not None:
+        if not isinstance(has_initial_state, torch.Tensor) or has_initial_state.shape != (N,) \
+                or has_initial_state.dtype != torch.bool:
+            raise ValueError(f"has_initial_state must be a bool tensor [N] = [{N}], got "
+                             f"{getattr(has_initial_state, 'shape', type(has_initial_state).__name__)} "
+                             f"{getattr(has_initial_state, 'dtype', '')}")
+        _check_device("has_initial_state", has_initial_state, x.device)
+        flags = has_initial_state.to(torch.int32)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, conv_states)):
+        raise ValueError("causal_conv1d_varlen_slots has no backward: an input requires grad; run it under "
+                         "torch.no_grad() or use causal_conv1d_parts")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return tuple(conv_varlen_slots(x, weight.contiguous(), conv_states, cache_indices, cu_seqlens.contiguous(),
+                                   flags, parts))

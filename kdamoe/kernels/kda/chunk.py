@@ -15,7 +15,7 @@ from itertools import pairwise
 
 import torch
 
-from ..utils import cached_constant, is_interpreter
+from ..utils import cached_constant, check_slot_ids, is_interpreter
 from .backward import bwd_intra, bwd_wy
 from .intra import intra_fwd
 from .output import dv_local, output_fwd
@@ -169,7 +169,8 @@ def pack(q, k, v, g, beta, cu_seqlens):
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, use_gate_in_kernel=False, A_log=None,
-              dt_bias=None, lower_bound=-5.0, safe_gate=True):
+              dt_bias=None, lower_bound=-5.0, safe_gate=True, initial_state_indices=None,
+              check_initial_state_indices_values=True):
     r"""Chunked KDA (training / prefill), differentiable, fla-compatible signature.
 
     Computes, per sequence and head (Kimi Linear report §3, Eq. 1), with state ``S ∈ R^{K×V}``::
@@ -200,13 +201,30 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         use_gate_in_kernel, A_log (``[H]`` or None), dt_bias (``[H·K]`` or None), lower_bound (in
             [−5, 0)): the lower-bounded gate; A_log None means a factor 1 (``lb·sigmoid(f + dt_bias)``).
         safe_gate: accepted for drop-in use with fla; this kernel always relies on the bounded gate.
+        initial_state_indices: optional int32 / int64 ``[N]`` on q's device, distinct, in ``[0, P)`` (the names of
+            sglang's / vLLM's chunked linear-attention ops): ``initial_state`` is then a state pool
+            ``[P, H, K, V]`` (contiguous float32, e.g. the rollout engine's per-slot states) and sequence n starts
+            from ``initial_state[initial_state_indices[n]]``; with ``output_final_state`` its final state is
+            written back to that row in place (the other rows are not touched) and ``final_state`` is None.
+            Forward only: refused while grad mode is on and an input requires grad.
+        check_initial_state_indices_values: check the indices' range and distinctness (a device synchronisation,
+            see ``kdamoe.kernels.utils.check_slot_ids``); False for indices valid by construction (the engine's
+            slots).
 
     Returns:
-        ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in v's dtype; ``final_state`` float32 or None.
+        ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in v's dtype; ``final_state`` float32 or None (always None
+        with ``initial_state_indices``: the final states are in the pool).
 
     Raises:
-        ValueError: wrong shapes, dtypes, devices, head dims, lower_bound, or cu_seqlens with B > 1.
+        ValueError: wrong shapes, dtypes, devices, head dims, lower_bound, or cu_seqlens with B > 1; with
+            ``initial_state_indices``: a pool that is not a contiguous float32 ``[P, H, K, V]`` tensor on q's
+            device, indices of the wrong shape / dtype / device, out of ``[0, P)`` or repeated (when checked),
+            or an input requiring grad while grad mode is on (naming the bad argument or value).
     """
+    if initial_state_indices is not None:
+        return _chunk_kda_pool(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                               cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound, initial_state_indices,
+                               check_initial_state_indices_values)
     validate_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias,
                         lower_bound)
     B, T, H, K = q.shape
@@ -215,12 +233,53 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         scale = K ** -0.5
     (qf, kf, vf, gf, bf), cu, uniform = pack(q, k, v, g, beta, cu_seqlens)
     h0 = initial_state.float().contiguous() if initial_state is not None else None
-    if use_gate_in_kernel:
-        A = A_log.reshape(H).contiguous() if A_log is not None else None
-        dtb = dt_bias.reshape(H * K).contiguous() if dt_bias is not None else None
-    else:
-        A = dtb = None
+    A, dtb = _gate_params(use_gate_in_kernel, A_log, dt_bias, H, K)
     o, ht = ChunkKDAFunction.apply(qf, kf, vf, gf, bf, A, dtb, h0, float(scale), bool(output_final_state),
                                    bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), float(lower_bound),
                                    cu, uniform)
     return o.view(B, T, H, V), ht
+
+
+def _gate_params(use_gate_in_kernel, A_log, dt_bias, H, K):
+    """``(A [H], dt_bias [H·K])`` contiguous as the kernels read them, None where absent or without the gate."""
+    if not use_gate_in_kernel:
+        return None, None
+    A = A_log.reshape(H).contiguous() if A_log is not None else None
+    dtb = dt_bias.reshape(H * K).contiguous() if dt_bias is not None else None
+    return A, dtb
+
+
+def _chunk_kda_pool(q, k, v, g, beta, scale, pool, output_final_state, use_l2, cu_seqlens, gate_in, A_log, dt_bias,
+                    lower_bound, indices, check_values):
+    """:func:`chunk_kda` with ``initial_state_indices``: the forward stages of :class:`ChunkKDAFunction` with the
+    state pass reading (and writing) the pool rows ``indices`` in place; no autograd graph."""
+    N = validate_kda_inputs(q, k, v, g, beta, scale, None, cu_seqlens, gate_in, A_log, dt_bias, lower_bound)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if not isinstance(pool, torch.Tensor) or pool.dim() != 4 or pool.shape[1:] != (H, K, V):
+        shape = tuple(pool.shape) if isinstance(pool, torch.Tensor) else type(pool).__name__
+        raise ValueError(f"chunk_kda: with initial_state_indices, initial_state must be a pool [P, H, K, V] = "
+                         f"(P, {H}, {K}, {V}), got {shape}")
+    # the pool is read and written in place: no float32 or contiguous copy may stand in for it
+    if pool.dtype != torch.float32 or not pool.is_contiguous():
+        raise ValueError(f"chunk_kda: with initial_state_indices, initial_state must be a contiguous float32 pool "
+                         f"(updated in place), got {pool.dtype}{'' if pool.is_contiguous() else ', not contiguous'}")
+    _check_device("initial_state", pool, q.device)
+    check_slot_ids(indices, N, pool.shape[0], q.device, check_values, "chunk_kda", name="initial_state_indices")
+    if torch.is_grad_enabled():
+        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                        ("dt_bias", dt_bias), ("initial_state", pool)):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise ValueError(f"chunk_kda with initial_state_indices has no backward, but {name} requires grad; "
+                                 "run it under torch.no_grad() or pass per-sequence initial states")
+    if scale is None:
+        scale = K ** -0.5
+    (qf, kf, vf, gf, bf), cu, uniform = pack(q, k, v, g, beta, cu_seqlens)
+    A, dtb = _gate_params(gate_in, A_log, dt_bias, H, K)
+    # ChunkKDAFunction.forward's three stages, the state pass on the pool rows
+    chunk_idx, chunk_offsets, NC = chunk_table(cu, T, uniform)
+    _, _, _, _, G, Aqk, _, w, u, kg, qg = intra_fwd(qf, kf, gf, vf, bf, A, dtb, float(lower_bound), float(scale),
+                                                    bool(use_l2), bool(gate_in), chunk_idx, cu, NC)
+    h, vnew, _ = state_fwd(w, u, kg, G, pool, cu, chunk_offsets, NC, N, bool(output_final_state), h0_indices=indices)
+    o = output_fwd(qg, h, vnew, Aqk, chunk_idx, cu, NC)
+    return o.view(B, T, H, V), None
