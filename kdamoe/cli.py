@@ -312,16 +312,20 @@ def convert_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--to", required=True, choices=("kimi_linear", "kimi_k3", "kda_moe"),
                         help="target format: kda_moe reads a Kimi Linear or Kimi K3 SRC, kimi_linear and kimi_k3 a "
                              "kdamoe SRC")
-    parser.add_argument("--experts-dtype", default="mxfp4", choices=("mxfp4", "bf16"),
-                        help="--to kimi_k3: routed experts re-quantised to MXFP4 (default, as released) or bfloat16")
+    parser.add_argument("--experts-dtype", default=None, choices=("mxfp4", "bf16"),
+                        help="--to kimi_k3 only: routed experts re-quantised to MXFP4 (default, as released) or "
+                             "bfloat16")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DST once the conversion is done")
     parser.add_argument("--max-shard-size", default="5GB", help="largest output shard (default 5GB)")
     args = parser.parse_args(argv)
+    if args.experts_dtype is not None and args.to != "kimi_k3":
+        parser.error(f"--experts-dtype {args.experts_dtype}: only --to kimi_k3 writes quantised experts "
+                     f"(got --to {args.to})")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     from kdamoe.conversion import convert_checkpoint  # noqa: PLC0415 (deferred: each entry point loads only its own job, after parsing its arguments)
 
     out = _user_errors_exit_2(parser, convert_checkpoint, args.src, args.dst, to=args.to, overwrite=args.overwrite,
-                              max_shard_size=args.max_shard_size, experts_format=args.experts_dtype)
+                              max_shard_size=args.max_shard_size, experts_format=args.experts_dtype or "mxfp4")
     print(out)
     return 0

@@ -258,3 +258,10 @@ def test_config_dtype_that_names_no_float_dtype(kimi_folder, tmp_path, stored):
     src = _copy_with_config(kimi_folder, tmp_path / "src", dtype=stored)
     with pytest.raises(ValueError, match=re.escape(f"dtype is {stored!r}")):
         KDAMoEForCausalLM.from_pretrained(src)
+
+
+def test_experts_dtype_is_refused_where_no_experts_are_quantised(kimi_folder, tmp_path, capsys):
+    """``--experts-dtype`` means something only for ``--to kimi_k3``; elsewhere it was accepted and ignored."""
+    line = _cli_error(capsys, kimi_folder, tmp_path / "dst", "--to", "kda_moe", "--experts-dtype", "bf16")
+    assert "--experts-dtype bf16: only --to kimi_k3" in line
+    assert not (tmp_path / "dst").exists()
