@@ -91,7 +91,7 @@ def _rank_main(out: str) -> None:
 def test_a_failing_rank_makes_every_rank_raise_within_one_step(tmp_path):
     launch_processes([str(Path(__file__)), str(tmp_path)], 2, DEADLINE_S)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    own = {"bad_prompt": "ValueError: episode 0: prompt_ids: token id 10000 is outside",
+    own = {"bad_prompt": "ValueError: episode 0: prompt_ids: token id 10000 is not an integer in",
            "tool": "RuntimeError: tool_suffix_ids failed on purpose",
            "sampling": "RuntimeError: processor failed on purpose"}
     for case in CASES:
