@@ -243,20 +243,26 @@ def causal_conv1d_update_slots(x, conv_pool, slot_ids, weight, *, check_slot_ids
     # the shape / dtype / device checks of causal_conv1d, on x as one token of N rows
     N, C = x.shape
     _, _, _, W = _validate(x[:, None], weight, None, None)
-    if not isinstance(conv_pool, torch.Tensor) or conv_pool.dim() != 3 or conv_pool.shape[1:] != (C, W):
-        shape = tuple(conv_pool.shape) if isinstance(conv_pool, torch.Tensor) else type(conv_pool).__name__
-        raise ValueError(f"conv_pool must be [num_slots, C, W] = (num_slots, {C}, {W}), got {shape}")
-    if conv_pool.dtype not in _FLOATS:
-        raise ValueError(f"conv_pool dtype must be float16, bfloat16 or float32, got {conv_pool.dtype}")
-    _check_device("conv_pool", conv_pool, x.device)
-    if not conv_pool.is_contiguous():
-        raise ValueError(f"conv_pool must be contiguous (updated in place), got strides {conv_pool.stride()}")
+    _check_pool("conv_pool", conv_pool, C, W, x.device, rows="num_slots")
     check_slot_ids(slot_ids, N, conv_pool.shape[0], x.device, check_slot_ids_values, "causal_conv1d_update_slots")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight)):
         raise ValueError("causal_conv1d_update_slots has no backward; use causal_conv1d for a differentiable step")
     if x.stride(-1) != 1:
         x = x.contiguous()
     return conv_update_slots(x, conv_pool, slot_ids, weight.contiguous())
+
+
+def _check_pool(name: str, pool, C: int, W: int, device, rows: str) -> None:
+    """A slot pool of conv windows ``[rows, C, W]``, float16 / bfloat16 / float32, contiguous (updated in place), on
+    ``device``, or a ValueError naming ``name``."""
+    if not isinstance(pool, torch.Tensor) or pool.dim() != 3 or pool.shape[1:] != (C, W):
+        shape = tuple(pool.shape) if isinstance(pool, torch.Tensor) else type(pool).__name__
+        raise ValueError(f"{name} must be [{rows}, C, W] = ({rows}, {C}, {W}), got {shape}")
+    if pool.dtype not in _FLOATS:
+        raise ValueError(f"{name} dtype must be float16, bfloat16 or float32, got {pool.dtype}")
+    _check_device(name, pool, device)
+    if not pool.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (updated in place), got strides {pool.stride()}")
 
 
 def causal_conv1d_varlen_slots(x, weight, conv_states, cache_indices, cu_seqlens, *, parts=1, has_initial_state=None,
@@ -302,14 +308,7 @@ def causal_conv1d_varlen_slots(x, weight, conv_states, cache_indices, cu_seqlens
     _, _, _, W = _validate(x[None], weight, None, None)
     if isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= MAX_PARTS or C % parts:
         raise ValueError(f"parts must be an int in [1, {MAX_PARTS}] dividing the C = {C} channels, got {parts!r}")
-    if not isinstance(conv_states, torch.Tensor) or conv_states.dim() != 3 or conv_states.shape[1:] != (C, W):
-        shape = tuple(conv_states.shape) if isinstance(conv_states, torch.Tensor) else type(conv_states).__name__
-        raise ValueError(f"conv_states must be [P, C, W] = (P, {C}, {W}), got {shape}")
-    if conv_states.dtype not in _FLOATS:
-        raise ValueError(f"conv_states dtype must be float16, bfloat16 or float32, got {conv_states.dtype}")
-    _check_device("conv_states", conv_states, x.device)
-    if not conv_states.is_contiguous():
-        raise ValueError(f"conv_states must be contiguous (updated in place), got strides {conv_states.stride()}")
+    _check_pool("conv_states", conv_states, C, W, x.device, rows="P")
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 \
             or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be a 1-D int32 / int64 tensor [N+1], got "
