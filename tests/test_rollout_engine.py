@@ -345,6 +345,15 @@ def test_engine_raises_what_a_tool_round_raises_outside_a_tool_error(policy, kin
     with pytest.raises(KeyError if kind == "malformed" else KeyboardInterrupt):
         engine.run([spec])
     engine.parse_turn = _engine(model, tokenizer, plan, config, slots=1, budget=80, rounds=3).parse_turn
+    if kind == "sync":  # the tool turn's ids: a 1-D integer tensor is taken as its list, None is named
+        real = engine.tool_suffix_ids
+        engine.tool_suffix_ids = lambda messages: torch.tensor(real(messages))
+        ok = EpisodeSpec(spec.prompt_ids, tools={"add": add}, schemas=SCHEMAS, seed=0)
+        _assert_same(engine.run([ok])[0], _reference(model, tokenizer, plan, config, [ok], budget=80, rounds=3)[0])
+        engine.tool_suffix_ids = lambda messages: None
+        with pytest.raises(ValueError, match="tool_suffix_ids.*must return a list of token ids .* got NoneType"):
+            engine.run([ok])
+        engine.tool_suffix_ids = real
     ok = EpisodeSpec(spec.prompt_ids, tools={"add": add}, schemas=SCHEMAS, seed=0)
     _assert_same(engine.run([ok])[0], _reference(model, tokenizer, plan, config, [ok], budget=80, rounds=3)[0])
 
@@ -566,6 +575,7 @@ def test_engine_refuses_bad_arguments(policy):
             (dict(eos_token_ids=[-1]), r"eos_token_ids: -1 is not a token id"),
             (dict(eos_token_ids=[10 ** 9]), r"eos_token_ids: 1000000000 is not a token id"),
             (dict(generation_config={"do_sample": False}), "GenerationConfig"),
+            (dict(logits_processor="x"), "logits_processor must be None or a LogitsProcessorList"),
             (dict(generation_config=GenerationConfig(do_sample=True, temperature=0.0, max_new_tokens=4)),
              "generation_config: .*temperature")]:
         args = dict(generation_config=GREEDY, num_slots=1, eos_token_ids=[2], max_completion_length=8) | kwargs
@@ -578,7 +588,10 @@ def test_engine_refuses_bad_arguments(policy):
             ([EpisodeSpec(torch.tensor([[5, 6]]))], "1-D integer ids"),
             ([EpisodeSpec([5, 6], seed=2 ** 64)], r"episode 0: seed must be .* got 18446744073709551616"),
             ([EpisodeSpec([5, 6]), EpisodeSpec([5, 6], seed="7")], r"episode 1: seed must be .* got '7'"),
-            ([EpisodeSpec([5] * model.config.max_position_embeddings)], "no room for a reply")]:
+            ([EpisodeSpec([5] * model.config.max_position_embeddings)], "no room for a reply"),
+            ([EpisodeSpec([5, 6], tools=["add"])], r"episode 0: tools must be None or a dict of name -> callable"),
+            ([EpisodeSpec([5, 6], tools={"add": 3})], r"tools must be None or a dict of name -> callable"),
+            ([EpisodeSpec([5, 6], on_timeout=3)], r"episode 0: on_timeout must be None or callable, got 3")]:
         with pytest.raises(ValueError, match=needle):
             engine.run(specs)
     # a 1-D tensor of ids is what a transformers user holds: taken as its list

@@ -539,6 +539,10 @@ class RolloutEngine:
         for name, value in (("parse_turn", parse_turn), ("tool_suffix_ids", tool_suffix_ids)):
             if value is not None and not callable(value):
                 raise ValueError(f"{name} must be None or callable, got {value!r}")
+        if logits_processor is not None and not (isinstance(logits_processor, list)
+                                                 and all(callable(p) for p in logits_processor)):
+            raise ValueError(f"logits_processor must be None or a LogitsProcessorList of processors, got "
+                             f"{logits_processor!r}")
         if not isinstance(generation_config, GenerationConfig):
             raise ValueError(f"generation_config must be a transformers GenerationConfig, got "
                              f"{type(generation_config).__name__}")
@@ -586,8 +590,8 @@ class RolloutEngine:
         self.device = next(causal_lm.parameters()).device
         self.generation_config, _ = causal_lm._prepare_generation_config(config)
         causal_lm._prepare_special_tokens(self.generation_config, True, device=self.device)
-        try:  # the processors a turn builds, built once here: a bad value (temperature=0 while sampling, top_p=2)
-            # is refused now, by transformers' own checks, not at an episode's first token
+        try:  # the processors a turn builds, built once here: a value transformers' processors refuse (e.g.
+            # temperature=0 while sampling, a negative top_k) is refused now, not at an episode's first token
             self.causal_lm._get_logits_processor(
                 generation_config=self.generation_config, input_ids_seq_length=1, encoder_input_ids=None,
                 prefix_allowed_tokens_fn=None, logits_processor=self.extra_processors or LogitsProcessorList(),
@@ -713,6 +717,11 @@ class RolloutEngine:
             if self.do_sample and spec.seed is None:
                 raise ValueError(f"episode {i}: the generation config samples (do_sample=True) but the episode has "
                                  "no seed")
+            if spec.tools is not None and not (isinstance(spec.tools, dict) and all(
+                    isinstance(name, str) and callable(tool) for name, tool in spec.tools.items())):
+                raise ValueError(f"episode {i}: tools must be None or a dict of name -> callable, got {spec.tools!r}")
+            if spec.on_timeout is not None and not callable(spec.on_timeout):
+                raise ValueError(f"episode {i}: on_timeout must be None or callable, got {spec.on_timeout!r}")
             if spec.tools is not None and (self.parse_turn is None or self.tool_suffix_ids is None):
                 raise ValueError(f"episode {i} has tools but the engine has no parse_turn / tool_suffix_ids")
             episodes.append(_Episode(i, spec))
@@ -1000,7 +1009,13 @@ class RolloutEngine:
             # "function", stops the run there; here the worker hands it over and the engine's thread raises it
             raise job.error
         episode.failures += job.failures
-        suffix = list(self.tool_suffix_ids(job.messages))
+        suffix = self.tool_suffix_ids(job.messages)
+        if isinstance(suffix, torch.Tensor) and suffix.dim() == 1 and not suffix.is_floating_point():
+            suffix = suffix.tolist()
+        if not isinstance(suffix, (list, tuple)):
+            raise ValueError(f"episode {episode.index}: tool_suffix_ids(...) must return a list of token ids (or a 1-D "
+                             f"integer tensor), got {type(suffix).__name__}")
+        suffix = list(suffix)
         self._check_ids(suffix, f"episode {episode.index}: tool_suffix_ids(...)")
         completion_len = len(episode.ids) - episode.prompt_len
         if completion_len + len(suffix) > self.budget or len(episode.ids) + len(suffix) >= self.max_model_len:

@@ -117,3 +117,7 @@ def test_other_argument_errors():
     with pytest.raises(ValueError, match="but q requires grad"):
         chunk_kda(x["q"].requires_grad_(), *args[1:], initial_state=x["pool"], initial_state_indices=ids,
                   cu_seqlens=x["cu"])
+    # an empty step (no sequence): named with the value it got, not a bare "[N+1]" (a user's probe)
+    empty = {name: t[:, :0] for name, t in zip(("q", "k", "v", "g", "beta"), args, strict=True)}
+    with torch.no_grad(), pytest.raises(ValueError, match=r"with N >= 1 sequence, got torch.int\d+ of shape \(1,\)"):
+        chunk_kda(**empty, initial_state=x["pool"], initial_state_indices=ids[:0], cu_seqlens=x["cu"][:1])

@@ -172,6 +172,18 @@ def test_shared_prefix_plan_argument_errors():
         plan.update(prefixes[:1], [0], own)
     with pytest.raises(ValueError, match=r"q must be \[N, 2, 24\] with N <= 2"):
         plan.launch(q[:, :1], 1.0)
+    # found by a user's probe: fewer q rows than the update's sequences read past q; a bad scale failed in the launch
+    plan.update(prefixes[:1], [0, 0], own)
+    with pytest.raises(ValueError, match="q has 1 rows but the last update named 2 sequences"):
+        plan.launch(q[:1], 1.0)
+    for scale in ("0.3", None, torch.tensor(0.3), float("nan"), True):
+        with pytest.raises(ValueError, match="scale must be a finite Python float"):
+            plan.launch(q, scale)
+        with pytest.raises(ValueError, match="scale must be a finite Python float"):
+            latent_attention_shared_prefix(q, prefixes, [0, 1], own, scale, value_dim=16)
+    with pytest.raises(ValueError, match="device 'bogus' is not a torch device"):
+        SharedPrefixPlan(max_sequences=2, max_groups=2, num_heads=2, key_dim=24, value_dim=16, dtype=torch.float32,
+                         device="bogus")
 
 
 def test_write_rows_at_writes_each_row_to_its_address():
@@ -195,3 +207,5 @@ def test_write_rows_at_writes_each_row_to_its_address():
         write_rows_at(rows, ptrs[:3])
     with pytest.raises(ValueError, match="rows must be"):
         write_rows_at(rows[0], ptrs)
+    with pytest.raises(ValueError, match="rows dtype must be float16, bfloat16 or float32, got torch.float64"):
+        write_rows_at(rows.double(), ptrs)

@@ -117,7 +117,9 @@ def validate_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_
             raise ValueError(f"cu_seqlens needs packed input with B == 1, got B={B}")
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
                 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor [N+1]")
+            got = (f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor)
+                   else type(cu_seqlens).__name__)
+            raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor [N+1] with N >= 1 sequence, got {got}")
         _check_device("cu_seqlens", cu_seqlens, device)
         cl = cu_seqlens.tolist()
         if cl[0] != 0 or cl[-1] != T or any(b < a for a, b in pairwise(cl)):

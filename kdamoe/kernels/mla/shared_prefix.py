@@ -29,6 +29,8 @@ launched: one path.
 Reference: ``naive.naive_latent_attention_shared_prefix`` (float64, the rows of each sequence concatenated).
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -146,6 +148,11 @@ def _check_rows(name, t, width, dtype, device):
                          f"{t.stride()}")
 
 
+def _check_scale(scale) -> None:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite Python float, got {scale!r}")
+
+
 def _positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -206,7 +213,10 @@ class SharedPrefixPlan:
         self.R = _check_value_dim(value_dim, key_dim)
         if dtype not in _FLOATS:
             raise ValueError(f"dtype must be one of {_FLOATS}, got {dtype}")
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"device {device!r} is not a torch device ({err})") from err
         if device.type != "cuda" and not (device.type == "cpu" and is_interpreter()):
             raise ValueError(f"device {device}: the Triton kernels need a CUDA device (or CPU with TRITON_INTERPRET=1)")
         if num_splits is not None:
@@ -240,6 +250,7 @@ class SharedPrefixPlan:
         self.out = torch.zeros(N, H, R, dtype=dtype, device=device)
         self._staging = self._copied = None  # update()'s pinned host buffer and the event of its last copy
         self._updated = False
+        self._sequences = 0  # sequences of the last update: launch's q must hold at least their rows
 
     @staticmethod
     def table_size(max_sequences: int, max_groups: int) -> int:
@@ -302,6 +313,7 @@ class SharedPrefixPlan:
         on CUDA from the plan's second update on through a pinned buffer of its own (reused once its previous copy
         has run), so a plan made for one call (:func:`latent_attention_shared_prefix`) allocates no pinned memory."""
         values = torch.tensor(self.host_tables(prefixes, group, own), dtype=torch.int64)
+        self._sequences = len(own)
         if self.device.type != "cuda" or not self._updated:
             self._updated = True
             self.tables.copy_(values, non_blocking=True)  # from pageable memory: the copy is staged before it returns
@@ -320,21 +332,28 @@ class SharedPrefixPlan:
         ``q``, so it can be captured in a CUDA graph (the tables are refilled before each replay).
 
         Args:
-            q: ``[N, H, D]`` (the plan's dtype and device), ``N ≤ max_sequences``; its first N rows are the
-                sequences of the last update (rows past them, if any, are sequences without keys).
-            scale: softmax scale (Python float).
+            q: ``[N, H, D]`` (the plan's dtype and device), N from the last update's sequence count to
+                ``max_sequences``; its first rows are the sequences of the last update (rows past them are
+                sequences without keys: output 0).
+            scale: softmax scale, a finite Python float / int.
 
         Returns:
             ``o [N, H, R]``: a view of :attr:`out` (overwritten by the next launch).
 
         Raises:
-            ValueError: a wrong shape, dtype or device of ``q``, q requiring grad while grad mode is on.
+            ValueError: a wrong shape, dtype or device of ``q``, fewer rows than the last update's sequences (the
+                kernel would read past q), a scale that is not a finite number, q requiring grad while grad mode is
+                on.
         """
         N_cap, G_cap, H, D, R = self.max_sequences, self.max_groups, self.num_heads, self.key_dim, self.R
         if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] > N_cap or q.shape[1:] != (H, D):
             raise ValueError(f"q must be [N, {H}, {D}] with N <= {N_cap}, got {getattr(q, 'shape', type(q).__name__)}")
         if q.dtype != self.dtype or q.device != self.device:
             raise ValueError(f"q is {q.dtype} on {q.device}, the plan was made for {self.dtype} on {self.device}")
+        if q.shape[0] < self._sequences:
+            raise ValueError(f"q has {q.shape[0]} rows but the last update named {self._sequences} sequences (one row "
+                             "each, at least)")
+        _check_scale(scale)
         if torch.is_grad_enabled() and q.requires_grad:
             raise ValueError("latent_attention_shared_prefix has no backward: q requires grad; run it under "
                              "torch.no_grad()")
@@ -380,7 +399,7 @@ def latent_attention_shared_prefix(q, prefixes, group, own, scale, value_dim=Non
         group: list of N ints, ``group[n]`` in ``[0, G)`` or ``-1`` (no prefix).
         own: list of N tensors ``[L_n, R + Dr]`` (q's dtype and device, contiguous): each sequence's own rows, the
             new token's row included.
-        scale: softmax scale (Python float).
+        scale: softmax scale, a finite Python float / int.
         value_dim: ``R``, a power of two in [16, 512]; None → q's whole last dim (then ``Dr = 0``); ``Dr`` at most
             ``MAX_SHARED_DIM``.
         num_splits: splits ``P`` of each segment's keys (None: about ``PROGRAMS_PER_SM`` programs per SM, at most one
@@ -409,6 +428,7 @@ def latent_attention_shared_prefix(q, prefixes, group, own, scale, value_dim=Non
         raise ValueError(f"group and own must have N = {N} entries (q's first dim), got {len(group)} and {len(own)}")
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
+    _check_scale(scale)
     if torch.is_grad_enabled() and q.requires_grad:
         raise ValueError("latent_attention_shared_prefix has no backward: q requires grad; run it under "
                          "torch.no_grad()")

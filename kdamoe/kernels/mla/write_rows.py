@@ -39,14 +39,16 @@ def write_rows_at(rows, row_ptrs):
     the addresses: a device read).
 
     Raises:
-        ValueError: ``rows`` not 2-D with unit column stride, ``row_ptrs`` not an int64 ``[N]`` tensor on rows'
-            device, a device the kernels cannot run on.
+        ValueError: ``rows`` not 2-D with unit column stride or not float16 / bfloat16 / float32, ``row_ptrs``
+            not an int64 ``[N]`` tensor on rows' device, a device the kernels cannot run on.
     """
     if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or (rows.shape[1] > 1 and rows.stride(1) != 1):
         raise ValueError(f"rows must be [N, D] with unit column stride, got {getattr(rows, 'shape', type(rows))}")
     if rows.device.type != "cuda" and not (rows.device.type == "cpu" and is_interpreter()):
         raise ValueError(f"rows is on {rows.device}: the Triton kernels need a CUDA tensor (or CPU with "
                          "TRITON_INTERPRET=1)")
+    if rows.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"rows dtype must be float16, bfloat16 or float32, got {rows.dtype}")
     N, D = rows.shape
     if not isinstance(row_ptrs, torch.Tensor) or row_ptrs.dtype != torch.int64 or row_ptrs.shape != (N,) or \
             row_ptrs.device != rows.device:
