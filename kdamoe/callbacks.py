@@ -21,6 +21,16 @@ from transformers import TrainerCallback
 
 logger = logging.getLogger(__name__)
 
+# why a model's router biases do not move during a run (RouterBiasUpdateCallback._warn_once, said once per model)
+_FROZEN = ("stay frozen: its router weights do not require grad (PEFT adapter or frozen reference model). A PEFT "
+           "adapter saves no buffers, so moving the base's biases would make the adapter reproduce a different model "
+           "on the published base; statistics are still reset every step.")
+# balancing was asked for (router_biases: update) but the model's own rule is "none", as a loaded or converted Kimi
+# Linear release has it (docs/checkpoints.md)
+_RULE_NONE = ("stay as the base has them: its config says router_bias_update='none' (as a loaded or converted Kimi "
+              "Linear release does). To balance them, set router_bias_update to 'quantile' or 'sign' in the base "
+              "folder's config.json.")
+
 
 def _is_kdamoe_model(module: nn.Module) -> bool:
     return callable(getattr(module, "update_router_biases", None)) and callable(getattr(module, "expert_load", None))
@@ -142,35 +152,22 @@ class RouterBiasUpdateCallback(TrainerCallback):
                                   stacklevel=1)  # about the run's state, not about a caller's line
             if routers_trainable(kdamoe_model) and not self.freeze_biases:
                 if getattr(kdamoe_model.config, "router_bias_update", None) == "none":
-                    self._warn_rule_none(path, kdamoe_model)
+                    self._warn_once(path, kdamoe_model, _RULE_NONE)
                 kdamoe_model.update_router_biases()
             else:
                 if not self.freeze_biases:
-                    self._warn_frozen(path, kdamoe_model)
+                    self._warn_once(path, kdamoe_model, _FROZEN)
                 for router in kdamoe_model._routers():
                     router.reset_statistics()
         self._pending = metrics
         return control
 
-    def _warn_frozen(self, path: str, kdamoe_model: nn.Module) -> None:
+    def _warn_once(self, path: str, kdamoe_model: nn.Module, why: str) -> None:
+        """Say once per model that its router biases do not move during this run, and why."""
         if id(kdamoe_model) in self._frozen_warned:
             return
         self._frozen_warned.add(id(kdamoe_model))
-        logger.warning(f"router biases of {type(kdamoe_model).__name__}{f' at {path!r}' if path else ''} stay frozen: "
-                       "its router weights do not require grad (PEFT adapter or frozen reference model). A PEFT "
-                       "adapter saves no buffers, so moving the base's biases would make the adapter reproduce a "
-                       "different model on the published base; statistics are still reset every step.")
-
-    def _warn_rule_none(self, path: str, kdamoe_model: nn.Module) -> None:
-        """Said once per model: balancing was asked for (``router_biases: update``), but the model's own rule is
-        ``"none"``, as a loaded or converted Kimi Linear release has it (docs/checkpoints.md), so nothing moves."""
-        if id(kdamoe_model) in self._frozen_warned:
-            return
-        self._frozen_warned.add(id(kdamoe_model))
-        logger.warning(f"router biases of {type(kdamoe_model).__name__}{f' at {path!r}' if path else ''} stay as the "
-                       "base has them: its config says router_bias_update='none' (as a loaded or converted Kimi Linear "
-                       "release does). To balance them, set router_bias_update to 'quantile' or 'sign' in the base "
-                       "folder's config.json.")
+        logger.warning(f"router biases of {type(kdamoe_model).__name__}{f' at {path!r}' if path else ''} {why}")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or not self._pending:

@@ -107,6 +107,24 @@ NUM_STAGES = 3  # software-pipelined key tiles in flight per split program
 MAX_SHARED_DIM = 256  # widest shared key part Dr (its [BLOCK_N, Dr] tile rides next to the [BLOCK_N, R] one)
 
 
+@triton.jit
+def online_softmax_step(s, v_tile, acc, m_i, l_i, IEEE: tl.constexpr):
+    """One key block of flash-decoding's online softmax (Dao et al. 2023; Milakov & Gimelshein 2018): scores
+    ``s [M, N]`` (log2 units, masked keys at −inf) and values ``v_tile [N, R]`` fold into the running accumulator
+    ``acc [M, R]``, max ``m_i [M]`` and sum ``l_i [M]`` (float32); returns the new ``(acc, m_i, l_i)``. A row with no
+    visible key yet keeps max −inf and contributes 0 (exp2(−inf) = 0)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0., m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile)
+    return acc, m_new, l_i
+
+
 @fast_launch
 @triton.jit
 def _split_kernel(q, latent, seq_len, key_mask, acc_ws, m_ws, l_ws,
@@ -156,16 +174,7 @@ def _split_kernel(q, latent, seq_len, key_mask, acc_ws, m_ws, l_ws,
                 s += tl.dot(qr_tile, tl.trans(kr_tile))
         visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
         s = tl.where(visible, s * qk_scale, float("-inf"))  # masked before the exponential
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0., m_new)  # a row with nothing visible yet: exp2(-inf) = 0
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, k_tile, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(k_tile.dtype), k_tile)
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_step(s, k_tile, acc, m_i, l_i, IEEE)
 
     ws_rows = (i_b * P + i_p).to(tl.int64) * M + rows
     tl.store(acc_ws + ws_rows[:, None] * R + cols_r[None, :], acc, mask=row_ok[:, None])

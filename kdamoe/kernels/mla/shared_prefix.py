@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ..launch import fast_launch
 from ..utils import cdiv, is_interpreter, next_power_of_2, sm_count
-from .decode import COMBINE_BLOCK_R, MAX_SHARED_DIM, NUM_STAGES, PROGRAMS_PER_SM, block_sizes
+from .decode import COMBINE_BLOCK_R, MAX_SHARED_DIM, NUM_STAGES, PROGRAMS_PER_SM, block_sizes, online_softmax_step
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -86,16 +86,7 @@ def _segment_split_kernel(q, key_ptrs, segments, members, acc_ws, m_ws, l_ws, H,
             else:
                 s += tl.dot(qr_tile, tl.trans(kr_tile))
         s = tl.where(key_ok[None, :], s * qk_scale, float("-inf"))  # one decode query: every row is visible
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0., m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, k_tile, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(k_tile.dtype), k_tile)
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_step(s, k_tile, acc, m_i, l_i, IEEE)
 
     half = (i_s >= G).to(tl.int64)  # 0: a prefix segment, 1: a sequence's own rows
     ws_rows = (half * P + i_p) * NH + q_row
